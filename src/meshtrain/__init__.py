@@ -1,0 +1,70 @@
+"""meshtrain: distributed training for PyTorch on torch.distributed.
+
+The public API is loaded lazily (PEP 562) so that ``import meshtrain`` does not pull in
+torch's distributed stack, let alone transformers or fastapi, until a name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from meshtrain.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DistributedError,
+    MeshtrainError,
+    TopologyError,
+    TrainingError,
+)
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute"
+_LAZY = {
+    "initialize": "meshtrain.engine:initialize",
+    "Engine": "meshtrain.engine:Engine",
+    "init_distributed": "meshtrain.distributed.env:init_distributed",
+    "shutdown_distributed": "meshtrain.distributed.env:shutdown_distributed",
+    "Topology": "meshtrain.distributed.topology:Topology",
+    "Config": "meshtrain.config:Config",
+    "load_config": "meshtrain.config:load_config",
+    "notebook_launcher": "meshtrain.launch.function:notebook_launcher",
+    "Trainer": "meshtrain.trainer:Trainer",
+    "TrainingArguments": "meshtrain.trainer:TrainingArguments",
+}
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "DistributedError",
+    "MeshtrainError",
+    "TopologyError",
+    "TrainingError",
+    "__version__",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
+    module_name, attr = target.split(":")
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from meshtrain.config import Config, load_config
+    from meshtrain.distributed.env import init_distributed, shutdown_distributed
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.engine import Engine, initialize
+    from meshtrain.launch.function import notebook_launcher

@@ -1,0 +1,197 @@
+"""Where this process sits in the job: rank, world, device, backend; and process-group life.
+
+Sources, in order:
+
+1. torchrun / ``meshtrain launch``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+2. SLURM (``srun`` without torchrun): ``SLURM_PROCID``, ``SLURM_NTASKS``,
+   ``SLURM_LOCALID``, ``SLURM_NTASKS_PER_NODE``/``SLURM_TASKS_PER_NODE``, and the master
+   address is the first host of ``SLURM_NODELIST`` (``SLURM_JOB_NODELIST``).
+3. Nothing: a plain ``python script.py`` is a world of one. No ``MASTER_ADDR`` is needed;
+   the process group of size 1 uses an in-memory store.
+
+The device is ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``; the backend follows
+(nccl / gloo). ``init_distributed`` is idempotent and sets a collective timeout (minutes,
+not torch's 30-minute default) so a dead peer surfaces as an error instead of a hang.
+``shutdown_distributed`` tears the group down in order (barrier, then destroy), which is
+what keeps gloo from aborting at interpreter exit ("terminate called without an active
+exception") after a successful run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.errors import DistributedError
+
+DEFAULT_TIMEOUT_MINUTES = 5.0
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, read from the environment (see module docstring)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+    source: str  # "torchrun", "slurm" or "single"
+
+    @property
+    def is_single(self) -> bool:
+        return self.world_size == 1
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % max(torch.cuda.device_count(), 1))
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        """``nccl`` for CUDA devices, ``gloo`` for CPU."""
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    value = environ[key]
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM host list such as ``gpu[01-03,07],cpu5`` into host names.
+
+    >>> expand_slurm_nodelist("node[1-3,5],login")
+    ['node1', 'node2', 'node3', 'node5', 'login']
+    """
+    hosts: list[str] = []
+    # split on commas that are not inside brackets
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not match:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            if "-" in item:
+                lo, hi = item.split("-", 1)
+                width = len(lo)
+                hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+            else:
+                hosts.append(f"{prefix}{item}{suffix}")
+    return hosts
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank, world size and rendezvous address from torchrun's or SLURM's variables."""
+    environ = os.environ if environ is None else environ
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        world = _int(environ, "WORLD_SIZE")
+        port = environ.get("MASTER_PORT")
+        return DistEnv(
+            rank=_int(environ, "RANK"),
+            world_size=world,
+            local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+            local_world_size=_int(environ, "LOCAL_WORLD_SIZE")
+            if "LOCAL_WORLD_SIZE" in environ
+            else world,
+            master_addr=environ.get("MASTER_ADDR"),
+            master_port=int(port) if port else None,
+            source="torchrun",
+        )
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        nodelist = environ.get("SLURM_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        hosts = expand_slurm_nodelist(nodelist) if nodelist else []
+        per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+        local_world = int(re.match(r"\d+", per_node).group()) if per_node else 1
+        port = environ.get("MASTER_PORT")
+        return DistEnv(
+            rank=_int(environ, "SLURM_PROCID"),
+            world_size=_int(environ, "SLURM_NTASKS"),
+            local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+            local_world_size=local_world,
+            master_addr=environ.get("MASTER_ADDR") or (hosts[0] if hosts else None),
+            master_port=int(port) if port else DEFAULT_MASTER_PORT,
+            source="slurm",
+        )
+    return DistEnv(0, 1, 0, 1, None, None, "single")
+
+
+def init_distributed(
+    timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
+    backend: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DistEnv:
+    """Initialise the default process group once; later calls return the same ``DistEnv``.
+
+    ``timeout_minutes`` bounds every collective so a dead or stuck peer raises instead of
+    hanging for torch's default 30 minutes. With no launcher environment this is a world of
+    size 1 on an in-memory store (no ``MASTER_ADDR`` needed).
+    """
+    env = read_env(environ)
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size:
+            raise DistributedError(
+                f"a process group of size {dist.get_world_size()} already exists but the "
+                f"environment says WORLD_SIZE={env.world_size}"
+            )
+        return env
+    backend = backend or env.backend
+    timeout = timedelta(minutes=timeout_minutes)
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    if env.world_size == 1 and env.master_addr is None:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        if env.master_addr is None:
+            raise DistributedError(
+                f"rank {env.rank} of {env.world_size} has no MASTER_ADDR; start the job "
+                "with `meshtrain launch` or torchrun, or export MASTER_ADDR and MASTER_PORT"
+            )
+        init_method = f"tcp://{_host(env.master_addr)}:{env.master_port or DEFAULT_MASTER_PORT}"
+        if env.source == "torchrun":
+            init_method = "env://"  # torchrun may hand us a TCPStore via TORCHELASTIC vars
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
+    atexit.register(shutdown_distributed)
+    return env
+
+
+def _host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+
+
+def shutdown_distributed() -> None:
+    """Barrier, then destroy the default group: the order that lets gloo exit cleanly.
+
+    Safe to call more than once and when no group exists. The barrier makes sure no peer
+    is still inside a collective when its partner's sockets close.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,243 @@
+"""Run one Python function on N local processes as a real torch.distributed job.
+
+This is the engine under both ``meshtrain.notebook_launcher`` and the test harness
+(``tests/harness.py``). Each child gets the environment torchrun would give it (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` on a free port), joins the
+process group, runs the function and sends back its return value or its traceback. The
+parent kills every rank as soon as one fails, and on a timeout first asks each live rank
+to dump its Python stacks (``faulthandler`` on ``SIGUSR1``) so a hang reads like a bug
+report rather than a silence.
+
+Start method: ``fork`` where available (children inherit the imported torch, which makes
+spawning several groups per test module cheap, and functions defined in ``__main__`` or a
+notebook work); ``spawn`` otherwise or on request. Each child sets its intra-op threads
+(default 1, as torchrun does with OMP_NUM_THREADS=1) before any torch work, which is also
+what makes fork safe with OpenMP.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from meshtrain.errors import DistributedError
+
+
+class RankFailedError(DistributedError):
+    """A rank raised, died or hung; the message carries its traceback or stacks."""
+
+    def __init__(self, message: str, rank: int | None = None, exc_type: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _Outcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    extra_env: Mapping[str, str],
+    threads: int,
+    setup_distributed: bool,
+    timeout_minutes: float,
+    stack_file: str,
+    results: Any,
+) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0",
+            "OMP_NUM_THREADS": str(threads),
+            **extra_env,
+        }
+    )
+    stacks = open(stack_file, "w")  # noqa: SIM115 - must outlive this frame for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    import torch
+    import torch.distributed as dist
+
+    from meshtrain.distributed.env import init_distributed, shutdown_distributed
+
+    torch.set_num_threads(threads)
+    ok = False
+    try:
+        if setup_distributed:
+            init_distributed(timeout_minutes=timeout_minutes)
+        value = fn(*args, **kwargs)
+        outcome = _Outcome(rank, True, value)
+        ok = True
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        outcome = _Outcome(
+            rank,
+            False,
+            exc_type=type(exc).__name__,
+            message=str(exc),
+            traceback=traceback.format_exc(),
+        )
+    try:
+        results.put(outcome)
+    except Exception as exc:  # the return value may not pickle
+        results.put(_Outcome(rank, False, exc_type=type(exc).__name__, message=str(exc),
+                             traceback=traceback.format_exc()))
+        ok = False
+    if ok:
+        shutdown_distributed()
+    elif dist.is_initialized():
+        # A failed rank must not wait in a barrier for peers that will never come.
+        dist.destroy_process_group()
+    results.close()
+    results.join_thread()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    timeout: float | None = None,
+    start_method: str | None = None,
+    env: Mapping[str, str] | None = None,
+    threads_per_rank: int = 1,
+    setup_distributed: bool = True,
+    collective_timeout_minutes: float = 2.0,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` processes; return the values by rank.
+
+    Raises ``RankFailedError`` naming the first failing rank with its traceback (every
+    other rank is killed), or, after ``timeout`` seconds, naming the ranks still running
+    with their Python stacks.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    if method == "fork":
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            raise DistributedError(
+                "cannot fork ranks from a process that already has a process group; "
+                "call run_on_ranks from the parent, or pass start_method='spawn'"
+            )
+    ctx = mp.get_context(method)
+    results = ctx.Queue()
+    port = free_port()
+    stack_dir = tempfile.mkdtemp(prefix="meshtrain-stacks-")
+    stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(nprocs)]
+    procs = []
+    for rank in range(nprocs):
+        p = ctx.Process(
+            target=_child,
+            args=(fn, rank, nprocs, port, tuple(args), dict(kwargs or {}), dict(env or {}),
+                  threads_per_rank, setup_distributed, collective_timeout_minutes,
+                  stack_files[rank], results),
+            name=f"meshtrain-rank{rank}",
+            daemon=False,
+        )
+        p.start()
+        procs.append(p)
+
+    values: dict[int, Any] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while len(values) < nprocs:
+            try:
+                out: _Outcome = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [
+                    (r, p.exitcode) for r, p in enumerate(procs)
+                    if r not in values and p.exitcode is not None
+                ]
+                if dead:
+                    # a rank that exited without a report may still have one in flight
+                    try:
+                        out = results.get(timeout=1.0)
+                    except queue.Empty:
+                        r, code = dead[0]
+                        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                        raise RankFailedError(
+                            f"rank {r} died with {how} before reporting a result", rank=r
+                        ) from None
+                elif deadline is not None and time.monotonic() > deadline:
+                    raise _timeout_error(procs, values, stack_files, timeout) from None
+                else:
+                    continue
+            if not out.ok:
+                raise RankFailedError(
+                    f"rank {out.rank} raised {out.exc_type}: {out.message}\n"
+                    f"--- traceback from rank {out.rank} ---\n{out.traceback}",
+                    rank=out.rank,
+                    exc_type=out.exc_type,
+                )
+            values[out.rank] = out.value
+        for p in procs:
+            p.join(timeout=60)
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RankFailedError(f"ranks finished but exited uncleanly: {bad}", rank=bad[0][0])
+        return [values[r] for r in range(nprocs)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        results.close()
+        for f in stack_files:
+            if os.path.exists(f):
+                os.unlink(f)
+        os.rmdir(stack_dir)
+
+
+def _timeout_error(procs, values, stack_files, timeout) -> RankFailedError:
+    alive = [r for r, p in enumerate(procs) if r not in values and p.is_alive()]
+    for r in alive:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(1.0)
+    parts = []
+    for r in alive:
+        with open(stack_files[r]) as f:
+            parts.append(f"--- Python stacks of rank {r} ---\n{f.read().strip()}")
+    return RankFailedError(
+        f"ranks {alive} did not finish within {timeout:g} s (hang or deadlock?)\n"
+        + "\n".join(parts),
+        rank=alive[0] if alive else None,
+    )

@@ -1,0 +1,57 @@
+"""The multi-rank harness itself: results come back, failures and hangs are surfaced."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.harness import RankFailedError, run_ranks
+
+
+def _ranks_and_sum(scale):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), float(t) * scale
+
+
+def _planted_exception():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("planted failure on rank 1")
+    dist.barrier()  # rank 0 would wait forever; the harness must kill it
+
+
+def _planted_hang():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    return "done"
+
+
+def test_results_come_back_by_rank():
+    assert run_ranks(_ranks_and_sum, 2, 10.0) == [(0, 2, 30.0), (1, 2, 30.0)]
+
+
+def test_exception_on_rank1_is_the_failure():
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_planted_exception, 2, timeout=60)
+    msg = str(info.value)
+    assert info.value.rank == 1
+    assert "rank 1 raised ValueError: planted failure on rank 1" in msg
+    assert "_planted_exception" in msg  # the child's traceback is in the message
+
+
+def test_hang_times_out_with_stacks():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_planted_hang, 2, timeout=8)
+    msg = str(info.value)
+    assert time.monotonic() - start < 60
+    assert "did not finish within 8 s" in msg
+    assert "Python stacks of rank 1" in msg and "_planted_hang" in msg
