@@ -1,0 +1,203 @@
+"""The reference decoder: a small Llama-style language model for tests, benchmarks, examples.
+
+Token embedding -> n x [RMSNorm -> causal self-attention with rotary positions -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head. The blocks live in
+``model.layers`` (an ``nn.ModuleList``) so ZeRO-3 can gather them one at a time, activation
+checkpointing can wrap them and a pipeline can split them.
+
+Initialisation is deterministic from ``DecoderConfig.seed`` through a private generator:
+building the model never touches (or depends on) the global RNG, so every rank and the
+single-process reference get bit-identical weights.
+
+``forward(input_ids, labels=None)`` returns logits ``[batch, seq, vocab]``, or the mean
+next-token cross-entropy (labels shifted inside; -100 is ignored) when labels are given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DecoderConfig:
+    """Sizes of the reference decoder."""
+
+    vocab_size: int = 1024
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_dim: int = 688  # SwiGLU hidden size (~8/3 x dim)
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head size {self.dim // self.n_heads} must be even for rotary")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 whatever the parameter dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # [T, hd/2]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) by position-dependent angles. x: [B, H, T, hd]."""
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # [B, T, D] -> [B, H, T, hd]; the head count is taken from the weight so that a
+        # tensor-parallel split (fewer heads per rank) needs no change here.
+        q, k, v = (
+            p(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Llama-style decoder; see the module docstring."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic init from ``config.seed``: N(0, 0.02), output projections scaled
+        by 1/sqrt(2 n_layers) (GPT-2), norms at 1. Uses a private generator."""
+        gen = torch.Generator().manual_seed(self.config.seed)
+        out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        t = input_ids.shape[1]
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
+        x = self.embed(input_ids)
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        return causal_lm_loss(logits, labels)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting token t+1 from position t; -100 labels are ignored."""
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        labels[:, 1:].reshape(-1),
+        ignore_index=-100,
+    )
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        if not trainable_only or p.requires_grad:
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+def flops_per_token(cfg: DecoderConfig, seq_len: int, training: bool = True) -> float:
+    """Model FLOPs per token (PaLM appendix B / Chinchilla convention, used for MFU).
+
+    A matmul with N weights costs 2N FLOPs per token forward and 4N backward, so a
+    training step costs ``6 N`` per token with N the non-embedding matmul weights
+    (``lm_head`` included, the embedding lookup excluded), plus causal-attention score and
+    value products: ``12 * n_layers * dim * seq_len`` per token for training (forward
+    ``2 * 2 * T * d`` per layer, times 3 for backward). Inference is one third of that.
+    """
+    per_layer = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    n_matmul = cfg.n_layers * per_layer + cfg.dim * cfg.vocab_size
+    train = 6 * n_matmul + 12 * cfg.n_layers * cfg.dim * seq_len
+    return float(train if training else train / 3)
