@@ -132,10 +132,14 @@ class Decoder(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # nn.Linear/nn.Embedding draw their default init from the global RNG; fork it so
+        # building a model never shifts the user's random stream (reset_parameters below
+        # sets the real weights from the config's seed).
+        with torch.random.fork_rng(devices=[]):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
