@@ -20,6 +20,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -109,12 +110,16 @@ def _child(
             message=str(exc),
             traceback=traceback.format_exc(),
         )
+    # Plain pickle to bytes: torch's multiprocessing reducers would pass tensors as shared
+    # memory file descriptors, which die with this process before the parent reads them.
     try:
-        results.put(outcome)
+        payload = pickle.dumps(outcome)
     except Exception as exc:  # the return value may not pickle
-        results.put(_Outcome(rank, False, exc_type=type(exc).__name__, message=str(exc),
-                             traceback=traceback.format_exc()))
+        payload = pickle.dumps(_Outcome(rank, False, exc_type=type(exc).__name__,
+                                        message=f"result could not be pickled: {exc}",
+                                        traceback=traceback.format_exc()))
         ok = False
+    results.put(payload)
     if ok:
         shutdown_distributed()
     elif dist.is_initialized():
@@ -177,7 +182,7 @@ def run_on_ranks(
     try:
         while len(values) < nprocs:
             try:
-                out: _Outcome = results.get(timeout=0.2)
+                out: _Outcome = pickle.loads(results.get(timeout=0.2))
             except queue.Empty:
                 dead = [
                     (r, p.exitcode) for r, p in enumerate(procs)
@@ -186,7 +191,7 @@ def run_on_ranks(
                 if dead:
                     # a rank that exited without a report may still have one in flight
                     try:
-                        out = results.get(timeout=1.0)
+                        out = pickle.loads(results.get(timeout=1.0))
                     except queue.Empty:
                         r, code = dead[0]
                         how = f"signal {-code}" if code < 0 else f"exit code {code}"

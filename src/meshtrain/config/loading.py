@@ -1,0 +1,112 @@
+"""Reading config files and ``load_config``: the one entry point from user input to Config."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshtrain.config._errors import show
+from meshtrain.config._types import AUTO
+from meshtrain.config.model import Config
+from meshtrain.config.resolve import BATCH_KEYS
+from meshtrain.errors import ConfigError
+
+
+def detect_world_size() -> int | None:
+    """World size from the launcher's environment: WORLD_SIZE, else SLURM_NTASKS, else None."""
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        raw = os.environ.get(var)
+        if raw:
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {var}={raw!r} is not an integer") from None
+            if value < 1:
+                raise ConfigError(f"environment variable {var}={raw!r} must be >= 1")
+            return value
+    return None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a JSON (or .yaml/.yml) file; ConfigError naming the file and line on failure."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc.strerror or exc})") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+        kind = "YAML"
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+            ) from None
+        kind = "JSON"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a {kind} mapping of keys, not {type(data).__name__}"
+        )
+    return data
+
+
+def load_config(
+    source: Config | dict[str, Any] | str | Path, *, world_size: int | None = None
+) -> Config:
+    """Load and validate a config from a dict, a JSON/YAML file path, or a Config (returned as is).
+
+    Batch sizes are resolved for ``dp = world_size / (pp * tp)`` unless one of them is "auto";
+    ``world_size`` defaults to $WORLD_SIZE, then $SLURM_NTASKS, then pp * tp (dp = 1).
+    """
+    if isinstance(source, Config):
+        return source
+    origin = None
+    if isinstance(source, (str, Path)):
+        origin = str(source)
+        data = read_config_file(source)
+    elif isinstance(source, dict):
+        data = source
+    else:
+        raise ConfigError(
+            f"config source {type(source).__name__} is not allowed; pass a dict, a path to a "
+            ".json/.yaml file, or a Config"
+        )
+    try:
+        config = Config.from_dict(data)
+        mesh = config.mesh
+        model_parallel = mesh.pipeline_parallel_size * mesh.tensor_parallel_size
+        if world_size is None:
+            world_size = detect_world_size() or model_parallel
+        elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size {show(world_size)} is not allowed; use an integer >= 1")
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by mesh.pipeline_parallel_size "
+                f"{mesh.pipeline_parallel_size} * mesh.tensor_parallel_size "
+                f"{mesh.tensor_parallel_size} = {model_parallel}"
+            )
+        if not any(getattr(config, k) == AUTO for k in BATCH_KEYS):
+            config = config.resolve_batch_sizes(world_size // model_parallel)
+    except ConfigError as exc:
+        if origin is None:
+            raise
+        raise ConfigError(
+            "\n".join(f"{origin}: {line}" for line in str(exc).splitlines())
+        ) from None
+    return config

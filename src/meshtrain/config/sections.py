@@ -1,0 +1,269 @@
+"""The config sections, one pydantic model each, with DeepSpeed's key names and defaults.
+
+Every field's attribute docstring is its documentation (``docs/config.md`` is generated from
+them). Fields that DeepSpeed accepts but meshtrain does not act on say so in their first words
+("Accepted and ignored"), so a copied DeepSpeed config loads unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import model_validator
+
+from meshtrain.config._types import (
+    Auto,
+    Bool,
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    Section,
+    Str,
+    _to_int,
+    canonical_choice,
+    int_choice,
+)
+
+# --------------------------------------------------------------------------- precision
+
+
+class FP16Config(Section):
+    """``fp16``: float16 mixed precision with fp32 master weights and dynamic loss scaling."""
+
+    enabled: Bool | Auto = False
+    """Train in float16 mixed precision (fp32 master weights, scaled loss). "auto" is filled by the Trainer; unfilled it means false."""
+    auto_cast: Bool = False
+    """Cast floating-point inputs of the model's forward to float16."""
+    loss_scale: NonNegFloat = 0.0
+    """Static loss scale (a multiplier); 0 selects dynamic loss scaling."""
+    initial_scale_power: NonNegInt = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: PosInt = 1000
+    """Consecutive non-overflowing optimizer steps before the dynamic scale is doubled."""
+    hysteresis: PosInt = 2
+    """Overflowing steps tolerated before the dynamic scale is halved (delayed shift)."""
+    consecutive_hysteresis: Bool = False
+    """Refill the hysteresis budget on every step that does not overflow (instead of only after a raise)."""
+    min_loss_scale: PosFloat = 1.0
+    """The dynamic loss scale is never lowered below this value."""
+    fp16_master_weights_and_grads: Bool = False
+    """Accepted and ignored: meshtrain always keeps fp32 master weights and gradients."""
+    max_overflow_steps_at_min: PosInt = 10
+    """meshtrain: consecutive overflowing steps with the scale already at min_loss_scale before training raises TrainingError (instead of skipping steps forever)."""
+
+
+class BF16Config(Section):
+    """``bf16``: bfloat16 mixed precision (no loss scaling needed)."""
+
+    enabled: Bool | Auto = False
+    """Train in bfloat16 mixed precision with fp32 master weights. "auto" is filled by the Trainer; unfilled it means false."""
+
+
+class AmpConfig(Section):
+    """``amp``: NVIDIA apex AMP. Accepted so transformers-style configs load; only "auto"/false work."""
+
+    enabled: Bool | Auto = False
+    """Must be false or "auto" (meaning false): meshtrain does not use apex; use fp16 or bf16 instead."""
+    opt_level: Str | Auto = "O1"
+    """Accepted and ignored: apex's optimization level."""
+
+
+# --------------------------------------------------------------------------- ZeRO
+
+
+class OffloadOptimizerConfig(Section):
+    """``zero_optimization.offload_optimizer``: keep optimizer states (and the step) on CPU."""
+
+    device: canonical_choice(("none", "cpu")) = "none"
+    """Where optimizer states live: "cpu" offloads them and runs the optimizer step on CPU; "none" keeps them on the accelerator. (NVMe is not supported.)"""
+    pin_memory: Bool = False
+    """Allocate the offloaded states in page-locked memory (faster copies, more host memory)."""
+
+
+class OffloadParamConfig(Section):
+    """``zero_optimization.offload_param``: keep ZeRO-3 parameter shards on CPU."""
+
+    device: canonical_choice(("none", "cpu")) = "none"
+    """Where parameter shards live between uses: "cpu" or "none" (stage 3 only; NVMe is not supported)."""
+    pin_memory: Bool = False
+    """Allocate the offloaded parameters in page-locked memory."""
+
+
+class ZeroConfig(Section):
+    """``zero_optimization``: ZeRO sharding of optimizer states, gradients and parameters."""
+
+    stage: int_choice(0, 1, 2, 3) = 0
+    """0: plain data parallelism; 1: shard optimizer states; 2: + gradients; 3: + parameters."""
+    allgather_partitions: Bool = True
+    """Gather updated parameter shards with all-gather (true) rather than a series of broadcasts."""
+    allgather_bucket_size: NonNegInt = 500_000_000
+    """Elements all-gathered per collective call (bounds the temporary buffer)."""
+    overlap_comm: Bool = False
+    """Overlap gradient reduction with the backward pass. When absent: true for stage 3, false otherwise (DeepSpeed's default)."""
+    reduce_scatter: Bool = True
+    """Average gradients with reduce-scatter (true) rather than all-reduce."""
+    reduce_bucket_size: NonNegInt | Auto = 500_000_000
+    """Elements per gradient bucket reduced at a time (also the data-parallel all-reduce bucket size). "auto": hidden_size**2."""
+    contiguous_gradients: Bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    """CPU offload of optimizer states (stages 1-3)."""
+    offload_param: OffloadParamConfig | None = None
+    """CPU offload of parameters (stage 3 only)."""
+    sub_group_size: NonNegInt = 1_000_000_000
+    """Accepted and ignored: elements per optimizer-step tile (ZeRO-Infinity)."""
+    stage3_prefetch_bucket_size: NonNegInt | Auto = 50_000_000
+    """Stage 3: parameter elements gathered ahead of use. "auto": 0.9 * hidden_size**2."""
+    stage3_param_persistence_threshold: NonNegInt | Auto = 100_000
+    """Stage 3: parameters with fewer elements stay unsharded (saves latency-bound collectives). "auto": 10 * hidden_size."""
+    stage3_max_live_parameters: NonNegInt | Auto = 1_000_000_000
+    """Stage 3: gathered parameter elements kept alive per rank before releasing. "auto": 1e9."""
+    stage3_max_reuse_distance: NonNegInt | Auto = 1_000_000_000
+    """Stage 3: do not release a parameter reused within this many elements of computation. "auto": 1e9."""
+    stage3_gather_16bit_weights_on_model_save: Bool | Auto = False
+    """Stage 3: gather the full 16-bit weights when saving a model file (meshtrain checkpoints load under any stage either way). "auto": false."""
+    round_robin_gradients: Bool = False
+    """Accepted and ignored (DeepSpeed CPU-offload copy ordering)."""
+    load_from_fp32_weights: Bool = True
+    """Accepted and ignored: meshtrain always restores fp32 master weights from the checkpoint."""
+    ignore_unused_parameters: Bool = True
+    """Parameters that get no gradient are treated as zero-gradient (true) rather than an error."""
+    memory_efficient_linear: Bool = True
+    """Accepted and ignored (DeepSpeed stage-3 linear implementation)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _overlap_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "overlap_comm" not in data:
+            try:
+                stage = _to_int(data.get("stage", 0))
+            except ValueError:
+                stage = None  # reported by the stage field itself
+            data = {**data, "overlap_comm": stage == 3}
+        return data
+
+
+# --------------------------------------------------------------------------- the rest
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``: recompute activations in backward instead of storing them."""
+
+    enabled: Bool = False
+    """meshtrain: wrap modules in activation checkpointing (DeepSpeed enables it from model code; meshtrain from this switch)."""
+    module_classes: list[Str] = []
+    """meshtrain: class names whose instances are checkpointed; empty = the reference model's blocks, else each child of the model's first nn.ModuleList."""
+    partition_activations: Bool = False
+    """Accepted and ignored (DeepSpeed: shard checkpoints across tensor-parallel ranks)."""
+    cpu_checkpointing: Bool = False
+    """Accepted and ignored (DeepSpeed: offload checkpoints to CPU)."""
+    contiguous_memory_optimization: Bool = False
+    """Accepted and ignored (DeepSpeed: copy checkpoints into one buffer)."""
+    number_checkpoints: PosInt | None = None
+    """Accepted and ignored (DeepSpeed: buffer count for contiguous_memory_optimization)."""
+    synchronize_checkpoint_boundary: Bool = False
+    """Accepted and ignored (DeepSpeed: device synchronize at each checkpoint boundary)."""
+    profile: Bool = False
+    """Accepted and ignored (DeepSpeed: time each checkpointed function)."""
+
+
+class TensorBoardConfig(Section):
+    """``tensorboard``: write training scalars (loss, learning rate, loss scale) as TensorBoard events."""
+
+    enabled: Bool = False
+    """Write TensorBoard event files."""
+    output_path: Str = ""
+    """Folder for the event files ("" = the current directory)."""
+    job_name: Str = "meshtrain"
+    """Sub-folder of output_path for this run."""
+
+
+class ParallelWriteConfig(Section):
+    """``checkpoint.parallel_write``."""
+
+    pipeline_stage: Bool = False
+    """Accepted and ignored: every meshtrain rank always writes its own shard in parallel."""
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: saving and loading."""
+
+    keep_last: PosInt | None = None
+    """meshtrain: keep only the newest keep_last checkpoints in the save folder (null keeps all)."""
+    tag_validation: canonical_choice(("Ignore", "Warn", "Fail")) = "Warn"
+    """What to do when ranks disagree on the checkpoint tag at save time: Ignore, Warn or Fail (case-insensitive)."""
+    load_universal: Bool = False
+    """Accepted and ignored: meshtrain loads any checkpoint under any mesh or ZeRO stage without conversion."""
+    use_node_local_storage: Bool = False
+    """Each node saves to its own local disk (checkpoints are not on a shared file system)."""
+    parallel_write: ParallelWriteConfig = ParallelWriteConfig()
+    """DeepSpeed's parallel-write options."""
+
+
+class CompileConfig(Section):
+    """``compile``: torch.compile of the model (applied after TP, pipeline split and checkpointing)."""
+
+    enabled: Bool = False
+    """Compile the model with torch.compile."""
+    backend: Str = "inductor"
+    """torch.compile backend name."""
+    mode: (
+        canonical_choice(
+            ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        )
+        | None
+    ) = None
+    """torch.compile mode (null = torch's default)."""
+    fullgraph: Bool = False
+    """Require one graph without breaks (errors instead of falling back to eager)."""
+    dynamic: Bool | None = None
+    """Dynamic-shape tracing: true, false, or null (torch decides)."""
+    options: dict[str, Any] | None = None
+    """Backend options passed to torch.compile."""
+    kwargs: dict[str, Any] = {}
+    """Further keyword arguments passed to torch.compile (DeepSpeed's spelling)."""
+    disable: Bool = False
+    """DeepSpeed's older switch: true turns compilation off even when enabled."""
+    deepcompile: Bool = False
+    """Accepted and ignored (DeepSpeed's compiler passes)."""
+
+    @property
+    def active(self) -> bool:
+        """True when the model should be compiled (enabled and not disabled)."""
+        return self.enabled and not self.disable
+
+
+class MeshConfig(Section):
+    """``mesh`` (meshtrain): the parallel layout; data parallelism takes the remaining ranks."""
+
+    pipeline_parallel_size: PosInt = 1
+    """Pipeline stages (pp); the model's layers are split into this many stages."""
+    tensor_parallel_size: PosInt = 1
+    """Tensor-parallel ranks (tp) sharing each layer; data-parallel size = world size / (pp * tp)."""
+
+
+class DistributedConfig(Section):
+    """``distributed`` (meshtrain): process-group settings."""
+
+    timeout_minutes: PosFloat = 5.0
+    """Collective timeout in minutes: a dead or stuck peer becomes an error after this long instead of a hang."""
+    backend: canonical_choice(("auto", "gloo", "nccl")) = "auto"
+    """torch.distributed backend: "auto" picks nccl on CUDA devices and gloo otherwise."""
+
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "AmpConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "CompileConfig",
+    "DistributedConfig",
+    "FP16Config",
+    "MeshConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "ParallelWriteConfig",
+    "TensorBoardConfig",
+    "ZeroConfig",
+]

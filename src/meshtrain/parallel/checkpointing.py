@@ -1,0 +1,51 @@
+"""Activation (gradient) checkpointing: recompute a block's activations in backward.
+
+Trades one extra forward of each wrapped block for not storing its intermediate
+activations: activation memory per block drops from everything inside it to its input.
+Uses torch's non-reentrant checkpoint, which supports keyword arguments, parameters that
+do not require grad, and nested autograd hooks (the gradient reducer's).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _blocks(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    if class_names:
+        wanted = set(class_names)
+        found = [m for m in model.modules() if type(m).__name__ in wanted]
+        missing = wanted - {type(m).__name__ for m in found}
+        if missing:
+            from meshtrain.errors import ConfigError
+
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(
+                f"activation_checkpointing.module_classes: {sorted(missing)} not found in "
+                f"the model; its module classes are {present}"
+            )
+        return found
+    for m in model.modules():  # default: each block of the first ModuleList
+        if isinstance(m, nn.ModuleList) and len(m):
+            return list(m)
+    return []
+
+
+def apply_activation_checkpointing(model: nn.Module, class_names: list[str] | None = None) -> int:
+    """Checkpoint the forward of each matching module in place; returns how many."""
+    blocks = _blocks(model, list(class_names or []))
+    for block in blocks:
+        if getattr(block, "_meshtrain_checkpointed", False):
+            continue
+        inner = block.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        block._meshtrain_checkpointed = True
+    return len(blocks)

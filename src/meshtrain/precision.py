@@ -1,0 +1,136 @@
+"""Mixed precision: which dtype the model computes in, and fp16's dynamic loss scaling.
+
+Policy (DeepSpeed's): with ``bf16`` or ``fp16`` enabled the model's parameters,
+activations and gradients are 16-bit and the optimizer steps fp32 *master* copies that
+the engine keeps beside them (see ``meshtrain.parallel.flat``). bf16 has fp32's exponent
+range, so it needs no loss scaling; fp16 does.
+
+Dynamic loss scaling (DeepSpeed's ``DynamicLossScaler``, same knobs and meaning):
+
+* the loss is multiplied by ``scale`` (start ``2 ** initial_scale_power``) before
+  backward, and gradients are divided by it before the optimizer sees them;
+* a step whose gradients contain inf/NaN is *skipped* on every rank. If ``hysteresis``
+  overflows have been absorbed, the scale is halved (never below ``min_loss_scale``),
+  otherwise one unit of hysteresis is used up;
+* after ``loss_scale_window`` consecutive steps without overflow the scale doubles and
+  hysteresis is restored;
+* ``loss_scale > 0`` in the config fixes the scale (static scaling); overflowing steps are
+  still skipped.
+
+An overflow while the scale already sits at ``min_loss_scale`` means the model produces
+inf/NaN whatever the scale; after ``max_overflow_steps_at_min`` such steps in a row
+``TrainingError`` is raised instead of skipping forever (or, worse, training on NaN).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from meshtrain.errors import TrainingError
+
+log = logging.getLogger("meshtrain")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaler:
+    """Dynamic (or static) loss scale with DeepSpeed's semantics; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        dynamic: bool = True,
+        static_scale: float = 1.0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        min_loss_scale: float = 1.0,
+        consecutive_hysteresis: bool = False,
+        max_overflow_steps_at_min: int = 10,
+    ) -> None:
+        self.dynamic = dynamic
+        self.scale = float(2**initial_scale_power) if dynamic else float(static_scale)
+        self.window = loss_scale_window
+        self.hysteresis = hysteresis
+        self.min_scale = float(min_loss_scale)
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.max_overflow_steps_at_min = max_overflow_steps_at_min
+        self.hysteresis_left = hysteresis
+        self.steps = 0
+        self.last_overflow_step = -1
+        self.overflows_at_min = 0
+
+    @classmethod
+    def disabled(cls) -> LossScaler:
+        """Scale 1 that never changes (fp32 and bf16)."""
+        return cls(dynamic=False, static_scale=1.0)
+
+    def update(self, overflow: bool) -> None:
+        """Record one optimizer step's outcome and adjust the scale."""
+        if overflow:
+            if self.scale <= self.min_scale:
+                self.overflows_at_min += 1
+                if self.overflows_at_min >= self.max_overflow_steps_at_min:
+                    raise TrainingError(
+                        f"fp16 gradients overflowed {self.overflows_at_min} steps in a row "
+                        f"with the loss scale at its minimum ({self.min_scale:g}); the model "
+                        "produces inf/NaN regardless of scaling. Lower the learning rate, "
+                        "enable gradient_clipping, or train in bf16 (bf16.enabled: true)"
+                    )
+            else:
+                self.overflows_at_min = 0
+            if self.dynamic:
+                if self.hysteresis == 1 or self.hysteresis_left == 1:
+                    old = self.scale
+                    self.scale = max(self.scale / 2.0, self.min_scale)
+                    log.warning(
+                        "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
+                        self.steps, old, self.scale,
+                    )
+                else:
+                    self.hysteresis_left -= 1
+                    log.warning(
+                        "fp16 overflow at step %d: step skipped, loss scale kept at %g "
+                        "(hysteresis %d left)", self.steps, self.scale, self.hysteresis_left,
+                    )
+            else:
+                log.warning("fp16 overflow at step %d: step skipped (static loss scale %g)",
+                            self.steps, self.scale)
+            self.last_overflow_step = self.steps
+        else:
+            self.overflows_at_min = 0
+            if self.dynamic:
+                if self.consecutive_hysteresis:
+                    self.hysteresis_left = self.hysteresis
+                if (self.steps - self.last_overflow_step) % self.window == 0:
+                    if not self.consecutive_hysteresis:
+                        self.hysteresis_left = self.hysteresis
+                    self.scale *= 2.0
+        self.steps += 1
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("scale", "hysteresis_left", "steps",
+                                               "last_overflow_step", "overflows_at_min")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+def scaler_from_config(config) -> LossScaler:
+    """The scaler the config asks for: disabled unless fp16 is enabled."""
+    fp16 = config.fp16
+    if not fp16.enabled:
+        return LossScaler.disabled()
+    return LossScaler(
+        dynamic=fp16.loss_scale == 0,
+        static_scale=fp16.loss_scale or 1.0,
+        initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        min_loss_scale=fp16.min_loss_scale,
+        consecutive_hysteresis=getattr(fp16, "consecutive_hysteresis", False),
+        max_overflow_steps_at_min=getattr(fp16, "max_overflow_steps_at_min", 10),
+    )
