@@ -3,7 +3,7 @@ scaling, accumulation without communication, client optimizer/scheduler, checkpo
 
 bf16 tolerance: bf16 keeps 8 bits of mantissa (relative rounding 2^-8 = 3.9e-3) in
 weights, activations and gradients; over 20 steps of a tiny decoder the loss tracks the
-fp32 run within 2e-2 relative (measured: ~3e-3).
+fp32 run within 2e-2 relative (measured: 8.7e-5 at 2 ranks).
 """
 
 from __future__ import annotations
