@@ -31,8 +31,6 @@ _LAZY = {
     "Config": "meshtrain.config:Config",
     "load_config": "meshtrain.config:load_config",
     "notebook_launcher": "meshtrain.launch.function:notebook_launcher",
-    "Trainer": "meshtrain.trainer:Trainer",
-    "TrainingArguments": "meshtrain.trainer:TrainingArguments",
 }
 
 __all__ = [
