@@ -42,7 +42,14 @@ __all__ = [
     "TopologyError",
     "TrainingError",
     "__version__",
-    *_LAZY,
+    "initialize",
+    "Engine",
+    "init_distributed",
+    "shutdown_distributed",
+    "Topology",
+    "Config",
+    "load_config",
+    "notebook_launcher",
 ]
 
 

@@ -113,9 +113,12 @@ class Engine:
         partitions = topology.dp_size if self.zero_stage >= 1 else 1
         bucket = int(config.zero_optimization.reduce_bucket_size)
         self.flat_groups = [
-            FlatGroup(g["params"], partitions=partitions,
-                      rank=topology.dp_rank if partitions > 1 else 0,
-                      bucket_numel=bucket)
+            FlatGroup(
+                g["params"],
+                partitions=partitions,
+                rank=topology.dp_rank if partitions > 1 else 0,
+                bucket_numel=bucket,
+            )
             for g in groups
         ]
         self.optimizer = self._make_optimizer(optimizer, groups)
@@ -127,8 +130,14 @@ class Engine:
         self._comm_mark = topology.stats.snapshot()
         if config.compile.active:
             c = config.compile
-            self.module.compile(backend=c.backend, mode=c.mode, fullgraph=c.fullgraph,
-                                dynamic=c.dynamic, options=c.options, **c.kwargs)
+            self.module.compile(
+                backend=c.backend,
+                mode=c.mode,
+                fullgraph=c.fullgraph,
+                dynamic=c.dynamic,
+                options=c.options,
+                **c.kwargs,
+            )
 
     # set-up --------------------------------------------------------------------------------
     def _broadcast_model(self) -> None:
@@ -150,9 +159,10 @@ class Engine:
     def _make_optimizer(self, client, groups: list[dict]) -> torch.optim.Optimizer:
         """The optimizer steps master chunks; a client optimizer is re-pointed at them so
         that it (and a scheduler built on it) stays the object the user holds."""
-        masters = [{**{k: v for k, v in g.items() if k != "params"},
-                    "params": fg.master_params}
-                   for g, fg in zip(groups, self.flat_groups, strict=True)]
+        masters = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": fg.master_params}
+            for g, fg in zip(groups, self.flat_groups, strict=True)
+        ]
         if client is not None:
             client.state.clear()
             for pg, m in zip(client.param_groups, masters, strict=False):
@@ -163,24 +173,29 @@ class Engine:
         cfg = self.config.optimizer
         if cfg is None:
             raise ConfigError(
-                "optimizer: no optimizer given; add an \"optimizer\" section "
+                'optimizer: no optimizer given; add an "optimizer" section '
                 '(e.g. {"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer='
             )
-        params = cfg.params if isinstance(cfg.params, dict) else cfg.params.model_dump(
-            exclude_none=True)
+        params = (
+            cfg.params if isinstance(cfg.params, dict) else cfg.params.model_dump(exclude_none=True)
+        )
         return build_optimizer(cfg.type, params, masters, device_type=self.device.type)
 
     def _make_scheduler(self, client):
         if client is not None:
-            return client(self.optimizer) if callable(client) and not hasattr(
-                client, "step") else client
+            return (
+                client(self.optimizer)
+                if callable(client) and not hasattr(client, "step")
+                else client
+            )
         cfg = self.config.scheduler
         if cfg is None:
             return None
         from meshtrain.optim import build_scheduler
 
-        params = cfg.params if isinstance(cfg.params, dict) else cfg.params.model_dump(
-            exclude_none=True)
+        params = (
+            cfg.params if isinstance(cfg.params, dict) else cfg.params.model_dump(exclude_none=True)
+        )
         return build_scheduler(cfg.type, params, self.optimizer)
 
     # the training step ----------------------------------------------------------------------
@@ -291,8 +306,11 @@ class Engine:
                 continue
             for b in g.buckets:
                 mine = b.owned(g.param_flat, g.rank).clone()
-                works.append(comm.all_gather(b.view(g.param_flat), mine,
-                                             self.topology.dp_group, async_op=True))
+                works.append(
+                    comm.all_gather(
+                        b.view(g.param_flat), mine, self.topology.dp_group, async_op=True
+                    )
+                )
         for w in works:
             w.wait()
 
@@ -360,8 +378,7 @@ def initialize(
     cfg = load_config(config)
     init_distributed(timeout_minutes=cfg.distributed.timeout_minutes)
     if topology is None:
-        topology = Topology(pp=cfg.mesh.pipeline_parallel_size,
-                            tp=cfg.mesh.tensor_parallel_size)
+        topology = Topology(pp=cfg.mesh.pipeline_parallel_size, tp=cfg.mesh.tensor_parallel_size)
     cfg = cfg.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
     engine = Engine(model, cfg, topology, model_parameters, optimizer, lr_scheduler)
     loader = None
@@ -369,8 +386,11 @@ def initialize(
         from meshtrain.data.loader import ResumableDataLoader
 
         loader = ResumableDataLoader(
-            training_data, cfg.train_micro_batch_size_per_gpu, num_replicas=topology.dp_size,
-            rank=topology.dp_rank, collate_fn=collate_fn,
+            training_data,
+            cfg.train_micro_batch_size_per_gpu,
+            num_replicas=topology.dp_size,
+            rank=topology.dp_rank,
+            collate_fn=collate_fn,
         )
     return engine, engine.optimizer, loader, engine.lr_scheduler
 

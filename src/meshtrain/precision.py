@@ -87,17 +87,25 @@ class LossScaler:
                     self.scale = max(self.scale / 2.0, self.min_scale)
                     log.warning(
                         "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
-                        self.steps, old, self.scale,
+                        self.steps,
+                        old,
+                        self.scale,
                     )
                 else:
                     self.hysteresis_left -= 1
                     log.warning(
                         "fp16 overflow at step %d: step skipped, loss scale kept at %g "
-                        "(hysteresis %d left)", self.steps, self.scale, self.hysteresis_left,
+                        "(hysteresis %d left)",
+                        self.steps,
+                        self.scale,
+                        self.hysteresis_left,
                     )
             else:
-                log.warning("fp16 overflow at step %d: step skipped (static loss scale %g)",
-                            self.steps, self.scale)
+                log.warning(
+                    "fp16 overflow at step %d: step skipped (static loss scale %g)",
+                    self.steps,
+                    self.scale,
+                )
             self.last_overflow_step = self.steps
         else:
             self.overflows_at_min = 0
@@ -111,8 +119,10 @@ class LossScaler:
         self.steps += 1
 
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("scale", "hysteresis_left", "steps",
-                                               "last_overflow_step", "overflows_at_min")}
+        return {
+            k: getattr(self, k)
+            for k in ("scale", "hysteresis_left", "steps", "last_overflow_step", "overflows_at_min")
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for k, v in state.items():

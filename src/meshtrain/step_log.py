@@ -80,7 +80,13 @@ class StepLog:
             log.info(
                 "step %d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.1f samples/s "
                 "| %.0f tokens/s | comm %.1f MB%s",
-                s["step"], s["loss"], s["lr"], s["loss_scale"], s["grad_norm"],
-                s["samples_per_s"], s["tokens_per_s"], comm_bytes / 1e6,
+                s["step"],
+                s["loss"],
+                s["lr"],
+                s["loss_scale"],
+                s["grad_norm"],
+                s["samples_per_s"],
+                s["tokens_per_s"],
+                comm_bytes / 1e6,
                 " | skipped (overflow)" if s["skipped"] else "",
             )

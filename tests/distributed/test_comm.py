@@ -77,7 +77,10 @@ def test_exact_bytes(world):
         assert out["all_reduce"] == ([total_rank_sum] * 5, 2 * 5 * 4)
         expected_rs = [world * (4 * r + i) + total_rank_sum for i in range(4)]
         assert out["reduce_scatter"] == (expected_rs, 4 * world * 2)
-        assert out["all_gather"] == ([float(q) for q in range(world) for _ in range(3)], 3 * world * 8)
+        assert out["all_gather"] == (
+            [float(q) for q in range(world) for _ in range(3)],
+            3 * world * 8,
+        )
         assert out["broadcast"] == ([world - 1] * 7, 7 * 8)
         assert out["p2p"] == ([float((r - 1) % world)] * 6, 6 * 4, 6 * 4)
         sent = 6 * 4 + (9 * 2 if r == 0 else 0)

@@ -25,8 +25,10 @@ def _dp_cases(kind):
     import torch.distributed as dist
 
     keep = dist.get_rank() == 0
-    return {name: (r[0], r[1] if keep else None, r[2], r[3])
-            for name, r in (("plain", plain), ("accum", accum), ("clip", clip))}
+    return {
+        name: (r[0], r[1] if keep else None, r[2], r[3])
+        for name, r in (("plain", plain), ("accum", accum), ("clip", clip))
+    }
 
 
 def _assert_close(losses, state, ref_losses, ref_state):

@@ -45,8 +45,10 @@ def test_comm_bytes_match_theory():
     assert step_bytes == [{"all_reduce": 8 * n, "total": 8 * n}] * 3
     assert off == [0] * 9  # 3 of every 4 micro-steps communicate nothing
     frozen_numel = TINY_DECODER.vocab_size * TINY_DECODER.dim + TINY_DECODER.dim**2
-    assert out["frozen"] == [{"all_reduce": 8 * (n - frozen_numel),
-                              "total": 8 * (n - frozen_numel)}] * 2
+    assert (
+        out["frozen"]
+        == [{"all_reduce": 8 * (n - frozen_numel), "total": 8 * (n - frozen_numel)}] * 2
+    )
     step_bytes, off = out["stage1"]
     for b in step_bytes:
         # ZeRO-1: reduce-scatter (n) + all-gather (n), each padded per bucket to a
@@ -68,17 +70,22 @@ def _precision():
 
     out = {}
     out["fp32"] = engine_run("decoder", 20, micro=2, accum=1)[0]
-    out["bf16"] = engine_run("decoder", 20, micro=2, accum=1,
-                             config_extra={"bf16": {"enabled": True}})[0]
-    out["ckpt"] = engine_run("decoder", 5, micro=2, accum=1, config_extra={
-        "activation_checkpointing": {"enabled": True}})[0]
+    out["bf16"] = engine_run(
+        "decoder", 20, micro=2, accum=1, config_extra={"bf16": {"enabled": True}}
+    )[0]
+    out["ckpt"] = engine_run(
+        "decoder", 5, micro=2, accum=1, config_extra={"activation_checkpointing": {"enabled": True}}
+    )[0]
 
     # fp16: an inf gradient planted on rank 0 at step 3 must skip that step everywhere
     def fp16_engine(**fp16):
         model = make_model("decoder")
-        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "fp16": {"enabled": True, **fp16}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "fp16": {"enabled": True, **fp16},
+        }
         engine, *_ = meshtrain.initialize(model=model, config=cfg)
         return engine
 
@@ -95,19 +102,26 @@ def _precision():
     trace = []
     for step in range(6):
         ids, _ = global_batch("decoder", step, 4)
-        ids = ids[dist.get_rank() * 2:(dist.get_rank() + 1) * 2]
+        ids = ids[dist.get_rank() * 2 : (dist.get_rank() + 1) * 2]
         before = target.detach().clone()
         loss = engine(ids, ids)
         engine.backward(loss)
         engine.step()
-        trace.append((engine.last_step_skipped, engine.loss_scale,
-                      bool(torch.equal(before, target.detach())), math.isfinite(loss.item())))
+        trace.append(
+            (
+                engine.last_step_skipped,
+                engine.loss_scale,
+                bool(torch.equal(before, target.detach())),
+                math.isfinite(loss.item()),
+            )
+        )
     out["fp16"] = trace
     out["fp16_dtype"] = str(target.dtype)
 
     # a model that overflows whatever the scale: stuck at the minimum -> error
-    engine = fp16_engine(initial_scale_power=1, hysteresis=1, min_loss_scale=1,
-                         max_overflow_steps_at_min=3)
+    engine = fp16_engine(
+        initial_scale_power=1, hysteresis=1, min_loss_scale=1, max_overflow_steps_at_min=3
+    )
     engine.module.embed.weight.register_hook(lambda g: g * float("nan"))
     try:
         for _ in range(10):
@@ -153,12 +167,18 @@ def _client_objects():
     model = make_model("plain")
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    opt = torch.optim.SGD([{"params": decay, "weight_decay": 0.1},
-                           {"params": no_decay, "weight_decay": 0.0}], lr=0.5, momentum=0.9)
+    opt = torch.optim.SGD(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=0.5,
+        momentum=0.9,
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     engine, eopt, _, esched = meshtrain.initialize(
-        model=model, optimizer=opt, lr_scheduler=sched,
-        config={"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000})
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        config={"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000},
+    )
     lrs = []
     for step in range(5):
         x, y = global_batch("plain", step, 4)

@@ -34,9 +34,16 @@ def _build_all(world: int):
             comm.all_reduce(t, topo.group(d))
             sums[d] = float(t)
         seen.append(
-            dict(shape=(pp, dp, tp), coords=topo.coords, groups=groups, sums=sums,
-                 first=topo.is_first_stage, last=topo.is_last_stage,
-                 prev=topo.prev_stage_rank, next=topo.next_stage_rank)
+            dict(
+                shape=(pp, dp, tp),
+                coords=topo.coords,
+                groups=groups,
+                sums=sums,
+                first=topo.is_first_stage,
+                last=topo.is_last_stage,
+                prev=topo.prev_stage_rank,
+                next=topo.next_stage_rank,
+            )
         )
     # two topologies coexist, each with its own books
     a, b = Topology(dp=world), Topology(dp=world)

@@ -20,10 +20,12 @@ def _stage1(kind):
     z1 = {"zero_optimization": {"stage": 1}}
     runs = {
         "plain": engine_run(kind, 20, micro=2, accum=1, config_extra=z1),
-        "accum_clip": engine_run(kind, 20, micro=2, accum=2,
-                                 config_extra={**z1, "gradient_clipping": 0.05}),
-        "frozen_bf16": engine_run(kind, 5, micro=2, accum=1, frozen=FROZEN,
-                                  config_extra={**z1, "bf16": {"enabled": True}}),
+        "accum_clip": engine_run(
+            kind, 20, micro=2, accum=2, config_extra={**z1, "gradient_clipping": 0.05}
+        ),
+        "frozen_bf16": engine_run(
+            kind, 5, micro=2, accum=1, frozen=FROZEN, config_extra={**z1, "bf16": {"enabled": True}}
+        ),
     }
     keep = dist.get_rank() == 0
     return {k: (v[0], v[1] if keep else None) for k, v in runs.items()}

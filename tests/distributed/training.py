@@ -15,8 +15,9 @@ from torch import nn
 
 from meshtrain.models import Decoder, DecoderConfig
 
-TINY_DECODER = DecoderConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48,
-                             max_seq_len=16, seed=11)
+TINY_DECODER = DecoderConfig(
+    vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, seed=11
+)
 SEQ = 8
 
 
@@ -27,8 +28,9 @@ class PlainNet(nn.Module):
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.body = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 24),
-                                      nn.GELU(), nn.Linear(24, 3))
+            self.body = nn.Sequential(
+                nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 24), nn.GELU(), nn.Linear(24, 3)
+            )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(self.body(x), y)
@@ -47,8 +49,7 @@ def global_batch(kind: str, step: int, size: int) -> tuple[torch.Tensor, torch.T
     return x, torch.randn(size, 3, generator=g)
 
 
-def reference_run(kind, steps, batch, lr=1e-3, clip=0.0, frozen=(), optimizer="AdamW",
-                  chunks=1):
+def reference_run(kind, steps, batch, lr=1e-3, clip=0.0, frozen=(), optimizer="AdamW", chunks=1):
     """One process on the global batch: returns (losses, state_dict).
 
     ``chunks > 1`` accumulates the gradient over that many equal slices of the batch
@@ -60,15 +61,18 @@ def reference_run(kind, steps, batch, lr=1e-3, clip=0.0, frozen=(), optimizer="A
         if name in frozen:
             p.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = (torch.optim.AdamW(params, lr=lr, weight_decay=0.01) if optimizer == "AdamW"
-           else torch.optim.SGD(params, lr=lr, momentum=0.9))
+    opt = (
+        torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        if optimizer == "AdamW"
+        else torch.optim.SGD(params, lr=lr, momentum=0.9)
+    )
     losses = []
     for step in range(steps):
         x, y = global_batch(kind, step, batch)
         n = batch // chunks
         loss = 0.0
         for c in range(chunks):
-            part = model(x[c * n:(c + 1) * n], y[c * n:(c + 1) * n]) / chunks
+            part = model(x[c * n : (c + 1) * n], y[c * n : (c + 1) * n]) / chunks
             part.backward()
             loss += part.detach()
         if clip:
@@ -79,8 +83,9 @@ def reference_run(kind, steps, batch, lr=1e-3, clip=0.0, frozen=(), optimizer="A
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def engine_run(kind, steps, micro, accum, config_extra=None, lr=1e-3, frozen=(),
-               optimizer="AdamW", stats=False):
+def engine_run(
+    kind, steps, micro, accum, config_extra=None, lr=1e-3, frozen=(), optimizer="AdamW", stats=False
+):
     """Inside a rank: the same training through meshtrain.initialize.
 
     Returns (losses averaged over ranks per step, state dict, per-step comm bytes by op,
@@ -95,22 +100,33 @@ def engine_run(kind, steps, micro, accum, config_extra=None, lr=1e-3, frozen=(),
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
-    opt_cfg = ({"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}}
-               if optimizer == "AdamW"
-               else {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}})
-    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
-              "optimizer": opt_cfg, "steps_per_print": 1000, **(config_extra or {})}
-    engine, *_ = meshtrain.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config)
+    opt_cfg = (
+        {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}}
+        if optimizer == "AdamW"
+        else {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}}
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "optimizer": opt_cfg,
+        "steps_per_print": 1000,
+        **(config_extra or {}),
+    }
+    engine, *_ = meshtrain.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
     losses, step_bytes, off_boundary = [], [], []
     per_rank = micro * accum
     for step in range(steps):
         x, y = global_batch(kind, step, per_rank * world)
-        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        x, y = (
+            x[rank * per_rank : (rank + 1) * per_rank],
+            y[rank * per_rank : (rank + 1) * per_rank],
+        )
         step_loss = 0.0
         for i in range(accum):
             before = engine.topology.stats.total()
-            loss = engine(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
+            loss = engine(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro])
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()

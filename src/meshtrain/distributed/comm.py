@@ -45,9 +45,7 @@ import torch.distributed as dist
 ReduceOp = dist.ReduceOp
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CommStats:
@@ -220,9 +218,7 @@ def broadcast(
     if group.size == 1:
         return _Done() if async_op else None
     _record(group, "broadcast", _nbytes(tensor), label)
-    return dist.broadcast(
-        tensor, src=group.global_rank(src), group=group.pg, async_op=async_op
-    )
+    return dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, group: Group, label: str | None = None) -> None:

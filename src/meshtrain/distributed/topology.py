@@ -73,8 +73,11 @@ class MeshLayout:
         """``{"pp": i, "dp": j, "tp": k}`` of a global rank."""
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} outside a world of {self.world_size}")
-        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp,
-                "tp": rank % self.tp}
+        return {
+            "pp": rank // (self.dp * self.tp),
+            "dp": rank // self.tp % self.dp,
+            "tp": rank % self.tp,
+        }
 
     def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
         return (pp * self.dp + dp) * self.tp + tp
@@ -105,8 +108,13 @@ class Topology:
     world must construct it together (it creates process groups).
     """
 
-    def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        pp: int = 1,
+        dp: int | None = None,
+        tp: int = 1,
+        device: torch.device | str | None = None,
+    ) -> None:
         if not dist.is_initialized():
             raise TopologyError(
                 "Topology needs a process group; call meshtrain.init_distributed() first"
@@ -171,7 +179,9 @@ class Topology:
         try:
             return self._groups[dim]
         except KeyError:
-            raise TopologyError(f"unknown mesh dimension {dim!r}; use pp, dp, tp or world") from None
+            raise TopologyError(
+                f"unknown mesh dimension {dim!r}; use pp, dp, tp or world"
+            ) from None
 
     @property
     def dp_group(self) -> Group:
@@ -210,5 +220,7 @@ class Topology:
 
     def __repr__(self) -> str:
         c = self.coords
-        return (f"Topology(pp={self.pp_size}, dp={self.dp_size}, tp={self.tp_size}; rank "
-                f"{self.rank} at pp={c['pp']} dp={c['dp']} tp={c['tp']}, {self.device})")
+        return (
+            f"Topology(pp={self.pp_size}, dp={self.dp_size}, tp={self.tp_size}; rank "
+            f"{self.rank} at pp={c['pp']} dp={c['dp']} tp={c['tp']}, {self.device})"
+        )

@@ -115,9 +115,15 @@ def _child(
     try:
         payload = pickle.dumps(outcome)
     except Exception as exc:  # the return value may not pickle
-        payload = pickle.dumps(_Outcome(rank, False, exc_type=type(exc).__name__,
-                                        message=f"result could not be pickled: {exc}",
-                                        traceback=traceback.format_exc()))
+        payload = pickle.dumps(
+            _Outcome(
+                rank,
+                False,
+                exc_type=type(exc).__name__,
+                message=f"result could not be pickled: {exc}",
+                traceback=traceback.format_exc(),
+            )
+        )
         ok = False
     results.put(payload)
     if ok:
@@ -168,9 +174,20 @@ def run_on_ranks(
     for rank in range(nprocs):
         p = ctx.Process(
             target=_child,
-            args=(fn, rank, nprocs, port, tuple(args), dict(kwargs or {}), dict(env or {}),
-                  threads_per_rank, setup_distributed, collective_timeout_minutes,
-                  stack_files[rank], results),
+            args=(
+                fn,
+                rank,
+                nprocs,
+                port,
+                tuple(args),
+                dict(kwargs or {}),
+                dict(env or {}),
+                threads_per_rank,
+                setup_distributed,
+                collective_timeout_minutes,
+                stack_files[rank],
+                results,
+            ),
             name=f"meshtrain-rank{rank}",
             daemon=False,
         )
@@ -185,7 +202,8 @@ def run_on_ranks(
                 out: _Outcome = pickle.loads(results.get(timeout=0.2))
             except queue.Empty:
                 dead = [
-                    (r, p.exitcode) for r, p in enumerate(procs)
+                    (r, p.exitcode)
+                    for r, p in enumerate(procs)
                     if r not in values and p.exitcode is not None
                 ]
                 if dead:

@@ -9,5 +9,11 @@ from meshtrain.models.decoder import (
     flops_per_token,
 )
 
-__all__ = ["Block", "Decoder", "DecoderConfig", "causal_lm_loss", "count_parameters",
-           "flops_per_token"]
+__all__ = [
+    "Block",
+    "Decoder",
+    "DecoderConfig",
+    "causal_lm_loss",
+    "count_parameters",
+    "flops_per_token",
+]

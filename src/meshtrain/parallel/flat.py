@@ -49,7 +49,9 @@ class Bucket:
         return flat.narrow(0, self.start + rank * self.chunk, self.chunk)
 
 
-def pack_buckets(numels: list[int], bucket_numel: int, partitions: int) -> list[tuple[int, int, list[int]]]:
+def pack_buckets(
+    numels: list[int], bucket_numel: int, partitions: int
+) -> list[tuple[int, int, list[int]]]:
     """Greedy packing: ``[(start, padded_numel, [param indices]), ...]`` in order."""
     out: list[tuple[int, int, list[int]]] = []
     start, cur, members = 0, 0, []
