@@ -1,0 +1,266 @@
+"""One node's launch: meshtrain's options -> ``torch.distributed.run`` (the elastic agent).
+
+``meshtrain launch`` does not start workers itself. It resolves what the user asked for
+(flags, the SLURM allocation, the number of GPUs) into a :class:`LaunchSpec`, turns that
+into torchrun's own arguments and calls ``torch.distributed.run.run`` in this process, so
+this process *is* the node's elastic agent: it sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+``MASTER_ADDR``/``MASTER_PORT`` for every worker, restarts the group up to
+``max_restarts`` times, and stops every worker as soon as one fails.
+
+Choices made here (and why):
+
+* Processes per node default to the number of CUDA devices, else 1 with a notice, because
+  a CPU job silently using one process is the most common "why is it not parallel?".
+* ``--rdzv_endpoint`` without ``--rdzv_backend`` means ``c10d`` (torchrun's own default,
+  ``static``, would ignore the elastic range and need node ranks).
+* A single-node run with no port chosen gets torchrun's ``c10d`` rendezvous on a free
+  port, so two jobs on one machine do not collide on 29500.
+* The exit code is the job's: the first failing worker's code (``128 + signal`` for a
+  worker killed by a signal), not torchrun's blanket 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from meshtrain.distributed.env import DEFAULT_MASTER_PORT, expand_slurm_nodelist
+from meshtrain.errors import ConfigError
+
+_NPROC_WORDS = ("auto", "gpu", "cpu", "xpu")
+
+
+@dataclass
+class LaunchSpec:
+    """What one node's agent runs; every field mirrors the torchrun flag of the same name."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nproc_per_node: str | None = None  # int as text, or auto/gpu/cpu; None -> GPUs else 1
+    nnodes: str = "1"  # "N" or an elastic range "MIN:MAX"
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_backend: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float | None = None
+    start_method: str | None = None
+    module: bool = False
+    no_python: bool = False
+    log_dir: str | None = None
+    redirects: str | None = None
+    tee: str | None = None
+
+    def replace(self, **changes) -> LaunchSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def validate_nproc(value: str) -> str:
+    """Accept a positive integer or one of torchrun's words; raise ConfigError otherwise."""
+    if value in _NPROC_WORDS or (value.isdigit() and int(value) > 0):
+        return value
+    raise ConfigError(
+        f"--nproc_per_node={value!r}: expected a positive integer or one of {_NPROC_WORDS}"
+    )
+
+
+def validate_nnodes(value: str) -> str:
+    """Accept ``N`` or ``MIN:MAX`` (an elastic range, needs a c10d rendezvous)."""
+    if re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", value):
+        lo, _, hi = value.partition(":")
+        if not hi or int(lo) <= int(hi):
+            return value
+    raise ConfigError(f"--nnodes={value!r}: expected N or MIN:MAX with 1 <= MIN <= MAX")
+
+
+def max_nodes(spec: LaunchSpec) -> int:
+    return int(spec.nnodes.rpartition(":")[2])
+
+
+def gpu_count() -> int:
+    """CUDA devices visible to this process (0 without CUDA).
+
+    ``device_count`` asks NVML where it can and does not create a CUDA context, so a
+    later fork (``notebook_launcher``) stays safe; ``is_available`` gives no such promise.
+    """
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # a broken driver should not stop a CPU launch
+        return 0
+
+
+def default_nproc_per_node(gpus: int | None = None) -> tuple[str, str | None]:
+    """Processes per node when none were asked for, and the notice to print (or None)."""
+    gpus = gpu_count() if gpus is None else gpus
+    if gpus > 0:
+        return str(gpus), None
+    return "1", (
+        "meshtrain launch: no GPU found, running 1 CPU process per node "
+        "(ask for more with --nproc_per_node N)"
+    )
+
+
+def slurm_node(environ: Mapping[str, str]) -> dict | None:
+    """nnodes, node_rank, master_addr and master_port from a SLURM step, or None.
+
+    Only used when the user gave none of those flags. Expects one ``meshtrain launch`` per
+    node (``srun --ntasks-per-node=1 meshtrain launch ...``). The port is derived from the
+    job id so two jobs sharing a node do not both take 29500; ``MASTER_PORT`` wins.
+    """
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist or "SLURM_NNODES" not in environ or "SLURM_NODEID" not in environ:
+        return None
+    hosts = expand_slurm_nodelist(nodelist)
+    try:
+        nnodes, node_rank = int(environ["SLURM_NNODES"]), int(environ["SLURM_NODEID"])
+    except ValueError:
+        raise ConfigError(
+            f"SLURM_NNODES={environ['SLURM_NNODES']!r} / SLURM_NODEID="
+            f"{environ['SLURM_NODEID']!r} are not integers"
+        ) from None
+    if nnodes != len(hosts):
+        raise ConfigError(
+            f"SLURM_NNODES={nnodes} but SLURM_JOB_NODELIST={nodelist!r} names {len(hosts)} "
+            "hosts; pass --nnodes/--node_rank/--master_addr explicitly"
+        )
+    if "MASTER_PORT" in environ:
+        port = int(environ["MASTER_PORT"])
+    else:
+        job = environ.get("SLURM_JOB_ID", "")
+        port = DEFAULT_MASTER_PORT + (int(job) % 1000 if job.isdigit() else 0)
+    return {
+        "nnodes": str(nnodes),
+        "node_rank": node_rank,
+        "master_addr": hosts[0],
+        "master_port": port,
+    }
+
+
+def resolve(
+    spec: LaunchSpec, environ: Mapping[str, str] | None = None, gpus: int | None = None
+) -> tuple[LaunchSpec, list[str]]:
+    """Fill the defaults (SLURM, processes per node, rendezvous); return it and notices."""
+    environ = os.environ if environ is None else environ
+    notices: list[str] = []
+    explicit = spec.nnodes != "1" or spec.node_rank or spec.master_addr or spec.rdzv_endpoint
+    if not explicit and not spec.standalone:
+        slurm = slurm_node(environ)
+        if slurm and int(slurm["nnodes"]) > 1:
+            spec = spec.replace(
+                **{**slurm, "master_port": spec.master_port or slurm["master_port"]}
+            )
+            notices.append(
+                f"meshtrain launch: SLURM allocation, node {spec.node_rank} of {spec.nnodes}, "
+                f"master {spec.master_addr}:{spec.master_port}"
+            )
+    if spec.nproc_per_node is None:
+        nproc, notice = default_nproc_per_node(gpus)
+        spec = spec.replace(nproc_per_node=nproc)
+        if notice:
+            notices.append(notice)
+    if spec.rdzv_endpoint and not spec.rdzv_backend:
+        spec = spec.replace(rdzv_backend="c10d")
+    if max_nodes(spec) > 1 and not (spec.rdzv_endpoint or spec.master_addr):
+        raise ConfigError(
+            f"--nnodes={spec.nnodes} needs a meeting point: --master_addr (and --master_port) "
+            "of node 0, --rdzv_endpoint HOST:PORT, or --hostfile"
+        )
+    if ":" in spec.nnodes and (spec.rdzv_backend or "static") == "static":
+        raise ConfigError(
+            f"--nnodes={spec.nnodes} is an elastic range; it needs --rdzv_backend c10d "
+            "and --rdzv_endpoint HOST:PORT"
+        )
+    return spec, notices
+
+
+def spec_flags(spec: LaunchSpec) -> list[str]:
+    """The options (not the script) as flags both torchrun and ``meshtrain launch`` accept."""
+    flags: list[str] = []
+    for name in (
+        "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port",
+        "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts",
+        "monitor_interval", "start_method", "log_dir", "redirects", "tee",
+    ):  # fmt: skip
+        value = getattr(spec, name)
+        # a single node at rank 0 is torchrun's default; leaving it out keeps its
+        # free-port c10d rendezvous for single-node runs
+        if value is None or (name, str(value)) in (("nnodes", "1"), ("node_rank", "0")):
+            continue
+        flags += [f"--{name}", str(value)]
+    flags += [f"--{name}" for name in ("standalone", "module", "no_python") if getattr(spec, name)]
+    return flags
+
+
+def torchrun_command(spec: LaunchSpec) -> str:
+    """The equivalent ``torchrun`` command line (what ``--dry_run`` prints)."""
+    return shlex.join(["torchrun", *spec_flags(spec), spec.script, *spec.script_args])
+
+
+def run_agent(spec: LaunchSpec) -> int:
+    """Run this node's elastic agent until the job ends; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import get_args_parser, run
+
+    # "--" keeps a script whose name starts with "-" from being read as a flag; the
+    # script's own arguments are set afterwards so argparse never touches them.
+    args = get_args_parser().parse_args([*spec_flags(spec), "--", spec.script])
+    args.training_script_args = list(spec.script_args)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        return _report_failure(exc)
+    except RendezvousError as exc:
+        print(f"meshtrain launch: rendezvous failed: {exc}", file=sys.stderr)
+        return 1
+    except SignalException as exc:
+        print(f"meshtrain launch: stopped by {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def exit_code(code: int | None) -> int:
+    """A process's return code as a shell would report it (signal N -> 128 + N)."""
+    if code is None:
+        return 1
+    return 128 - code if code < 0 else code
+
+
+def _report_failure(exc) -> int:
+    # torch picks the first failure by error-file timestamp; without error files (workers
+    # that do not use @record) ties are arbitrary, so every failed rank is listed
+    rank, failure = exc.get_first_failure()
+    code = exit_code(failure.exitcode)
+    others = ", ".join(
+        f"rank {r} ({_how(f)})" for r, f in sorted(exc.failures.items()) if r != rank
+    )
+    print(
+        f"meshtrain launch: {exc.name} failed: rank {rank} (local rank {failure.local_rank}) "
+        f"{_how(failure)}" + (f"; also failed: {others}" if others else ""),
+        file=sys.stderr,
+    )
+    if failure.error_file and os.path.isfile(failure.error_file):
+        # the worker used torch's @record: its error file holds the root cause
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", message)
+        print(message, file=sys.stderr)
+    return code or 1
+
+
+def _how(failure) -> str:
+    if failure.exitcode < 0:
+        return f"was killed by {failure.signal_name()}"
+    return f"exited with code {failure.exitcode}"
