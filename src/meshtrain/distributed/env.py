@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -174,12 +175,39 @@ def init_distributed(
             world_size=env.world_size,
             timeout=timeout,
         )
-    atexit.register(shutdown_distributed)
+    atexit.register(_shutdown_at_exit)
     return env
 
 
 def _host(addr: str) -> str:
     return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+
+
+EXIT_BARRIER_SECONDS = 10.0
+
+
+def _shutdown_at_exit() -> None:
+    """Interpreter-exit teardown that never turns one rank's failure into a long hang.
+
+    After an uncaught exception the peers may be stuck in a collective, so the barrier is
+    skipped. Otherwise the ranks meet on the store with a short timeout (a rank that
+    called ``sys.exit(n)`` mid-run would leave a collective barrier waiting for the full
+    collective timeout); either way the group is then destroyed, which is what keeps
+    gloo from aborting at exit.
+    """
+    if not dist.is_initialized():
+        return
+    failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    world = dist.get_world_size()
+    if not failed and world > 1:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if store.add("meshtrain/exit", 1) == world:
+                store.set("meshtrain/exit_done", "1")
+            store.wait(["meshtrain/exit_done"], timedelta(seconds=EXIT_BARRIER_SECONDS))
+        except Exception:  # noqa: BLE001 - a peer is gone; destroy regardless
+            pass
+    dist.destroy_process_group()
 
 
 def shutdown_distributed() -> None:
