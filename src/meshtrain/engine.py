@@ -33,9 +33,9 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.parallel.data_parallel import GradReducer
-from meshtrain.parallel.flat import FlatGroup
+from meshtrain.parallel.zero import build_plan, gather_updated_params
 from meshtrain.precision import DTYPES, scaler_from_config
 from meshtrain.step_log import StepLog
 
@@ -84,10 +84,6 @@ class Engine:
         self.device = topology.device
         self.dtype = DTYPES[config.precision]
         self.zero_stage = int(config.zero_optimization.stage)
-        if self.zero_stage > 1:
-            raise ConfigError(
-                f"zero_optimization.stage: {self.zero_stage} is not available yet; use 0 or 1"
-            )
         self.gas = int(config.gradient_accumulation_steps)
         self.micro_batch_size = int(config.train_micro_batch_size_per_gpu)
         self.clip = float(config.gradient_clipping or 0.0)
@@ -110,20 +106,16 @@ class Engine:
             else _param_groups(model, model_parameters)
         )
         groups = _param_groups(model, groups)
-        partitions = topology.dp_size if self.zero_stage >= 1 else 1
-        bucket = int(config.zero_optimization.reduce_bucket_size)
-        self.flat_groups = [
-            FlatGroup(
-                g["params"],
-                partitions=partitions,
-                rank=topology.dp_rank if partitions > 1 else 0,
-                bucket_numel=bucket,
-            )
-            for g in groups
-        ]
+        self.plan = build_plan(model, groups, config, topology, self.zero_stage)
+        self.flat_groups = self.plan.flat_groups
+        self.gatherer = self.plan.gatherer
         self.optimizer = self._make_optimizer(optimizer, groups)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        self.reducer = GradReducer(self.flat_groups, topology.dp_group)
+        self.reducer = GradReducer(
+            self.flat_groups,
+            topology.dp_group,
+            on_reduced=(lambda g, b: g.release(b)) if self.gatherer is not None else None,
+        )
         self.scaler = scaler_from_config(config)
         self.log = StepLog(self, every=int(config.steps_per_print or 0))
         self._step_comm: dict[str, int] = {}
@@ -160,8 +152,11 @@ class Engine:
         """The optimizer steps master chunks; a client optimizer is re-pointed at them so
         that it (and a scheduler built on it) stays the object the user holds."""
         masters = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": fg.master_params}
-            for g, fg in zip(groups, self.flat_groups, strict=True)
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [m for fg in fgs for m in fg.master_params],
+            }
+            for g, fgs in zip(groups, self.plan.per_group, strict=True)
         ]
         if client is not None:
             client.state.clear()
@@ -236,6 +231,12 @@ class Engine:
             for g in self.flat_groups:
                 g.attach_grads()
         self.log.add_loss(loss.detach())
+        if self.reducer.every_backward:  # ZeRO 2/3: reduce now, keep only the shard
+            (loss.float() * (self.scaler.scale / self.gas)).backward()
+            self.reducer.finish()
+            if self.gatherer is not None:
+                self.gatherer.release_all()  # units whose parameters got no gradient
+            return
         sync_before = self.reducer.sync
         self.reducer.sync = sync_before and self.is_gradient_accumulation_boundary()
         try:
@@ -246,6 +247,12 @@ class Engine:
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally without communicating (DDP's ``no_sync``)."""
+        if self.reducer.every_backward:
+            raise TrainingError(
+                f"no_sync: ZeRO stage {self.zero_stage} reduce-scatters gradients on every "
+                "backward (no rank keeps a full gradient to accumulate into); use "
+                "gradient_accumulation_steps, or ZeRO stage 0/1 to accumulate locally"
+            )
         with self.reducer.no_sync():
             yield
 
@@ -255,11 +262,13 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        self.reducer.finish()
-        norm = self._grad_norm()  # of the loss-scaled gradients
+        if not self.reducer.every_backward:
+            self.reducer.finish()
+        # the reduction summed over dp ranks: fold the average into the scaling
+        scale = self.scaler.scale * self.topology.dp_size
+        norm = self._grad_norm()  # of the loss-scaled, dp-summed gradients
         overflow = not math.isfinite(norm)
         self.last_step_skipped = overflow
-        scale = self.scaler.scale
         if overflow:
             self._global_grad_norm = None
             self.skipped_steps += 1
@@ -274,7 +283,7 @@ class Engine:
             for g in self.flat_groups:
                 g.release_master_grads()
                 g.copy_master_to_params()
-            self._gather_params()
+            gather_updated_params(self.flat_groups, self.topology.dp_group)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         for g in self.flat_groups:
@@ -291,28 +300,12 @@ class Engine:
         parts = [
             torch.linalg.vector_norm(c, dtype=torch.float32)
             for g in self.flat_groups
-            for c in g.owned_grad_chunks()
+            for c in g.grad_chunks
         ]
         sq = torch.stack(parts).pow(2).sum() if parts else torch.zeros((), device=self.device)
         if any(g.partitions > 1 for g in self.flat_groups):
             comm.all_reduce(sq, self.topology.dp_group, label="control")
         return float(sq.sqrt())
-
-    def _gather_params(self) -> None:
-        """ZeRO: every rank updated its own chunks; all-gather the full buckets."""
-        works = []
-        for g in self.flat_groups:
-            if g.partitions == 1:
-                continue
-            for b in g.buckets:
-                mine = b.owned(g.param_flat, g.rank).clone()
-                works.append(
-                    comm.all_gather(
-                        b.view(g.param_flat), mine, self.topology.dp_group, async_op=True
-                    )
-                )
-        for w in works:
-            w.wait()
 
     # queries ----------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -342,8 +335,41 @@ class Engine:
         return self.train(False)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state dict (every parameter whole)."""
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        """The full model state dict (every parameter whole, gathered under ZeRO-3)."""
+        with self.gathered_parameters():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    @contextmanager
+    def gathered_parameters(self, module: nn.Module | None = None):
+        """Under ZeRO-3, make ``module``'s parameters (default: all) whole for the block
+        (evaluation, export, generation); they are freed again on exit. Changes made to
+        them inside are not kept. A no-op for stages 0-2. Every rank must enter it."""
+        if self.gatherer is None:
+            yield
+            return
+        wanted = None if module is None else {id(p) for p in module.parameters()}
+        buckets = [
+            (g, b)
+            for g in self.gatherer.groups
+            for b in g.buckets
+            if wanted is None or any(id(p) in wanted for p in b.params)
+        ]
+        for g, b in buckets:
+            g.start_gather(b, self.topology.dp_group, comm)
+        for g, b in buckets:
+            g.finish_gather(b)
+        try:
+            yield
+        finally:
+            for g, b in buckets:
+                g.release(b)
+
+    def memory_report(self):
+        """This rank's bytes of parameters, gradients and optimizer states beside the
+        ZeRO-paper formula (``meshtrain.parallel.memory.MemoryReport``; print it)."""
+        from meshtrain.parallel.memory import memory_report
+
+        return memory_report(self)
 
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.module.parameters()

@@ -13,7 +13,8 @@ K = 12). Each ZeRO stage partitions one more of the three over the N_d ranks::
 
 7.5e9 parameters with Adam at N_d = 64: 120 / 31.4 / 16.6 / 1.88 GB (GB = 1e9 bytes),
 the paper's table. fp32 training keeps 4-byte parameters and gradients and no separate
-master copy (Adam: K = 8). ``offload_optimizer`` moves the optimizer-state term to host
+master copy (Adam: K = 8; with optimizer offload the host steps its own fp32 copy, so
+K = 12 again). ``offload_optimizer`` moves the optimizer-state term to host
 memory, ``offload_param`` (stage 3) the parameter partition too; both are reported in
 ``ModelStates.host``, per rank.
 
@@ -191,6 +192,8 @@ def model_states_bytes(
         )
     k = optimizer_state_bytes(optimizer, precision)
     width = 4 if _precision(precision) == "fp32" else 2  # bytes of a param and of a grad
+    if offload_optimizer and width == 4 and not isinstance(optimizer, int):
+        k += 4  # an fp32 model offloaded: the host steps its own fp32 copy of the weights
 
     def shard(n: int, parts: int) -> int:
         return -(-n // parts)  # ceil: the largest rank's share

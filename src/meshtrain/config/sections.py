@@ -115,6 +115,8 @@ class ZeroConfig(Section):
     """Accepted and ignored: elements per optimizer-step tile (ZeRO-Infinity)."""
     stage3_prefetch_bucket_size: NonNegInt | Auto = 50_000_000
     """Stage 3: parameter elements gathered ahead of use. "auto": 0.9 * hidden_size**2."""
+    stage3_module_classes: list[Str] = []
+    """meshtrain, stage 3: class names whose instances are gathered as one unit; empty = each block of the model's outermost ModuleList/Sequential and each other child on the way."""
     stage3_param_persistence_threshold: NonNegInt | Auto = 100_000
     """Stage 3: parameters with fewer elements stay unsharded (saves latency-bound collectives). "auto": 10 * hidden_size."""
     stage3_max_live_parameters: NonNegInt | Auto = 1_000_000_000

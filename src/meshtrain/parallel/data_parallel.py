@@ -2,28 +2,37 @@
 
 Algorithm. Each ``FlatGroup`` bucket counts its parameters' gradients as autograd
 finishes accumulating them (``register_post_accumulate_grad_hook``). When a bucket's last
-gradient lands on a *synchronising* backward (the gradient-accumulation boundary, outside
-``no_sync``), its collective starts asynchronously while backward carries on with
-earlier layers; ``finish()`` (called by the engine's step) launches buckets that never
-filled (parameters unused in this forward), waits for all of them and averages.
+gradient lands on a *synchronising* backward, its collective starts asynchronously while
+backward carries on with earlier layers; ``finish()`` launches buckets that never filled
+(parameters unused in this forward) in a fixed order, waits for all of them and lands
+the results.
 
-* ``P = 1`` (ZeRO stage 0, plain data parallelism): ``all_reduce`` of the bucket, in place.
-* ``P = dp`` (ZeRO stages 1 and 2): ``reduce_scatter`` of the bucket into this rank's
-  chunk of ``grad_shard``.
+* ``P = 1`` (ZeRO stage 0, plain data parallelism): ``all_reduce`` of the bucket of
+  ``grad_flat``, in place. Synchronises only on the accumulation boundary.
+* ``P = dp``, full gradients (stage 1): ``reduce_scatter`` of the bucket of ``grad_flat``
+  into a chunk-sized buffer, copied into this rank's chunk of ``grad_flat``. Synchronises
+  only on the boundary.
+* ``P = dp``, sharded gradients (stages 2 and 3): the bucket's fresh ``.grad`` tensors are
+  packed into one buffer and dropped, and the buffer is reduce-scattered into this
+  rank's chunk of ``grad_shard`` (added to it after the first micro-step of an
+  accumulation window). This happens on *every* backward, so no rank ever holds more
+  than the buckets in flight; ``finish()`` then runs at the end of every backward.
 
-Averaging: the sum is divided by the data-parallel size ``N`` after the reduction. With
-the engine's backward scaling each micro-batch loss by ``1 / gradient_accumulation_steps``,
-``N`` ranks x micro-batch ``m`` x ``k`` accumulation steps produce exactly the gradient of
-one process on batch ``N m k`` (up to summation order).
+The result is the *sum* over ranks; the engine folds the ``1 / dp`` of averaging into
+the one scaling pass it makes anyway (``FlatGroup.load_master_grads``). With backward
+scaling each micro-batch loss by ``1 / gradient_accumulation_steps``, ``N`` ranks x
+micro-batch ``m`` x ``k`` accumulation steps then give exactly the gradient of one
+process on batch ``N m k`` (up to summation order).
 
 Bytes per optimizer step, in ``meshtrain.distributed.comm``'s convention, for a group of
 padded size ``Psi_pad`` elements of ``s`` bytes: stage 0 records ``2 s Psi_pad``
-(all-reduce), stages 1-2 record ``s Psi_pad`` (reduce-scatter). Non-boundary micro-steps
-record nothing.
+(all-reduce), stages 1-3 record ``s Psi_pad`` of reduce-scatter per synchronising
+backward (stages 2-3: per micro-step). Non-synchronising micro-steps record nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -34,13 +43,23 @@ from meshtrain.parallel.flat import Bucket, FlatGroup
 
 
 class GradReducer:
-    """Launches each bucket's reduction as soon as its gradients are complete."""
+    """Launches each bucket's reduction as soon as its gradients are complete.
 
-    def __init__(self, groups: list[FlatGroup], dp_group: Group) -> None:
+    ``on_reduced(group, bucket)`` is called once a bucket's gradients are handed to the
+    collective (ZeRO-3 frees the gathered parameters there).
+    """
+
+    def __init__(
+        self,
+        groups: list[FlatGroup],
+        dp_group: Group,
+        on_reduced: Callable[[FlatGroup, Bucket], None] | None = None,
+    ) -> None:
         self.groups = groups
         self.dp_group = dp_group
+        self.on_reduced = on_reduced
         self.sync = True  # reduce on this backward?
-        self._pending: list[tuple[FlatGroup, Bucket, object]] = []
+        self._pending: list[tuple] = []
         self._launched: set[tuple[int, int]] = set()
         self._handles = []
         for gi, group in enumerate(groups):
@@ -48,6 +67,11 @@ class GradReducer:
                 self._handles.append(
                     p.register_post_accumulate_grad_hook(self._make_hook(gi, group))
                 )
+
+    @property
+    def every_backward(self) -> bool:
+        """Sharded gradients must be reduced on every backward (no local accumulation)."""
+        return any(g.shard_grads for g in self.groups)
 
     def _make_hook(self, gi: int, group: FlatGroup):
         def hook(param: torch.Tensor) -> None:
@@ -64,14 +88,24 @@ class GradReducer:
         if (gi, bucket.index) in self._launched:
             return
         self._launched.add((gi, bucket.index))
-        grads = bucket.view(group.grad_flat)
-        if group.partitions == 1:
-            work = comm.all_reduce(grads, self.dp_group, async_op=True)
+        target = group.grad_chunks[bucket.index]
+        landing = source = None
+        if group.partitions == 1 and not group.shard_grads:
+            work = comm.all_reduce(target, self.dp_group, async_op=True)
         else:
-            work = comm.reduce_scatter(
-                group.shard_chunk(bucket), grads, self.dp_group, async_op=True
+            source = (
+                group.take_bucket_grads(bucket)
+                if group.shard_grads
+                else bucket.view(group.grad_flat)
             )
-        self._pending.append((group, bucket, work))
+            if not (group.shard_grads and group.grads_fresh):
+                landing = torch.empty_like(target)  # joins ``target`` in finish()
+            out = target if landing is None else landing
+            work = comm.reduce_scatter(out, source, self.dp_group, async_op=True)
+        # ``source`` rides along so the packed buffer outlives the async collective
+        self._pending.append((group, bucket, work, landing, source))
+        if self.on_reduced is not None:
+            self.on_reduced(group, bucket)
 
     @contextmanager
     def no_sync(self):
@@ -83,18 +117,23 @@ class GradReducer:
             self.sync = previous
 
     def finish(self) -> None:
-        """Launch unfilled buckets in a fixed order, wait for all, average by dp size."""
+        """Launch unfilled buckets in a fixed order, wait for all, land the results."""
         for gi, group in enumerate(self.groups):
             for bucket in group.buckets:
                 self._launch(gi, group, bucket)
-        n = self.dp_group.size
-        for group, bucket, work in self._pending:
+        for group, bucket, work, landing, _source in self._pending:
             work.wait()
-            if n > 1:
-                group.shard_chunk(bucket).div_(n)
+            if landing is None:
+                continue
+            target = group.grad_chunks[bucket.index]
+            if group.shard_grads:
+                target.add_(landing)
+            else:
+                target.copy_(landing)
         self._pending.clear()
         self._launched.clear()
         for group in self.groups:
+            group.grads_fresh = False
             for bucket in group.buckets:
                 bucket.ready = 0
 

@@ -1,25 +1,32 @@
-"""Flat, bucketed parameter and gradient storage shared by data parallelism and ZeRO.
+"""Flat, bucketed parameter and gradient storage shared by data parallelism and ZeRO 1-3.
 
-One ``FlatGroup`` per optimizer param group. Its trainable parameters, in reverse
-registration order (roughly the order backward produces their gradients), are packed
+One ``FlatGroup`` holds trainable parameters of one optimizer param group. In reverse
+registration order (roughly the order backward produces their gradients) they are packed
 into buckets of at most ``bucket_numel`` elements (a parameter is never split; one larger
-than the cap gets a bucket of its own). Each bucket is zero-padded to a multiple of the
-number of partitions ``P`` (``P = 1`` for plain data parallelism, ``P = dp`` for ZeRO),
-so rank ``r`` owns chunk ``r`` of every bucket::
+than the cap gets a bucket of its own; ``keys`` force a new bucket where the key changes,
+which is how ZeRO-3 aligns buckets with gather units). Each bucket is zero-padded to a
+multiple of the partition count ``P`` (``P = 1`` for plain data parallelism, ``P = dp``
+for ZeRO), so rank ``r`` owns chunk ``r`` of every bucket::
 
     bucket b:  [ chunk 0 | chunk 1 | ... | chunk P-1 ]      chunk = numel_b / P
 
-Parameters and their ``.grad`` are views into two flat buffers of the model dtype
-(``param_flat``, ``grad_flat``). The optimizer does not see the model's parameters: it
-steps *master chunks*, one fp32 tensor per bucket holding this rank's chunk. When the
-model is fp32, on the master device, a master chunk *is* the view of ``param_flat`` (no
-copy, no extra memory); with bf16/fp16 or CPU offload the master chunks are a separate
-fp32 shard of ``numel / P`` elements.
+What a rank keeps, per ``FlatGroup`` of ``n`` padded elements of ``s`` bytes:
 
-Memory per rank for Psi trainable parameters (16-bit model, Adam: K = 12 bytes/param of
-fp32 master + two moments), matching the ZeRO paper: parameters 2 Psi, gradients 2 Psi,
-master + optimizer states 12 Psi / P. (Gradient sharding, ZeRO-2, and parameter
-sharding, ZeRO-3, build on this layout in ``meshtrain.parallel.zero``.)
+=====================  ====================================  ==========================
+storage                full (``shard_*=False``)              sharded (``shard_*=True``)
+=====================  ====================================  ==========================
+parameters             ``param_flat``: n (params are views)  ``param_shard``: n / P; a
+                                                             bucket is gathered into a
+                                                             temporary buffer for use
+gradients              ``grad_flat``: n (``.grad`` views)    ``grad_shard``: n / P; each
+                                                             bucket's ``.grad`` tensors
+                                                             live only until reduced
+fp32 master            n / P, or 0 when the model is fp32 on the master device (the
+                       masters then *are* this rank's parameter chunks)
+=====================  ====================================  ==========================
+
+The optimizer never sees the model's parameters: it steps ``master_params``, one fp32
+leaf per bucket holding this rank's chunk, and ``copy_master_to_params`` writes them back.
 """
 
 from __future__ import annotations
@@ -30,17 +37,21 @@ import torch
 from torch import nn
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
     """A contiguous run of whole parameters inside a FlatGroup, padded to P chunks."""
 
     index: int
-    start: int  # offset in the group's flat buffers
+    start: int  # offset in the group's flat (unsharded) index space
     numel: int  # padded size, divisible by the partition count
     chunk: int  # numel // partitions: what one rank owns
+    shard_start: int  # offset of this bucket's chunk inside a rank's shard
+    key: object = None  # the packing key (ZeRO-3: the unit)
     params: list[nn.Parameter] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)  # each param's offset in the flat buffer
+    offsets: list[int] = field(default_factory=list)  # each param's offset in the flat space
     ready: int = 0  # params whose gradient has landed in the current backward
+    gathered: torch.Tensor | None = None  # ZeRO-3: the full bucket while in use
+    gather_work: object = None  # ZeRO-3: pending all-gather of ``gathered``
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, self.start, self.numel)
@@ -48,15 +59,19 @@ class Bucket:
     def owned(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         return flat.narrow(0, self.start + rank * self.chunk, self.chunk)
 
+    def in_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard.narrow(0, self.shard_start, self.chunk)
+
 
 def pack_buckets(
-    numels: list[int], bucket_numel: int, partitions: int
+    numels: list[int], bucket_numel: int, partitions: int, keys: list | None = None
 ) -> list[tuple[int, int, list[int]]]:
     """Greedy packing: ``[(start, padded_numel, [param indices]), ...]`` in order."""
     out: list[tuple[int, int, list[int]]] = []
     start, cur, members = 0, 0, []
     for i, n in enumerate(numels):
-        if members and cur + n > bucket_numel:
+        new_key = keys is not None and members and keys[i] != keys[members[-1]]
+        if members and (cur + n > bucket_numel or new_key):
             padded = -(-cur // partitions) * partitions
             out.append((start, padded, members))
             start, cur, members = start + padded, 0, []
@@ -78,11 +93,17 @@ class FlatGroup:
         partitions: int,
         rank: int,
         bucket_numel: int,
+        shard_grads: bool = False,
+        shard_params: bool = False,
         master_device: torch.device | None = None,
+        separate_master: bool = False,
+        param_device: torch.device | None = None,
+        keys: list | None = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one trainable parameter")
         self.partitions, self.rank = partitions, rank
+        self.shard_grads, self.shard_params = shard_grads, shard_params
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
         for p in params:
@@ -92,14 +113,16 @@ class FlatGroup:
                     f"{p.dtype}/{p.device} beside {self.dtype}/{self.device}"
                 )
         self.params = list(reversed(params))  # backward order
-        packed = pack_buckets([p.numel() for p in self.params], bucket_numel, partitions)
+        rev_keys = list(reversed(keys)) if keys is not None else None
+        packed = pack_buckets([p.numel() for p in self.params], bucket_numel, partitions, rev_keys)
         self.numel = sum(n for _, n, _ in packed)
-        self.param_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.grad_flat = torch.zeros_like(self.param_flat)
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
+        shard_start = 0
         for b_index, (start, numel, members) in enumerate(packed):
-            bucket = Bucket(b_index, start, numel, numel // partitions)
+            key = rev_keys[members[0]] if rev_keys is not None else None
+            bucket = Bucket(b_index, start, numel, numel // partitions, shard_start, key)
+            shard_start += bucket.chunk
             offset = start
             for i in members:
                 p = self.params[i]
@@ -108,75 +131,146 @@ class FlatGroup:
                 self.bucket_of[p] = bucket
                 offset += p.numel()
             self.buckets.append(bucket)
+        self.shapes = {p: p.shape for p in self.params}
+        self.grads_fresh = True  # sharded grads: nothing reduced yet in this window
+        self._init_params(param_device or self.device)
+        self._init_grads()
+        self._init_masters(master_device or self.device, separate_master)
+
+    # construction ------------------------------------------------------------------------
+    def _init_params(self, param_device: torch.device) -> None:
+        if not self.shard_params:
+            self.param_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            self.param_shard = None
+            with torch.no_grad():
+                for b in self.buckets:
+                    for p, view in self._views(b, self.param_flat):
+                        view.copy_(p.data)
+                        p.data = view
+            return
+        self.param_flat = None
+        self.param_shard = torch.zeros(
+            self.numel // self.partitions, dtype=self.dtype, device=param_device
+        )
         with torch.no_grad():
-            for p, view in self._param_views(self.param_flat):
-                view.copy_(p.data)
-                p.data = view
+            for b in self.buckets:  # one bucket at a time: never the whole model twice
+                full = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+                for p, view in self._views(b, full, base=b.start):
+                    view.copy_(p.data)
+                b.in_shard(self.param_shard).copy_(full.narrow(0, self.rank * b.chunk, b.chunk))
+                for p in b.params:
+                    p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def _init_grads(self) -> None:
+        if self.shard_grads:
+            self.grad_flat = None
+            self.grad_shard = torch.zeros(
+                self.numel // self.partitions, dtype=self.dtype, device=self.device
+            )
+            self.grad_chunks = [b.in_shard(self.grad_shard) for b in self.buckets]
+            return
+        self.grad_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.grad_shard = None
+        self.grad_chunks = [
+            b.view(self.grad_flat) if self.partitions == 1 else b.owned(self.grad_flat, self.rank)
+            for b in self.buckets
+        ]
         self.attach_grads()
 
-        self.master_device = master_device or self.device
+    def _init_masters(self, master_device: torch.device, separate: bool) -> None:
+        owned = [self.owned_params(b) for b in self.buckets]
+        self.master_device = master_device
         self.master_aliases_params = (
-            self.dtype == torch.float32 and self.master_device == self.device
+            not separate
+            and self.dtype == torch.float32
+            and all(o.device == master_device for o in owned)
         )
         if self.master_aliases_params:
             self.master_shard = None
-            self.master_chunks = [b.owned(self.param_flat, rank) for b in self.buckets]
+            self.master_chunks = owned
         else:
+            pin = separate and master_device.type == "cpu" and torch.cuda.is_available()
             self.master_shard = torch.empty(
-                self.numel // partitions, dtype=torch.float32, device=self.master_device
+                self.numel // self.partitions,
+                dtype=torch.float32,
+                device=master_device,
+                pin_memory=pin,
             )
-            self.master_chunks = []
-            offset = 0
-            for b in self.buckets:
-                chunk = self.master_shard.narrow(0, offset, b.chunk)
-                chunk.copy_(b.owned(self.param_flat, rank))
-                self.master_chunks.append(chunk)
-                offset += b.chunk
+            self.master_chunks = [b.in_shard(self.master_shard) for b in self.buckets]
+            for chunk, src in zip(self.master_chunks, owned, strict=True):
+                chunk.copy_(src)
         # the optimizer steps these; each is its own leaf tensor sharing the storage above
         self.master_params = [nn.Parameter(c, requires_grad=True) for c in self.master_chunks]
-        # Reduced gradients this rank owns: with one partition the reduced bucket itself,
-        # otherwise a separate shard the reduce-scatter writes into.
-        self.grad_shard = (
-            self.grad_flat
-            if partitions == 1
-            else torch.zeros(self.numel // partitions, dtype=self.dtype, device=self.device)
-        )
 
     # views -------------------------------------------------------------------------------
-    def _param_views(self, flat: torch.Tensor):
-        for b in self.buckets:
-            for p, off in zip(b.params, b.offsets, strict=True):
-                yield p, flat.narrow(0, off, p.numel()).view(p.shape)
+    def _views(self, bucket: Bucket, flat: torch.Tensor, base: int = 0):
+        # shapes are remembered: a ZeRO-3 parameter is an empty placeholder between uses
+        for p, off in zip(bucket.params, bucket.offsets, strict=True):
+            shape = self.shapes[p]
+            yield p, flat.narrow(0, off - base, shape.numel()).view(shape)
+
+    def owned_params(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's chunk of ``bucket``'s parameter values (model dtype)."""
+        if self.shard_params:
+            return bucket.in_shard(self.param_shard)
+        return bucket.owned(self.param_flat, self.rank)
 
     def attach_grads(self) -> None:
         """Point every ``param.grad`` at its slice of ``grad_flat`` (autograd then
         accumulates in place). Cheap; re-run when a user reset ``.grad`` to None."""
-        for p, view in self._param_views(self.grad_flat):
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                p.grad = view
-
-    def owned_grad_chunks(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient chunk of every bucket (valid after the reduction)."""
-        if self.partitions == 1:
-            return [b.view(self.grad_flat) for b in self.buckets]
-        out, offset = [], 0
+        if self.grad_flat is None:
+            return
         for b in self.buckets:
-            out.append(self.grad_shard.narrow(0, offset, b.chunk))
-            offset += b.chunk
-        return out
+            for p, view in self._views(b, self.grad_flat):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
 
-    def shard_chunk(self, bucket: Bucket) -> torch.Tensor:
-        """Where this rank's reduced chunk of ``bucket`` goes (a view of ``grad_shard``)."""
-        if self.partitions == 1:
-            return bucket.view(self.grad_flat)
-        offset = sum(b.chunk for b in self.buckets[: bucket.index])
-        return self.grad_shard.narrow(0, offset, bucket.chunk)
+    def take_bucket_grads(self, bucket: Bucket) -> torch.Tensor:
+        """Sharded gradients: pack the bucket's fresh ``.grad`` tensors (zero for a
+        parameter that got none) into one padded buffer and drop them."""
+        buf = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+        for p, view in self._views(bucket, buf, base=bucket.start):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = None
+        return buf
+
+    # ZeRO-3 gathering ----------------------------------------------------------------------
+    def start_gather(self, bucket: Bucket, group, comm) -> None:
+        """Launch the all-gather of ``bucket`` into a fresh full buffer (async)."""
+        if bucket.gathered is not None:
+            return
+        src = bucket.in_shard(self.param_shard)
+        if src.device != self.device:  # parameters offloaded to the CPU
+            src = src.to(self.device, non_blocking=True)
+        bucket.gathered = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+        bucket.gather_work = comm.all_gather(bucket.gathered, src, group, async_op=True)
+
+    def finish_gather(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s gather and point its parameters at the full buffer."""
+        if bucket.gather_work is None:
+            return
+        bucket.gather_work.wait()
+        bucket.gather_work = None
+        for p, view in self._views(bucket, bucket.gathered, base=bucket.start):
+            p.data = view
+
+    def release(self, bucket: Bucket) -> None:
+        """Drop ``bucket``'s gathered buffer; its parameters become empty placeholders."""
+        if bucket.gathered is None:
+            return
+        if bucket.gather_work is not None:
+            bucket.gather_work.wait()
+            bucket.gather_work = None
+        bucket.gathered = None
+        for p in bucket.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
     # the optimizer step --------------------------------------------------------------------
     def load_master_grads(self, factor: float) -> None:
         """Give each master chunk its fp32 gradient, multiplied by ``factor``
-        (1 / loss scale x clip coefficient)."""
-        for master, g in zip(self.master_params, self.owned_grad_chunks(), strict=True):
+        (1 / (loss scale x dp size) x clip coefficient)."""
+        for master, g in zip(self.master_params, self.grad_chunks, strict=True):
             if g.dtype == torch.float32 and g.device == master.device:
                 if factor != 1.0:
                     g.mul_(factor)
@@ -190,16 +284,17 @@ class FlatGroup:
             master.grad = None
 
     def copy_master_to_params(self) -> None:
-        """Write updated master chunks into this rank's chunks of ``param_flat``."""
+        """Write updated master chunks into this rank's parameter chunks."""
         if self.master_aliases_params:
             return
         for b, master in zip(self.buckets, self.master_chunks, strict=True):
-            b.owned(self.param_flat, self.rank).copy_(master, non_blocking=True)
+            self.owned_params(b).copy_(master, non_blocking=True)
 
     def zero_grads(self) -> None:
-        self.grad_flat.zero_()
-        if self.grad_shard is not self.grad_flat:
-            self.grad_shard.zero_()
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+        else:  # the first reduction of the next window overwrites every chunk
+            self.grads_fresh = True
 
     # accounting ----------------------------------------------------------------------------
     @property
@@ -207,10 +302,12 @@ class FlatGroup:
         return sum(p.numel() for p in self.params)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this group keeps for parameters, gradients and fp32 masters on this rank."""
-        size = self.param_flat.element_size()
-        grads = self.grad_flat.numel() * size
-        if self.grad_shard is not self.grad_flat:
-            grads += self.grad_shard.numel() * size
+        """Bytes this group keeps for parameters, gradients and fp32 masters on this rank
+        (gathered ZeRO-3 buckets in use included)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        store = self.param_flat if self.param_flat is not None else self.param_shard
+        params = store.numel() * size
+        params += sum(b.numel * size for b in self.buckets if b.gathered is not None)
+        grad = self.grad_flat if self.grad_flat is not None else self.grad_shard
         master = 0 if self.master_shard is None else self.master_shard.numel() * 4
-        return {"params": self.numel * size, "grads": grads, "master": master}
+        return {"params": params, "grads": grad.numel() * size, "master": master}

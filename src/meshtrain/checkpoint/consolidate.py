@@ -1,0 +1,250 @@
+"""Consolidated export: one safetensors file (or a save_pretrained folder) of the full model,
+streamed so that memory stays at one chunk, never the model; and ``meshtrain consolidate``.
+
+Why hand-write the safetensors container: ``safetensors.torch.save_file`` takes the
+whole state dict in memory, which is exactly the cost this export exists to avoid (a
+ZeRO-3 checkpoint of a model larger than one machine's RAM). The container is simple and
+fully specified: an 8-byte little-endian header length N, N bytes of JSON
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``
+(padded with spaces to a multiple of 8), then the raw tensor bytes in header order. Shapes
+and dtypes are known from the manifest, so the header is written first and each tensor is
+then assembled from the rank files chunk by chunk (``CheckpointReader.iter_chunks``, at
+most ``CHUNK_NUMEL`` elements), cast, and appended. The result is re-opened with
+safetensors before it replaces ``output`` (write to a temp name, fsync, rename).
+
+Peak memory: one chunk read + its cast copy, plus the pages of the rank files mapped for
+that chunk (files are released after every chunk) -- about 2-3 x ``CHUNK_NUMEL`` x 4 bytes
+whatever the model size. Bytes read: the whole checkpoint's "param" state once (plus
+once more for the sha256 check), each alias read again for its copy.
+
+dtype: by default every tensor is written in the model dtype recorded in the meta (the
+checkpoint stores fp32 master weights for trainable parameters); ``dtype`` ("fp32",
+"bf16", "fp16") casts floating tensors instead and leaves integer/bool buffers alone.
+
+Output: a path ending in ``.safetensors`` gets one file holding every tensor plus each
+alias (tied weight) as its own copy. Any other path is a folder: ``model.safetensors``
+in it, and, when the meta carries ``hf_config``, ``config.json`` too, without alias keys
+(transformers re-ties them), so ``AutoModelForCausalLM.from_pretrained(folder)`` loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtrain.checkpoint import storage
+from meshtrain.checkpoint.manifest import dtype_from_name, dtype_name
+from meshtrain.checkpoint.reader import CheckpointReader
+from meshtrain.errors import CheckpointError
+
+CHUNK_NUMEL = 1 << 22  # elements per streamed chunk: 16 MiB of fp32
+CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ST_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _plan(
+    reader: CheckpointReader, cast: torch.dtype | None, with_aliases: bool
+) -> list[tuple[str, str, torch.dtype, tuple[int, ...]]]:
+    """``[(output key, canonical name, output dtype, shape)]`` in file order."""
+    names = [(n, n) for n in reader.names()]
+    if with_aliases:
+        names += list(reader.aliases.items())
+    plan = []
+    for key, canon in names:
+        dtype = reader.dtype(canon)
+        if cast is not None and dtype.is_floating_point:
+            dtype = cast
+        plan.append((key, canon, dtype, reader.shape(canon)))
+    return plan
+
+
+def _header(plan: list[tuple[str, str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for key, _canon, dtype, shape in plan:
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        header[key] = {
+            "dtype": _ST_CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [pos, pos + nbytes],
+        }
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # the spec allows trailing spaces; aligns the data
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_streamed(
+    reader: CheckpointReader,
+    plan: list[tuple[str, str, torch.dtype, tuple[int, ...]]],
+    path: Path,
+    progress: bool | None,
+) -> None:
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    if sys.byteorder != "little":
+        raise CheckpointError(
+            "consolidate writes little-endian safetensors; run it on a little-endian machine"
+        )
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    disable = not sys.stderr.isatty() if progress is None else not progress
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_header(plan))
+            for key, canon, dtype, shape in tqdm(
+                plan, desc="consolidate", unit="tensor", disable=disable
+            ):
+                expected = torch.Size(shape).numel()
+                written = 0
+                for _pos, chunk in reader.iter_chunks(canon, max_numel=CHUNK_NUMEL):
+                    data = chunk.to(dtype).contiguous()
+                    f.write(memoryview(data.view(torch.uint8).numpy()))
+                    written += data.numel()
+                    del chunk, data
+                    reader.release()  # unmap what this chunk touched: memory stays one chunk
+                if written != expected:
+                    raise CheckpointError(
+                        f"consolidate: assembled {written} elements of {canon!r} for {key!r}, "
+                        f"expected {expected}"
+                    )
+            f.flush()
+            os.fsync(f.fileno())
+        with safe_open(str(tmp), framework="pt") as check:  # header and offsets are valid
+            if len(list(check.keys())) != len(plan):
+                raise CheckpointError(f"consolidate: {tmp} does not list every tensor")
+        os.replace(tmp, path)
+        storage.fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _cast_arg(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    cast = CAST_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if isinstance(cast, str) and cast in ("float32", "bfloat16", "float16"):
+        cast = dtype_from_name(cast)
+    if cast not in CAST_DTYPES.values():
+        raise CheckpointError(
+            f"consolidate: dtype {dtype!r} is not supported; use one of {sorted(CAST_DTYPES)}"
+        )
+    return cast
+
+
+def consolidate(
+    checkpoint: str | os.PathLike | CheckpointReader,
+    output: str | os.PathLike,
+    *,
+    tag: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    progress: bool | None = None,
+) -> Path:
+    """Write the full model state dict of a checkpoint to ``output`` (module docstring).
+
+    ``checkpoint``: a save_dir (``tag`` or ``latest`` picks the checkpoint), a tag
+    directory, or an open ``CheckpointReader``. ``dtype``: "fp32", "bf16" or "fp16" for
+    floating tensors (default: the model dtype in the meta). ``progress``: tqdm bar over
+    tensors (default: when stderr is a terminal). Returns the file or folder written.
+    """
+    reader = (
+        checkpoint
+        if isinstance(checkpoint, CheckpointReader)
+        else CheckpointReader(checkpoint, tag)
+    )
+    cast = _cast_arg(dtype)
+    output = Path(output)
+    if output.suffix == ".safetensors":
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _write_streamed(reader, _plan(reader, cast, with_aliases=True), output, progress)
+        return output
+    if output.exists() and not output.is_dir():
+        raise CheckpointError(
+            f"consolidate: {output} is a file; give a path ending in .safetensors for one "
+            f"file, or a folder path"
+        )
+    output.mkdir(parents=True, exist_ok=True)
+    hf_config = reader.meta.get("hf_config")
+    plan = _plan(reader, cast, with_aliases=hf_config is None)
+    _write_streamed(reader, plan, output / "model.safetensors", progress)
+    if hf_config is not None:
+        config = dict(hf_config)
+        cls = reader.meta.get("hf_model_class")
+        if cls and not config.get("architectures"):
+            config["architectures"] = [cls]
+        floats = [d for _, _, d, _ in plan if d.is_floating_point]
+        if floats:  # the dtype from_pretrained will default to, as save_pretrained records
+            for k in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
+                config[k] = dtype_name(floats[0])
+        storage.write_text_atomic(output / "config.json", json.dumps(config, indent=2) + "\n")
+    return output
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    return path.stat().st_size
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        out = consolidate(args.checkpoint, args.output, tag=args.tag, dtype=args.dtype)
+    except CheckpointError as exc:
+        print(f"meshtrain consolidate: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{out} ({_human(_size(out))})")
+    return 0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``meshtrain consolidate CHECKPOINT_DIR OUTPUT [--tag T] [--dtype D]``."""
+    p = subparsers.add_parser(
+        "consolidate",
+        help="export a sharded checkpoint as one safetensors file or a save_pretrained folder",
+        description="Stream a sharded meshtrain checkpoint into one safetensors file "
+        "(OUTPUT ends in .safetensors) or a folder (model.safetensors, plus config.json "
+        "for transformers models, loadable with from_pretrained). Memory stays at one "
+        "chunk of one tensor, whatever the model size.",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_DIR",
+        help="save_dir (uses its 'latest' unless --tag) or one tag directory",
+    )
+    p.add_argument("output", metavar="OUTPUT", help="FILE.safetensors or a folder")
+    p.add_argument("--tag", default=None, metavar="T", help="checkpoint tag in CHECKPOINT_DIR")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(CAST_DTYPES),
+        help="cast floating tensors (default: the model dtype in the checkpoint)",
+    )
+    p.set_defaults(func=_main)
+    return p

@@ -1,0 +1,123 @@
+"""``engine.memory_report()``: the model-state bytes this rank holds, beside the formula.
+
+Measured, from the tensors the engine owns: ``params`` (the flat parameter buffer, or the
+ZeRO-3 shard plus any unit gathered right now, plus frozen parameters), ``grads`` (the
+flat gradient buffer or shard), ``optimizer`` (separate fp32 masters plus every tensor in
+the optimizer's state), with what offload put in host memory moved to ``host``. The
+formula is ``meshtrain.estimate.model_states_bytes`` for the same trainable/frozen
+counts, stage, data-parallel size, precision and optimizer: the ZeRO paper's per-rank
+model states. They differ by padding (each bucket rounded up to a multiple of ``N``), by
+the optimizer's scalar ``step`` tensors, by stage 3's gathered units, and by frozen
+parameters under stage 3, which meshtrain keeps whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshtrain.estimate import ModelStates, model_states_bytes
+
+_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad"}
+
+
+def _optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
+    name = type(optimizer).__name__.lower()
+    if name == "sgd":
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        return "SGD-momentum" if momentum else "SGD"
+    return _OPTIMIZER_NAMES.get(name)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """This rank's model-state bytes (``measured``) and the formula's (``formula``)."""
+
+    measured: ModelStates
+    formula: ModelStates | None
+    stage: int
+    dp: int
+    precision: str
+    optimizer: str | None
+
+    @property
+    def ratio(self) -> float | None:
+        """measured / formula, device and host bytes together."""
+        if self.formula is None:
+            return None
+        want = self.formula.total + self.formula.host
+        return (self.measured.total + self.measured.host) / max(want, 1)
+
+    def __str__(self) -> str:
+        def mib(n: int) -> str:
+            return f"{n / 2**20:10.2f}"
+
+        f = self.formula
+        rows = [
+            f"model states per rank (ZeRO stage {self.stage}, dp {self.dp}, {self.precision}, "
+            f"{self.optimizer or 'unknown optimizer'}), MiB",
+            f"{'':12}{'measured':>10} {'formula':>10}",
+        ]
+        for key in ("params", "grads", "optimizer", "host"):
+            formula = mib(getattr(f, key)) if f else f"{'-':>10}"
+            rows.append(f"{key:12}{mib(getattr(self.measured, key))} {formula}")
+        total_f = mib(f.total + f.host) if f else f"{'-':>10}"
+        rows.append(f"{'total':12}{mib(self.measured.total + self.measured.host)} {total_f}")
+        if self.ratio is not None:
+            rows.append(f"measured / formula = {self.ratio:.4f}")
+        return "\n".join(rows)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def memory_report(engine) -> MemoryReport:
+    """Build the report for ``engine`` (see module docstring)."""
+    groups = engine.flat_groups
+    in_groups = {id(p) for g in groups for p in g.params}
+    frozen = {id(p): p for p in engine.module.parameters() if id(p) not in in_groups}
+    frozen_bytes = sum(_tensor_bytes(p) for p in frozen.values())
+    trainable = sum(g.trainable_numel for g in groups)
+
+    params = frozen_bytes
+    grads = masters = host = 0
+    z = engine.config.zero_optimization
+    offload_opt = z.offload_optimizer is not None and z.offload_optimizer.device == "cpu"
+    offload_par = z.offload_param is not None and z.offload_param.device == "cpu"
+    for g in groups:
+        b = g.state_bytes()
+        grads += b["grads"]
+        masters += b["master"]
+        if offload_par and g.shard_params:
+            host += b["params"]
+        else:
+            params += b["params"]
+    states = sum(
+        _tensor_bytes(t)
+        for s in engine.optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    optimizer = masters + states
+    if offload_opt:
+        host, optimizer = host + optimizer, 0
+    measured = ModelStates(params=params, grads=grads, optimizer=optimizer, host=host)
+
+    name = _optimizer_name(engine.optimizer)
+    formula = None
+    if name is not None and trainable:
+        formula = model_states_bytes(
+            trainable,
+            dp=engine.topology.dp_size,
+            stage=engine.zero_stage,
+            precision=engine.config.precision,
+            optimizer=name,
+            offload_optimizer=offload_opt,
+            offload_param=offload_par,
+            frozen_params=sum(p.numel() for p in frozen.values()),
+        )
+    return MemoryReport(
+        measured, formula, engine.zero_stage, engine.topology.dp_size, engine.config.precision, name
+    )

@@ -1,0 +1,141 @@
+"""ZeRO stages 0-3 as storage plans over ``FlatGroup`` (Rajbhandari et al., 2020).
+
+``zero_optimization.stage`` picks what is partitioned over the ``N`` data-parallel ranks;
+the training script does not change. For ``Psi`` trainable parameters, ``s`` bytes per
+model element (4 fp32, 2 bf16/fp16) and ``K`` optimizer bytes per parameter (Adam: 8 in
+fp32, 12 with a 16-bit model because the fp32 master is separate), a rank holds:
+
+=======  ==============================  =================================================
+stage    model states per rank            what moves per optimizer step (comm convention)
+=======  ==============================  =================================================
+0        s Psi + s Psi + K Psi            all-reduce of gradients: 2 s Psi
+1        s Psi + s Psi + K Psi / N        reduce-scatter of gradients s Psi + all-gather of
+                                         updated parameters s Psi = 2 s Psi
+2        s Psi + (s + K) Psi / N          the same 2 s Psi; gradients are reduce-scattered
+                                         bucket by bucket during *every* backward (with
+                                         gradient accumulation k: (k + 1) s Psi)
+3        (s + s + K) Psi / N              all-gather before each unit's forward s Psi,
+         (+ the units gathered at once)  again before its backward s Psi, reduce-scatter
+                                         of gradients s Psi: 3 s Psi = 1.5 x stage 0
+                                         (per micro-step: 3 k s Psi with accumulation k)
+=======  ==============================  =================================================
+
+Counting convention: ``meshtrain.distributed.comm`` records an all-reduce of ``b`` bytes as
+``2b`` and a reduce-scatter / all-gather as the bytes of the full buffer, the ZeRO paper's
+communication volume; ``Psi`` above is the *padded* flat size (each bucket rounded up to
+a multiple of ``N``; stage 0 pads nothing). The scalar all-reduce of the gradient norm
+is recorded under ``control`` and is not part of these figures.
+
+Offload: ``offload_optimizer.device = "cpu"`` keeps the fp32 masters and optimizer states
+of this rank's shard in (pinned, on CUDA) host memory and steps there; gradients travel
+to it and updated values back. ``offload_param.device = "cpu"`` (stage 3) keeps the
+parameter shard on the host; a unit's shard is copied to the device just before its
+all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshtrain.distributed import comm
+from meshtrain.distributed.topology import Topology
+from meshtrain.parallel.flat import FlatGroup
+from meshtrain.parallel.zero3 import ParamGatherer, assign_units, find_units
+
+_UNBOUNDED = 1 << 62
+
+
+@dataclass
+class ZeroPlan:
+    """The flat groups of each optimizer param group, plus the stage-3 gatherer."""
+
+    per_group: list[list[FlatGroup]]
+    gatherer: ParamGatherer | None
+
+    @property
+    def flat_groups(self) -> list[FlatGroup]:
+        return [fg for fgs in self.per_group for fg in fgs]
+
+
+def _offloaded(section) -> bool:
+    return section is not None and section.device == "cpu"
+
+
+def build_plan(
+    model: nn.Module, groups: list[dict], config, topology: Topology, stage: int
+) -> ZeroPlan:
+    """Lay out the trainable parameters of ``groups`` for ``stage`` (see module docstring)."""
+    z = config.zero_optimization
+    partitions = topology.dp_size if stage >= 1 else 1
+    rank = topology.dp_rank if partitions > 1 else 0
+    common = dict(
+        partitions=partitions,
+        rank=rank,
+        shard_grads=stage >= 2,
+        master_device=torch.device("cpu") if _offloaded(z.offload_optimizer) else None,
+        separate_master=_offloaded(z.offload_optimizer),
+    )
+    bucket = int(z.reduce_bucket_size)
+    if stage < 3:
+        per_group = [[FlatGroup(g["params"], bucket_numel=bucket, **common)] for g in groups]
+        return ZeroPlan(per_group, None)
+
+    units = find_units(model, list(z.stage3_module_classes))
+    owner = assign_units(model, units, int(z.stage3_param_persistence_threshold))
+    param_device = torch.device("cpu") if _offloaded(z.offload_param) else None
+    per_group, sharded = [], []
+    for g in groups:
+        mine = [p for p in g["params"] if p in owner]
+        whole = [p for p in g["params"] if p not in owner]
+        fgs = []
+        if mine:
+            fg = FlatGroup(
+                mine,
+                bucket_numel=_UNBOUNDED,  # one bucket per unit: one all-gather per use
+                shard_params=True,
+                param_device=param_device,
+                keys=[owner[p] for p in mine],
+                **common,
+            )
+            fgs.append(fg)
+            sharded.append(fg)
+        if whole:  # persistent: small or outside every unit; stage-2 treatment
+            fgs.append(FlatGroup(whole, bucket_numel=bucket, **common))
+        per_group.append(fgs)
+    gatherer = None
+    if sharded:
+        gatherer = ParamGatherer(
+            model, units, sharded, topology.dp_group, int(z.stage3_prefetch_bucket_size)
+        )
+    return ZeroPlan(per_group, gatherer)
+
+
+def gather_updated_params(flat_groups: list[FlatGroup], dp_group) -> None:
+    """Stages 1-2 (and stage 3's whole parameters): every rank updated its own chunks;
+    all-gather the full buckets. Sharded ZeRO-3 parameters are gathered when used."""
+    works = []
+    for g in flat_groups:
+        if g.partitions == 1 or g.shard_params:
+            continue
+        for b in g.buckets:
+            mine = b.owned(g.param_flat, g.rank).clone()
+            works.append(comm.all_gather(b.view(g.param_flat), mine, dp_group, async_op=True))
+    for w in works:
+        w.wait()
+
+
+def comm_bytes_theory(flat_groups: list[FlatGroup], stage: int, micro_steps: int = 1) -> int:
+    """Model-state bytes one optimizer step records under ``stage`` (module docstring)."""
+    total = 0
+    for g in flat_groups:
+        nbytes = g.numel * torch.empty((), dtype=g.dtype).element_size()
+        if stage <= 1:  # reduced once, at the accumulation boundary
+            total += 2 * nbytes
+        elif g.shard_params:
+            total += 3 * nbytes * micro_steps
+        else:  # stage 2, and stage 3's persistent parameters
+            total += nbytes * (micro_steps + 1)
+    return total

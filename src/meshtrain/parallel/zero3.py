@@ -1,0 +1,226 @@
+"""ZeRO stage 3: parameters live as 1/N shards and are gathered unit by unit when used.
+
+A *unit* is a module whose parameters are gathered together: by default each block of
+the model's outermost ``nn.ModuleList``/``nn.Sequential`` and each other child along the
+way (for a Llama: the embedding, every decoder layer, the final norm, the head), or the
+instances of the classes named in ``zero_optimization.stage3_module_classes``. Each
+unit's parameters form their own buckets (``FlatGroup`` ``keys``), so gathering a unit is
+one all-gather per param group.
+
+Life of a unit's parameters in one training micro-step::
+
+    forward pre-hook   gather (wait for the prefetch, or all-gather now) and start the
+                       all-gather of the next units in last forward's order, up to
+                       stage3_prefetch_bucket_size elements
+    forward post-hook  free (parameters become empty placeholders); hook the outputs
+    output grad hook   the gradient reached this unit's outputs: gather again, prefetch
+                       the unit that ran before it
+    grads reduced      the GradReducer hands the bucket's gradients to the reduce-scatter
+                       and frees the bucket (autograd accumulates a parameter's gradient
+                       once all its uses are differentiated, so nothing needs it after)
+
+So each unit is all-gathered twice per micro-step and its gradient reduce-scattered
+once: 3 Psi of the ZeRO paper's volume against data parallelism's 2 Psi. Tied weights
+used by two units are gathered by each (once more per extra use). Parameters smaller
+than stage3_param_persistence_threshold, parameters outside every unit, and frozen
+parameters stay whole on every rank (stage-2 treatment).
+
+Activation checkpointing: the recomputation inside backward calls the block's forward
+directly, after the output grad hook has gathered the unit, and the post-hook does not
+free while autograd is running (``_in_backward``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from meshtrain.distributed import comm
+from meshtrain.distributed.comm import Group
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.flat import Bucket, FlatGroup
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def _has_container(module: nn.Module) -> bool:
+    return any(isinstance(m, _CONTAINERS) for m in module.modules())
+
+
+def _split(module: nn.Module) -> list[nn.Module]:
+    units: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, _CONTAINERS):
+            units.extend(child.children())
+        elif _has_container(child):
+            units.extend(_split(child))
+        else:
+            units.append(child)
+    return units
+
+
+def find_units(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
+    """The gather units of ``model`` in registration order (see module docstring)."""
+    if class_names:
+        wanted = set(class_names)
+        found, inside = [], set()
+        for m in model.modules():  # outermost matches only
+            if type(m).__name__ in wanted and id(m) not in inside:
+                found.append(m)
+                inside.update(id(s) for s in m.modules())
+        missing = wanted - {type(m).__name__ for m in found}
+        if missing:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(
+                f"zero_optimization.stage3_module_classes: {sorted(missing)} not found in "
+                f"the model; its module classes are {present}"
+            )
+        units = found
+    else:
+        units = _split(model) if _has_container(model) else list(model.children())
+    units = [u for u in units if any(True for _ in u.parameters())]
+    return units or [model]
+
+
+def assign_units(
+    model: nn.Module, units: list[nn.Module], threshold: int
+) -> dict[nn.Parameter, int]:
+    """Unit index of each trainable parameter to shard: the first unit holding it.
+
+    Parameters under ``threshold`` elements and those in no unit are left out (whole)."""
+    owner: dict[nn.Parameter, int] = {}
+    for i, unit in enumerate(units):
+        for p in unit.parameters():
+            if p.requires_grad and p.numel() >= threshold and p not in owner:
+                owner[p] = i
+    return owner
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(eq=False)
+class Unit:
+    module: nn.Module
+    buckets: list[tuple[FlatGroup, Bucket]] = field(default_factory=list)
+    numel: int = 0
+    backward_pass: int = -1  # the forward pass whose backward already gathered this unit
+
+
+class ParamGatherer:
+    """Installs the stage-3 hooks on ``units`` for the sharded ``groups``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[nn.Module],
+        groups: list[FlatGroup],
+        dp_group: Group,
+        prefetch_numel: int,
+    ) -> None:
+        self.dp_group = dp_group
+        self.prefetch_numel = prefetch_numel
+        self.groups = groups
+        where = {p: (g, g.bucket_of[p]) for g in groups for p in g.params}
+        self.units: list[Unit] = []
+        for module in units:
+            unit = Unit(module)
+            seen: set[int] = set()
+            for p in module.parameters():
+                gb = where.get(p)
+                if gb is not None and id(gb[1]) not in seen:
+                    seen.add(id(gb[1]))
+                    unit.buckets.append(gb)
+                    unit.numel += gb[1].numel
+            if unit.buckets:
+                self.units.append(unit)
+        self._order: list[Unit] = []  # units in the order the current forward ran them
+        self._last_order: list[Unit] = []
+        self._pass = 0
+        self._handles = [model.register_forward_pre_hook(self._root_pre)]
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._pre(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._post(unit)))
+
+    # gathering -------------------------------------------------------------------------------
+    def _start(self, unit: Unit) -> None:
+        for g, b in unit.buckets:
+            g.start_gather(b, self.dp_group, comm)
+
+    def gather(self, unit: Unit) -> None:
+        self._start(unit)
+        for g, b in unit.buckets:
+            g.finish_gather(b)
+
+    def release(self, unit: Unit) -> None:
+        for g, b in unit.buckets:
+            g.release(b)
+
+    def release_all(self) -> None:
+        for g in self.groups:
+            for b in g.buckets:
+                g.release(b)
+
+    def _prefetch(self, order: list[Unit], start: int, step: int) -> None:
+        budget, i = self.prefetch_numel, start
+        while 0 <= i < len(order) and budget > 0:
+            self._start(order[i])
+            budget -= order[i].numel
+            i += step
+
+    # hooks -----------------------------------------------------------------------------------
+    def _root_pre(self, module, args) -> None:
+        if _in_backward():
+            return
+        if self._order:
+            self._last_order = self._order
+        self._order = []
+        self._pass += 1
+
+    def _pre(self, unit: Unit):
+        def hook(module, args):
+            self.gather(unit)
+            if _in_backward():
+                return
+            pos = len(self._order)
+            self._order.append(unit)
+            if self._last_order[pos : pos + 1] == [unit]:
+                self._prefetch(self._last_order, pos + 1, +1)
+
+        return hook
+
+    def _post(self, unit: Unit):
+        def hook(module, args, output):
+            if _in_backward():
+                return
+            self.release(unit)
+            if not torch.is_grad_enabled():
+                return
+            pass_id = self._pass
+            position = len(self._order) - 1
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(self._grad_hook(unit, pass_id, position))
+
+        return hook
+
+    def _grad_hook(self, unit: Unit, pass_id: int, position: int):
+        def hook(grad):
+            if unit.backward_pass == pass_id:
+                return None
+            unit.backward_pass = pass_id
+            self.gather(unit)
+            self._prefetch(self._order, position - 1, -1)
+            return None
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
