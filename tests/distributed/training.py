@@ -10,6 +10,8 @@ compute the same mean gradient, up to floating-point summation order.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -37,12 +39,15 @@ class PlainNet(nn.Module):
 
 
 def make_model(kind: str) -> nn.Module:
+    """ "decoder", "tied" (the decoder with lm_head tied to the embedding) or "plain"."""
+    if kind == "tied":
+        return Decoder(replace(TINY_DECODER, tie_embeddings=True))
     return Decoder(TINY_DECODER) if kind == "decoder" else PlainNet()
 
 
 def global_batch(kind: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    if kind == "decoder":
+    if kind in ("decoder", "tied"):
         ids = torch.randint(0, TINY_DECODER.vocab_size, (size, SEQ), generator=g)
         return ids, ids
     x = torch.randn(size, 12, generator=g)
@@ -83,18 +88,10 @@ def reference_run(kind, steps, batch, lr=1e-3, clip=0.0, frozen=(), optimizer="A
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def engine_run(
-    kind, steps, micro, accum, config_extra=None, lr=1e-3, frozen=(), optimizer="AdamW", stats=False
-):
-    """Inside a rank: the same training through meshtrain.initialize.
-
-    Returns (losses averaged over ranks per step, state dict, per-step comm bytes by op,
-    comm bytes of non-boundary micro-steps)."""
-    import torch.distributed as dist
-
+def make_engine(kind, micro, accum, config_extra=None, lr=1e-3, frozen=(), optimizer="AdamW"):
+    """Inside a rank: the test model (``frozen`` names frozen) through meshtrain.initialize."""
     import meshtrain
 
-    world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = make_model(kind)
     for name, p in model.named_parameters():
@@ -115,9 +112,20 @@ def engine_run(
     engine, *_ = meshtrain.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
+    return engine
+
+
+def train_steps(engine, kind, steps, micro, accum, first_step=0):
+    """Run ``steps`` optimizer steps of the parity protocol (module docstring).
+
+    Returns (losses averaged over ranks per step, per-step comm bytes by op, comm bytes
+    of non-boundary micro-steps)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
     losses, step_bytes, off_boundary = [], [], []
     per_rank = micro * accum
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         x, y = global_batch(kind, step, per_rank * world)
         x, y = (
             x[rank * per_rank : (rank + 1) * per_rank],
@@ -137,6 +145,16 @@ def engine_run(
         dist.all_reduce(t)
         losses.append(float(t) / world)
         step_bytes.append(engine.last_step_comm_bytes())
+    return losses, step_bytes, off_boundary
+
+
+def engine_run(kind, steps, micro, accum, config_extra=None, lr=1e-3, frozen=(), optimizer="AdamW"):
+    """Inside a rank: the same training through meshtrain.initialize.
+
+    Returns (losses averaged over ranks per step, state dict, per-step comm bytes by op,
+    comm bytes of non-boundary micro-steps)."""
+    engine = make_engine(kind, micro, accum, config_extra, lr, frozen, optimizer)
+    losses, step_bytes, off_boundary = train_steps(engine, kind, steps, micro, accum)
     return losses, engine.module_state_dict(), step_bytes, off_boundary
 
 

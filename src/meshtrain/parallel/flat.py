@@ -299,7 +299,7 @@ class FlatGroup:
     # accounting ----------------------------------------------------------------------------
     @property
     def trainable_numel(self) -> int:
-        return sum(p.numel() for p in self.params)
+        return sum(shape.numel() for shape in self.shapes.values())
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this group keeps for parameters, gradients and fp32 masters on this rank
