@@ -34,34 +34,13 @@ from torch import nn
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
 from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.optim_setup import make_optimizer, make_scheduler, param_groups
 from meshtrain.parallel.data_parallel import GradReducer
 from meshtrain.parallel.zero import build_plan, gather_updated_params
 from meshtrain.precision import DTYPES, scaler_from_config
 from meshtrain.step_log import StepLog
 
 log = logging.getLogger("meshtrain")
-
-
-def _param_groups(model: nn.Module, model_parameters) -> list[dict]:
-    """Normalise ``model_parameters`` (params, or torch-style group dicts) to group dicts."""
-    if model_parameters is None:
-        model_parameters = model.parameters()
-    items = list(model_parameters)
-    if not items:
-        raise ConfigError("model_parameters is empty; pass model.parameters() or param groups")
-    if isinstance(items[0], dict):
-        groups = [dict(g, params=list(g["params"])) for g in items]
-    else:
-        groups = [{"params": items}]
-    seen: set[int] = set()
-    for g in groups:  # a tied weight appears once; frozen ones are dropped
-        kept = []
-        for p in g["params"]:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                kept.append(p)
-        g["params"] = kept
-    return [g for g in groups if g["params"]]
 
 
 class Engine:
@@ -92,6 +71,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_step_skipped = False
         self._global_grad_norm: float | None = None
+        self.training_dataloader = None  # set by initialize(training_data=...)
 
         model = model.to(device=self.device, dtype=self.dtype)
         self._apply_activation_checkpointing(model)
@@ -103,14 +83,14 @@ class Engine:
         groups = (
             [dict(g) for g in optimizer.param_groups]
             if optimizer is not None
-            else _param_groups(model, model_parameters)
+            else param_groups(model, model_parameters)
         )
-        groups = _param_groups(model, groups)
+        groups = param_groups(model, groups)
         self.plan = build_plan(model, groups, config, topology, self.zero_stage)
         self.flat_groups = self.plan.flat_groups
         self.gatherer = self.plan.gatherer
-        self.optimizer = self._make_optimizer(optimizer, groups)
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.optimizer = make_optimizer(config, optimizer, groups, self.plan, self.device)
+        self.lr_scheduler = make_scheduler(config, lr_scheduler, self.optimizer)
         self.reducer = GradReducer(
             self.flat_groups,
             topology.dp_group,
@@ -147,51 +127,6 @@ class Engine:
         from meshtrain.parallel.checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, ac.module_classes)
-
-    def _make_optimizer(self, client, groups: list[dict]) -> torch.optim.Optimizer:
-        """The optimizer steps master chunks; a client optimizer is re-pointed at them so
-        that it (and a scheduler built on it) stays the object the user holds."""
-        masters = [
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": [m for fg in fgs for m in fg.master_params],
-            }
-            for g, fgs in zip(groups, self.plan.per_group, strict=True)
-        ]
-        if client is not None:
-            client.state.clear()
-            for pg, m in zip(client.param_groups, masters, strict=False):
-                pg["params"] = m["params"]
-            return client
-        from meshtrain.optim import build_optimizer
-
-        cfg = self.config.optimizer
-        if cfg is None:
-            raise ConfigError(
-                'optimizer: no optimizer given; add an "optimizer" section '
-                '(e.g. {"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer='
-            )
-        params = (
-            cfg.params if isinstance(cfg.params, dict) else cfg.params.model_dump(exclude_none=True)
-        )
-        return build_optimizer(cfg.type, params, masters, device_type=self.device.type)
-
-    def _make_scheduler(self, client):
-        if client is not None:
-            return (
-                client(self.optimizer)
-                if callable(client) and not hasattr(client, "step")
-                else client
-            )
-        cfg = self.config.scheduler
-        if cfg is None:
-            return None
-        from meshtrain.optim import build_scheduler
-
-        params = (
-            cfg.params if isinstance(cfg.params, dict) else cfg.params.model_dump(exclude_none=True)
-        )
-        return build_scheduler(cfg.type, params, self.optimizer)
 
     # the training step ----------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -364,6 +299,30 @@ class Engine:
             for g, b in buckets:
                 g.release(b)
 
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None):
+        """Write a sharded checkpoint ``save_dir/tag`` (default ``global_step<N>``) and
+        point ``save_dir/latest`` at it once every rank's files are complete. Every rank
+        calls it; ``client_state`` must be JSON-able. Returns the checkpoint directory."""
+        from meshtrain.checkpoint.engine_io import save
+
+        return save(self, save_dir, tag, client_state)
+
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ):
+        """Load ``load_dir/tag`` (default: the tag ``latest`` names), written under any
+        data-parallel size or ZeRO stage. Returns ``(load_path, client_state)``."""
+        from meshtrain.checkpoint.engine_io import load
+
+        return load(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
     def memory_report(self):
         """This rank's bytes of parameters, gradients and optimizer states beside the
         ZeRO-paper formula (``meshtrain.parallel.memory.MemoryReport``; print it)."""
@@ -408,7 +367,7 @@ def initialize(
     cfg = cfg.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
     engine = Engine(model, cfg, topology, model_parameters, optimizer, lr_scheduler)
     loader = None
-    if training_data is not None:
+    if training_data is not None:  # (its position is saved with the engine's checkpoints)
         from meshtrain.data.loader import ResumableDataLoader
 
         loader = ResumableDataLoader(
@@ -418,6 +377,7 @@ def initialize(
             rank=topology.dp_rank,
             collate_fn=collate_fn,
         )
+        engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -1,0 +1,259 @@
+"""What an Engine saves and how it loads it back under any data-parallel size / ZeRO stage.
+
+Save: every rank describes the elements it is responsible for as ``Piece``s over each
+parameter's *flattened* index, so the files say nothing about the layout that wrote
+them. For a ``FlatGroup`` bucket of ``n`` padded elements a rank writes
+
+* ZeRO stages 1-3 (``P = dp`` partitions): its own chunk ``[r n / P, (r + 1) n / P)``
+  of the fp32 master weights and of each optimizer state (what it holds anyway);
+* stage 0 (``P = 1``, every rank holds everything): the slice ``[r c, (r + 1) c)``,
+  ``c = ceil(n / dp)``, so the ranks still share the writing.
+
+Frozen parameters and persistent buffers (whole on every rank) are split the same way
+over the world. Scalars (optimizer ``step``, counters, loss scale, scheduler, data-loader
+position, python/numpy RNG) go in the JSON rank state; the torch RNG state tensors in
+the rank's file.
+
+Load: each rank asks the reader for exactly the element ranges it owns in its *own*
+layout (padding stays zero) -- a parameter's elements come from whichever files hold
+them. The fp32 masters are the source of truth: parameters are then written from them
+(and all-gathered for stages 1-2), exactly as after an optimizer step, so a resumed run
+continues bit-identically. RNG states are restored only when the world size matches
+(per-rank streams have no meaning under another layout); the data-loader position is a
+count of consumed samples, which the sampler re-deals over the new replica count.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshtrain.checkpoint.manifest import Piece, dtype_name
+from meshtrain.checkpoint.reader import CheckpointReader
+from meshtrain.checkpoint.writer import save_shards
+from meshtrain.parallel.flat import Bucket, FlatGroup
+from meshtrain.parallel.zero import gather_updated_params
+
+
+def _names(module: torch.nn.Module) -> tuple[dict[int, str], dict[str, str]]:
+    """(canonical name of each parameter/buffer by id, {alias: canonical} for tied ones)."""
+    canon: dict[int, str] = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        canon.setdefault(id(t), name)
+    aliases = {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        if canon.get(id(t), key) != key:
+            aliases[key] = canon[id(t)]
+    return canon, aliases
+
+
+def _save_range(g: FlatGroup, b: Bucket, dp: int, rank: int) -> tuple[int, int, int]:
+    """(lo, hi) bucket-local elements this rank writes, and where its master chunk starts."""
+    if g.partitions > 1:
+        return g.rank * b.chunk, (g.rank + 1) * b.chunk, g.rank * b.chunk
+    c = -(-b.numel // dp)
+    return min(rank * c, b.numel), min((rank + 1) * c, b.numel), 0
+
+
+def _runs(g: FlatGroup, b: Bucket, lo: int, hi: int, names: dict[int, str]):
+    """(name, start in the param, bucket-local offset, numel) for each param overlapping."""
+    for p, off in zip(b.params, b.offsets, strict=True):
+        a, z = off - b.start, off - b.start + g.shapes[p].numel()
+        s, e = max(a, lo), min(z, hi)
+        if s < e:
+            yield names[id(p)], s - a, s, e - s
+
+
+def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
+    py = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [py[0], list(py[1]), py[2]], "numpy": [kind, pos, has_gauss, cached]}
+    tensors = {"rng.torch": torch.get_rng_state(), "rng.numpy": torch.from_numpy(keys.astype(np.int64))}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    return state, tensors
+
+
+def _set_rng(state: dict, reader: CheckpointReader, rank: int) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, pos, has_gauss, cached = state["numpy"]
+    keys = reader.rank_tensor(rank, "rng.numpy").numpy().astype(np.uint32)
+    np.random.set_state((kind, keys, pos, has_gauss, cached))
+    torch.set_rng_state(reader.rank_tensor(rank, "rng.torch"))
+    if torch.cuda.is_available() and "rng.cuda" in reader.rank_keys(rank):
+        torch.cuda.set_rng_state(reader.rank_tensor(rank, "rng.cuda"))
+
+
+def _model_meta(engine, canon: dict[int, str], aliases: dict[str, str]) -> dict[str, Any]:
+    shapes = {p: s for g in engine.flat_groups for p, s in g.shapes.items()}
+    tensors = {}
+    for key, t in engine.module.state_dict(keep_vars=True).items():
+        if key in aliases:
+            continue
+        kind = (
+            "param" if t in shapes else "frozen" if isinstance(t, torch.nn.Parameter) else "buffer"
+        )
+        shape = shapes.get(t, t.shape)
+        tensors[key] = {"shape": list(shape), "dtype": dtype_name(t.dtype), "kind": kind}
+    return tensors
+
+
+def save(engine, save_dir, tag: str | None = None, client_state: dict | None = None) -> Path:
+    """``engine.save_checkpoint`` (see the module docstring)."""
+    topo = engine.topology
+    world = topo.group("world")
+    rank, dp = world.rank, topo.dp_size
+    tag = tag or f"global_step{engine.global_steps}"
+    canon, aliases = _names(engine.module)
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: list[Piece] = []
+    steps = set()
+    opt_state = engine.optimizer.state
+    for gi, g in enumerate(engine.flat_groups):
+        for b, master in zip(g.buckets, g.master_params, strict=True):
+            lo, hi, base = _save_range(g, b, dp, topo.dp_rank if g.partitions > 1 else rank)
+            if hi <= lo:
+                continue
+            sources = {"param": master.detach()}
+            for k, v in opt_state.get(master, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == master.shape:
+                    sources[k] = v
+                elif k == "step":
+                    steps.add(float(v))
+            for state, src in sources.items():
+                key = f"g{gi}.b{b.index}.{state}"
+                tensors[key] = src[lo - base : hi - base].detach().float().cpu().contiguous()
+                for name, start, local, n in _runs(g, b, lo, hi, canon):
+                    pieces.append(Piece(name, state, key, local - lo, start, n))
+    meta_tensors = _model_meta(engine, canon, aliases)
+    for key, t in engine.module.state_dict().items():
+        if key in aliases or meta_tensors[key]["kind"] == "param":
+            continue
+        flat = t.detach().reshape(-1)
+        c = -(-flat.numel() // world.size)
+        lo, hi = min(rank * c, flat.numel()), min((rank + 1) * c, flat.numel())
+        if hi > lo:
+            tensors[f"x.{key}"] = flat[lo:hi].cpu().contiguous()
+            pieces.append(Piece(key, "param", f"x.{key}", 0, lo, hi - lo))
+
+    rng, rng_tensors = _rng_state()
+    tensors.update(rng_tensors)
+    rank_state = {
+        "rng": rng,
+        "optimizer_step": sorted(steps),
+        "param_groups": [
+            {k: v for k, v in pg.items() if k != "params" and _jsonable(v)}
+            for pg in engine.optimizer.param_groups
+        ],
+        "scaler": engine.scaler.state_dict(),
+        "scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
+    }
+    loader = getattr(engine, "training_dataloader", None)
+    meta = {
+        "tensors": meta_tensors,
+        "aliases": aliases,
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "mesh": {"pp": topo.pp_size, "dp": dp, "tp": topo.tp_size},
+        "zero_stage": engine.zero_stage,
+        "precision": engine.config.precision,
+        "config": engine.config.to_dict(derived=False),
+        "data_loader": None if loader is None else loader.state_dict(),
+        "client_state": client_state or {},
+    }
+    hf = getattr(engine.module, "config", None)
+    if hasattr(hf, "to_dict") and hasattr(engine.module, "save_pretrained"):
+        meta["hf_config"] = hf.to_dict()
+        meta["hf_model_class"] = type(engine.module).__name__
+    keep = engine.config.checkpoint.keep_last
+    return save_shards(
+        save_dir,
+        tag,
+        group=world,
+        tensors=tensors,
+        pieces=pieces,
+        rank_state=rank_state,
+        meta=meta,
+        keep_last=keep or None,
+    )
+
+
+def _jsonable(v: Any) -> bool:
+    return (
+        v is None
+        or isinstance(v, (bool, int, float, str))
+        or (isinstance(v, (list, tuple)) and all(_jsonable(x) for x in v))
+    )
+
+
+def load(
+    engine,
+    load_dir,
+    tag: str | None = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[Path, dict]:
+    """``engine.load_checkpoint`` (see the module docstring)."""
+    topo = engine.topology
+    world = topo.group("world")
+    reader = CheckpointReader(load_dir, tag)
+    canon, aliases = _names(engine.module)
+    meta_tensors = _model_meta(engine, canon, aliases)
+    expected = {k: tuple(v["shape"]) for k, v in meta_tensors.items()}
+    expected.update({a: expected[c] for a, c in aliases.items()})
+    reader.check_model(expected)
+    meta = reader.meta
+    states = [s for s in reader.states() if s != "param"] if load_optimizer_states else []
+    if load_module_only:
+        states = []
+    rank0 = reader.rank_state(0)
+    step_values = rank0.get("optimizer_step") or [0.0]
+    with torch.no_grad():
+        for g in engine.flat_groups:
+            for b, master in zip(g.buckets, g.master_params, strict=True):
+                lo = g.rank * b.chunk if g.partitions > 1 else 0
+                hi = lo + b.chunk
+                fresh = {s: torch.zeros_like(master) for s in states}
+                master.zero_()
+                for name, start, local, n in _runs(g, b, lo, hi, canon):
+                    dst = slice(local - lo, local - lo + n)
+                    master[dst] = reader.read(name, "param", start, n).to(master.dtype)
+                    for s in states:
+                        fresh[s][dst] = reader.read(name, s, start, n).to(master.dtype)
+                if states:
+                    step = torch.tensor(step_values[-1], dtype=torch.float32)
+                    engine.optimizer.state[master] = {"step": step, **fresh}
+            g.copy_master_to_params()
+        gather_updated_params(engine.flat_groups, topo.dp_group)
+        for key, t in engine.module.state_dict().items():
+            if key in aliases or meta_tensors[key]["kind"] == "param":
+                continue
+            t.copy_(reader.read_full(key).to(t.dtype))
+    for g in engine.flat_groups:
+        g.zero_grads()
+    if load_module_only:
+        return reader.path, meta.get("client_state", {})
+    if load_optimizer_states:
+        for pg, saved in zip(engine.optimizer.param_groups, rank0["param_groups"], strict=False):
+            pg.update(
+                {k: tuple(v) if isinstance(pg.get(k), tuple) else v for k, v in saved.items()}
+            )
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and rank0["scheduler"]:
+        engine.lr_scheduler.load_state_dict(rank0["scheduler"])
+    engine.scaler.load_state_dict(rank0["scaler"])
+    engine.global_steps = meta["global_steps"]
+    engine.micro_steps = meta["micro_steps"]
+    engine.skipped_steps = meta["skipped_steps"]
+    if reader.world_size == world.size:
+        _set_rng(reader.rank_state(world.rank)["rng"], reader, world.rank)
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is not None and meta.get("data_loader"):
+        loader.load_state_dict(meta["data_loader"])
+    return reader.path, meta.get("client_state", {})
