@@ -47,6 +47,16 @@ def _bit_exact(root):
         head, _, _ = train_steps(first, "decoder", 3, 2, 1)
         path = first.save_checkpoint(f"{root}/s{stage}", client_state={"note": stage})
         after_save = _draws()
+        gathered = first.module_state_dict()  # every rank takes part in the gather
+        if dist.get_rank() == 0:
+            from safetensors.torch import load_file
+
+            from meshtrain.checkpoint import consolidate
+
+            exported = load_file(consolidate(f"{root}/s{stage}", f"{root}/s{stage}.safetensors"))
+            out["export", stage] = exported.keys() == gathered.keys() and all(
+                torch.equal(exported[k], gathered[k]) for k in gathered
+            )
         _draws()  # move the streams on, so restoring them is visible
 
         second = make_engine("decoder", 2, 1, {**zero(stage), "gradient_clipping": 0.5})
@@ -62,13 +72,26 @@ def _bit_exact(root):
             "path": str(load_path) == str(path) and path.name == "global_step3",
             "steps": second.global_steps == 6,
         }
+    from meshtrain.errors import CheckpointError
+
+    try:  # a checkpoint of another model: every difference is listed
+        make_engine("plain", 2, 1, zero(1)).load_checkpoint(f"{root}/s1")
+        out["wrong_model"] = None
+    except CheckpointError as e:
+        out["wrong_model"] = str(e)
     return out if dist.get_rank() == 0 else None
 
 
 def test_bit_exact_resume_all_stages(tmp_path):
     out = run_ranks(_bit_exact, 2, str(tmp_path))[0]
-    for stage, checks in out.items():
-        assert all(checks.values()), f"stage {stage}: {checks}"
+    for stage in (0, 1, 2, 3):
+        assert all(out[stage].values()), f"stage {stage}: {out[stage]}"
+        # the consolidated file equals the gathered state dict, to the bit
+        assert out["export", stage], f"stage {stage}: consolidated export differs"
+    message = out["wrong_model"]
+    assert message is not None
+    for word in ("missing", "unexpected", "body.0.weight", "embed.weight"):
+        assert word in message, message
 
 
 def _save(root, cases):
