@@ -72,7 +72,10 @@ def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
     py = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": [py[0], list(py[1]), py[2]], "numpy": [kind, pos, has_gauss, cached]}
-    tensors = {"rng.torch": torch.get_rng_state(), "rng.numpy": torch.from_numpy(keys.astype(np.int64))}
+    tensors = {
+        "rng.torch": torch.get_rng_state(),
+        "rng.numpy": torch.from_numpy(keys.astype(np.int64)),
+    }
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     return state, tensors

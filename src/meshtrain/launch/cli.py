@@ -47,6 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "underneath. Accepts torchrun's and DeepSpeed's flags (either spelling).",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # the script's own flags must never be taken for abbreviations of ours
+        # (``-m meshtrain train --nproc 3`` is not ``--nproc_per_node``)
+        allow_abbrev=False,
     )
     a = p.add_argument
     a(

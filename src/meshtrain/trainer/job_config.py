@@ -79,7 +79,7 @@ train:
   max_steps: 300
   output_dir: meshtrain-run
   save_interval: 100
-  nproc: 2
+  nproc: auto                  # one process per GPU, else 2 CPU processes
 model:
   vocab_size: auto             # the tokenizer's, rounded up to a multiple of 64
   dim: 128
@@ -109,8 +109,8 @@ class TrainSection(Section):
     """Folder for the prepared data, checkpoints, logs and plot; running again with the same folder resumes."""
     save_interval: NonNegInt = 100
     """Save a checkpoint every this many optimizer steps (0: only at the end)."""
-    nproc: PosInt = 2
-    """Local processes to train on (inside torchrun / meshtrain launch the job's world size is used)."""
+    nproc: PosInt | Auto = AUTO
+    """Local processes; "auto": one per GPU, else 2 CPU processes. Inside torchrun / meshtrain launch the job's world size is used instead."""
 
 
 class ModelSection(Section):
@@ -267,8 +267,8 @@ def build_job_dict(
     return data
 
 
-def resolve_job_autos(data: dict[str, Any], *, gpu: bool, vocab_size: int | None) -> JobConfig:
-    """Fill the job's ``"auto"`` values; return the validated :class:`JobConfig`.
+def resolve_job_autos(data: dict[str, Any], *, gpu: bool, vocab_size: int | None) -> dict[str, Any]:
+    """Fill the job's ``"auto"`` values; return the new dict (validated as a JobConfig).
 
     ``bf16.enabled``: ``gpu``. ``scheduler.params.total_num_steps``: ``train.max_steps``;
     ``warmup_num_steps``: 10% of it (at least 1). ``model.vocab_size``: ``vocab_size``
@@ -291,7 +291,8 @@ def resolve_job_autos(data: dict[str, Any], *, gpu: bool, vocab_size: int | None
         model["vocab_size"] = -(-int(vocab_size) // 64) * 64
     if model.get("max_seq_len", AUTO) == AUTO:
         model["max_seq_len"] = job.data.seq_len
-    return JobConfig.from_dict(data)
+    JobConfig.from_dict(data)
+    return data
 
 
 def engine_dict(data: dict[str, Any]) -> dict[str, Any]:

@@ -118,7 +118,9 @@ class RunLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            self.write(f"note: TensorBoard events are not written (tensorboard missing; {_MISSING})")
+            self.write(
+                f"note: TensorBoard events are not written (tensorboard missing; {_MISSING})"
+            )
             return None
         # purge_step drops events of steps a crashed run wrote after its last checkpoint
         return SummaryWriter(str(self.tensorboard_dir), purge_step=self.start_step + 1)
@@ -207,10 +209,12 @@ def plot_loss(metrics: str | Path, out: str | Path, title: str, resumed_at: int 
         return False
     steps = [r["step"] for r in rows]
     losses = [r["loss"] for r in rows]
-    smooth, ema = [], None
-    for value in losses:  # an EMA shows the trend through per-batch noise
-        ema = value if ema is None else 0.9 * ema + 0.1 * value
-        smooth.append(ema)
+    smooth, ema = [], 0.0
+    for t, value in enumerate(losses, start=1):
+        # an EMA shows the trend through per-batch noise; dividing by 1 - 0.9^t removes
+        # its pull towards the first value (TensorBoard's debiased smoothing)
+        ema = 0.9 * ema + 0.1 * value
+        smooth.append(ema / (1 - 0.9**t))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     ax.plot(steps, losses, color="#9ab8d8", linewidth=0.8, label="loss (rank 0)")
     ax.plot(steps, smooth, color="#1f4e8c", linewidth=1.8, label="moving average")

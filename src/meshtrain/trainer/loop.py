@@ -1,0 +1,247 @@
+"""One rank of ``meshtrain train``: data, model, engine, resume, the loop, saves, summary.
+
+Every rank runs :func:`run_rank` with the same resolved job config. Rank 0 prepares the
+corpus (a cached no-op when the launching process already did) while the others wait, so
+the job also works when started directly by ``torchrun -m meshtrain train`` or
+``meshtrain launch -m meshtrain train`` (several nodes need a shared output directory).
+
+Checkpoints go to ``<output_dir>/checkpoints/global_step<N>`` through the engine
+(``engine.save_checkpoint``), which also records the position of the data loader that
+``initialize`` built, so a resumed run continues with the next unseen batch. A run finds
+``checkpoints/latest``, loads it, says so, and trains on to ``train.max_steps``.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtrain.config import AUTO
+from meshtrain.errors import ConfigError
+from meshtrain.trainer.job_config import JobConfig, engine_dict, resolve_job_autos
+
+CHECKPOINTS = "checkpoints"
+SUMMARY = "summary.json"
+
+
+def collate_packed(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Packed rows all have ``seq_len`` tokens, so no padding and no attention mask (the
+    reference decoder takes none); the labels are the inputs, shifted inside the model."""
+    ids = torch.stack([f["input_ids"] for f in features])
+    return {"input_ids": ids, "labels": ids}
+
+
+def decoder_config(job: JobConfig, vocab_size: int):
+    """The reference decoder's config from the ``model`` section; ConfigError on sizes
+    that cannot work (checked before launching, so the error is one line, not N ranks')."""
+    from meshtrain.models.decoder import DecoderConfig
+
+    m = job.model
+    if m.vocab_size != AUTO and m.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's {vocab_size}; "
+            'use "auto" or a value >= the tokenizer size'
+        )
+    if m.max_seq_len != AUTO and m.max_seq_len < job.data.seq_len:
+        raise ConfigError(
+            f"model.max_seq_len: {m.max_seq_len} is shorter than data.seq_len "
+            f'{job.data.seq_len}; raise it or use "auto"'
+        )
+    try:
+        return DecoderConfig(
+            vocab_size=vocab_size if m.vocab_size == AUTO else m.vocab_size,
+            dim=m.dim,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            ffn_dim=m.ffn_dim,
+            max_seq_len=job.data.seq_len if m.max_seq_len == AUTO else m.max_seq_len,
+            rope_theta=m.rope_theta,
+            tie_embeddings=m.tie_embeddings,
+            seed=m.seed,
+        )
+    except ValueError as exc:  # dim / n_heads mismatches
+        raise ConfigError(f"model: {exc}; change model.dim or model.n_heads") from None
+
+
+def build_model(job: JobConfig, vocab_size: int):
+    """The reference decoder (``meshtrain.models.Decoder``) the job trains."""
+    from meshtrain.models.decoder import Decoder
+
+    return Decoder(decoder_config(job, vocab_size))
+
+
+def _say(rank: int, message: str) -> None:
+    if rank == 0:
+        print(message, flush=True)
+
+
+def run_rank(
+    job_dict: dict[str, Any], *, progress: bool | None = None, announce_data: bool = True
+) -> dict[str, Any] | None:
+    """Train this rank to ``train.max_steps``; rank 0 returns the summary facts.
+
+    ``announce_data``: print the corpus line (the launching process printed it already).
+    """
+    import torch.distributed as dist
+
+    import meshtrain
+    from meshtrain.checkpoint import latest_tag
+    from meshtrain.data.store import TokenDataset
+    from meshtrain.distributed.env import init_distributed, shutdown_distributed
+    from meshtrain.trainer.corpus import prepare_corpus
+
+    t0 = time.perf_counter()
+    owns_group = not dist.is_initialized()
+    job = JobConfig.from_dict(job_dict)
+    decoder_config(job, vocab_size=1)  # size errors before any data work
+    env = init_distributed(timeout_minutes=job.distributed.timeout_minutes)
+    rank = env.rank
+    out = Path(job.train.output_dir)
+    d = job.data
+
+    def corpus():
+        return prepare_corpus(d.corpus, d.tokenizer, d.seq_len, d.min_char_count, out / "data")
+
+    data = corpus() if rank == 0 else None
+    if env.world_size > 1:
+        dist.barrier()  # the store is complete before any other rank opens it
+    data = data or corpus()
+    if announce_data:
+        _say(rank, f"data: {data.description}")
+
+    resolved_dict = resolve_job_autos(
+        job_dict, gpu=torch.cuda.is_available(), vocab_size=data.vocab_size
+    )
+    resolved = JobConfig.from_dict(resolved_dict)
+    model = build_model(resolved, data.vocab_size)
+    # counted now: under ZeRO-3 the engine leaves empty placeholders in the module
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    engine, _, loader, _ = meshtrain.initialize(
+        model=model,
+        config=engine_dict(resolved_dict),
+        training_data=TokenDataset(data.store),
+        collate_fn=collate_packed,
+    )
+    max_steps = resolved.train.max_steps
+    ckpt_dir = out / CHECKPOINTS
+    tag = latest_tag(ckpt_dir)
+    if tag is not None:
+        # the engine restores the model, optimizer, schedule, loss scale, RNG and the
+        # position of the loader initialize() built (the next unseen batch)
+        engine.load_checkpoint(str(ckpt_dir))
+        _say(rank, f"resuming from {tag} (step {engine.global_steps}) in {ckpt_dir}")
+    start = engine.global_steps
+    if start >= max_steps:
+        _say(
+            rank,
+            f"already at step {start} (train.max_steps = {max_steps}); "
+            "raise --max-steps to train further",
+        )
+        if owns_group:
+            shutdown_distributed()
+        return None
+
+    _say(
+        rank,
+        f"training {n_params:,} parameters on {env.world_size} process(es), ZeRO stage "
+        f"{engine.zero_stage}, {engine.config.precision}, steps {start + 1}-{max_steps}, "
+        f"{engine.config.train_batch_size} x {d.seq_len} tokens per step; output in {out}",
+    )
+    interval = resolved.train.save_interval
+    tb = _tensorboard_dir(resolved, out)
+    run_log = None
+    if rank == 0:
+        from meshtrain.trainer.run_log import RunLog
+
+        run_log = RunLog(
+            out, start_step=start, max_steps=max_steps, tensorboard_dir=tb, progress=progress
+        )
+
+    def save() -> None:
+        t = time.perf_counter()
+        path = engine.save_checkpoint(str(ckpt_dir), tag=f"global_step{engine.global_steps}")
+        if run_log is not None:
+            run_log.write(f"saved checkpoint {path} in {time.perf_counter() - t:.1f}s")
+
+    saved_at = start
+    with run_log or nullcontext():
+        batches = iter(loader)
+        while engine.global_steps < max_steps:
+            batch = next(batches, None)
+            if batch is None:  # end of a pass over the corpus: next epoch, new order
+                loader.set_epoch(loader.state_dict()["epoch"] + 1)
+                batches = iter(loader)
+                continue
+            loss = engine(batch)
+            engine.backward(loss)
+            before = engine.global_steps
+            engine.step()
+            if engine.global_steps == before:
+                continue  # inside a gradient-accumulation window
+            if run_log is not None:
+                run_log.step(engine.log.last)
+            if interval and engine.global_steps % interval == 0:
+                save()
+                saved_at = engine.global_steps
+        if saved_at != engine.global_steps:
+            save()
+    facts = _finish(engine, rank, out, start, max_steps, n_params, resolved, tag, t0, run_log)
+    if owns_group:
+        shutdown_distributed()
+    return facts
+
+
+def _tensorboard_dir(job: JobConfig, out: Path) -> Path | None:
+    tb = job.tensorboard
+    if not tb.enabled:
+        return None
+    return Path(tb.output_path or out / "tensorboard") / tb.job_name
+
+
+def _finish(engine, rank, out, start, max_steps, n_params, job, tag, t0, run_log):
+    """Rank 0: the plot, summary.json and the closing summary."""
+    if rank != 0:
+        return None
+    import json
+
+    from meshtrain.trainer.run_log import METRICS, PLOT, plot_loss, read_metrics
+    from meshtrain.trainer.summary import build_summary
+
+    m = job.model
+    model_line = (
+        f"Decoder dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads, vocab {m.vocab_size:,}"
+    )
+    outputs = [str(out / METRICS)]
+    tb = _tensorboard_dir(job, out)
+    if tb is not None:
+        outputs.append(f"{tb} (tensorboard --logdir {tb.parent})")
+    title = (
+        f"meshtrain train: {model_line}; ZeRO-{engine.zero_stage}, {engine.topology.dp_size} ranks"
+    )
+    if plot_loss(out / METRICS, out / PLOT, title, resumed_at=start):
+        outputs.append(str(out / PLOT))
+    else:
+        outputs.append('(no loss.png: matplotlib missing; pip install "meshtrain[examples]")')
+    outputs.append(str(out / CHECKPOINTS / f"global_step{engine.global_steps}"))
+    text, facts = build_summary(
+        engine,
+        history=read_metrics(out / METRICS),
+        this_run=run_log.rows,
+        wall_seconds=time.perf_counter() - t0,
+        start_step=start,
+        max_steps=max_steps,
+        n_params=n_params,
+        model_line=model_line,
+        outputs=outputs,
+    )
+    facts["resumed_from"] = tag
+    (out / SUMMARY).write_text(json.dumps(facts, indent=2, default=str), encoding="utf-8")
+    print(text, flush=True)
+    return facts
+
+
+__all__ = ["build_model", "collate_packed", "decoder_config", "run_rank"]

@@ -1,0 +1,164 @@
+"""The closing summary of ``meshtrain train``: loss, throughput, memory and bytes vs theory.
+
+Communication theory per optimizer step, from the engine's own flat buffers (see
+``meshtrain.parallel.zero`` for the derivation). ``P`` is the bytes of a group's padded
+flat buffer in the model dtype (each bucket rounded up to a multiple of the data-parallel
+size ``N``; stage 0 pads nothing), ``k`` is gradient_accumulation_steps:
+
+=======  ===========================================================================
+stage    bytes per optimizer step (ZeRO paper volume, comm.py's convention)
+=======  ===========================================================================
+0        all-reduce of the gradients: 2 P
+1        reduce-scatter of the gradients P + all-gather of the parameters P = 2 P
+2        a reduce-scatter on every backward k P + the all-gather P = (k + 1) P
+3        per micro-step two all-gathers and a reduce-scatter of sharded groups: 3 k P
+         (groups kept whole under stage 3, e.g. small parameters, move as stage 2)
+=======  ===========================================================================
+
+The measured figure is what the last step recorded, without the 8-byte ``control``
+all-reduce of the gradient norm. With ``N = 1`` nothing moves and the theory is 0. Tied
+weights under stage 3 are gathered once per use, so they add to the measured bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+import torch
+
+
+def comm_theory(engine: Any) -> tuple[int, str]:
+    """(bytes per optimizer step, the formula in words) for this engine's layout."""
+    from meshtrain.parallel.zero import comm_bytes_theory
+
+    n = engine.topology.dp_size
+    stage = engine.zero_stage
+    k = int(engine.gas)
+    if n == 1:
+        return 0, "one data-parallel rank: nothing to communicate"
+    total = comm_bytes_theory(engine.flat_groups, stage, k)
+    padded = sum(
+        g.numel * torch.empty((), dtype=g.dtype).element_size() for g in engine.flat_groups
+    )
+    words = {
+        0: "2 x P (all-reduce of gradients)",
+        1: "2 x P (reduce-scatter of gradients + all-gather of parameters)",
+        2: f"(k + 1) x P with k = {k} (reduce-scatter every backward + all-gather)",
+        3: f"3 x k x P with k = {k} (two all-gathers + one reduce-scatter per micro-step; "
+        "tied weights are gathered once per use, which the theory does not count)",
+    }[stage]
+    return total, f"{words}, P = {_mb(padded)} padded flat buffers"
+
+
+def measured_comm(engine: Any) -> tuple[int, dict[str, int]]:
+    """(model-state bytes of the last step, bytes by op) without the control all-reduce."""
+    by_op = {k: v for k, v in engine.last_step_comm_bytes().items() if k != "total"}
+    return sum(v for k, v in by_op.items() if k != "control"), by_op
+
+
+def _mb(n: float) -> str:
+    """Bytes in decimal units (the ZeRO paper's GB are 1e9 bytes)."""
+    if n < 1e3:
+        return f"{n:.0f} B"
+    return f"{n / 1e3:,.1f} kB" if n < 1e6 else f"{n / 1e6:,.2f} MB"
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else (f"{m}m {s:02d}s" if m else f"{s}s")
+
+
+def _plain(obj: Any) -> Any:
+    """A JSON-safe view of a memory report (a dataclass, or whatever the engine returns)."""
+    if is_dataclass(obj):
+        return {k: _plain(v) for k, v in asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, int | float | str | bool) or obj is None:
+        return obj
+    return str(obj)
+
+
+def build_summary(
+    engine: Any,
+    *,
+    history: list[dict[str, Any]],
+    this_run: list[dict[str, Any]],
+    wall_seconds: float,
+    start_step: int,
+    max_steps: int,
+    n_params: int,
+    model_line: str,
+    outputs: list[str],
+) -> tuple[str, dict[str, Any]]:
+    """The text printed at the end of a run, and the same facts as a dict (summary.json).
+
+    ``history`` is every metrics row of the output directory (earlier runs included),
+    ``this_run`` the rows of this run.
+    """
+    losses = [r for r in history if r.get("loss") is not None]
+    first, last = (losses[0], losses[-1]) if losses else (None, None)
+    tail = [r["loss"] for r in losses[-10:]]
+    # throughput over this run's steps after the first (which includes warm-up work)
+    timed = this_run[1:] if len(this_run) > 1 else this_run
+    seconds = sum(r.get("step_seconds") or 0.0 for r in timed)
+    tokens = sum((r.get("tokens_per_s") or 0.0) * (r.get("step_seconds") or 0.0) for r in timed)
+    samples = sum((r.get("samples_per_s") or 0.0) * (r.get("step_seconds") or 0.0) for r in timed)
+    tok_s = tokens / seconds if seconds else 0.0
+    smp_s = samples / seconds if seconds else 0.0
+    theory, formula = comm_theory(engine)
+    measured, by_op = measured_comm(engine)
+    report = engine.memory_report() if hasattr(engine, "memory_report") else None
+
+    lines = [
+        f"meshtrain train: reached step {engine.global_steps} of {max_steps} in "
+        f"{_duration(wall_seconds)}" + (f" (resumed at step {start_step})" if start_step else ""),
+        f"  model       {model_line}, {n_params:,} parameters; ZeRO stage {engine.zero_stage}, "
+        f"{engine.topology.dp_size} data-parallel rank(s), {engine.config.precision}",
+    ]
+    if first is not None:
+        lines.append(
+            f"  loss        {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} "
+            f"at step {last['step']} (mean of the last {len(tail)}: {sum(tail) / len(tail):.4f})"
+        )
+    if timed:
+        lines.append(
+            f"  throughput  {tok_s:,.0f} tokens/s, {smp_s:,.1f} samples/s over "
+            f"{len(timed)} steps of this run (all ranks; the first step is left out)"
+        )
+    if report is not None:
+        lines.append("  memory      " + str(report).replace("\n", "\n              "))
+    ratio = f", measured / theory = {measured / theory:.3f}" if theory else ""
+    ops = ", ".join(f"{op} {_mb(b)}" for op, b in sorted(by_op.items()) if op != "control")
+    lines.append(
+        f"  comm/step   measured {_mb(measured)} ({ops or 'none'}) vs theory {_mb(theory)} "
+        f"= {formula}{ratio}"
+    )
+    lines.append(
+        "              (ZeRO-paper volume: all-reduce counted 2x, reduce-scatter and "
+        "all-gather 1x the full buffer; the norm's control bytes left out)"
+    )
+    lines.append("  outputs     " + "\n              ".join(outputs))
+    facts = {
+        "global_step": engine.global_steps,
+        "max_steps": max_steps,
+        "start_step": start_step,
+        "wall_seconds": round(wall_seconds, 3),
+        "loss_first": first,
+        "loss_last": last,
+        "tokens_per_s": tok_s,
+        "samples_per_s": smp_s,
+        "parameters": n_params,
+        "zero_stage": engine.zero_stage,
+        "dp_size": engine.topology.dp_size,
+        "precision": engine.config.precision,
+        "comm_bytes_per_step": {"measured": measured, "theory": theory, "by_op": by_op},
+        "comm_formula": formula,
+        "memory": _plain(report),
+    }
+    return "\n".join(lines), facts
+
+
+__all__ = ["build_summary", "comm_theory", "measured_comm"]

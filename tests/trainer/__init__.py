@@ -1,0 +1,1 @@
+"""Tests of ``meshtrain train``: its config layers, its corpus, and the job end to end."""
