@@ -24,7 +24,8 @@ checkpoint stores fp32 master weights for trainable parameters); ``dtype`` ("fp3
 Output: a path ending in ``.safetensors`` gets one file holding every tensor plus each
 alias (tied weight) as its own copy. Any other path is a folder: ``model.safetensors``
 in it, and, when the meta carries ``hf_config``, ``config.json`` too, without alias keys
-(transformers re-ties them), so ``AutoModelForCausalLM.from_pretrained(folder)`` loads it.
+(transformers re-ties them; kept when the config says ``tie_word_embeddings: false``), so
+``AutoModelForCausalLM.from_pretrained(folder)`` loads it.
 """
 
 from __future__ import annotations
@@ -184,7 +185,10 @@ def consolidate(
         )
     output.mkdir(parents=True, exist_ok=True)
     hf_config = reader.meta.get("hf_config")
-    plan = _plan(reader, cast, with_aliases=hf_config is None)
+    # transformers re-ties tied weights on load, as save_pretrained assumes; a config
+    # that says it does not tie (tie_word_embeddings false) keeps the copies
+    reties = hf_config is not None and hf_config.get("tie_word_embeddings", True) is not False
+    plan = _plan(reader, cast, with_aliases=not reties)
     _write_streamed(reader, plan, output / "model.safetensors", progress)
     if hf_config is not None:
         config = dict(hf_config)

@@ -151,26 +151,28 @@ class Piece:
                 )
 
 
-def check_json(value: Any, path: str) -> None:
-    """Raise CheckpointError naming the key path of the first value JSON cannot round-trip.
+def check_json(value: Any, path: str, *, str_keys: bool = True) -> None:
+    """Raise CheckpointError naming the key path of the first value JSON cannot store.
 
-    Dict keys must be strings (JSON would turn ``1`` into ``"1"`` silently, which breaks an
-    exact resume); tuples are accepted and come back as lists.
+    With ``str_keys`` dict keys must be strings: JSON would turn ``1`` into ``"1"``
+    silently, which breaks an exact resume of per-rank state. The meta allows int keys
+    (they come back as strings; transformers' ``config.to_dict()`` has them in
+    ``id2label`` and converts them back itself). Tuples come back as lists.
     """
     if value is None or isinstance(value, (bool, int, float, str)):
         return
     if isinstance(value, dict):
         for k, v in value.items():
-            if not isinstance(k, str):
+            if not isinstance(k, str) and (str_keys or not isinstance(k, int)):
                 raise CheckpointError(
                     f"{path}: key {k!r} is a {type(k).__name__}; JSON state needs string keys "
                     f"(convert with str() and back on load)"
                 )
-            check_json(v, f"{path}.{k}")
+            check_json(v, f"{path}.{k}", str_keys=str_keys)
         return
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            check_json(v, f"{path}[{i}]")
+            check_json(v, f"{path}[{i}]", str_keys=str_keys)
         return
     hint = (
         "store tensors in the rank's safetensors tensors instead"
@@ -257,8 +259,9 @@ def check_coverage(
             pos = p.end
         if pos != total:
             raise CheckpointError(
-                f"{where}: pieces of {name!r} (state {state!r}) cover [0, {pos}) but the "
-                f"tensor has {total} elements (shape {tensors[name]['shape']})"
+                f"{where}: pieces of {name!r} (state {state!r}) leave elements "
+                f"[{pos}, {total}) of {total} uncovered (shape {tensors[name]['shape']}); the "
+                f"pieces of all ranks must tile [0, {total}) exactly"
             )
     return dict(index)
 
@@ -323,6 +326,8 @@ def _pretty(value: Any, depth: int, width: int = 100) -> str:
     flat = json.dumps(value, separators=(", ", ": "), allow_nan=True)
     if not isinstance(value, (dict, list)) or not value or len(flat) + depth <= width:
         return flat
+    if isinstance(value, list) and not any(isinstance(v, (dict, list)) for v in value):
+        return flat  # a long list of numbers (an RNG state) stays on one line
     pad, inner = " " * depth, " " * (depth + 1)
     if isinstance(value, dict):
         items = [f"{inner}{json.dumps(k)}: {_pretty(v, depth + 1)}" for k, v in value.items()]

@@ -52,16 +52,22 @@ class CheckpointReader:
         self, path: str | os.PathLike, tag: str | None = None, *, verify: bool = True
     ) -> None:
         path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(
+                f"checkpoint path {path} is not a directory; pass a save_dir (with a "
+                f"'latest' file) or the directory of one checkpoint tag"
+            )
         if tag is None and storage.is_complete(path):
             self.path = path
         else:
             if tag is None:
                 tag = storage.latest_tag(path)
                 if tag is None:
+                    tags = storage.list_tags(path)
                     raise CheckpointError(
                         f"no checkpoint to load at {path}: it has neither {MANIFEST} nor a "
-                        f"'latest' file; pass tag= one of {storage.list_tags(path)} or the "
-                        f"directory of one checkpoint"
+                        f"'latest' file; "
+                        + (f"pass tag= one of {tags}" if tags else "no complete tags in it")
                     )
             self.path = storage.tag_dir(path, tag)
         mpath = self.path / MANIFEST

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from meshtrain.checkpoint.manifest import LATEST, MANIFEST, OLD_PREFIX, check_tag
 from meshtrain.errors import CheckpointError
@@ -86,21 +89,32 @@ def latest_tag(save_dir: str | os.PathLike) -> str | None:
     return check_tag(tag)
 
 
-def list_tags(save_dir: str | os.PathLike) -> list[str]:
-    """Complete tags in ``save_dir``, oldest first (by when their manifest was written).
+def _natural(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
-    Completion time rather than name order, because tag names are free-form
-    (``global_step9`` vs ``global_step10``, or user names).
-    """
+
+def _created(tag_dir: Path) -> float:
+    """When the tag was saved, from its manifest (file times change when a directory is
+    copied); the manifest's mtime if it cannot be parsed."""
+    path = tag_dir / MANIFEST
+    try:
+        return float(json.loads(path.read_text())["created_unix"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return path.stat().st_mtime
+
+
+def list_tags(save_dir: str | os.PathLike) -> list[str]:
+    """Complete tags in ``save_dir``, oldest first: by the save time in their manifest,
+    then by name with numbers compared as numbers (``global_step9`` < ``global_step10``)."""
     root = Path(save_dir)
     if not root.is_dir():
         return []
-    found = []
-    for d in root.iterdir():
-        if d.name.startswith(".") or not d.is_dir() or not is_complete(d):
-            continue
-        found.append(((d / MANIFEST).stat().st_mtime_ns, d.name))
-    return [name for _, name in sorted(found)]
+    found = [
+        (_created(d), _natural(d.name), d.name)
+        for d in root.iterdir()
+        if not d.name.startswith(".") and d.is_dir() and is_complete(d)
+    ]
+    return [name for *_, name in sorted(found)]
 
 
 def tag_dir(save_dir: Path, tag: str) -> Path:
@@ -124,17 +138,16 @@ def tag_dir(save_dir: Path, tag: str) -> Path:
     )
 
 
-def restore_old(save_dir: Path, tag: str) -> None:
-    """Undo a crash between move-aside and rename: ``.old-<tag>`` back to ``<tag>``;
-    if ``<tag>`` is there, the ``.old-`` copy is stale and goes."""
-    old = save_dir / f"{OLD_PREFIX}{tag}"
-    if not old.exists():
-        return
-    if (save_dir / tag).exists():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(old, save_dir / tag)
-        fsync_dir(save_dir)
+def restore_old(save_dir: Path) -> None:
+    """Settle overwrites a crash interrupted: ``.old-<tag>`` goes back to ``<tag>`` when
+    the replacement never arrived, and is deleted when it did."""
+    for old in save_dir.glob(f"{OLD_PREFIX}*"):
+        tag = save_dir / old.name[len(OLD_PREFIX) :]
+        if tag.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        elif is_complete(old):
+            os.rename(old, tag)
+            fsync_dir(save_dir)
 
 
 def apply_retention(save_dir: Path, keep_last: int) -> list[str]:

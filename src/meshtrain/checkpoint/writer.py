@@ -155,9 +155,9 @@ def _prepare(save_dir: Path, tag: str, meta: Any, keep_last: int | None) -> Path
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last={keep_last!r} must be None (keep all) or >= 1")
     check_meta(meta, "save_shards meta (rank 0)")
-    check_json(meta, "meta")
+    check_json(meta, "meta", str_keys=False)
     save_dir.mkdir(parents=True, exist_ok=True)
-    storage.restore_old(save_dir, tag)
+    storage.restore_old(save_dir)
     final = save_dir / tag
     if final.exists() and not storage.is_complete(final):
         raise CheckpointError(
@@ -257,15 +257,18 @@ def save_shards(
     rank_state = {} if rank_state is None else rank_state
     tmp = save_dir / f"{TMP_PREFIX}{tag}"
 
-    err = None
+    err, created = None, False
     try:
         check_tag(tag)
         _check_local(rank, tensors, pieces, rank_state)
         if rank == 0:
-            tmp = _prepare(save_dir, tag, meta, keep_last)
+            tmp, created = _prepare(save_dir, tag, meta, keep_last), True
     except Exception as exc:
         err = _describe(exc)
-    _failures(chan.gather(err), f"preparing {save_dir / tag}")
+    statuses = chan.gather(err)
+    if created and any(statuses):
+        shutil.rmtree(tmp, ignore_errors=True)
+    _failures(statuses, f"preparing {save_dir / tag}")
 
     info, err = None, None
     try:
@@ -284,6 +287,8 @@ def save_shards(
     if err is None:
         phase("shard_written")
     gathered = chan.gather((info, err))
+    if rank == 0 and any(e for _, e in gathered):
+        shutil.rmtree(tmp, ignore_errors=True)
     _failures([e for _, e in gathered], f"writing shards into {tmp}")
 
     err = None
@@ -292,5 +297,6 @@ def save_shards(
             _commit(save_dir, tag, tmp, meta, [i for i, _ in gathered], keep_last, phase)
         except Exception as exc:
             err = _describe(exc)
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename happened
     _failures(chan.gather(err)[:1], f"committing {save_dir / tag}")
     return save_dir / tag
