@@ -166,17 +166,42 @@ def init_distributed(
                 "with `meshtrain launch` or torchrun, or export MASTER_ADDR and MASTER_PORT"
             )
         init_method = f"tcp://{_host(env.master_addr)}:{env.master_port or DEFAULT_MASTER_PORT}"
-        if env.source == "torchrun":
-            init_method = "env://"  # torchrun may hand us a TCPStore via TORCHELASTIC vars
+        store = _attempt_store(environ if environ is not None else os.environ, env, timeout)
+        if store is not None:
+            init_method = None
+        elif env.source == "torchrun":
+            init_method = "env://"
         dist.init_process_group(
             backend,
             init_method=init_method,
+            store=store,
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
         )
     atexit.register(_shutdown_at_exit)
     return env
+
+
+def _attempt_store(environ, env: DistEnv, timeout: timedelta):
+    """Under torchrun's agent store, a store whose keys are private to this restart.
+
+    The elastic agent keeps one TCPStore for the whole job and torch's ``env://`` does not
+    prefix it per restart, so after ``--max-restarts`` brings the workers back, a rank can
+    read a peer's gloo address left by the previous attempt and fail with "connectFullMesh
+    ... Connection refused" (3 of 5 restarted runs here). Prefixing the keys with the
+    restart count makes every attempt start on a clean slate."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        env.master_addr,
+        int(env.master_port or DEFAULT_MASTER_PORT),
+        env.world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"meshtrain/attempt{attempt}", client)
 
 
 def _host(addr: str) -> str:
