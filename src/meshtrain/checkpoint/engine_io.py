@@ -204,9 +204,22 @@ def load(
     load_module_only: bool = False,
 ) -> tuple[Path, dict]:
     """``engine.load_checkpoint`` (see the module docstring)."""
+    # closing unmaps the files: their touched pages would otherwise stay in this rank's RSS
+    with CheckpointReader(load_dir, tag) as reader:
+        return _load(
+            engine, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
+
+def _load(
+    engine,
+    reader: CheckpointReader,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> tuple[Path, dict]:
     topo = engine.topology
     world = topo.group("world")
-    reader = CheckpointReader(load_dir, tag)
     canon, aliases = _names(engine.module)
     meta_tensors = _model_meta(engine, canon, aliases)
     expected = {k: tuple(v["shape"]) for k, v in meta_tensors.items()}
