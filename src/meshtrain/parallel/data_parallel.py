@@ -10,8 +10,7 @@ the results.
 * ``P = 1`` (ZeRO stage 0, plain data parallelism): ``all_reduce`` of the bucket of
   ``grad_flat``, in place. Synchronises only on the accumulation boundary.
 * ``P = dp``, full gradients (stage 1): ``reduce_scatter`` of the bucket of ``grad_flat``
-  into a chunk-sized buffer, copied into this rank's chunk of ``grad_flat``. Synchronises
-  only on the boundary.
+  in place into this rank's chunk of it. Synchronises only on the boundary.
 * ``P = dp``, sharded gradients (stages 2 and 3): the bucket's fresh ``.grad`` tensors are
   packed into one buffer and dropped, and the buffer is reduce-scattered into this
   rank's chunk of ``grad_shard`` (added to it after the first micro-step of an
@@ -92,14 +91,17 @@ class GradReducer:
         landing = source = None
         if group.partitions == 1 and not group.shard_grads:
             work = comm.all_reduce(target, self.dp_group, async_op=True)
+        elif not group.shard_grads:
+            # stage 1: in place, the output is this rank's chunk of the input (gloo and
+            # NCCL both allow it), so no temporary the size of the gradient shard
+            source = bucket.view(group.grad_flat)
+            work = comm.reduce_scatter(target, source, self.dp_group, async_op=True)
         else:
-            source = (
-                group.take_bucket_grads(bucket)
-                if group.shard_grads
-                else bucket.view(group.grad_flat)
-            )
-            if not (group.shard_grads and group.grads_fresh):
-                landing = torch.empty_like(target)  # joins ``target`` in finish()
+            source = group.take_bucket_grads(bucket)
+            # the first micro-step of a window writes the shard; later ones reduce into
+            # their own packed buffer's chunk and add it in finish()
+            if not group.grads_fresh:
+                landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
             out = target if landing is None else landing
             work = comm.reduce_scatter(out, source, self.dp_group, async_op=True)
         # ``source`` rides along so the packed buffer outlives the async collective
@@ -123,13 +125,8 @@ class GradReducer:
                 self._launch(gi, group, bucket)
         for group, bucket, work, landing, _source in self._pending:
             work.wait()
-            if landing is None:
-                continue
-            target = group.grad_chunks[bucket.index]
-            if group.shard_grads:
-                target.add_(landing)
-            else:
-                target.copy_(landing)
+            if landing is not None:
+                group.grad_chunks[bucket.index].add_(landing)
         self._pending.clear()
         self._launched.clear()
         for group in self.groups:

@@ -120,8 +120,8 @@ def gather_updated_params(flat_groups: list[FlatGroup], dp_group) -> None:
     for g in flat_groups:
         if g.partitions == 1 or g.shard_params:
             continue
-        for b in g.buckets:
-            mine = b.owned(g.param_flat, g.rank).clone()
+        for b in g.buckets:  # in place: the input is this rank's chunk of the output
+            mine = b.owned(g.param_flat, g.rank)
             works.append(comm.all_gather(b.view(g.param_flat), mine, dp_group, async_op=True))
     for w in works:
         w.wait()
