@@ -641,6 +641,11 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+def _peaks(result: dict) -> list[float]:
+    """Peak RSS of each rank over the timed steps (ru_maxrss when they ended), MiB."""
+    return [m["end"][0] for m in result["milestones_per_rank"]]
+
+
 def _summarise(runs: dict[str, list[dict]], warm: int) -> tuple[dict, dict, dict]:
     summary: dict[str, dict] = {}
     for name, outs in runs.items():
@@ -648,17 +653,15 @@ def _summarise(runs: dict[str, list[dict]], warm: int) -> tuple[dict, dict, dict
         if not good:
             summary[name] = {"ok_runs": 0}
             continue
-        world = len(good[0]["peak_rss_mib_per_rank"])
+        world = len(_peaks(good[0]))
         s = {
             "ok_runs": len(good),
             "samples_per_s_median": statistics.median(g["samples_per_s"] for g in good),
             "samples_per_s_all": [round(g["samples_per_s"], 3) for g in good],
             "peak_rss_mib_per_rank_median": [
-                statistics.median(g["peak_rss_mib_per_rank"][r] for g in good) for r in range(world)
+                statistics.median(_peaks(g)[r] for g in good) for r in range(world)
             ],
-            "peak_rss_mib_max_rank_median": statistics.median(
-                max(g["peak_rss_mib_per_rank"]) for g in good
-            ),
+            "peak_rss_mib_max_rank_median": statistics.median(max(_peaks(g)) for g in good),
             # params and grads after backward, optimizer state (and masters) after the step
             "model_state_mib_rank0": {
                 "params": good[0]["probe_per_rank"][0]["after backward"]["params"],
@@ -934,6 +937,41 @@ def _driver(args: argparse.Namespace) -> int:
     return 0 if ok and loss_ok else 1
 
 
+def _combine(paths: list[str]) -> int:
+    """Summarise several result files together (medians over all their repeats)."""
+    records = [json.loads(Path(p).read_text()) for p in paths]
+    names = list(records[0]["runs"])
+    runs = {n: [o for r in records for o in r["runs"].get(n, [])] for n in names}
+    a = records[0]["args"]
+    args = argparse.Namespace(
+        nproc=a["nproc"],
+        steps=a["steps"],
+        warmup=a["warmup"],
+        repeats=sum(len(r["runs"][names[0]]) for r in records),
+    )
+    for r in records[1:]:
+        same = {
+            k: r["args"].get(k) == a.get(k)
+            for k in (
+                "nproc",
+                "steps",
+                "warmup",
+                "reduce_bucket_size",
+                "prefetch_bucket_size",
+                "persistence_threshold",
+                "malloc_mmap_threshold",
+            )
+        }
+        if not all(same.values()):
+            print(
+                f"note: settings differ between result files: {[k for k, v in same.items() if not v]}"
+            )
+    print(f"combined: {', '.join(paths)}")
+    summary, pairs, agreement = _summarise(runs, args.warmup)
+    _print_report(summary, pairs, agreement, args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks (data-parallel size)")
@@ -979,6 +1017,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"max relative loss difference vs meshtrain over the first {FIRST_STEPS} steps",
     )
     ap.add_argument("--tag", default="", help="suffix of the result file name")
+    ap.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="RESULT_JSON",
+        default=None,
+        help="run nothing: print the report over the repeats of these result files together",
+    )
     ap.add_argument("--out", default=None, help="result JSON path (default: benchmarks/results/)")
     ap.add_argument("--no-save", action="store_true", help="do not write the result JSON")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -993,6 +1038,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
+    if args.combine:
+        return _combine(args.combine)
     return _driver(args)
 
 
