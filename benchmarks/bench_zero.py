@@ -8,6 +8,17 @@ Target: meshtrain at least as fast as each peer and using no more memory.
 Usage (from the repository root)::
 
     python benchmarks/bench_zero.py [--nproc 2] [--steps 12] [--warmup 2] [--repeats 2]
+    python benchmarks/bench_zero.py --combine results/zero-A.json results/zero-B.json
+    python benchmarks/bench_zero.py --frameworks mt-z3,fsdp2 --repeats 1 --profile-memory
+    python benchmarks/bench_zero.py --repeats 1 --malloc-mmap-threshold 1048576
+
+``--combine`` runs nothing and reports the medians over the repeats of several result
+files (the machine is noisy: run the benchmark more than once). ``--profile-memory``
+records the tensor allocations of the untimed probe step with the torch profiler: the
+peak of each phase above the step's start and the allocations alive at that moment,
+grouped by the code that made them (slow; for diagnosis). ``--malloc-mmap-threshold``
+pins glibc's mmap threshold in the workers so that peak RSS follows live tensor bytes
+rather than heap retention.
 
 The script is both the driver and the worker. For each repeat the driver launches every
 framework in turn, in fresh processes (the order is reversed on odd repeats so that slow
@@ -43,7 +54,8 @@ communication op with ninja/g++, so the driver makes one untimed warm-up run of 
 tiny model) before anything is timed.
 
 Workload: the reference ``Decoder`` (8 layers, d=768, 12 heads, SwiGLU 2048, vocab 8192,
-69.2M parameters: model states, not the ~530 MiB of importing torch, dominate RSS),
+69.2M parameters: its 1.1 GB of fp32 model states, not the ~220 MiB that importing torch
+and meshtrain costs here, dominate RSS),
 fp32, seed 1234, global batch 8 sequences x 64 tokens split evenly over the ranks (rank
 ``r`` takes rows ``[r m, (r + 1) m)``), AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8,
 weight decay 0.01, set explicitly for every framework), no clipping, one thread per
@@ -51,17 +63,19 @@ rank. samples/s excludes the ``--warmup`` first steps and uses the slowest rank'
 
 Each worker records: the per-step global mean loss; rank 0's median forward / backward /
 optimizer-step time (wall and main-thread CPU time); every rank's peak RSS
-(``getrusage(RUSAGE_SELF).ru_maxrss``) and its peak / current RSS at milestones (after
-imports, after building the model, after wrapping it, after the warm-up steps, at the
-end); the bytes of model state the rank holds (parameters, gradients, optimizer state,
-counted from its tensors); for meshtrain also ``engine.memory_report()`` (measured vs the
-ZeRO formula) and ``engine.last_step_comm_bytes()`` of every step.
+(``getrusage(RUSAGE_SELF).ru_maxrss`` when the timed steps end) and its peak / current RSS
+at milestones (after imports, after building the model, after wrapping it, after the
+warm-up steps, at the end) and after each phase of every step; then, in one more untimed
+probe step, the model-state bytes the rank holds (parameters and ``.grad`` after backward,
+optimizer state and separate fp32 masters after the step, counted from its tensors) and
+the tensor bytes reachable from Python; for meshtrain also ``engine.memory_report()``
+(measured vs the ZeRO formula) and ``engine.last_step_comm_bytes()`` of every step.
 
 A run is judged by its result file: a framework that finished and wrote its result but
 then crashed in gloo teardown (seen with some peers, see PEERS.md) counts as a success
 and the non-zero exit is reported; a run with no result file is retried once.
 
-Results go to ``benchmarks/results/zero-<date>-np<N>[-<tag>].json`` (or ``--out``).
+Results go to ``benchmarks/results/zero-<date>-<HHMM>-np<N>[-<tag>].json`` (or ``--out``).
 """
 
 from __future__ import annotations
