@@ -313,29 +313,27 @@ def _worker_env() -> dict:
     return env
 
 
-def _launch(peer: str, args: argparse.Namespace, steps: int, tmpdir: str, tag: str) -> dict:
-    """One torchrun of ``peer``; returns {"ok", "result"|"error", "rc", "wall_s", ...}."""
-    result_path = os.path.join(tmpdir, f"{peer}-{tag}.json")
-    log_path = os.path.join(tmpdir, f"{peer}-{tag}.log")
+def run_worker(
+    script: Path,
+    name: str,
+    worker_args: list[str],
+    *,
+    nproc: int,
+    tmpdir: str,
+    tag: str,
+    timeout: float,
+    env: dict | None = None,
+) -> dict:
+    """One torchrun of ``script --worker name``; returns {"ok", "result"|"error", "rc",
+    "wall_s", ...}. A run is judged by its result file: one that wrote it and then crashed
+    in gloo teardown (see PEERS.md) is a success with a note."""
+    result_path = os.path.join(tmpdir, f"{name}-{tag}.json")
+    log_path = os.path.join(tmpdir, f"{name}-{tag}.log")
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(args.nproc),
-        str(HERE),
-        "--worker",
-        peer,
-        "--steps",
-        str(steps),
-        "--threads",
-        str(args.threads),
-        "--result",
-        result_path,
-    ]
-    if args.reduce_bucket_size:
-        cmd += ["--reduce-bucket-size", str(args.reduce_bucket_size)]
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(nproc), str(script),
+        "--worker", name, "--result", result_path, *worker_args,
+    ]  # fmt: skip
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -343,10 +341,10 @@ def _launch(peer: str, args: argparse.Namespace, steps: int, tmpdir: str, tag: s
             rc = subprocess.run(
                 cmd,
                 cwd=REPO,
-                env=_worker_env(),
+                env=env or _worker_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                timeout=args.timeout,
+                timeout=timeout,
             ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -359,23 +357,36 @@ def _launch(peer: str, args: argparse.Namespace, steps: int, tmpdir: str, tag: s
             out["note"] = f"finished all steps, then exited rc {rc} (teardown crash)"
     else:
         with open(log_path, errors="replace") as f:
-            tail = f.read()[-3000:]
-        out.update(ok=False, error=tail)
+            out.update(ok=False, error=f.read()[-3000:])
+    return out
+
+
+def run_with_retry(launch, name: str, tag: str) -> dict:
+    """``launch(tag)``, and once more if it left no result file."""
+    out = launch(tag)
+    if not out["ok"]:
+        print(
+            f"    {name}: no result (rc {out['rc']}); retrying once. Log tail:\n"
+            + _indent(out["error"][-1200:]),
+            flush=True,
+        )
+        retry = launch(tag + "-retry")
+        retry["retried_after"] = {"rc": out["rc"], "error_tail": out["error"][-1200:]}
+        out = retry
     return out
 
 
 def _run_with_retry(peer: str, args, steps: int, tmpdir: str, tag: str) -> dict:
-    out = _launch(peer, args, steps, tmpdir, tag)
-    if not out["ok"]:
-        print(
-            f"    {peer}: no result (rc {out['rc']}); retrying once. Log tail:\n"
-            + _indent(out["error"][-1200:]),
-            flush=True,
+    extra = ["--steps", str(steps), "--threads", str(args.threads)]
+    if args.reduce_bucket_size:
+        extra += ["--reduce-bucket-size", str(args.reduce_bucket_size)]
+
+    def launch(t: str) -> dict:
+        return run_worker(
+            HERE, peer, extra, nproc=args.nproc, tmpdir=tmpdir, tag=t, timeout=args.timeout
         )
-        retry = _launch(peer, args, steps, tmpdir, tag + "-retry")
-        retry["retried_after"] = {"rc": out["rc"], "error_tail": out["error"][-1200:]}
-        out = retry
-    return out
+
+    return run_with_retry(launch, peer, tag)
 
 
 def _indent(text: str) -> str:

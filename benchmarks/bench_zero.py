@@ -87,7 +87,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,10 +98,11 @@ from bench_data_parallel import (  # noqa: E402  (house helpers, shared with iss
     REPO,
     RESULTS,
     _git,
-    _indent,
     _machine,
     _version,
     _worker_env,
+    run_with_retry,
+    run_worker,
 )
 
 GLOBAL_BATCH = 8
@@ -583,14 +583,9 @@ def _worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------- driver
 
 
-def _launch(name: str, args: argparse.Namespace, tmpdir: str, tag: str, tiny=False) -> dict:
-    """One torchrun of ``name``; returns {"ok", "result"|"error", "rc", "wall_s", ...}."""
-    result_path = os.path.join(tmpdir, f"{name}-{tag}.json")
-    log_path = os.path.join(tmpdir, f"{name}-{tag}.log")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(args.nproc), str(HERE),
-        "--worker", name, "--result", result_path,
+def _run_with_retry(name: str, args, tmpdir: str, tag: str, tiny=False) -> dict:
+    """One torchrun of ``name`` (retried once without a result); see ``run_worker``."""
+    extra = [
         "--steps", str(3 if tiny else args.steps),
         "--warmup", str(1 if tiny else args.warmup),
         "--threads", str(args.threads),
@@ -599,56 +594,22 @@ def _launch(name: str, args: argparse.Namespace, tmpdir: str, tag: str, tiny=Fal
         "--persistence-threshold", str(args.persistence_threshold),
     ]  # fmt: skip
     if args.profile_memory:
-        cmd.append("--profile-memory")
+        extra.append("--profile-memory")
     if tiny:
-        cmd.append("--tiny")
+        extra.append("--tiny")
     env = _worker_env()
     if args.malloc_mmap_threshold:
         # glibc: allocations of at least this many bytes get their own mapping and go back
         # to the OS when freed (fixed threshold; the default one adapts upwards to 32 MiB)
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(
-                cmd,
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=args.timeout,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    out = {
-        "rc": rc,
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "load1_before": round(load_before, 2),
-    }
-    if os.path.exists(result_path):
-        with open(result_path) as f:
-            out.update(ok=True, result=json.load(f))
-        if rc != 0:
-            out["note"] = f"finished all steps, then exited rc {rc} (teardown crash)"
-    else:
-        with open(log_path, errors="replace") as f:
-            out.update(ok=False, error=f.read()[-3000:])
-    return out
 
+    def launch(t: str) -> dict:
+        return run_worker(
+            HERE, name, extra, nproc=args.nproc, tmpdir=tmpdir, tag=t, timeout=args.timeout,
+            env=env,
+        )  # fmt: skip
 
-def _run_with_retry(name: str, args, tmpdir: str, tag: str, tiny=False) -> dict:
-    out = _launch(name, args, tmpdir, tag, tiny)
-    if not out["ok"]:
-        print(
-            f"    {name}: no result (rc {out['rc']}); retrying once. Log tail:\n"
-            + _indent(out["error"][-1200:]),
-            flush=True,
-        )
-        retry = _launch(name, args, tmpdir, tag + "-retry", tiny)
-        retry["retried_after"] = {"rc": out["rc"], "error_tail": out["error"][-1200:]}
-        out = retry
-    return out
+    return run_with_retry(launch, name, tag)
 
 
 def _rel(a: float, b: float) -> float:
