@@ -14,20 +14,33 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def modules_of_classes(
+    model: nn.Module, class_names: list[str], field: str, outermost: bool = False
+) -> list[nn.Module]:
+    """The modules of ``model`` whose class name is listed (only the outermost of nested
+    matches with ``outermost``); ConfigError naming config ``field`` when a name matches
+    nothing."""
+    wanted = set(class_names)
+    found, inside = [], set()
+    for m in model.modules():
+        if type(m).__name__ in wanted and id(m) not in inside:
+            found.append(m)
+            if outermost:
+                inside.update(id(s) for s in m.modules())
+    present = sorted({type(m).__name__ for m in model.modules()})
+    missing = wanted - set(present)  # a class nested inside a match is not missing
+    if missing:
+        from meshtrain.errors import ConfigError
+
+        raise ConfigError(
+            f"{field}: {sorted(missing)} not found in the model; its module classes are {present}"
+        )
+    return found
+
+
 def _blocks(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
     if class_names:
-        wanted = set(class_names)
-        found = [m for m in model.modules() if type(m).__name__ in wanted]
-        missing = wanted - {type(m).__name__ for m in found}
-        if missing:
-            from meshtrain.errors import ConfigError
-
-            present = sorted({type(m).__name__ for m in model.modules()})
-            raise ConfigError(
-                f"activation_checkpointing.module_classes: {sorted(missing)} not found in "
-                f"the model; its module classes are {present}"
-            )
-        return found
+        return modules_of_classes(model, class_names, "activation_checkpointing.module_classes")
     for m in model.modules():  # default: each block of the first ModuleList
         if isinstance(m, nn.ModuleList) and len(m):
             return list(m)

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
-from meshtrain.errors import ConfigError
+from meshtrain.parallel.checkpointing import modules_of_classes
 from meshtrain.parallel.flat import Bucket, FlatGroup
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -65,20 +65,8 @@ def _split(module: nn.Module) -> list[nn.Module]:
 def find_units(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
     """The gather units of ``model`` in registration order (see module docstring)."""
     if class_names:
-        wanted = set(class_names)
-        found, inside = [], set()
-        for m in model.modules():  # outermost matches only
-            if type(m).__name__ in wanted and id(m) not in inside:
-                found.append(m)
-                inside.update(id(s) for s in m.modules())
-        missing = wanted - {type(m).__name__ for m in found}
-        if missing:
-            present = sorted({type(m).__name__ for m in model.modules()})
-            raise ConfigError(
-                f"zero_optimization.stage3_module_classes: {sorted(missing)} not found in "
-                f"the model; its module classes are {present}"
-            )
-        units = found
+        field = "zero_optimization.stage3_module_classes"
+        units = modules_of_classes(model, class_names, field, outermost=True)
     else:
         units = _split(model) if _has_container(model) else list(model.children())
     units = [u for u in units if any(True for _ in u.parameters())]
