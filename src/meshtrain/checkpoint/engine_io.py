@@ -51,12 +51,12 @@ def _names(module: torch.nn.Module) -> tuple[dict[int, str], dict[str, str]]:
     return canon, aliases
 
 
-def _save_range(g: FlatGroup, b: Bucket, dp: int, rank: int) -> tuple[int, int, int]:
+def _save_range(g: FlatGroup, b: Bucket, dp: int, dp_rank: int) -> tuple[int, int, int]:
     """(lo, hi) bucket-local elements this rank writes, and where its master chunk starts."""
     if g.partitions > 1:
         return g.rank * b.chunk, (g.rank + 1) * b.chunk, g.rank * b.chunk
     c = -(-b.numel // dp)
-    return min(rank * c, b.numel), min((rank + 1) * c, b.numel), 0
+    return min(dp_rank * c, b.numel), min((dp_rank + 1) * c, b.numel), 0
 
 
 def _runs(g: FlatGroup, b: Bucket, lo: int, hi: int, names: dict[int, str]):
@@ -119,7 +119,7 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     opt_state = engine.optimizer.state
     for gi, g in enumerate(engine.flat_groups):
         for b, master in zip(g.buckets, g.master_params, strict=True):
-            lo, hi, base = _save_range(g, b, dp, topo.dp_rank if g.partitions > 1 else rank)
+            lo, hi, base = _save_range(g, b, dp, topo.dp_rank)
             if hi <= lo:
                 continue
             sources = {"param": master.detach()}

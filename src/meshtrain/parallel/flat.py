@@ -106,6 +106,7 @@ class FlatGroup:
         self.shard_grads, self.shard_params = shard_grads, shard_params
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
+        self.itemsize = first.element_size()  # bytes per element of params and grads
         for p in params:
             if p.dtype != self.dtype or p.device != self.device:
                 raise ValueError(
@@ -304,7 +305,7 @@ class FlatGroup:
     def state_bytes(self) -> dict[str, int]:
         """Bytes this group keeps for parameters, gradients and fp32 masters on this rank
         (gathered ZeRO-3 buckets in use included)."""
-        size = torch.empty((), dtype=self.dtype).element_size()
+        size = self.itemsize
         store = self.param_flat if self.param_flat is not None else self.param_shard
         params = store.numel() * size
         params += sum(b.numel * size for b in self.buckets if b.gathered is not None)

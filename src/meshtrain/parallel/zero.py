@@ -131,7 +131,7 @@ def comm_bytes_theory(flat_groups: list[FlatGroup], stage: int, micro_steps: int
     """Model-state bytes one optimizer step records under ``stage`` (module docstring)."""
     total = 0
     for g in flat_groups:
-        nbytes = g.numel * torch.empty((), dtype=g.dtype).element_size()
+        nbytes = g.numel * g.itemsize
         if stage <= 1:  # reduced once, at the accumulation boundary
             total += 2 * nbytes
         elif g.shard_params:
