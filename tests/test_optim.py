@@ -23,13 +23,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.errors import ConfigError
-from meshtrain.optim import (
-    SUPPORTED_OPTIMIZERS,
+from meshtrain.optim import SUPPORTED_OPTIMIZERS, build_optimizer
+from meshtrain.schedules import (
     SUPPORTED_SCHEDULERS,
     WarmupCosineLR,
     WarmupDecayLR,
     WarmupLR,
-    build_optimizer,
     build_scheduler,
 )
 
@@ -622,7 +621,7 @@ def test_supported_names_and_import_has_no_heavy_side_effects():
     assert SUPPORTED_SCHEDULERS == ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
     assert {WarmupLR, WarmupDecayLR, WarmupCosineLR}
     code = (
-        "import sys, meshtrain.optim\n"
+        "import sys, meshtrain.optim, meshtrain.schedules\n"
         "heavy = [m for m in ('deepspeed', 'transformers', 'fastapi', 'meshtrain.engine') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

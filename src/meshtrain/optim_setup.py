@@ -70,7 +70,7 @@ def make_scheduler(config, client, optimizer):
     cfg = config.scheduler
     if cfg is None:
         return None
-    from meshtrain.optim import build_scheduler
+    from meshtrain.schedules import build_scheduler
 
     params = (
         cfg.params if isinstance(cfg.params, dict) else cfg.params.model_dump(exclude_none=True)
