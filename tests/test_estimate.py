@@ -21,8 +21,8 @@ from meshtrain.estimate import (
     estimate_table,
     model_states_bytes,
     optimizer_state_bytes,
-    parse_count,
 )
+from meshtrain.estimate_cli import parse_count
 from meshtrain.models import Decoder, DecoderConfig
 
 PSI = 7_500_000_000

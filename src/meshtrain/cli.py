@@ -16,7 +16,7 @@ import sys
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("launch", "meshtrain.launch.cli"),
     ("train", "meshtrain.trainer.main_job"),
-    ("estimate", "meshtrain.estimate"),
+    ("estimate", "meshtrain.estimate_cli"),
     ("consolidate", "meshtrain.checkpoint.consolidate"),
     ("data", "meshtrain.data.cli"),
     ("serve", "meshtrain.serve.cli"),
