@@ -46,3 +46,21 @@ def test_killed_rank_recovers_bit_identical(tmp_path):
     got = load_file(str(tmp_path / "killed" / "final.safetensors"))
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_zero3_resume_example_runs_and_resumes_on_another_world_size(tmp_path):
+    example = Path(__file__).resolve().parents[2] / "examples" / "zero3_resume.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(nproc: int, *args: str) -> str:
+        cmd = [sys.executable, "-m", "meshtrain", "launch", "--nproc_per_node", str(nproc)]
+        cmd += [str(example), "--save-dir", str(tmp_path / "ckpt"), "--save-every", "2", *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return done.stdout
+
+    first = launch(2, "--steps", "4")
+    assert "step    4" in first and "measured / formula" in first
+    second = launch(1, "--steps", "6", "--stage", "1")
+    assert "at step 4" in second and "step    6" in second
