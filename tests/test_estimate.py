@@ -15,14 +15,14 @@ import torch
 
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError
-from meshtrain.estimate import (
+from meshtrain.estimate.model import (
     ModelStates,
     count_params,
     estimate_table,
     model_states_bytes,
     optimizer_state_bytes,
 )
-from meshtrain.estimate_cli import parse_count
+from meshtrain.estimate.cli import parse_count
 from meshtrain.models import Decoder, DecoderConfig
 
 PSI = 7_500_000_000
@@ -236,7 +236,7 @@ def test_bad_counts_and_cli_errors(capsys):
 
 
 def test_import_is_light():
-    code = "import sys, meshtrain.estimate; print(json.dumps('transformers' in sys.modules))"
+    code = "import sys, meshtrain.estimate.model; print(json.dumps('transformers' in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True
     ).stdout

@@ -1,4 +1,4 @@
-"""Optimizers and LR schedules built from the DeepSpeed config (meshtrain.optim).
+"""Optimizers and LR schedules built from the DeepSpeed config (meshtrain.optim.optimizers).
 
 Optimizer steps are compared bit-exactly with torch's own optimizer built by hand with the
 same hyper-parameters and the same (foreach) implementation: same algorithm, same kernels,
@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.errors import ConfigError
-from meshtrain.optim import SUPPORTED_OPTIMIZERS, build_optimizer
-from meshtrain.schedules import (
+from meshtrain.optim.optimizers import SUPPORTED_OPTIMIZERS, build_optimizer
+from meshtrain.optim.lr_schedules import (
     SUPPORTED_SCHEDULERS,
     WarmupCosineLR,
     WarmupDecayLR,
@@ -621,8 +621,8 @@ def test_supported_names_and_import_has_no_heavy_side_effects():
     assert SUPPORTED_SCHEDULERS == ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
     assert {WarmupLR, WarmupDecayLR, WarmupCosineLR}
     code = (
-        "import sys, meshtrain.optim, meshtrain.schedules\n"
-        "heavy = [m for m in ('deepspeed', 'transformers', 'fastapi', 'meshtrain.engine') if m in sys.modules]\n"
+        "import sys, meshtrain.optim.optimizers, meshtrain.optim.lr_schedules\n"
+        "heavy = [m for m in ('deepspeed', 'transformers', 'fastapi', 'meshtrain.engine.engine') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -23,8 +23,8 @@ __version__ = "0.1.0"
 
 # public name -> "module:attribute"
 _LAZY = {
-    "initialize": "meshtrain.engine:initialize",
-    "Engine": "meshtrain.engine:Engine",
+    "initialize": "meshtrain.engine.engine:initialize",
+    "Engine": "meshtrain.engine.engine:Engine",
     "init_distributed": "meshtrain.distributed.env:init_distributed",
     "shutdown_distributed": "meshtrain.distributed.env:shutdown_distributed",
     "Topology": "meshtrain.distributed.topology:Topology",
@@ -71,5 +71,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from meshtrain.config import Config, load_config
     from meshtrain.distributed.env import init_distributed, shutdown_distributed
     from meshtrain.distributed.topology import Topology
-    from meshtrain.engine import Engine, initialize
+    from meshtrain.engine.engine import Engine, initialize
     from meshtrain.launch.function import notebook_launcher

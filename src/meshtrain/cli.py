@@ -15,8 +15,8 @@ import sys
 # (features land issue by issue) is simply not offered.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("launch", "meshtrain.launch.cli"),
-    ("train", "meshtrain.trainer.main_job"),
-    ("estimate", "meshtrain.estimate_cli"),
+    ("train", "meshtrain.jobs.train.main_job"),
+    ("estimate", "meshtrain.estimate.cli"),
     ("consolidate", "meshtrain.checkpoint.consolidate"),
     ("data", "meshtrain.data.cli"),
     ("serve", "meshtrain.serve.cli"),

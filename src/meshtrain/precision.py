@@ -2,7 +2,7 @@
 
 Policy (DeepSpeed's): with ``bf16`` or ``fp16`` enabled the model's parameters,
 activations and gradients are 16-bit and the optimizer steps fp32 *master* copies that
-the engine keeps beside them (see ``meshtrain.parallel.flat``). bf16 has fp32's exponent
+the engine keeps beside them (see ``meshtrain.parallel.flat_group``). bf16 has fp32's exponent
 range, so it needs no loss scaling; fp16 does.
 
 Dynamic loss scaling (DeepSpeed's ``DynamicLossScaler``, same knobs and meaning):

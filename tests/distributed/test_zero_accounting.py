@@ -36,7 +36,7 @@ def _report_fields(report) -> dict:
 
 
 def _accounting():
-    from meshtrain.parallel.zero import comm_bytes_theory
+    from meshtrain.parallel.zero.plan import comm_bytes_theory
 
     out = {}
     for stage in (0, 1, 2, 3):

@@ -35,8 +35,8 @@ import torch
 from meshtrain.checkpoint.manifest import Piece, dtype_name
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.checkpoint.writer import save_shards
-from meshtrain.parallel.flat import Bucket, FlatGroup
-from meshtrain.parallel.zero import gather_updated_params
+from meshtrain.parallel.flat_group import Bucket, FlatGroup
+from meshtrain.parallel.zero.plan import gather_updated_params
 
 
 def _names(module: torch.nn.Module) -> tuple[dict[int, str], dict[str, str]]:

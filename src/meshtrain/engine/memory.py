@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtrain.estimate import ModelStates, model_states_bytes
+from meshtrain.estimate.model import ModelStates, model_states_bytes
 
 _OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad"}
 

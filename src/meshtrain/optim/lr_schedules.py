@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from meshtrain.errors import ConfigError
-from meshtrain.optim import _canonical, _check_names
+from meshtrain.optim.optimizers import _canonical, _check_names
 
 __all__ = [
     "SUPPORTED_SCHEDULERS",

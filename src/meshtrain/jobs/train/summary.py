@@ -1,7 +1,7 @@
 """The closing summary of ``meshtrain train``: loss, throughput, memory and bytes vs theory.
 
 Communication theory per optimizer step, from the engine's own flat buffers (see
-``meshtrain.parallel.zero`` for the derivation). ``P`` is the bytes of a group's padded
+``meshtrain.parallel.zero.plan`` for the derivation). ``P`` is the bytes of a group's padded
 flat buffer in the model dtype (each bucket rounded up to a multiple of the data-parallel
 size ``N``; stage 0 pads nothing), ``k`` is gradient_accumulation_steps:
 
@@ -30,7 +30,7 @@ import torch
 
 def comm_theory(engine: Any) -> tuple[int, str]:
     """(bytes per optimizer step, the formula in words) for this engine's layout."""
-    from meshtrain.parallel.zero import comm_bytes_theory
+    from meshtrain.parallel.zero.plan import comm_bytes_theory
 
     n = engine.topology.dp_size
     stage = engine.zero_stage

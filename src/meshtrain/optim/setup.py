@@ -1,7 +1,7 @@
 """How the Engine builds its optimizer and LR scheduler over the fp32 master chunks.
 
 The optimizer never sees the model's parameters: each param group's ``params`` become
-the master chunks of its ``FlatGroup``s (``meshtrain.parallel.flat``). A client optimizer
+the master chunks of its ``FlatGroup``s (``meshtrain.parallel.flat_group``). A client optimizer
 or scheduler stays the object the user holds: its param groups are re-pointed.
 """
 
@@ -50,7 +50,7 @@ def make_optimizer(config, client, groups: list[dict], plan, device) -> torch.op
         for pg, m in zip(client.param_groups, masters, strict=False):
             pg["params"] = m["params"]
         return client
-    from meshtrain.optim import build_optimizer
+    from meshtrain.optim.optimizers import build_optimizer
 
     cfg = config.optimizer
     if cfg is None:
@@ -70,7 +70,7 @@ def make_scheduler(config, client, optimizer):
     cfg = config.scheduler
     if cfg is None:
         return None
-    from meshtrain.schedules import build_scheduler
+    from meshtrain.optim.lr_schedules import build_scheduler
 
     params = (
         cfg.params if isinstance(cfg.params, dict) else cfg.params.model_dump(exclude_none=True)

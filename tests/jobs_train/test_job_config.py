@@ -9,7 +9,7 @@ import pytest
 
 from meshtrain.cli import main as cli_main
 from meshtrain.errors import ConfigError
-from meshtrain.trainer.job_config import (
+from meshtrain.jobs.train.job_config import (
     DEFAULT_CONFIG,
     JobConfig,
     build_job_dict,

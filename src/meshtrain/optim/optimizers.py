@@ -14,7 +14,7 @@ for that optimizer (Adam, AdamW, SGD). DeepSpeed's names and semantics are kept:
 * ``torch_adam`` (choose torch's Adam over FusedAdam) is accepted and ignored: meshtrain
   always uses torch's. ``bias_correction`` is accepted only as ``true``.
 
-The learning-rate schedules are in :mod:`meshtrain.schedules`.
+The learning-rate schedules are in :mod:`meshtrain.optim.lr_schedules`.
 """
 
 from __future__ import annotations

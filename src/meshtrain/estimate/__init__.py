@@ -1,0 +1,2 @@
+"""``meshtrain estimate``: the ZeRO paper's model-state formulas (``model``) and the
+command line (``cli``)."""

@@ -1,0 +1,1 @@
+"""Ready-made jobs built on the public API (``meshtrain train`` lives in ``jobs.train``)."""
