@@ -102,8 +102,9 @@ def _max_rel(a: dict, b: dict) -> float:
 
 
 def _ranks():
-    import meshtrain
     import torch.distributed as dist
+
+    import meshtrain
     from meshtrain.zero import GatheredParameters, Init
 
     meshtrain.init_distributed()
@@ -175,9 +176,7 @@ def _ranks():
         with ea.gathered_parameters():  # 2 AdamW steps of lr 1e-2 move it by <= ~0.02
             moved = (ea.module.head.weight[3] + 0.25).abs().max()
             assert moved < 0.05, f"the masters did not keep the change ({moved})"
-        out[f"t{threshold}_after_modify"] = _max_rel(
-            ea.module_state_dict(), eb.module_state_dict()
-        )
+        out[f"t{threshold}_after_modify"] = _max_rel(ea.module_state_dict(), eb.module_state_dict())
 
     # a stage-2 engine from an Init-built model (partitioned parameters made whole)
     torch.manual_seed(0)
