@@ -17,7 +17,9 @@ One process group checks, in order:
   only absorbs the reduction order of the norm); they are in fact identical;
 * ``GatheredParameters(modifier_rank=0)`` on the engine's parameters: rank 0's change is
   in every rank's shard and in the masters (the next step starts from it on both engines,
-  which stay equal), and a stage-2 engine built from an Init-built model matches too.
+  which stay equal), and a stage-2 engine built from an Init-built model matches too;
+* the reference decoder (which initialises its children's weights after building them)
+  gets the same values under Init as outside it.
 """
 
 from __future__ import annotations
@@ -177,6 +179,19 @@ def _ranks():
             moved = (ea.module.head.weight[3] + 0.25).abs().max()
             assert moved < 0.05, f"the masters did not keep the change ({moved})"
         out[f"t{threshold}_after_modify"] = _max_rel(ea.module_state_dict(), eb.module_state_dict())
+
+    # the reference decoder initialises its children after building them (like a
+    # Hugging Face post_init); under Init it gathers each one: same values as outside
+    from meshtrain.models import Decoder, DecoderConfig
+
+    cfg = DecoderConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_dim=32)
+    with Init(config=_config(3, 0)):
+        dec = Decoder(cfg)
+    plain = Decoder(cfg)
+    for (name, p), q in zip(dec.named_parameters(), plain.parameters(), strict=True):
+        assert p.numel() == 0, name
+        with GatheredParameters(p):
+            assert torch.equal(p, q.data), name
 
     # a stage-2 engine from an Init-built model (partitioned parameters made whole)
     torch.manual_seed(0)
