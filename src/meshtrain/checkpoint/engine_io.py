@@ -37,6 +37,7 @@ from meshtrain.checkpoint import storage
 from meshtrain.checkpoint.manifest import Piece, dtype_name
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.checkpoint.writer import save_shards
+from meshtrain.errors import CheckpointError
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
 
 log = logging.getLogger("meshtrain")
@@ -115,7 +116,7 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     topo = engine.topology
     world = topo.group("world")
     rank, dp = world.rank, topo.dp_size
-    tag = tag or f"global_step{engine.global_steps}"
+    tag = _agreed_tag(tag or f"global_step{engine.global_steps}", world, engine.config)
     canon, aliases = _names(engine.module)
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[Piece] = []
@@ -189,6 +190,30 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
         meta=meta,
         keep_last=keep or None,
     )
+
+
+def _agreed_tag(tag: str, world, config) -> str:
+    """Rank 0's tag; ranks that passed another are handled by ``checkpoint.tag_validation``."""
+    if world.size == 1 or world.pg is None:
+        return tag
+    import torch.distributed as dist
+
+    tags: list[Any] = [None] * world.size
+    dist.all_gather_object(tags, tag, group=world.pg)
+    if len(set(tags)) == 1:
+        return tag
+    policy = config.checkpoint.tag_validation
+    by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    if policy == "Fail":
+        raise CheckpointError(
+            f"save_checkpoint: ranks passed different tags ({by_rank}); pass the same tag on "
+            'every rank, or set checkpoint.tag_validation to "Warn" to save under rank 0\'s'
+        )
+    if policy == "Warn" and world.rank == 0:
+        log.warning(
+            "save_checkpoint: ranks passed different tags (%s); saving as %r", by_rank, tags[0]
+        )
+    return tags[0]
 
 
 def _jsonable(v: Any) -> bool:
