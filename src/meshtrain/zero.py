@@ -157,7 +157,7 @@ class Init:
     def _partition(self, module: nn.Module) -> None:
         group = self._ensure_group()
         for p in module.parameters():
-            if part.is_partitioned(p) or hasattr(p, part.OWNER):
+            if part.is_partitioned(p) or part.owner(p) is not None:
                 continue
             part.partition(
                 p, group, next(self._ids), dtype=self.dtype, device=self.shard_device, src=0
@@ -272,7 +272,7 @@ class GatheredParameters:
 
     def __enter__(self) -> GatheredParameters:
         for p in self.params:
-            owner = getattr(p, part.OWNER, None)
+            owner = part.owner(p)
             if owner is not None:
                 self._owned.setdefault(id(owner), (owner, []))[1].append(p)
             elif part.is_partitioned(p):

@@ -36,9 +36,27 @@ from meshtrain.distributed.comm import Group
 _GROUP = "_meshtrain_partition_group"  # the comm Group the parameter was split over
 
 
+class Ref:
+    """A reference kept on a parameter that pickles as empty, so ``torch.save`` of a model
+    does not try to pickle process groups or an engine along with its parameters."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: object = None) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (Ref, ())
+
+
+def _group_of(p: torch.Tensor) -> Group:
+    return getattr(p, _GROUP).target
+
+
 def is_partitioned(p: torch.Tensor) -> bool:
     """True for a parameter that holds only its construction-time shard."""
-    return hasattr(p, _GROUP)
+    ref = getattr(p, _GROUP, None)
+    return ref is not None and ref.target is not None
 
 
 def full_shape(p: torch.Tensor) -> torch.Size:
@@ -89,13 +107,13 @@ def partition(
         shard = _slice(full.reshape(-1), group).to(device=device or full.device, dtype=dtype)
         p.ds_shape, p.ds_numel, p.ds_id = full.shape, full.numel(), ds_id
         p.ds_tensor = shard
-        setattr(p, _GROUP, group)
+        setattr(p, _GROUP, Ref(group))
         p.data = torch.empty(0, dtype=dtype, device=full.device)
 
 
 def full_value(p: nn.Parameter, device: torch.device | None = None) -> torch.Tensor:
     """All-gather a partitioned parameter's whole value (a new tensor of ``ds_shape``)."""
-    group: Group = getattr(p, _GROUP)
+    group = _group_of(p)
     shard = p.ds_tensor
     if device is not None:
         shard = shard.to(device)
@@ -107,7 +125,7 @@ def full_value(p: nn.Parameter, device: torch.device | None = None) -> torch.Ten
 def store(p: nn.Parameter, full: torch.Tensor, src: int | None) -> None:
     """Write a whole value back into ``p``'s shard; with ``src`` (a group rank) that
     rank's value is broadcast first, so its changes land in every rank's shard."""
-    group: Group = getattr(p, _GROUP)
+    group = _group_of(p)
     with torch.no_grad():
         if src is not None and group.size > 1:
             full = full.contiguous()
@@ -136,6 +154,12 @@ def materialize(params) -> None:
 OWNER = "_meshtrain_owner"  # the ZeroStage whose flat buffers hold the parameter
 
 
+def owner(p: torch.Tensor):
+    """The ``ZeroStage`` whose buffers hold ``p``'s values, or None."""
+    ref = getattr(p, OWNER, None)
+    return None if ref is None else ref.target
+
+
 def adopt(module: nn.Module, zero) -> None:
     """After the Engine laid out ``module``: make leftover partitioned parameters (frozen,
     or in no optimizer group) whole, and mark every parameter in a flat buffer with the
@@ -143,17 +167,19 @@ def adopt(module: nn.Module, zero) -> None:
     materialize(module.parameters())
     for g in zero.flat_groups:
         for p in g.params:
-            setattr(p, OWNER, zero)
+            setattr(p, OWNER, Ref(zero))
 
 
 __all__ = [
     "OWNER",
+    "Ref",
     "adopt",
     "full_numel",
     "full_shape",
     "full_value",
     "is_partitioned",
     "materialize",
+    "owner",
     "partition",
     "release",
     "shard_numel",
