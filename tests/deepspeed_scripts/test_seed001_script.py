@@ -16,7 +16,8 @@ ds_config.json`` (hostfile: ``localhost slots=2``) -- 2 real processes on gloo.
   sides, torch's AdamW via ``torch_adam``): its losses match run A's within 1e-5
   relative. Both run the same fp32 operations; only the order of the gradient
   reductions differs (DeepSpeed averages before summing across ranks), which moves the
-  parameters by ~1e-7 relative per step; 1e-5 leaves room over 12 micro-steps.
+  parameters by ~1e-7 relative per step; 1e-5 leaves room over 12 micro-steps (measured:
+  equal to all 8 printed decimals).
 """
 
 from __future__ import annotations
