@@ -1,0 +1,130 @@
+"""How one full tensor maps to its tensor-parallel shards, and back.
+
+A sharded dimension of size ``blocks x units x unit`` is cut per *unit* (an attention
+head of ``unit = head_dim`` channels, one vocabulary row, one MLP channel). When ``T``
+does not divide ``units`` each block is padded with zero units up to
+``padded = ceil(units / T) x T``; rank ``r`` then holds units ``[r u, (r + 1) u)`` of
+every block, ``u = padded / T``, so its local size along the dimension is
+``blocks x u x unit`` (exactly ``1/T`` of the padded tensor). ``blocks > 1`` describes a
+fused projection such as GPT-2's ``c_attn`` (q, k, v side by side): each of the three
+blocks is split on its own, so a rank holds matching q, k and v heads.
+
+Zero units are inert: a zero attention head has zero value rows and zero output columns,
+a zero MLP channel has zero in and out weights, a zero vocabulary row is never looked up
+and its logit is masked in the vocab-parallel loss. Their gradients are zero, so AdamW
+keeps them at zero; ``unshard`` drops them, so ``full_state_dict`` (and checkpoints)
+always hold the unpadded, unsharded tensors of the original model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshtrain.distributed import comm
+from meshtrain.distributed.comm import Group
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One sharded dimension: ``dim`` of size ``blocks * units * unit`` over ``size`` ranks."""
+
+    dim: int
+    units: int
+    unit: int = 1
+    blocks: int = 1
+    size: int = 1  # tensor-parallel ranks
+
+    @property
+    def padded_units(self) -> int:
+        return -(-self.units // self.size) * self.size
+
+    @property
+    def local_units(self) -> int:
+        return self.padded_units // self.size
+
+    @property
+    def full(self) -> int:
+        """Unpadded size of the dimension."""
+        return self.blocks * self.units * self.unit
+
+    @property
+    def local(self) -> int:
+        """Size of the dimension on one rank."""
+        return self.blocks * self.local_units * self.unit
+
+    @property
+    def padding(self) -> int:
+        return self.padded_units - self.units
+
+    def first_unit(self, rank: int) -> int:
+        return rank * self.local_units
+
+
+def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of the unpadded ``full`` tensor (a new contiguous tensor)."""
+    x = full.movedim(spec.dim, 0)
+    rest = x.shape[1:]
+    if x.shape[0] != spec.full:
+        raise ValueError(f"dimension {spec.dim} is {x.shape[0]}, expected {spec.full} ({spec})")
+    x = x.reshape(spec.blocks, spec.units, spec.unit, *rest)
+    if spec.padding:
+        pad = x.new_zeros(spec.blocks, spec.padding, spec.unit, *rest)
+        x = torch.cat((x, pad), dim=1)
+    u = spec.local_units
+    x = x[:, rank * u : (rank + 1) * u].reshape(spec.local, *rest)
+    return x.movedim(0, spec.dim).contiguous()
+
+
+def unshard_pieces(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The unpadded full tensor from every rank's shard (in rank order)."""
+    xs = [p.movedim(spec.dim, 0) for p in pieces]
+    rest = xs[0].shape[1:]
+    xs = [x.reshape(spec.blocks, spec.local_units, spec.unit, *rest) for x in xs]
+    x = torch.cat(xs, dim=1)[:, : spec.units]
+    return x.reshape(spec.full, *rest).movedim(0, spec.dim).contiguous()
+
+
+def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: Group) -> torch.Tensor:
+    """All-gather ``local`` over ``group`` and return the unpadded full tensor.
+
+    Recorded under the label ``"state_dict"`` so training traffic figures stay exact.
+    """
+    local = local.detach().contiguous()
+    out = torch.empty(group.size * local.numel(), dtype=local.dtype, device=local.device)
+    comm.all_gather(out, local.view(-1), group, label="state_dict")
+    return unshard_pieces(list(out.view(group.size, *local.shape).unbind(0)), spec)
+
+
+def tp_specs(model: torch.nn.Module) -> dict[str, ShardSpec]:
+    """``{state-dict key: ShardSpec}`` of every tensor-parallel parameter in ``model``."""
+    out: dict[str, ShardSpec] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, spec in getattr(module, "tp_specs", {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = spec
+    return out
+
+
+def full_state_dict(model: torch.nn.Module, group: Group) -> dict[str, torch.Tensor]:
+    """The model's state dict with every tensor-parallel shard gathered and unpadded.
+
+    Every rank of ``group`` must call it (it all-gathers). Keys and shapes equal those of
+    the model before ``apply_tensor_parallel``.
+    """
+    specs = tp_specs(model)
+    out = {}
+    for key, value in model.state_dict().items():
+        spec = specs.get(key)
+        out[key] = value if spec is None else unshard_tensor(value, spec, group)
+    return out
+
+
+__all__ = [
+    "ShardSpec",
+    "full_state_dict",
+    "shard_tensor",
+    "tp_specs",
+    "unshard_pieces",
+    "unshard_tensor",
+]
