@@ -110,6 +110,8 @@ def apply_tensor_parallel(
                     new.register_forward_pre_hook(lambda *_: rng.exit())
             elif style == "region":
                 _enter_region(mod, group, sequence_parallel, rng)
+            elif style == "scatter_sequence" and sequence_parallel:
+                _on_input(mod, functools.partial(M.scatter_to_region, group=group, dim=1))
             elif style == "sequence" and sequence_parallel and t > 1:
                 for p in mod.parameters(recurse=False):
                     p.register_hook(M.reduce_gradient_hook(group))
@@ -129,9 +131,10 @@ def apply_tensor_parallel(
 
 def _build(mod, style, group, units, blocks, sp, inside, shared):
     kw = {"sequence_parallel": sp, "shared": shared}
-    if style == "embedding":
+    if style in ("embedding", "embedding_to_sequence"):
         if not isinstance(mod, nn.Embedding):
-            raise ConfigError(f"'embedding' style needs nn.Embedding, got {type(mod).__name__}")
+            raise ConfigError(f"{style!r} style needs nn.Embedding, got {type(mod).__name__}")
+        kw["sequence_parallel"] = sp and style == "embedding_to_sequence"
         return VocabParallelEmbedding.from_module(mod, group, **kw)
     if style in ("column", "row", "lm_head"):
         if not (isinstance(mod, nn.Linear) or is_conv1d(mod)):
@@ -156,16 +159,23 @@ def _enter_region(mod: nn.Module, group, sp: bool, rng: RegionRNG) -> None:
         else functools.partial(M.copy_to_region, group=group)
     )
 
+    _on_input(mod, enter, before=rng.enter)
+    mod.register_forward_hook(lambda *_: rng.exit())
+
+
+def _on_input(mod: nn.Module, fn, before=None) -> None:
+    """Apply ``fn`` to the module's first input (positional, or ``hidden_states=``)."""
+
     def pre(_mod, args, kwargs):
-        rng.enter()
+        if before is not None:
+            before()
         if args:
-            return (enter(args[0]), *args[1:]), kwargs
+            return (fn(args[0]), *args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"])}
-        raise TypeError(f"{type(_mod).__name__}: a region needs its input first or as hidden_states")
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        raise TypeError(f"{type(_mod).__name__}: expected its input first or as hidden_states")
 
     mod.register_forward_pre_hook(pre, with_kwargs=True)
-    mod.register_forward_hook(lambda *_: rng.exit())
 
 
 def _set_loss(model: nn.Module, plan: TPPlan, group, sizes: dict[str, int]) -> None:

@@ -7,8 +7,10 @@ A row is ``(path, style)`` or ``(path, style, units)`` or ``(path, style, units,
 style         what ``apply_tensor_parallel`` does to the module at ``path``
 ============  ===============================================================================
 embedding     ``nn.Embedding`` -> ``VocabParallelEmbedding`` (vocabulary padded to a multiple
-              of T); with sequence parallelism its output is reduce-scattered to a sequence
-              shard
+              of T); its output is all-reduced (full sequence on every rank)
+embedding_to_sequence
+              the same, but with sequence parallelism the output is reduce-scattered to
+              this rank's sequence shard (half the bytes of the all-reduce)
 column        Linear / Conv1D -> ``ColumnParallelLinear`` (output features sharded)
 row           Linear / Conv1D -> ``RowParallelLinear`` (input features sharded)
 lm_head       a ``column`` over the vocabulary whose sharded logits feed the vocab-parallel
@@ -16,6 +18,10 @@ lm_head       a ``column`` over the vocabulary whose sharded logits feed the voc
 region        the module whose first input enters a column/row region: the input is copied
               (sequence parallel: all-gathered) once for all the column layers inside, and
               dropout inside runs on this rank's own random stream
+scatter_sequence
+              with sequence parallelism, the module's first input is split along the
+              sequence (backward: all-gather); for models that need the full sequence
+              before their first block (position ids, masks)
 sequence      a module with replicated weights (a norm) that runs on a sequence shard under
               sequence parallelism; its weight gradients are summed over the tp group
 ============  ===============================================================================
@@ -47,7 +53,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 Row = tuple  # (path, style[, units[, blocks]])
-STYLES = ("embedding", "column", "row", "lm_head", "region", "sequence")
+STYLES = (
+    "embedding",
+    "embedding_to_sequence",
+    "scatter_sequence",
+    "column", "row", "lm_head", "region", "sequence")
 
 
 @dataclass(frozen=True)
@@ -100,7 +110,7 @@ DECODER = TPPlan(
     classes=("Decoder",),
     sizes={"heads": "config.n_heads", "vocab": "config.vocab_size"},
     rows=(
-        ("embed", "embedding", "vocab"),
+        ("embed", "embedding_to_sequence", "vocab"),
         ("layers.*.attn_norm", "sequence"),
         ("layers.*.attn", "region"),
         ("layers.*.attn.q_proj", "column", "heads"),
@@ -129,6 +139,7 @@ LLAMA = TPPlan(  # also Qwen2 and Mistral: the same module layout
     },
     rows=(
         ("model.embed_tokens", "embedding", "vocab"),
+        ("model.layers.0", "scatter_sequence"),  # positions and mask come from the full length
         ("model.layers.*.input_layernorm", "sequence"),
         ("model.layers.*.self_attn", "region"),
         ("model.layers.*.self_attn.q_proj", "column", "heads"),
