@@ -15,7 +15,6 @@ from tests.harness import run_ranks
 
 
 def rel(a, b) -> float:
-    import torch
 
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -223,9 +222,7 @@ def _ops(world: int) -> dict:
         loss.backward()
     end = s.snapshot()
     calls1 = s.calls(op="all_reduce")
-    grad_full = torch.cat(
-        [t for t in _gather_cols(local.grad, g)], 1
-    )[:, :V]
+    grad_full = torch.cat([t for t in _gather_cols(local.grad, g)], 1)[:, :V]
     none = vocab_parallel_cross_entropy(local.detach(), target, g, V, reduction="none")
     ref_none = F.cross_entropy(logits, target, ignore_index=-100, reduction="none")
     out["ce"] = {
@@ -256,9 +253,8 @@ def _gather_cols(t, g):
 @pytest.mark.parametrize("world", [2, 4])
 def test_mappings_layers_and_loss(world):
     results = run_ranks(_ops, world, world)
-    B, S, H = 2, 4 * world, 6
-    nbytes = B * S * H * 4
-    for r, out in enumerate(results):
+    H = 6
+    for out in results:
         c = out["copy"]
         assert c[0] == 0 and c[1] < 1e-6 and c[2] == {} and c[3]
         red = out["reduce"]

@@ -19,31 +19,54 @@ def build(kind: str, dropout: float = 0.0):
         from meshtrain.models import Decoder, DecoderConfig
 
         return Decoder(
-            DecoderConfig(vocab_size=250, dim=48, n_layers=2, n_heads=6, ffn_dim=98,
-                          max_seq_len=16, seed=3)
+            DecoderConfig(
+                vocab_size=250, dim=48, n_layers=2, n_heads=6, ffn_dim=98, max_seq_len=16, seed=3
+            )
         )
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=250, hidden_size=48, intermediate_size=96,
-                          num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                          max_position_embeddings=32, attn_implementation="sdpa")
+        cfg = LlamaConfig(
+            vocab_size=250,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=32,
+            attn_implementation="sdpa",
+        )
         return LlamaForCausalLM(cfg)
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = GPT2Config(vocab_size=250, n_positions=32, n_embd=48, n_layer=2, n_head=6,
-                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                         attn_implementation="eager")
+        cfg = GPT2Config(
+            vocab_size=250,
+            n_positions=32,
+            n_embd=48,
+            n_layer=2,
+            n_head=6,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            attn_implementation="eager",
+        )
         return GPT2LMHeadModel(cfg)
     if kind == "bert":
         from transformers import BertConfig, BertForSequenceClassification
 
-        cfg = BertConfig(vocab_size=250, hidden_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, intermediate_size=80,
-                         max_position_embeddings=32, num_labels=3,
-                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                         attn_implementation="eager")
+        cfg = BertConfig(
+            vocab_size=250,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=80,
+            max_position_embeddings=32,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="eager",
+        )
         return BertForSequenceClassification(cfg)
     raise ValueError(kind)
 

@@ -138,7 +138,9 @@ def _build(mod, style, group, units, blocks, sp, inside, shared):
         return VocabParallelEmbedding.from_module(mod, group, **kw)
     if style in ("column", "row", "lm_head"):
         if not (isinstance(mod, nn.Linear) or is_conv1d(mod)):
-            raise ConfigError(f"{style!r} style needs nn.Linear or Conv1D, got {type(mod).__name__}")
+            raise ConfigError(
+                f"{style!r} style needs nn.Linear or Conv1D, got {type(mod).__name__}"
+            )
         if style == "row":
             return RowParallelLinear.from_module(mod, group, units=units, blocks=blocks, **kw)
         return ColumnParallelLinear.from_module(
@@ -231,7 +233,12 @@ def _log_padding(sizes: dict[str, int], t: int, plan: str, topology) -> None:
             log.info(
                 "tensor parallel (%s): %s %d padded to %d (a multiple of tp %d); "
                 "checkpoints and module_state_dict() keep the unpadded %d",
-                plan, key, n, padded, t, n,
+                plan,
+                key,
+                n,
+                padded,
+                t,
+                n,
             )
 
 

@@ -215,7 +215,9 @@ class VocabParallelEmbedding(nn.Module):
         self.start = spec.first_unit(group.rank)
         self.end = self.start + spec.local_units
         pad = module.padding_idx
-        self.local_padding_idx = pad - self.start if pad is not None and self.start <= pad < self.end else None
+        self.local_padding_idx = (
+            pad - self.start if pad is not None and self.start <= pad < self.end else None
+        )
         self.weight = _shard_param(module.weight, spec, group.rank, shared)
         self.tp_specs = {"weight": spec}
         return self

@@ -57,7 +57,12 @@ STYLES = (
     "embedding",
     "embedding_to_sequence",
     "scatter_sequence",
-    "column", "row", "lm_head", "region", "sequence")
+    "column",
+    "row",
+    "lm_head",
+    "region",
+    "sequence",
+)
 
 
 @dataclass(frozen=True)
