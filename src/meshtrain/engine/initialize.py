@@ -90,6 +90,7 @@ def initialize(
     *,
     args=None,
     config_params=None,
+    tp_plan=None,
 ):
     """DeepSpeed-style entry: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -99,6 +100,8 @@ def initialize(
     whole world. ``dataloader`` is None unless ``training_data`` is given; it deals
     disjoint shards to data-parallel ranks with ``train_micro_batch_size_per_gpu``
     samples per batch, and its position is saved with the engine's checkpoints.
+    ``tp_plan``: a tensor-parallel plan (``meshtrain.parallel.tensor.TPPlan``) for a model
+    without a built-in one, used when ``mesh.tensor_parallel_size`` > 1.
     """
     from meshtrain.config.ignored import warn_ignored
     from meshtrain.distributed.env import init_distributed
@@ -123,7 +126,9 @@ def initialize(
             rank=topology.dp_rank,
             collate_fn=collate_fn,
         )
-    engine = Engine(model, cfg, topology, model_parameters, optimizer, lr_scheduler, loader)
+    engine = Engine(
+        model, cfg, topology, model_parameters, optimizer, lr_scheduler, loader, tp_plan=tp_plan
+    )
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

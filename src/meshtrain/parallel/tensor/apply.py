@@ -123,7 +123,21 @@ def apply_tensor_parallel(
                 setattr(mod, attr, getattr(mod, attr) * local // n)
     _set_loss(model, plan, group, sizes)
     model.meshtrain_tp = {"plan": plan.name, "size": t, "sequence_parallel": sequence_parallel}
+    # parameters a caller collected before (an optimizer's groups) -> their shards
+    model.meshtrain_tp_replaced = shared
     return model
+
+
+def remap_parameters(model_parameters, model: nn.Module):
+    """``model_parameters`` (params or torch-style groups, taken before
+    ``apply_tensor_parallel``) with each replaced parameter swapped for its shard."""
+    if model_parameters is None:
+        return None
+    replaced: dict[int, nn.Parameter] = getattr(model, "meshtrain_tp_replaced", {})
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": [replaced.get(id(p), p) for p in g["params"]]} for g in items]
+    return [replaced.get(id(p), p) for p in items]
 
 
 # ----------------------------------------------------------------------------- building
@@ -273,4 +287,4 @@ def _no_plan_message(model: nn.Module) -> str:
     )
 
 
-__all__ = ["apply_tensor_parallel"]
+__all__ = ["apply_tensor_parallel", "remap_parameters"]

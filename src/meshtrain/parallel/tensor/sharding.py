@@ -106,6 +106,15 @@ def tp_specs(model: torch.nn.Module) -> dict[str, ShardSpec]:
     return out
 
 
+def sharded_parameter_ids(model: torch.nn.Module) -> set[int]:
+    """``id`` of every parameter that tensor parallelism sharded (the rest is replicated)."""
+    return {
+        id(getattr(module, name))
+        for module in model.modules()
+        for name in getattr(module, "tp_specs", {})
+    }
+
+
 def full_state_dict(model: torch.nn.Module, group: Group) -> dict[str, torch.Tensor]:
     """The model's state dict with every tensor-parallel shard gathered and unpadded.
 
@@ -124,6 +133,7 @@ __all__ = [
     "ShardSpec",
     "full_state_dict",
     "shard_tensor",
+    "sharded_parameter_ids",
     "tp_specs",
     "unshard_pieces",
     "unshard_tensor",
