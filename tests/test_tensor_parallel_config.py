@@ -62,3 +62,27 @@ def test_shard_unshard_roundtrip_with_padding(t):
     if t * u > 5:
         q = torch.cat((q, q.new_zeros(t * u - 5, 2, 7)))
     assert torch.equal(pieces[t - 1][: u * 2].view(u, 2, 7), q[(t - 1) * u : t * u])
+
+
+@pytest.mark.parametrize(("t", "dim"), [(2, 0), (3, 1), (4, 0), (4, 1)])
+def test_full_runs_map_shard_elements_to_full_indices(t, dim):
+    import torch
+
+    from meshtrain.parallel.tensor.sharding import full_runs
+
+    shape = (3 * 5 * 2, 4) if dim == 0 else (4, 3 * 5 * 2)
+    full = torch.arange(120, dtype=torch.float64).reshape(shape)
+    spec = ShardSpec(dim=dim, units=5, unit=2, blocks=3, size=t)
+    for r in range(t):
+        local = shard_tensor(full, spec, r).reshape(-1)
+        n = local.numel()
+        for start, count in ((0, n), (3, n - 7), (n // 2, 1)):
+            got = torch.full((count,), -1.0, dtype=torch.float64)
+            for off, fstart, length in full_runs(
+                spec, tuple(shard_tensor(full, spec, r).shape), r, start, count
+            ):
+                got[off : off + length] = full.reshape(-1)[fstart : fstart + length]
+            want = local[start : start + count]
+            real = got >= 0  # padding elements map nowhere (and are zero in the shard)
+            assert torch.equal(got[real], want[real])
+            assert torch.all(want[~real] == 0)

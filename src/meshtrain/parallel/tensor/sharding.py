@@ -86,6 +86,55 @@ def unshard_pieces(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     return x.reshape(spec.full, *rest).movedim(0, spec.dim).contiguous()
 
 
+def full_shape(local_shape: tuple[int, ...], spec: ShardSpec) -> tuple[int, ...]:
+    """The unpadded, unsharded shape of a shard of ``local_shape``."""
+    shape = list(local_shape)
+    shape[spec.dim] = spec.full
+    return tuple(shape)
+
+
+def full_runs(
+    spec: ShardSpec, local_shape: tuple[int, ...], rank: int, start: int, numel: int
+) -> list[tuple[int, int, int]]:
+    """Map flat elements ``[start, start + numel)`` of rank ``rank``'s shard to the FULL
+    tensor's flat index space: ``[(offset from start, full flat index, length), ...]``,
+    maximal contiguous runs, padding elements left out. Checkpoints name their pieces
+    this way so any tensor-parallel size can read them."""
+    if numel <= 0:
+        return []
+    d = spec.dim
+    inner = 1
+    for n in local_shape[d + 1 :]:
+        inner *= n
+    ld = local_shape[d]
+    idx = torch.arange(start, start + numel, dtype=torch.int64)
+    outer, rest = idx // (ld * inner), idx % (ld * inner)
+    c, w = rest // inner, rest % inner
+    per_block = spec.local_units * spec.unit
+    blk, rem = c // per_block, c % per_block
+    unit = rank * spec.local_units + rem // spec.unit
+    valid = unit < spec.units
+    fc = (blk * spec.units + unit) * spec.unit + rem % spec.unit
+    full = outer * (spec.full * inner) + fc * inner + w
+    # a run breaks where an element is padding or does not follow its predecessor
+    starts = valid.clone()
+    starts[1:] &= ~(valid[:-1] & (full[1:] == full[:-1] + 1))
+    ends = valid.clone()
+    ends[:-1] &= ~(valid[1:] & (full[1:] == full[:-1] + 1))
+    s_pos = starts.nonzero().flatten().tolist()
+    e_pos = ends.nonzero().flatten().tolist()
+    return [(a, int(full[a]), b - a + 1) for a, b in zip(s_pos, e_pos, strict=True)]
+
+
+def specs_by_param(model: torch.nn.Module) -> dict[int, ShardSpec]:
+    """``{id(param): ShardSpec}`` of every tensor-parallel-sharded parameter."""
+    return {
+        id(getattr(module, name)): spec
+        for module in model.modules()
+        for name, spec in getattr(module, "tp_specs", {}).items()
+    }
+
+
 def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: Group) -> torch.Tensor:
     """All-gather ``local`` over ``group`` and return the unpadded full tensor.
 
@@ -131,7 +180,10 @@ def full_state_dict(model: torch.nn.Module, group: Group) -> dict[str, torch.Ten
 
 __all__ = [
     "ShardSpec",
+    "full_runs",
+    "full_shape",
     "full_state_dict",
+    "specs_by_param",
     "shard_tensor",
     "sharded_parameter_ids",
     "tp_specs",
