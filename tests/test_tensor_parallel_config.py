@@ -86,3 +86,19 @@ def test_full_runs_map_shard_elements_to_full_indices(t, dim):
             real = got >= 0  # padding elements map nowhere (and are zero in the shard)
             assert torch.equal(got[real], want[real])
             assert torch.all(want[~real] == 0)
+
+
+def test_estimate_counts_tensor_parallel_shards_exactly():
+    from meshtrain.estimate.model import model_states_bytes
+    from meshtrain.models import Decoder, DecoderConfig
+
+    cfg = DecoderConfig(vocab_size=250, dim=48, n_layers=2, n_heads=6, ffn_dim=98, seed=3)
+    model = Decoder(cfg)
+    d = cfg.dim
+    # tp 4 pads heads 6 -> 8, MLP 98 -> 100, vocabulary 250 -> 252; norms stay whole
+    per_layer = 4 * d * (8 * 8) // 4 + 3 * d * 100 // 4 + 2 * d
+    local = 2 * (252 * d // 4) + 2 * per_layer + d
+    states = model_states_bytes(model, tp=4, stage=0, precision="fp32", optimizer="AdamW")
+    assert states.params == 4 * local
+    plain = model_states_bytes(1000, tp=4, stage=0, precision="fp32", optimizer="AdamW")
+    assert plain.params == 4 * 250  # a bare count is divided by tp

@@ -51,7 +51,6 @@ def _reference(kind: str, global_bs: int, clip: float):
 
 
 def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int) -> dict:
-    import torch
     import torch.distributed as dist
 
     import meshtrain
@@ -83,6 +82,7 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int) -> dict:
         dist.all_reduce(t)
         losses.append(float(t) / world)  # tp ranks agree; the mean over dp is global
         norms.append(engine.get_global_grad_norm())
+    report = engine.memory_report()
     state = engine.module_state_dict()
     ref_losses, ref_norms, ref_state = _reference(kind, micro * dp, clip)
     shapes = all(state[k].shape == ref_state[k].shape for k in ref_state)
@@ -101,8 +101,15 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int) -> dict:
         "key_bias_diff": max(
             (float((noise[k] - ref_noise[k]).abs().max()) for k in noise), default=0
         ),
-        "torch_threads": torch.get_num_threads(),
+        "memory": (report.tp, report.measured.params, report.ratio, _predicted_bytes(kind, tp)),
     }
+
+
+def _predicted_bytes(kind: str, tp: int) -> int:
+    from meshtrain.parallel.tensor.sizes import local_parameter_counts
+    from tests.distributed.tp_models import build
+
+    return 4 * local_parameter_counts(build(kind), tp)[0]  # fp32 parameters on one rank
 
 
 def _without_key_biases(state: dict) -> tuple[dict, dict]:
@@ -152,6 +159,9 @@ TP2_DP2 = [  # at world 4
 @pytest.mark.parametrize(("world", "cases"), [(2, TP2), (4, TP2_DP2)], ids=["tp2", "tp2xdp2"])
 def test_engine_matches_one_process(world, cases):
     results = run_ranks(_runs, world, cases, timeout=600)
+    for case in cases:  # the figures, for the record (pytest -s)
+        o = results[0][case]
+        print(f"{case}: loss {o['loss']:.2e} params {o['params']:.2e} norm {o['norm']:.2e}")
     for out in results:
         for case in cases:
             o = out[case]
@@ -160,5 +170,9 @@ def test_engine_matches_one_process(world, cases):
             assert o["norm"] < 1e-6, (case, o)
             assert o["moved"] > 1e-4, (case, o)  # training changed the weights
             assert o["key_bias_diff"] <= 2 * ADAMW["lr"] * STEPS, (case, o)
+            tp, measured, ratio, predicted = o["memory"]
+            assert tp == 2 and ratio is not None and 0.95 < ratio < 1.05, (case, o)
+            if case[1] == 0:  # stage 0 keeps this rank's whole shard of every parameter
+                assert measured == predicted, (case, o)
             if case[3]:
                 assert o["clipped"], (case, o)  # the clip was active

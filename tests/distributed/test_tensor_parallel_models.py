@@ -7,7 +7,8 @@ GPT-2 (fused q|k|v Conv1D, tied LM head) and BERT (sequence classification):
 * forward loss within 1e-6 relative of the same model in one process, and the gradients
   gathered back from the shards within 1e-6 normwise over the whole model (fp32: only
   the order of additions differs, ~1e-7 observed);
-* each rank holds 1/T of every (padded) sharded weight;
+* each rank holds 1/T of every (padded) sharded weight, and exactly the parameter count
+  ``parallel.tensor.sizes.local_parameter_counts`` (the estimator's) predicts;
 * ``full_state_dict`` returns the original keys, shapes and values (exactly: sharding
   and gathering only move data);
 * exact collective calls and bytes for one decoder block, forward and backward, as in
@@ -39,6 +40,7 @@ def _parity(world: int) -> dict:
     from meshtrain.distributed.topology import Topology
     from meshtrain.parallel.tensor import apply_tensor_parallel, full_state_dict, tp_specs
     from meshtrain.parallel.tensor.sharding import unshard_tensor
+    from meshtrain.parallel.tensor.sizes import local_parameter_counts
     from tests.distributed.tp_models import batch, build, loss_of
 
     topo = Topology(tp=world)
@@ -51,7 +53,9 @@ def _parity(world: int) -> dict:
         ref_loss.backward()
         model = build(kind)
         full0 = {k: v.clone() for k, v in model.state_dict().items()}
+        predicted = local_parameter_counts(model, world)[0]
         apply_tensor_parallel(model, topo, sequence_parallel=sp)
+        held = sum({id(p): p.numel() for p in model.parameters()}.values())
         loss = loss_of(model, kind, inputs)
         loss.backward()
         specs = tp_specs(model)
@@ -71,6 +75,7 @@ def _parity(world: int) -> dict:
             "loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
             "grad": (num / den) ** 0.5,
             "sizes": sizes_ok,
+            "count": (predicted, held),
             "n_sharded": len([n for n in specs if n in dict(model.named_parameters())]),
             "state_keys": sorted(state) == sorted(full0),
             "state_equal": all(torch.equal(state[k], full0[k]) for k in full0),
@@ -222,6 +227,7 @@ def test_models_match_one_process(world):
             o = out[case]
             assert o["loss"] < 1e-6 and o["grad"] < 1e-6, (case, o)
             assert o["sizes"] and o["n_sharded"] > 0, (case, o)
+            assert o["count"][0] == o["count"][1], (case, o)  # the estimator's per-rank count
             assert o["state_keys"] and o["state_equal"], (case, o)
         plain, sp = out["block"][False], out["block"][True]
         assert plain["fwd_bytes"] == {("all_reduce", "tp"): 2 * 2 * b}
