@@ -1,7 +1,9 @@
 """Tensor parallelism through ``meshtrain.initialize``: 20 AdamW steps vs one process.
 
 Layouts: tp 2 (dp 1, ZeRO 0) with and without sequence parallelism, and tp 2 x dp 2 with
-ZeRO 1 and ZeRO 3, on the reference decoder and tiny transformers Llama, GPT-2 and BERT.
+ZeRO 1 and ZeRO 3, on the reference decoder and tiny transformers Llama, GPT-2 and BERT;
+two runs add activation checkpointing (the blocks' tensor-parallel collectives run
+again in the recomputation).
 Every rank builds the same model; data-parallel rank ``d`` takes rows ``[d m, (d + 1) m)``
 of the same global batch (every row has the same number of ignored labels, so the mean
 of the per-rank mean losses is the global mean). One run clips the gradient at a norm
@@ -11,8 +13,12 @@ over the tp group) decides the update.
 Tolerances: per-step loss within 1e-6 relative, and the final parameters
 (``engine.module_state_dict()``: unsharded, unpadded) within 1e-6 normwise over the
 whole model: fp32 sums in another order (~1e-7 per step) that AdamW's normalised update
-does not amplify over 20 steps; the gradient norm reported by the engine within 1e-6
-relative of ``clip_grad_norm_``'s.
+does not amplify over 20 steps. The gradient norm the engine reports (the global norm:
+replicated parameters once, shards summed over tp) within 1e-6 relative of
+``clip_grad_norm_``'s at step 0, where both see identical weights, and within 1e-5 over
+all 20 steps: from step 1 on the two runs differentiate weights that already differ by
+up to the parameter tolerance, which the gradient amplifies by the loss curvature
+(measured: up to 1.2e-6 for GPT-2 under ZeRO 3, below 4e-7 elsewhere).
 
 One per-tensor exception, the attention *key* biases (GPT-2's middle third of
 ``c_attn.bias``, BERT's ``key.bias``): adding a constant to every key shifts each query's
@@ -50,7 +56,7 @@ def _reference(kind: str, global_bs: int, clip: float):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int) -> dict:
+def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int, extra: str = "") -> dict:
     import torch.distributed as dist
 
     import meshtrain
@@ -69,6 +75,8 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int) -> dict:
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "steps_per_print": 1000,
     }
+    if extra == "ac":  # activation checkpointing of every block, recomputed in backward
+        config["activation_checkpointing"] = {"enabled": True}
     engine, *_ = meshtrain.initialize(model=build(kind), config=config)
     d = engine.topology.dp_rank
     losses, norms = [], []
@@ -94,7 +102,8 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int) -> dict:
     return {
         "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
         "params": (num / den) ** 0.5,
-        "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True) if a is not None),
+        "norm0": abs(norms[0] - ref_norms[0]) / ref_norms[0],
+        "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
         "clipped": clip > 0 and min(ref_norms) > clip,
         "keys": keys and shapes,
         "moved": max(float((state[k] - v).abs().max()) for k, v in _initial_kept(kind).items()),
@@ -144,12 +153,14 @@ TP2 = [  # (kind, zero stage, sequence parallel, clip, tp) at world 2
     ("decoder", 0, False, 0.0, 2),
     ("decoder", 0, True, 0.05, 2),
     ("llama", 0, True, 0.0, 2),
+    ("llama", 0, False, 0.0, 2, "ac"),
     ("gpt2", 0, False, 0.0, 2),
     ("bert", 0, False, 0.0, 2),
 ]
 TP2_DP2 = [  # at world 4
     ("decoder", 1, False, 0.05, 2),
     ("decoder", 3, True, 0.0, 2),
+    ("decoder", 1, True, 0.0, 2, "ac"),
     ("llama", 1, False, 0.0, 2),
     ("gpt2", 3, False, 0.0, 2),
     ("bert", 3, False, 0.0, 2),
@@ -161,13 +172,16 @@ def test_engine_matches_one_process(world, cases):
     results = run_ranks(_runs, world, cases, timeout=600)
     for case in cases:  # the figures, for the record (pytest -s)
         o = results[0][case]
-        print(f"{case}: loss {o['loss']:.2e} params {o['params']:.2e} norm {o['norm']:.2e}")
+        print(
+            f"{case}: loss {o['loss']:.2e} params {o['params']:.2e} "
+            f"norm@0 {o['norm0']:.2e} norm {o['norm']:.2e}"
+        )
     for out in results:
         for case in cases:
             o = out[case]
             assert o["keys"], (case, o)
             assert o["loss"] < 1e-6 and o["params"] < 1e-6, (case, o)
-            assert o["norm"] < 1e-6, (case, o)
+            assert o["norm0"] < 1e-6 and o["norm"] < 1e-5, (case, o)
             assert o["moved"] > 1e-4, (case, o)  # training changed the weights
             assert o["key_bias_diff"] <= 2 * ADAMW["lr"] * STEPS, (case, o)
             tp, measured, ratio, predicted = o["memory"]
