@@ -30,6 +30,7 @@ count of consumed samples, which the sampler re-deals over the new replica count
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ import torch
 from meshtrain.checkpoint.manifest import Piece, dtype_name
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.checkpoint.writer import save_shards
+from meshtrain.errors import CheckpointError
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
 from meshtrain.parallel.tensor.sharding import (
     ShardSpec,
@@ -49,6 +51,8 @@ from meshtrain.parallel.tensor.sharding import (
     specs_by_param,
     unshard_tensor,
 )
+
+log = logging.getLogger("meshtrain")
 
 
 def _names(module: torch.nn.Module) -> tuple[dict[int, str], dict[str, str]]:
@@ -151,7 +155,7 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     topo = engine.topology
     world = topo.group("world")
     rank, dp = world.rank, topo.dp_size
-    tag = tag or f"global_step{engine.global_steps}"
+    tag = _agreed_tag(tag or f"global_step{engine.global_steps}", world, engine.config)
     canon, aliases = _names(engine.module)
     tp = _tp(engine)
     tensors: dict[str, torch.Tensor] = {}
@@ -240,6 +244,30 @@ def _frozen_specs(engine) -> dict[str, ShardSpec]:
     trainable = {id(p) for g in engine.zero.flat_groups for p in g.params}
     params = dict(engine.module.named_parameters(remove_duplicate=False))
     return {k: s for k, s in tp_specs(engine.module).items() if id(params.get(k)) not in trainable}
+
+
+def _agreed_tag(tag: str, world, config) -> str:
+    """Rank 0's tag; ranks that passed another are handled by ``checkpoint.tag_validation``."""
+    if world.size == 1 or world.pg is None:
+        return tag
+    import torch.distributed as dist
+
+    tags: list[Any] = [None] * world.size
+    dist.all_gather_object(tags, tag, group=world.pg)
+    if len(set(tags)) == 1:
+        return tag
+    policy = config.checkpoint.tag_validation
+    by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    if policy == "Fail":
+        raise CheckpointError(
+            f"save_checkpoint: ranks passed different tags ({by_rank}); pass the same tag on "
+            'every rank, or set checkpoint.tag_validation to "Warn" to save under rank 0\'s'
+        )
+    if policy == "Warn" and world.rank == 0:
+        log.warning(
+            "save_checkpoint: ranks passed different tags (%s); saving as %r", by_rank, tags[0]
+        )
+    return tags[0]
 
 
 def _jsonable(v: Any) -> bool:
