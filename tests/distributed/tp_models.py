@@ -23,20 +23,18 @@ def build(kind: str, dropout: float = 0.0):
                 vocab_size=250, dim=48, n_layers=2, n_heads=6, ffn_dim=98, max_seq_len=16, seed=3
             )
         )
-    if kind == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
+    if kind == "llama":  # the project's tiny Llama, resized so GQA splits at tp 2 and 4
+        from tests.tiny_models import tiny_llama
 
-        cfg = LlamaConfig(
+        return tiny_llama(
+            seed=7,
             vocab_size=250,
             hidden_size=48,
             intermediate_size=96,
-            num_hidden_layers=2,
             num_attention_heads=8,
             num_key_value_heads=4,
-            max_position_embeddings=32,
             attn_implementation="sdpa",
         )
-        return LlamaForCausalLM(cfg)
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
