@@ -43,7 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL = dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=64, seed=1234)
+MODEL = dict(
+    vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=64, seed=1234
+)
 GLOBAL_BATCH, SEQ_LEN, SEED = 16, 32, 1234
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 FRAMEWORKS = ("meshtrain", "torch")
