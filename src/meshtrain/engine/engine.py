@@ -53,6 +53,8 @@ class Engine:
         optimizer=None,
         lr_scheduler=None,
         training_dataloader=None,
+        *,
+        tp_plan=None,
     ) -> None:
         self.config = config
         self.topology = topology
@@ -72,7 +74,7 @@ class Engine:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model_parameters or model.parameters())  # a factory
         wanted = [dict(g) for g in optimizer.param_groups] if optimizer else model_parameters
-        parallel = parallelize(model, topology, config, wanted)
+        parallel = parallelize(model, topology, config, wanted, tp_plan=tp_plan)
         self.module = parallel.module
         self.zero = parallel.zero
         # zero.Init leftovers made whole; owners recorded for zero.GatheredParameters
@@ -298,9 +300,16 @@ class Engine:
         return self.train(False)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state dict (every parameter whole, gathered under ZeRO-3)."""
+        """The full model state dict (every parameter whole: gathered under ZeRO-3,
+        unsharded and unpadded under tensor parallelism)."""
         with self.gathered_parameters():
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            if self.topology.tp_size > 1:
+                from meshtrain.parallel.tensor.sharding import full_state_dict
+
+                state = full_state_dict(self.module, self.topology.tp_group)
+            else:
+                state = self.module.state_dict()
+            return {k: v.detach().clone() for k, v in state.items()}
 
     def gathered_parameters(self, module: nn.Module | None = None):
         """Under ZeRO-3, make ``module``'s parameters (default: all) whole for the block

@@ -145,6 +145,9 @@ class Decoder(nn.Module):
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # The loss of (logits, labels); tensor parallelism swaps in the vocab-parallel one
+        # because its logits hold only this rank's slice of the vocabulary.
+        self.loss_fn = causal_lm_loss
         self.reset_parameters()
 
     @torch.no_grad()
@@ -178,7 +181,7 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
-        return causal_lm_loss(logits, labels)
+        return self.loss_fn(logits, labels)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
