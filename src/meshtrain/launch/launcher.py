@@ -230,6 +230,11 @@ def run_agent(spec: LaunchSpec) -> int:
 
     # "--" keeps a script whose name starts with "-" from being read as a flag; the
     # script's own arguments are set afterwards so argparse never touches them.
+    if not (spec.module or spec.no_python) and not os.path.isfile(spec.script):
+        raise ConfigError(
+            f"SCRIPT {spec.script!r} does not exist (looked in {os.getcwd()}); check the "
+            "path, or pass -m to run a module"
+        )
     args = get_args_parser().parse_args([*spec_flags(spec), "--", spec.script])
     args.training_script_args = list(spec.script_args)
     own_dir = DOCTOR_DIR_ENV not in os.environ
@@ -244,8 +249,12 @@ def run_agent(spec: LaunchSpec) -> int:
         code, keep = _report_failure(exc, doctor_dir, watcher.stopped)
         return code
     except RendezvousError as exc:
+        _raise_if_port_in_use(exc, spec)
         print(f"meshtrain launch: rendezvous failed: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:  # torch's DistNetworkError, raised while binding the store
+        _raise_if_port_in_use(exc, spec)
+        raise
     except SignalException as exc:
         print(f"meshtrain launch: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
@@ -256,6 +265,20 @@ def run_agent(spec: LaunchSpec) -> int:
             if not keep:
                 shutil.rmtree(doctor_dir, ignore_errors=True)
     return 0
+
+
+def _raise_if_port_in_use(exc: BaseException, spec: LaunchSpec) -> None:
+    """EADDRINUSE from the rendezvous store: one clear line instead of torch's traceback."""
+    text = f"{exc} {exc.__cause__ or ''}"
+    if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+        return
+    port = spec.master_port or (spec.rdzv_endpoint or "").rpartition(":")[2] or "?"
+    flag = "--master_port" if spec.master_port else "--rdzv_endpoint"
+    raise ConfigError(
+        f"port {port} is already in use on this machine (another job, or one that has not "
+        f"exited yet); pick a free port with {flag}, or leave it out on a single node and "
+        "meshtrain launch picks a free one"
+    ) from None
 
 
 class _StopWatcher(threading.Thread):
