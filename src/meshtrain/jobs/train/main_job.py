@@ -149,9 +149,9 @@ def _claim_output_dir(job_dict: dict[str, Any], launched: bool):
     from meshtrain.jobs.train.run_lock import RunLock, check_output_dir
 
     out = JobConfig.from_dict(job_dict).train.output_dir
-    os.environ.setdefault("MESHTRAIN_RUN_DIR", str(Path(out).resolve()))
     if launched or (_in_job() and os.environ.get("RANK") != "0"):
         return None
+    os.environ["MESHTRAIN_RUN_DIR"] = str(Path(out).resolve())  # the ranks inherit it
     check_output_dir(out)
     return RunLock(out).acquire()
 
