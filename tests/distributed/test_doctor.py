@@ -109,3 +109,31 @@ def test_verdicts_without_processes():
     # three groups in flight but agreeing: nobody is blamed
     rep = diagnose({0: _rec(0, "exit", 5), 1: _rec(1, "exit", 5)}, 2)
     assert rep.verdicts == [] and rep.culprit is None and "no rank looks stuck" in rep.table()
+
+
+def _rank1_skips_third_all_reduce() -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from meshtrain.distributed import comm
+    from meshtrain.distributed.topology import Topology
+
+    topo = Topology()
+    t = torch.ones(8)
+    for i in range(1, 4):
+        if dist.get_rank() == 1 and i == 3:
+            time.sleep(30)  # stuck in Python; rank 0 times out in all_reduce #3
+        comm.all_reduce(t, topo.dp_group)
+
+
+def test_notebook_launcher_failure_carries_the_doctors_table():
+    from meshtrain.launch.processes import RankFailedError, run_on_ranks
+
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_rank1_skips_third_all_reduce, 2, timeout=120, collective_timeout_minutes=0.1)
+    msg = str(info.value)
+    assert "rank 0 raised" in msg and "meshtrain doctor:" in msg
+    assert "verdict: rank 1 never entered all_reduce #3 on the dp group (last seen at" in msg
+    assert "test_doctor.py:" in msg  # rank 1's stall report points at the sleep
