@@ -31,6 +31,11 @@ _LAZY = {
     "Config": "meshtrain.config:Config",
     "load_config": "meshtrain.config:load_config",
     "notebook_launcher": "meshtrain.launch.function:notebook_launcher",
+    "Trainer": "meshtrain.trainer.trainer:Trainer",
+    "TrainingArguments": "meshtrain.trainer.arguments:TrainingArguments",
+    "TrainerCallback": "meshtrain.trainer.callbacks:TrainerCallback",
+    "EarlyStoppingCallback": "meshtrain.trainer.callbacks:EarlyStoppingCallback",
+    "EvalPrediction": "meshtrain.trainer.state:EvalPrediction",
 }
 
 __all__ = [
@@ -50,6 +55,11 @@ __all__ = [
     "Config",
     "load_config",
     "notebook_launcher",
+    "Trainer",
+    "TrainingArguments",
+    "TrainerCallback",
+    "EarlyStoppingCallback",
+    "EvalPrediction",
 ]
 
 
@@ -73,3 +83,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from meshtrain.distributed.topology import Topology
     from meshtrain.engine.engine import Engine, initialize
     from meshtrain.launch.function import notebook_launcher
+    from meshtrain.trainer.arguments import TrainingArguments
+    from meshtrain.trainer.callbacks import EarlyStoppingCallback, TrainerCallback
+    from meshtrain.trainer.state import EvalPrediction
+    from meshtrain.trainer.trainer import Trainer
