@@ -296,8 +296,10 @@ class Trainer:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif isinstance(outputs, Mapping) and outputs.get("loss") is not None:
             loss = outputs["loss"]
-        elif isinstance(outputs, tuple | list) and labels is None and "labels" in inputs:
-            loss = outputs[0]
+        elif isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+            loss = outputs  # a model that returns its loss (meshtrain's Decoder, ...)
+        elif isinstance(outputs, tuple | list) and any(n in inputs for n in self.label_names):
+            loss = outputs[0]  # return_dict=False: the loss comes first
         else:
             raise TrainingError(
                 f"{type(model).__name__} returned no loss for a batch with keys "
