@@ -9,7 +9,9 @@ from torch import nn
 
 from meshtrain.models import Decoder, DecoderConfig
 
-TINY = DecoderConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, seed=5)
+TINY = DecoderConfig(
+    vocab_size=50, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, seed=5
+)
 
 
 def lm_rows(n: int = 32, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -59,13 +61,19 @@ def xy_rows(n: int, seed: int = 1) -> list[tuple[torch.Tensor, int]]:
 
 
 def xy_collate(examples):
-    return {"x": torch.stack([e[0] for e in examples]), "labels": torch.tensor([e[1] for e in examples])}
+    return {
+        "x": torch.stack([e[0] for e in examples]),
+        "labels": torch.tensor([e[1] for e in examples]),
+    }
 
 
-def train_lm(out: str, per_device: int, accumulation: int, **kw) -> tuple[list[float], dict]:
+def train_lm(
+    out: str, per_device: int, accumulation: int, rows: int = 32, callbacks=None, **kw
+) -> tuple[list[float], dict]:
     """Train the tiny decoder; return (per-step logged losses, final weights)."""
     from meshtrain import Trainer, TrainingArguments
 
+    resume = kw.pop("resume_from_checkpoint", None)
     args = TrainingArguments(
         out,
         per_device_train_batch_size=per_device,
@@ -73,12 +81,13 @@ def train_lm(out: str, per_device: int, accumulation: int, **kw) -> tuple[list[f
         num_train_epochs=2,
         learning_rate=1e-3,
         logging_steps=1,
-        save_strategy="no",
         disable_tqdm=True,
-        **kw,
+        **{"save_strategy": "no", **kw},
     )
     model = Decoder(TINY)
-    trainer = Trainer(model, args, train_dataset=lm_rows(), data_collator=pad_collate)
-    trainer.train()
+    trainer = Trainer(
+        model, args, train_dataset=lm_rows(rows), data_collator=pad_collate, callbacks=callbacks
+    )
+    trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

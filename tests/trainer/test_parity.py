@@ -47,7 +47,7 @@ def _close(a, b, tol):
 
 
 def test_dp_and_accumulation_equal_the_full_batch(tmp_path):
-    (full, accum, by_hand), = run_ranks(_one_process, 1, str(tmp_path))
+    ((full, accum, by_hand),) = run_ranks(_one_process, 1, str(tmp_path))
     (dp, dp_accum), _ = run_ranks(_two_processes, 2, str(tmp_path))
     assert len(full[0]) == 8  # 32 rows / 8 per step x 2 epochs
     assert abs(full[0][0] - by_hand) <= 1e-6
