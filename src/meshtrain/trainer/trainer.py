@@ -120,6 +120,7 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         self.loss_is_scaled_for_ga: bool | None = None
         self._improved = False
+        self._applied_lr = 0.0
         names = forward_names(model)
         found = [n for n in (names or ()) if "label" in n]
         self.label_names = self.args.label_names or found or ["labels"]
@@ -355,6 +356,7 @@ class Trainer:
             engine.backward(part * (gas * dp))
             if i == len(window) - 1:
                 self.control = self._event("on_pre_optimizer_step")
+                self._applied_lr = engine.get_lr()[0]  # what this step uses (logged as such)
             engine.step()
             if i < len(window) - 1:
                 self.control = self._event("on_substep_end")
@@ -472,7 +474,7 @@ class Trainer:
             {
                 "loss": loss,
                 "grad_norm": grad_norm if grad_norm is not None else float("nan"),
-                "learning_rate": self.engine.get_lr()[0],
+                "learning_rate": self._applied_lr,
             }
         )
 
