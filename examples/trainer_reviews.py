@@ -193,9 +193,8 @@ def main(framework: str = "meshtrain", samples: int = 17000, workdir: str = "rev
     metrics = trainer.evaluate(tokenized_datasets["test"])
     # 模型预测
     prediction = trainer.predict(tokenized_datasets["test"])
-    from transformers import pipeline
-
     import torch
+    from transformers import pipeline
 
     id2_label = {0: "差评!", 1: "好评!"}
     model.config.id2label = id2_label

@@ -49,7 +49,6 @@ def _bert(tokenizer):
 def _run(tmp: str):
     import os
 
-    import numpy as np
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, pipeline
 
     from meshtrain import Trainer, TrainingArguments
@@ -99,7 +98,7 @@ def _run(tmp: str):
 def test_zero3_bert_pipeline_and_exports(tmp_path):
     ranks = run_ranks(_run, 2, str(tmp_path))
     for out in ranks:
-        (l0, w0, m0, a0, kept0, best0, same0), (l3, w3, m3, a3, kept3, best3, same3) = (
+        (l0, w0, m0, a0, kept0, best0, same0), (l3, w3, m3, a3, _kept3, _best3, same3) = (
             out[0],
             out[3],
         )
