@@ -143,7 +143,9 @@ class TrainingArguments:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
             _positive(name, getattr(self, name), integer=True)
         _positive("gradient_accumulation_steps", self.gradient_accumulation_steps, integer=True)
-        _positive("dataloader_num_workers", self.dataloader_num_workers, allow_zero=True, integer=True)
+        _positive(
+            "dataloader_num_workers", self.dataloader_num_workers, allow_zero=True, integer=True
+        )
         _positive("learning_rate", self.learning_rate, allow_zero=True)
         _positive("weight_decay", self.weight_decay, allow_zero=True)
         _positive("adam_epsilon", self.adam_epsilon, allow_zero=True)

@@ -175,6 +175,7 @@ class RunLogCallback(TrainerCallback):
         self.title = title
         self.run_log = None
         self.start_step = 0
+        self.rows: list[dict[str, Any]] = []  # this run's per-step rows (rank 0)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control, **kwargs):
         if not state.is_world_process_zero:
@@ -214,6 +215,7 @@ class RunLogCallback(TrainerCallback):
         from meshtrain.jobs.train.run_log import METRICS, PLOT, plot_loss
 
         self.run_log.__exit__(None, None, None)
+        self.rows = [r for r in self.run_log.rows if "loss" in r]
         self.run_log = None
         out = Path(args.output_dir)
         plot_loss(out / METRICS, out / PLOT, self.title, self.start_step, ylabel="loss")

@@ -23,10 +23,13 @@ from pathlib import Path
 from meshtrain.errors import CheckpointError
 
 PREFIX = "checkpoint-"
-_STEP = re.compile(rf"^{PREFIX}(\d+)$")
 
 
-def checkpoint_steps(output_dir: str | Path) -> list[int]:
+def _step_re(prefix: str) -> re.Pattern:
+    return re.compile(rf"^{re.escape(prefix)}(\d+)$")
+
+
+def checkpoint_steps(output_dir: str | Path, prefix: str = PREFIX) -> list[int]:
     """Steps of the complete checkpoints in ``output_dir``, ascending."""
     from meshtrain.checkpoint.manifest import MANIFEST
 
@@ -34,36 +37,39 @@ def checkpoint_steps(output_dir: str | Path) -> list[int]:
     if not root.is_dir():
         return []
     steps = []
+    pattern = _step_re(prefix)
     for d in root.iterdir():
-        m = _STEP.match(d.name)
+        m = pattern.match(d.name)
         if m and (d / MANIFEST).is_file():
             steps.append(int(m.group(1)))
     return sorted(steps)
 
 
-def last_checkpoint(output_dir: str | Path) -> Path | None:
+def last_checkpoint(output_dir: str | Path, prefix: str = PREFIX) -> Path | None:
     """The newest complete checkpoint (transformers' ``get_last_checkpoint``)."""
-    steps = checkpoint_steps(output_dir)
-    return Path(output_dir) / f"{PREFIX}{steps[-1]}" if steps else None
+    steps = checkpoint_steps(output_dir, prefix)
+    return Path(output_dir) / f"{prefix}{steps[-1]}" if steps else None
 
 
-def resolve_resume(resume: bool | str | Path | None, output_dir: str | Path) -> Path | None:
+def resolve_resume(
+    resume: bool | str | Path | None, output_dir: str | Path, prefix: str = PREFIX
+) -> Path | None:
     """The checkpoint directory ``resume_from_checkpoint`` names (True: the newest)."""
     if resume is None or resume is False:
         return None
     if resume is True:
-        path = last_checkpoint(output_dir)
+        path = last_checkpoint(output_dir, prefix)
         if path is None:
             raise CheckpointError(
                 f"resume_from_checkpoint=True but {output_dir} holds no complete "
-                f"{PREFIX}<step> directory; train without it or pass a checkpoint path"
+                f"{prefix}<step> directory; train without it or pass a checkpoint path"
             )
         return path
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(
-            f"resume_from_checkpoint: {path} is not a directory; pass a {PREFIX}<step> folder "
-            f"(complete ones in {output_dir}: {checkpoint_steps(output_dir)})"
+            f"resume_from_checkpoint: {path} is not a directory; pass a {prefix}<step> folder "
+            f"(complete ones in {output_dir}: {checkpoint_steps(output_dir, prefix)})"
         )
     return path
 
@@ -89,12 +95,12 @@ def to_delete(steps: list[int], limit: int | None, best: int | None) -> list[int
     return sorted(s for s in doomed if s != best)
 
 
-def delete(output_dir: str | Path, steps: list[int]) -> None:
+def delete(output_dir: str | Path, steps: list[int], prefix: str = PREFIX) -> None:
     """Remove checkpoints; renamed first so a crash never leaves a half-deleted complete one."""
     root = Path(output_dir)
     for step in steps:
-        src = root / f"{PREFIX}{step}"
-        doomed = root / f".del-{PREFIX}{step}"
+        src = root / f"{prefix}{step}"
+        doomed = root / f".del-{prefix}{step}"
         try:
             src.rename(doomed)
         except OSError:
@@ -102,11 +108,11 @@ def delete(output_dir: str | Path, steps: list[int]) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def step_of(path: str | Path | None) -> int | None:
+def step_of(path: str | Path | None, prefix: str = PREFIX) -> int | None:
     """The step in a ``checkpoint-<step>`` path, or None."""
     if path is None:
         return None
-    m = _STEP.match(Path(path).name)
+    m = _step_re(prefix).match(Path(path).name)
     return int(m.group(1)) if m else None
 
 

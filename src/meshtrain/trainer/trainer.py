@@ -127,6 +127,10 @@ class Trainer:
         self._forward_names = names
         self._shift = loss_shifts_labels(model)
         self.engine = None
+        # where checkpoints go and how they are named (``meshtrain train`` uses its own)
+        self.checkpoint_dir = self.args.output_dir
+        self.checkpoint_prefix = ckpt.PREFIX
+        self.start_step = 0
         self.state = TrainerState()
         self.control = TrainerControl()
         self.callback_handler = CallbackHandler(
@@ -166,8 +170,12 @@ class Trainer:
         unused = [c for c in dataset.column_names if c not in keep]
         return dataset.remove_columns(unused) if unused else dataset
 
+    def prepare_engine(self):
+        """Process group, mesh, engine and training loader (once); returns the engine."""
+        self._setup()
+        return self.engine
+
     def _setup(self) -> None:
-        """Process group, mesh, engine and training loader (once)."""
         if self.engine is not None:
             return
         import meshtrain
@@ -245,7 +253,9 @@ class Trainer:
                 if not p.requires_grad:
                     continue
                 (no_decay if norm or name == "bias" else decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.args.weight_decay}]
+        # the decay group takes the optimizer's weight_decay (weight_decay, or the one a
+        # deepspeed= config's optimizer section sets)
+        groups: list[dict[str, Any]] = [{"params": decay}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
         return [g for g in groups if g["params"]]
@@ -384,7 +394,7 @@ class Trainer:
         resume = resume_from_checkpoint
         if resume is None:
             resume = args.resume_from_checkpoint
-        path = ckpt.resolve_resume(resume, args.output_dir)
+        path = ckpt.resolve_resume(resume, self.checkpoint_dir, self.checkpoint_prefix)
         epoch_done = False
         if path is not None:
             _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
@@ -400,7 +410,7 @@ class Trainer:
         )
         st.train_batch_size = args.per_device_train_batch_size
         st.is_world_process_zero = self.topology.rank == 0
-        start_step = st.global_step
+        start_step = self.start_step = st.global_step
         self._say(
             training_header(
                 num_examples=len(self.train_dataset),
@@ -512,11 +522,12 @@ class Trainer:
     def _save_checkpoint(self, epoch_done: bool) -> None:
         """``output_dir/checkpoint-<step>`` (see ``meshtrain.trainer.checkpoints``)."""
         st, args, engine = self.state, self.args, self.engine
-        tag = f"{ckpt.PREFIX}{st.global_step}"
+        root, prefix = self.checkpoint_dir, self.checkpoint_prefix
+        tag = f"{prefix}{st.global_step}"
         if st.best_global_step == st.global_step:
-            st.best_model_checkpoint = os.path.join(args.output_dir, tag)
+            st.best_model_checkpoint = os.path.join(root, tag)
         client = {"trainer_state": st.to_dict(), "epoch_done": epoch_done}
-        path = engine.save_checkpoint(args.output_dir, tag=tag, client_state=client)
+        path = engine.save_checkpoint(root, tag=tag, client_state=client)
         export = hasattr(self.model, "save_pretrained")
         state_dict = engine.module_state_dict() if export else None  # every rank gathers
         if self.topology.rank == 0:
@@ -527,11 +538,9 @@ class Trainer:
                 ):
                     self.processing_class.save_pretrained(path)
             st.save_to_json(path / "trainer_state.json")
-            best = ckpt.step_of(st.best_model_checkpoint)
-            ckpt.delete(
-                args.output_dir,
-                ckpt.to_delete(ckpt.checkpoint_steps(args.output_dir), args.save_total_limit, best),
-            )
+            best = ckpt.step_of(st.best_model_checkpoint, prefix)
+            steps = ckpt.checkpoint_steps(root, prefix)
+            ckpt.delete(root, ckpt.to_delete(steps, args.save_total_limit, best), prefix)
         self._barrier()
         self.control = self._event("on_save")
 
@@ -549,7 +558,7 @@ class Trainer:
         steps = max(1, st.global_step - start_step)
         train_loss = float(run_loss) / steps
         if args.load_best_model_at_end and st.best_model_checkpoint:
-            best = ckpt.resolve_resume(st.best_model_checkpoint, args.output_dir)
+            best = ckpt.resolve_resume(st.best_model_checkpoint, self.checkpoint_dir)
             if best is not None and best.is_dir():
                 self._say(f"Loading best model from {best} (score: {st.best_metric}).")
                 self.engine.load_checkpoint(str(best.parent), tag=best.name, load_module_only=True)
@@ -565,6 +574,10 @@ class Trainer:
         }
         self.log(dict(metrics))
         self.control = self._event("on_train_end")
+        logger = next(
+            (c for c in self.callback_handler.callbacks if isinstance(c, RunLogCallback)), None
+        )
+        self.run_log_rows = [] if logger is None else logger.rows
         table = end_table(st.log_history)
         if table:
             self._say(table)
@@ -574,12 +587,12 @@ class Trainer:
         """Under ZeRO-3 the model's parameters are shards between steps: give the user's
         model object the whole trained weights on every rank (hooks removed)."""
         engine = self.engine
-        gatherer = getattr(engine, "gatherer", None)
+        gatherer = getattr(engine.zero, "gatherer", None)
         if gatherer is None:
             return  # stages 0-2: every rank's module already holds the full weights
         state = engine.module_state_dict()
         gatherer.remove()
-        engine.gatherer = None
+        engine.zero.gatherer = None
         with torch.no_grad():
             for name, p in engine.module.named_parameters():
                 p.data = state[name].to(p.device)
@@ -694,7 +707,7 @@ class Trainer:
                 labels.append(ev.to_numpy(lab))
             seen += size
             self.control = self._event("on_prediction_step")
-        if getattr(self.engine, "gatherer", None) is not None and first is not None:
+        if getattr(self.engine.zero, "gatherer", None) is not None and first is not None:
             for _ in range(ev.max_batches(n, ranks, args.per_device_eval_batch_size) - batches):
                 with torch.no_grad():  # ZeRO-3: match the other ranks' collectives
                     self.prediction_step(self.model, self._prepare_inputs(first), True, ignore_keys)
