@@ -17,10 +17,15 @@ counted once over all ranks).
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
+
+from meshtrain.trainer.loss import batch_rows
+from meshtrain.trainer.state import EvalPrediction, PredictionOutput
 
 PAD = -100
 
@@ -107,8 +112,102 @@ def max_batches(n: int, ranks: int, batch_size: int) -> int:
     return math.ceil(math.ceil(n / ranks) / batch_size) if n else 0
 
 
+def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix: str):
+    """Evaluate or predict ``dataset`` on every data-parallel rank (module docstring);
+    returns a ``PredictionOutput`` with ``<prefix>_`` metrics, identical on every rank."""
+    import torch.distributed as dist
+
+    trainer._setup()
+    args, topo = trainer.args, trainer.topology
+    dataset = trainer._prepare_dataset(dataset)
+    n, ranks, rank = len(dataset), topo.dp_size, topo.dp_rank
+    rows = rank_rows(n, ranks, rank)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.per_device_eval_batch_size,
+        sampler=rows,
+        collate_fn=trainer.data_collator,
+        num_workers=args.dataloader_num_workers,
+    )
+    loss_only = args.prediction_loss_only
+    preds, labels, loss_sum, seen, had_loss = [], [], 0.0, 0, False
+    t0 = time.perf_counter()
+    trainer.model.eval()
+    batches = 0
+    first = None
+    for batch in loader:
+        first = first if first is not None else batch
+        inputs = trainer._prepare_inputs(batch)
+        loss, logits, lab = trainer.prediction_step(trainer.model, inputs, loss_only, ignore_keys)
+        size = batch_rows(batch)
+        batches += 1
+        if loss is not None:
+            loss_sum += float(loss) * size
+            had_loss = True
+        if logits is not None and trainer.preprocess_logits_for_metrics is not None:
+            logits = trainer.preprocess_logits_for_metrics(logits, lab)
+        if logits is not None:
+            preds.append(to_numpy(logits))
+        if lab is not None:
+            labels.append(to_numpy(lab))
+        seen += size
+        trainer.control = trainer._event("on_prediction_step")
+    if getattr(trainer.engine.zero, "gatherer", None) is not None and first is not None:
+        for _ in range(max_batches(n, ranks, args.per_device_eval_batch_size) - batches):
+            with torch.no_grad():  # ZeRO-3: match the other ranks' collectives
+                trainer.prediction_step(
+                    trainer.model, trainer._prepare_inputs(first), True, ignore_keys
+                )
+    mine = (loss_sum, seen, had_loss, nested_concat(preds), nested_concat(labels))
+    if ranks > 1:
+        everyone: list[Any] = [None] * ranks
+        dist.all_gather_object(everyone, mine, group=topo.dp_group.pg)
+    else:
+        everyone = [mine]
+    total_loss = sum(e[0] for e in everyone)
+    counted = sum(e[1] for e in everyone)
+    predictions = interleave([e[3] for e in everyone], n) if preds else None
+    label_ids = interleave([e[4] for e in everyone], n) if labels else None
+    runtime = time.perf_counter() - t0
+    metrics: dict[str, float] = {}
+    if trainer.compute_metrics is not None and predictions is not None and label_ids is not None:
+        metrics.update(trainer.compute_metrics(EvalPrediction(predictions, label_ids)))
+    metrics = {k: plain(v) for k, v in metrics.items()}
+    if counted and any(e[2] for e in everyone):
+        metrics["loss"] = total_loss / counted
+    metrics.update(
+        runtime=round(runtime, 4),
+        samples_per_second=round(n / runtime, 3),
+        steps_per_second=round(
+            math.ceil(n / max(1, ranks) / args.per_device_eval_batch_size) / runtime, 3
+        ),
+    )
+    metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
+    return PredictionOutput(predictions, label_ids, metrics)
+
+
+def plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def logits_of(outputs: Any, ignore_keys: list[str]) -> Any:
+    """The prediction part of a model's outputs (transformers: everything but the loss)."""
+    if isinstance(outputs, Mapping):
+        items = tuple(v for k, v in outputs.items() if k != "loss" and k not in ignore_keys)
+    elif isinstance(outputs, tuple | list):
+        items = tuple(outputs[1:]) if len(outputs) > 1 else tuple(outputs)
+    else:
+        return outputs
+    items = tuple(v for v in items if v is not None)
+    return items[0] if len(items) == 1 else items
+
+
 __all__ = [
     "interleave",
+    "logits_of",
+    "prediction_loop",
     "max_batches",
     "nested_concat",
     "nested_rows",

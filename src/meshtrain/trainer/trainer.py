@@ -37,7 +37,6 @@ from meshtrain.trainer.callbacks import (
     TrainerCallback,
 )
 from meshtrain.trainer.loss import (
-    batch_rows,
     forward_names,
     label_items,
     loss_shifts_labels,
@@ -45,7 +44,6 @@ from meshtrain.trainer.loss import (
 )
 from meshtrain.trainer.report import end_table, training_header
 from meshtrain.trainer.state import (
-    EvalPrediction,
     PredictionOutput,
     TrainerControl,
     TrainerState,
@@ -626,7 +624,7 @@ class Trainer:
             for name, ds in dataset.items():
                 metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        out = self._prediction_loop(dataset, ignore_keys, metric_key_prefix)
+        out = ev.prediction_loop(self, dataset, ignore_keys, metric_key_prefix)
         self.log(out.metrics)
         self.control = self._event("on_evaluate", metrics=out.metrics)
         return out.metrics
@@ -638,7 +636,7 @@ class Trainer:
         metric_key_prefix: str = "test",
     ) -> PredictionOutput:
         """Predictions for exactly the rows of ``test_dataset``, in order, on every rank."""
-        out = self._prediction_loop(test_dataset, ignore_keys, metric_key_prefix)
+        out = ev.prediction_loop(self, test_dataset, ignore_keys, metric_key_prefix)
         self.control = self._event("on_predict", metrics=out.metrics)
         return out
 
@@ -662,101 +660,12 @@ class Trainer:
                 loss, outputs = None, model(**inputs)
         if prediction_loss_only:
             return loss, None, None
-        logits = _logits(outputs, ignore_keys or [])
+        logits = ev.logits_of(outputs, ignore_keys or [])
         labels = None
         if has_labels:
             found = tuple(inputs[n] for n in self.label_names)
             labels = found[0] if len(found) == 1 else found
         return loss, logits, labels
-
-    def _prediction_loop(self, dataset: Any, ignore_keys: list[str] | None, prefix: str):
-        import torch.distributed as dist
-
-        self._setup()
-        args, topo = self.args, self.topology
-        dataset = self._prepare_dataset(dataset)
-        n, ranks, rank = len(dataset), topo.dp_size, topo.dp_rank
-        rows = ev.rank_rows(n, ranks, rank)
-        loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_size=args.per_device_eval_batch_size,
-            sampler=rows,
-            collate_fn=self.data_collator,
-            num_workers=args.dataloader_num_workers,
-        )
-        loss_only = args.prediction_loss_only
-        preds, labels, loss_sum, seen, had_loss = [], [], 0.0, 0, False
-        t0 = time.perf_counter()
-        self.model.eval()
-        batches = 0
-        first = None
-        for batch in loader:
-            first = first if first is not None else batch
-            inputs = self._prepare_inputs(batch)
-            loss, logits, lab = self.prediction_step(self.model, inputs, loss_only, ignore_keys)
-            size = batch_rows(batch)
-            batches += 1
-            if loss is not None:
-                loss_sum += float(loss) * size
-                had_loss = True
-            if logits is not None and self.preprocess_logits_for_metrics is not None:
-                logits = self.preprocess_logits_for_metrics(logits, lab)
-            if logits is not None:
-                preds.append(ev.to_numpy(logits))
-            if lab is not None:
-                labels.append(ev.to_numpy(lab))
-            seen += size
-            self.control = self._event("on_prediction_step")
-        if getattr(self.engine.zero, "gatherer", None) is not None and first is not None:
-            for _ in range(ev.max_batches(n, ranks, args.per_device_eval_batch_size) - batches):
-                with torch.no_grad():  # ZeRO-3: match the other ranks' collectives
-                    self.prediction_step(self.model, self._prepare_inputs(first), True, ignore_keys)
-        mine = (loss_sum, seen, had_loss, ev.nested_concat(preds), ev.nested_concat(labels))
-        if ranks > 1:
-            everyone: list[Any] = [None] * ranks
-            dist.all_gather_object(everyone, mine, group=topo.dp_group.pg)
-        else:
-            everyone = [mine]
-        total_loss = sum(e[0] for e in everyone)
-        counted = sum(e[1] for e in everyone)
-        predictions = ev.interleave([e[3] for e in everyone], n) if preds else None
-        label_ids = ev.interleave([e[4] for e in everyone], n) if labels else None
-        runtime = time.perf_counter() - t0
-        metrics: dict[str, float] = {}
-        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
-        metrics = {k: _plain(v) for k, v in metrics.items()}
-        if counted and any(e[2] for e in everyone):
-            metrics["loss"] = total_loss / counted
-        metrics.update(
-            runtime=round(runtime, 4),
-            samples_per_second=round(n / runtime, 3),
-            steps_per_second=round(
-                math.ceil(n / max(1, ranks) / args.per_device_eval_batch_size) / runtime, 3
-            ),
-        )
-        metrics = {
-            k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()
-        }
-        return PredictionOutput(predictions, label_ids, metrics)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def _logits(outputs: Any, ignore_keys: list[str]) -> Any:
-    """The prediction part of a model's outputs (transformers: everything but the loss)."""
-    if isinstance(outputs, Mapping):
-        items = tuple(v for k, v in outputs.items() if k != "loss" and k not in ignore_keys)
-    elif isinstance(outputs, tuple | list):
-        items = tuple(outputs[1:]) if len(outputs) > 1 else tuple(outputs)
-    else:
-        return outputs
-    items = tuple(v for v in items if v is not None)
-    return items[0] if len(items) == 1 else items
 
 
 __all__ = ["Trainer", "set_seed"]
