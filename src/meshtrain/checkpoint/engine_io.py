@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshtrain.checkpoint import storage
 from meshtrain.checkpoint.manifest import Piece, dtype_name
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.checkpoint.writer import save_shards
@@ -230,13 +231,38 @@ def load(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
-) -> tuple[Path, dict]:
-    """``engine.load_checkpoint`` (see the module docstring)."""
+) -> tuple[Path | None, dict | None]:
+    """``engine.load_checkpoint`` (see the module docstring); ``(None, None)`` when there
+    is nothing to load."""
+    reason = nothing_to_load(load_dir, tag)
+    if reason is not None:
+        if engine.topology.rank == 0:
+            log.warning("load_checkpoint: %s; starting from the model as it is", reason)
+        return None, None
     # closing unmaps the files: their touched pages would otherwise stay in this rank's RSS
     with CheckpointReader(load_dir, tag) as reader:
         return _load(
             engine, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
+
+
+def nothing_to_load(load_dir, tag: str | None) -> str | None:
+    """Why ``load_dir``/``tag`` holds no checkpoint (DeepSpeed then returns ``(None, None)``
+    and the script starts fresh), or None when there is one to load. A directory with
+    complete tags but no ``latest`` is not "nothing": the reader's error names the tags."""
+    path = Path(load_dir)
+    if not path.is_dir():
+        return f"{path} does not exist"
+    if tag is not None:
+        primary, old = path / tag, path / f"{storage.OLD_PREFIX}{tag}"
+        if not primary.exists() and not storage.is_complete(old):
+            return f"{path} has no tag {tag!r} (complete tags: {storage.list_tags(path)})"
+        return None
+    if storage.is_complete(path) or storage.latest_tag(path) is not None:
+        return None
+    if not storage.list_tags(path):
+        return f"{path} has no 'latest' file and no checkpoint tags"
+    return None
 
 
 def _load(

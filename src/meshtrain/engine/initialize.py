@@ -90,13 +90,16 @@ def initialize(
     *,
     args=None,
     config_params=None,
+    dist_init_required: bool | None = None,
+    mpu=None,
 ):
     """DeepSpeed-style entry: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     The config comes from ``config`` (a dict, a JSON/YAML path or a ``Config``),
     ``config_params`` or ``args.deepspeed_config``; giving two that differ is an error.
     ``topology`` defaults to the mesh the config's ``mesh`` section describes over the
-    whole world. ``dataloader`` is None unless ``training_data`` is given; it deals
+    whole world; the process group is always joined (``dist_init_required`` is accepted
+    for DeepSpeed scripts and changes nothing). ``dataloader`` is None unless ``training_data`` is given; it deals
     disjoint shards to data-parallel ranks with ``train_micro_batch_size_per_gpu``
     samples per batch, and its position is saved with the engine's checkpoints.
     """
@@ -105,6 +108,11 @@ def initialize(
 
     if model is None:
         raise ConfigError("model: meshtrain.initialize needs model= (a torch.nn.Module)")
+    if mpu is not None:  # DeepSpeed's Megatron model-parallel unit
+        raise ConfigError(
+            "mpu: meshtrain does not take a model-parallel unit; describe the layout in the "
+            "config's mesh section (tensor/pipeline parallelism are not available yet)"
+        )
     cfg = _choose_config(config, config_params, args)
     init_distributed(timeout_minutes=cfg.distributed.timeout_minutes)
     if topology is None:

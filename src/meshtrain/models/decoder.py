@@ -150,15 +150,22 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Deterministic init from ``config.seed``: N(0, 0.02), output projections scaled
-        by 1/sqrt(2 n_layers) (GPT-2), norms at 1. Uses a private generator."""
+        by 1/sqrt(2 n_layers) (GPT-2), norms at 1. Uses a private generator.
+
+        Built under ``meshtrain.zero.Init`` the children's parameters are already
+        partitioned here; ``GatheredParameters`` makes each one whole while it is set (a
+        no-op otherwise), so both builds get the same values."""
+        from meshtrain.zero import GatheredParameters
+
         gen = torch.Generator().manual_seed(self.config.seed)
         out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
+            with GatheredParameters(p, modifier_rank=0):
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                    continue
+                std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         t = input_ids.shape[1]

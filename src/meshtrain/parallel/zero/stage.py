@@ -38,7 +38,7 @@ from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
 from meshtrain.errors import TrainingError
 from meshtrain.parallel.grad_reducer import GradReducer
-from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory, gather_updated_params
+from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory
 from meshtrain.precision import DTYPES
 
 
@@ -114,7 +114,21 @@ class ZeroStage:
         for g in self.flat_groups:
             g.release_master_grads()
             g.copy_master_to_params()
-        gather_updated_params(self.flat_groups, self.topology.dp_group)
+        self._gather_updated_params()
+
+    def _gather_updated_params(self) -> None:
+        """Stages 1-2 (and stage 3's whole parameters): every rank updated its own chunks;
+        all-gather the full buckets. Sharded ZeRO-3 parameters are gathered when used."""
+        works = []
+        for g in self.flat_groups:
+            if not g.sharded or g.shard_params:
+                continue
+            for b in g.buckets:  # in place: the input is this rank's chunk of the output
+                full = b.view(g.param_flat)
+                mine = b.owned(g.param_flat, g.rank)
+                works.append(comm.all_gather(full, mine, self.topology.dp_group, async_op=True))
+        for w in works:
+            w.wait()
 
     def after_step(self) -> None:
         for g in self.flat_groups:
@@ -125,7 +139,7 @@ class ZeroStage:
         all-gather, exactly as after an optimizer step, and start a fresh window."""
         for g in self.flat_groups:
             g.copy_master_to_params()
-        gather_updated_params(self.flat_groups, self.topology.dp_group)
+        self._gather_updated_params()
         self.after_step()
         self.reducer.begin_window()
 
