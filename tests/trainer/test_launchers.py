@@ -22,13 +22,13 @@ def _results(stdout: str) -> list[dict]:
 def test_plain_python_and_meshtrain_launch(tmp_path):
     plain = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path / "one")],
-        capture_output=True, text=True, timeout=300, env=clean_env(),
+        capture_output=True, text=True, timeout=900, env=clean_env(),
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]
     (one,) = _results(plain.stdout)
     assert one["steps"] == 4  # 32 rows / 8
     assert "***** Running training *****" in plain.stdout
-    launched = run_launch("--nproc_per_node", "2", str(SCRIPT), str(tmp_path / "two"), timeout=300)
+    launched = run_launch("--nproc_per_node", "2", str(SCRIPT), str(tmp_path / "two"), timeout=900)
     assert launched.returncode == 0, launched.stderr[-3000:]
     two = _results(launched.stdout)
     assert sorted(r["rank"] for r in two) == [0, 1]
