@@ -33,6 +33,7 @@ _LAZY = {
     "Config": "meshtrain.config:Config",
     "load_config": "meshtrain.config:load_config",
     "notebook_launcher": "meshtrain.launch.function:notebook_launcher",
+    "Accelerator": "meshtrain.accelerate.accelerator:Accelerator",
 }
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "Config",
     "load_config",
     "notebook_launcher",
+    "Accelerator",
 ]
 
 
@@ -72,6 +74,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from meshtrain.accelerate.accelerator import Accelerator
     from meshtrain.config import Config, load_config
     from meshtrain.distributed.env import init_distributed, shutdown_distributed
     from meshtrain.distributed.topology import Topology
