@@ -30,12 +30,16 @@ STAGES = (0, 2, 3)
 
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N_ROWS, 8, generator=g), torch.randint(0, 4, (N_ROWS,), generator=g))
+    return TensorDataset(
+        torch.randn(N_ROWS, 8, generator=g), torch.randint(0, 4, (N_ROWS,), generator=g)
+    )
 
 
 def _model() -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
 
 
 def _setup(stage: int, world: int):
