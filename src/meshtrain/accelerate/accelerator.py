@@ -43,44 +43,8 @@ from meshtrain.accelerate.prepared import (
     PreparedOptimizer,
     PreparedScheduler,
 )
+from meshtrain.accelerate.setup import config_dict, engine_config, rng_state, set_rng_state
 from meshtrain.errors import ConfigError
-
-_PRECISIONS = (None, "no", "fp16", "bf16")
-
-
-def _config_dict(config, mixed_precision: str | None, gas: int) -> dict[str, Any]:
-    """The user's config as a dict, with ``mixed_precision`` and the accumulation steps
-    merged in; ConfigError when the config already says something different."""
-    from meshtrain.config import Config
-    from meshtrain.config.loading import read_config_file
-
-    if config is None:
-        d: dict[str, Any] = {}
-    elif isinstance(config, Config):
-        d = config.to_dict(derived=False)
-    elif isinstance(config, dict):
-        d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
-    else:
-        d = read_config_file(config)
-    if mixed_precision not in _PRECISIONS:
-        raise ConfigError(f"mixed_precision={mixed_precision!r}: use one of {_PRECISIONS}")
-    for name in ("fp16", "bf16"):
-        enabled = (d.get(name) or {}).get("enabled") is True
-        if mixed_precision == name and not enabled:
-            d[name] = {**(d.get(name) or {}), "enabled": True}
-        elif mixed_precision not in (None, name) and enabled:
-            raise ConfigError(
-                f"mixed_precision={mixed_precision!r} but the config enables {name}; "
-                "give the precision in one place"
-            )
-    given = d.get("gradient_accumulation_steps")
-    if given not in (None, "auto") and gas != 1 and int(given) != gas:
-        raise ConfigError(
-            f"gradient_accumulation_steps={gas} but the config says {given}; give it once"
-        )
-    if given in (None, "auto"):
-        d["gradient_accumulation_steps"] = gas
-    return d
 
 
 class Accelerator:
@@ -106,7 +70,7 @@ class Accelerator:
         from meshtrain.distributed.env import init_distributed
         from meshtrain.distributed.topology import Topology
 
-        self._config = _config_dict(config, mixed_precision, int(gradient_accumulation_steps))
+        self._config = config_dict(config, mixed_precision, int(gradient_accumulation_steps))
         self.mixed_precision = mixed_precision or "no"
         self.gradient_accumulation_steps = int(self._config["gradient_accumulation_steps"])
         self.seed = int(seed)
@@ -242,20 +206,9 @@ class Accelerator:
         self._active_loader = loader
 
     def _build_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        from meshtrain.config import load_config
         from meshtrain.engine.engine import Engine
 
-        d = dict(self._config)
-        train = [dl for dl in self._loaders if dl.shuffle] or self._loaders
-        mb = d.get("train_micro_batch_size_per_gpu")
-        if train and mb in (None, "auto"):
-            d["train_micro_batch_size_per_gpu"] = int(train[0].batch_size)
-        elif mb in (None, "auto"):
-            d["train_micro_batch_size_per_gpu"] = 1
-        if d.get("train_batch_size") == "auto":
-            del d["train_batch_size"]
-        cfg = load_config(d, world_size=self.topology.world_size)
-        cfg = cfg.resolve_auto_defaults().resolve_batch_sizes(self.topology.dp_size)
+        cfg = engine_config(self._config, self._loaders, self.topology)
         self.engine = Engine(model, cfg, self.topology, optimizer=optimizer)
         return self.engine
 
@@ -364,7 +317,7 @@ class Accelerator:
         group, world = self._dp()
         loader = self._active_loader
         order = None if loader is None or world == 1 else col.exact_rows_order(*loader.batch_rows())
-        if use_gather_object or not _has_tensor(data):
+        if use_gather_object or not col.has_tensor(data):
             rows = [x for part in col.gather_object(list(data), group, world) for x in part]
             return rows if order is None else [rows[i] for i in order.tolist()]
         gathered = col.gather(data, group, world)
@@ -418,7 +371,7 @@ class Accelerator:
         path = Path(
             engine.save_checkpoint(output_dir, tag="accelerator_state", client_state=client)
         )
-        torch.save(_rng_state(), Path(path) / f"rng_state_{self.process_index}.pt")
+        torch.save(rng_state(), Path(path) / f"rng_state_{self.process_index}.pt")
         self.wait_for_everyone()
         return path
 
@@ -432,53 +385,10 @@ class Accelerator:
             s.load_state_dict(st)
         rng = Path(path) / f"rng_state_{self.process_index}.pt"
         if rng.exists():
-            _set_rng_state(torch.load(rng, weights_only=False))
-
-    def free_memory(self) -> None:
-        self.engine = None
-        self._optimizer = None
-        self._loaders.clear()
-        self._schedulers.clear()
+            set_rng_state(torch.load(rng, weights_only=False))
 
     def end_training(self) -> None:
         self.wait_for_everyone()
-
-
-def _has_tensor(data: Any) -> bool:
-    if isinstance(data, torch.Tensor):
-        return True
-    if isinstance(data, dict):
-        return any(_has_tensor(v) for v in data.values())
-    if isinstance(data, list | tuple):
-        return any(_has_tensor(v) for v in data)
-    return False
-
-
-def _rng_state() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 __all__ = ["Accelerator"]

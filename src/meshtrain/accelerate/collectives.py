@@ -32,6 +32,14 @@ def _map(fn, data: Any) -> Any:
     return data
 
 
+def has_tensor(data: Any) -> bool:
+    if isinstance(data, dict):
+        return any(has_tensor(v) for v in data.values())
+    if isinstance(data, list | tuple):
+        return any(has_tensor(v) for v in data)
+    return isinstance(data, torch.Tensor)
+
+
 def gather(data: Any, group, world: int) -> Any:
     """Concatenate every rank's tensors along dim 0 (0-d tensors become one row each).
     Tensors must have the same shape on every rank (``pad_across_processes`` first)."""
@@ -106,4 +114,11 @@ def exact_rows_order(local_start: int, rows: int, replicas: int, remaining: int)
     return keep[torch.argsort(slot[keep])]
 
 
-__all__ = ["exact_rows_order", "gather", "gather_object", "pad_across_processes", "reduce"]
+__all__ = [
+    "exact_rows_order",
+    "gather",
+    "has_tensor",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
+]

@@ -10,7 +10,8 @@ Merging LoRA: for each LoRA layer with base weight ``W`` (out x in), ``A`` (r x 
 
     W_merged = W + scaling * (B @ A)        (transposed when fan_in_fan_out)
 
-and the keys lose peft's wrapping (``base_model.model.`` prefix, ``.base_layer``), so the
+and the keys lose peft's wrapping (``base_model.model.`` prefix, ``.base_layer``; a
+module in ``modules_to_save``, e.g. a classifier head, keeps its trained copy), so the
 result is the base model's own state dict that plain ``from_pretrained`` loads.
 """
 
@@ -53,9 +54,13 @@ def merge_lora_state_dict(
             delta = delta.T
         merged[key] = (w.float() + delta.reshape(w.shape)).to(w.dtype)
     out = {}
+    saved = f".modules_to_save.{adapter}."
     for key, value in merged.items():
-        if ".lora_" in key:
+        if ".lora_" in key or ".modules_to_save." in key and saved not in key:
             continue  # other adapters' weights
+        if ".original_module." in key:
+            continue  # the frozen copy of a module the adapter trains (modules_to_save)
+        key = key.replace(saved, ".")
         if key.startswith(PEFT_PREFIX):
             key = key[len(PEFT_PREFIX) :]
         out[key.replace(".base_layer.", ".")] = value
