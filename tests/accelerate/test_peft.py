@@ -14,7 +14,8 @@ For each stage, on a tiny random BERT with LoRA on ``query``/``value`` (dropout 
   gives the trained model's logits (within 1e-5: same weights, same kernels; the bound
   only absorbs summation-order noise); the merged export loads in plain transformers
   (``BertForSequenceClassification.from_pretrained``) with logits within 1e-5 of the peft
-  model's (merging adds ``scaling x B @ A`` into ``W``: a reassociation of the same sum);
+  model's (merging adds ``scaling x B @ A`` into ``W``: a reassociation of the same sum),
+  and so does ``meshtrain consolidate CKPT OUT --merge-lora ADAPTER`` of an engine checkpoint;
   ``save_state`` / ``load_state`` resumes bit-exactly.
 """
 
@@ -128,6 +129,9 @@ def _stage(stage: int, world: int, tmp: str) -> dict:
         )
         acc.save_model(model, adapter_dir)
         acc.save_model(model, merged_dir, merge_lora=True)
+        ckpt_dir, cli_dir = os.path.join(tmp, "ckpt"), os.path.join(tmp, "cli_merged")
+        acc.engine.save_checkpoint(ckpt_dir)
+        acc.wait_for_everyone()
         if acc.is_main_process:
             from peft import PeftModel
             from transformers import BertForSequenceClassification
@@ -136,9 +140,15 @@ def _stage(stage: int, world: int, tmp: str) -> dict:
             out["saved"] = saved
             loaded = PeftModel.from_pretrained(_bert(), adapter_dir).eval()
             merged = BertForSequenceClassification.from_pretrained(merged_dir).eval()
+            from meshtrain.cli import main as cli
+
+            argv = ["consolidate", ckpt_dir, cli_dir, "--merge-lora", adapter_dir]
+            out["cli_rc"] = cli(argv)
+            from_cli = BertForSequenceClassification.from_pretrained(cli_dir).eval()
             with torch.no_grad():
                 out["peft_loaded_diff"] = (loaded(input_ids=ids).logits - logits).abs().max().item()
                 out["merged_diff"] = (merged(input_ids=ids).logits - logits).abs().max().item()
+                out["cli_diff"] = (from_cli(input_ids=ids).logits - logits).abs().max().item()
         # exact resume under stage 3
         acc, model, opt, loader, _ = _setup(stage, world)
         _train(acc, model, opt, loader, stop_after=1)
@@ -189,6 +199,7 @@ def test_stage3_adapter_save_load_merge_and_resume(runs):
         assert torch.equal(saved[k.replace(".default", "")], v), k
     assert got["peft_loaded_diff"] <= 1e-5
     assert got["merged_diff"] <= 1e-5
+    assert got["cli_rc"] == 0 and got["cli_diff"] <= 1e-5  # meshtrain consolidate --merge-lora
     for r in (0, 1):
         for k, v in two[r][3]["adapter"].items():
             assert torch.equal(two[r][3]["resumed"][k], v), f"rank {r}: resume differs at {k}"

@@ -5,14 +5,8 @@ pretrained()`` on a rank would write empty tensors (peft#2892, trl#4416). Everyt
 therefore takes the *gathered* state dict (``Engine.module_state_dict``, whole on every
 rank) and never reads the module's parameters.
 
-Merging LoRA: for each LoRA layer with base weight ``W`` (out x in), ``A`` (r x in),
-``B`` (out x r) and ``scaling = lora_alpha / r`` (peft's ``layer.scaling[adapter]``)::
-
-    W_merged = W + scaling * (B @ A)        (transposed when fan_in_fan_out)
-
-and the keys lose peft's wrapping (``base_model.model.`` prefix, ``.base_layer``; a
-module in ``modules_to_save``, e.g. a classifier head, keeps its trained copy), so the
-result is the base model's own state dict that plain ``from_pretrained`` loads.
+Merging LoRA is ``meshtrain.checkpoint.merge_lora``'s, with each layer's scaling read from
+the peft module.
 """
 
 from __future__ import annotations
@@ -21,8 +15,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-
-PEFT_PREFIX = "base_model.model."
 
 
 def is_peft_model(module: nn.Module) -> bool:
@@ -36,35 +28,16 @@ def is_peft_model(module: nn.Module) -> bool:
 def merge_lora_state_dict(
     module: nn.Module, state: dict[str, torch.Tensor], adapter: str = "default"
 ) -> dict[str, torch.Tensor]:
-    """The base model's state dict with ``adapter`` merged in (module docstring).
+    """The base model's state dict with ``adapter`` merged in (``checkpoint.merge_lora``).
     ``module`` is the PeftModel (read for each layer's scaling only); ``state`` its full,
     gathered state dict."""
     from peft.tuners.lora import LoraLayer
 
-    merged = dict(state)
-    for name, layer in module.named_modules():
-        if not isinstance(layer, LoraLayer) or adapter not in layer.scaling:
-            continue
-        a = merged.pop(f"{name}.lora_A.{adapter}.weight")
-        b = merged.pop(f"{name}.lora_B.{adapter}.weight")
-        key = f"{name}.base_layer.weight"
-        w = merged[key]
-        delta = (b.float() @ a.float()) * layer.scaling[adapter]
-        if getattr(layer, "fan_in_fan_out", False):
-            delta = delta.T
-        merged[key] = (w.float() + delta.reshape(w.shape)).to(w.dtype)
-    out = {}
-    saved = f".modules_to_save.{adapter}."
-    for key, value in merged.items():
-        if ".lora_" in key or ".modules_to_save." in key and saved not in key:
-            continue  # other adapters' weights
-        if ".original_module." in key:
-            continue  # the frozen copy of a module the adapter trains (modules_to_save)
-        key = key.replace(saved, ".")
-        if key.startswith(PEFT_PREFIX):
-            key = key[len(PEFT_PREFIX) :]
-        out[key.replace(".base_layer.", ".")] = value
-    return out
+    from meshtrain.checkpoint.merge_lora import merge_lora
+
+    layers = {n: m for n, m in module.named_modules() if isinstance(m, LoraLayer)}
+    fan_in_fan_out = any(getattr(m, "fan_in_fan_out", False) for m in layers.values())
+    return merge_lora(state, lambda name: layers[name].scaling[adapter], adapter, fan_in_fan_out)
 
 
 def save_model(
