@@ -85,20 +85,25 @@ def worker(name: str, steps: int, out: str) -> None:
     model = Decoder(DecoderConfig(vocab_size=4096, max_seq_len=64))
     if lora:
         model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-    engine, *_ = meshtrain.initialize(model=model, config=config)
-    z = engine.config.zero_optimization
-    opt = engine.config.optimizer.type
+    # predicted before initialize: under ZeRO-3 the module's parameters become shards
+    from meshtrain.config import load_config
+
+    cfg = load_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    dp = int(os.environ.get("WORLD_SIZE", "1"))
+    z = cfg.zero_optimization
+    opt = cfg.optimizer.type
     predicted = model_states_bytes(
         model if not lora else sum(p.numel() for p in model.parameters() if p.requires_grad),
-        dp=engine.topology.dp_size,
+        dp=dp,
         stage=int(z.stage),
-        precision=engine.config.precision,
+        precision=cfg.precision,
         optimizer="SGD" if opt.lower() == "sgd" else opt,
         offload_optimizer=z.offload_optimizer is not None and z.offload_optimizer.device == "cpu",
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad)
         if lora
         else 0,
     )
+    engine, *_ = meshtrain.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(engine.topology.rank)
     t0 = None
     for step in range(steps + 1):
