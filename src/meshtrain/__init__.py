@@ -38,6 +38,7 @@ _LAZY = {
     "TrainerCallback": "meshtrain.trainer.callbacks:TrainerCallback",
     "EarlyStoppingCallback": "meshtrain.trainer.callbacks:EarlyStoppingCallback",
     "EvalPrediction": "meshtrain.trainer.state:EvalPrediction",
+    "Accelerator": "meshtrain.accelerate.accelerator:Accelerator",
 }
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "Config",
     "load_config",
     "notebook_launcher",
+    "Accelerator",
     "zero",
     "Trainer",
     "TrainingArguments",
@@ -88,6 +90,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from meshtrain.accelerate.accelerator import Accelerator
     from meshtrain.config import Config, load_config
     from meshtrain.distributed.env import init_distributed, shutdown_distributed
     from meshtrain.distributed.topology import Topology

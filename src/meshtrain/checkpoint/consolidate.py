@@ -219,7 +219,12 @@ def _human(n: float) -> str:
 
 def _main(args: argparse.Namespace) -> int:
     try:
-        out = consolidate(args.checkpoint, args.output, tag=args.tag, dtype=args.dtype)
+        if args.merge_lora:  # a LoRA checkpoint merged into its base (merge_lora.py)
+            from meshtrain.checkpoint.merge_lora import consolidate_merged
+
+            out = consolidate_merged(args.checkpoint, args.output, args.merge_lora, tag=args.tag)
+        else:
+            out = consolidate(args.checkpoint, args.output, tag=args.tag, dtype=args.dtype)
     except CheckpointError as exc:
         print(f"meshtrain consolidate: error: {exc}", file=sys.stderr)
         return 1
@@ -249,6 +254,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         choices=sorted(CAST_DTYPES),
         help="cast floating tensors (default: the model dtype in the checkpoint)",
+    )
+    p.add_argument(
+        "--merge-lora",
+        default=None,
+        metavar="ADAPTER_CONFIG",
+        help="merge the checkpoint's LoRA adapter (peft) into the base weights, scaled as "
+        "ADAPTER_CONFIG (adapter_config.json or its folder) says; OUTPUT is a folder",
     )
     p.set_defaults(func=_main)
     return p

@@ -1,0 +1,124 @@
+"""Cross-process helpers of the Accelerator: gather, reduce, pad, and the exact-rows gather.
+
+All of them run over the data-parallel group with plain ``torch.distributed`` calls (not
+``meshtrain.distributed.comm``), so metric traffic never shows up in the engine's
+per-step byte accounting. Every rank must call them with the same structure of tensors.
+
+``gather_for_metrics`` (accelerate#575, #2007): a prepared loader deals ``M`` remaining
+samples round-robin over ``R`` ranks and pads the last ``ceil(M/R)*R - M`` slots with
+repeats, so that every rank runs the same number of batches. Global slot ``j`` of a pass
+is row ``j // R`` on rank ``j % R``. After gathering a batch that held this rank's rows
+``[s, s + n)``, row ``i`` from rank ``r`` is slot ``(s + i) * R + r``; slots ``>= M`` are
+the padding and are dropped, and the rest are put in slot order -- the dataset's order for
+an unshuffled loader. Each row of the dataset is therefore returned exactly once.
+(The Trainer has its own gathering; the two can merge on this slot rule.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _map(fn, data: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, dict):
+        return type(data)({k: _map(fn, v) for k, v in data.items()})
+    if isinstance(data, list | tuple):
+        return type(data)(_map(fn, v) for v in data)
+    return data
+
+
+def has_tensor(data: Any) -> bool:
+    if isinstance(data, dict):
+        return any(has_tensor(v) for v in data.values())
+    if isinstance(data, list | tuple):
+        return any(has_tensor(v) for v in data)
+    return isinstance(data, torch.Tensor)
+
+
+def gather(data: Any, group, world: int) -> Any:
+    """Concatenate every rank's tensors along dim 0 (0-d tensors become one row each).
+    Tensors must have the same shape on every rank (``pad_across_processes`` first)."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().contiguous()
+        if t.dim() == 0:
+            t = t.reshape(1)
+        if world == 1:
+            return t.clone()
+        out = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(out, t, group=group)
+        return torch.cat(out, dim=0)
+
+    return _map(one, data)
+
+
+def gather_object(obj: Any, group, world: int) -> list[Any]:
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def reduce(data: Any, group, world: int, reduction: str = "sum") -> Any:
+    """All-reduce every tensor: ``"sum"`` or ``"mean"`` over the ranks."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduce: reduction={reduction!r}; use 'sum' or 'mean'")
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        if world > 1:
+            dist.all_reduce(t, group=group)
+        return t / world if reduction == "mean" else t
+
+    return _map(one, data)
+
+
+def pad_across_processes(
+    data: Any, group, world: int, dim: int = 0, pad_index: int = 0, pad_first: bool = False
+) -> Any:
+    """Pad each tensor along ``dim`` to the largest size any rank has (for ``gather``)."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or world == 1:
+            return t
+        size = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
+        sizes = [torch.empty_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size, group=group)
+        longest = int(max(s.item() for s in sizes))
+        if longest == t.shape[dim]:
+            return t
+        shape = list(t.shape)
+        shape[dim] = longest
+        out = t.new_full(shape, pad_index)
+        keep = [slice(None)] * t.dim()
+        keep[dim] = slice(longest - t.shape[dim], longest) if pad_first else slice(0, t.shape[dim])
+        out[tuple(keep)] = t
+        return out
+
+    return _map(one, data)
+
+
+def exact_rows_order(local_start: int, rows: int, replicas: int, remaining: int) -> torch.Tensor:
+    """Indices into a rank-major gathered batch that keep each real slot once, in slot
+    order (module docstring): ``gathered[order]`` drops the sampler's padding."""
+    rank = torch.arange(replicas).repeat_interleave(rows)
+    local = torch.arange(rows).repeat(replicas) + local_start
+    slot = local * replicas + rank
+    keep = torch.nonzero(slot < remaining).flatten()
+    return keep[torch.argsort(slot[keep])]
+
+
+__all__ = [
+    "exact_rows_order",
+    "gather",
+    "has_tensor",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
+]

@@ -1,0 +1,76 @@
+"""Saving a prepared model: peft adapters alone, LoRA merged into the base, or whole.
+
+Under ZeRO-3 a module's sharded parameters are empty placeholders, so ``model.save_
+pretrained()`` on a rank would write empty tensors (peft#2892, trl#4416). Everything here
+therefore takes the *gathered* state dict (``Engine.module_state_dict``, whole on every
+rank) and never reads the module's parameters.
+
+Merging LoRA is ``meshtrain.checkpoint.merge_lora``'s, with each layer's scaling read from
+the peft module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def is_peft_model(module: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is optional
+        return False
+    return isinstance(module, PeftModel)
+
+
+def merge_lora_state_dict(
+    module: nn.Module, state: dict[str, torch.Tensor], adapter: str = "default"
+) -> dict[str, torch.Tensor]:
+    """The base model's state dict with ``adapter`` merged in (``checkpoint.merge_lora``).
+    ``module`` is the PeftModel (read for each layer's scaling only); ``state`` its full,
+    gathered state dict."""
+    from peft.tuners.lora import LoraLayer
+
+    from meshtrain.checkpoint.merge_lora import merge_lora
+
+    layers = {n: m for n, m in module.named_modules() if isinstance(m, LoraLayer)}
+    fan_in_fan_out = any(getattr(m, "fan_in_fan_out", False) for m in layers.values())
+    return merge_lora(state, lambda name: layers[name].scaling[adapter], adapter, fan_in_fan_out)
+
+
+def save_model(
+    module: nn.Module, state: dict[str, torch.Tensor], directory: Path, *, merge_lora: bool = False
+) -> Path:
+    """Write ``module`` from its gathered ``state`` into ``directory`` (main rank only):
+    a peft adapter folder (``PeftModel.from_pretrained`` loads it), with ``merge_lora``
+    the merged base model (``from_pretrained`` of the base class loads it), a
+    ``save_pretrained`` folder for other transformers models, else ``model.safetensors``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if is_peft_model(module):
+        if merge_lora:
+            base = module.get_base_model()
+            merged = merge_lora_state_dict(module, state)
+            base.config.save_pretrained(directory)
+            _save_safetensors(merged, directory / "model.safetensors")
+        else:
+            module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        return directory
+    if hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
+        module.config.save_pretrained(directory)
+    _save_safetensors(state, directory / "model.safetensors")
+    return directory
+
+
+def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in state.items()},
+        str(path),
+        metadata={"format": "pt"},
+    )
+
+
+__all__ = ["is_peft_model", "merge_lora_state_dict", "save_model"]

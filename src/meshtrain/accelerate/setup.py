@@ -1,0 +1,97 @@
+"""How the Accelerator turns its arguments into an Engine config, and RNG state for resume.
+
+The config is the user's (dict, JSON/YAML path or ``Config``) with three things merged in:
+``fp16`` / ``bf16`` from ``mixed_precision``, ``gradient_accumulation_steps`` from the
+argument, and ``train_micro_batch_size_per_gpu`` from the training loader's batch size
+(the first shuffled prepared loader; a value the config gives must then agree or be
+"auto"). Saying one thing twice differently is a ConfigError naming both.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshtrain.errors import ConfigError
+
+_PRECISIONS = (None, "no", "fp16", "bf16")
+
+
+def config_dict(config, mixed_precision: str | None, gas: int) -> dict[str, Any]:
+    """The user's config as a dict, with ``mixed_precision`` and the accumulation steps
+    merged in; ConfigError when the config already says something different."""
+    from meshtrain.config import Config
+    from meshtrain.config.loading import read_config_file
+
+    if config is None:
+        d: dict[str, Any] = {}
+    elif isinstance(config, Config):
+        d = config.to_dict(derived=False)
+    elif isinstance(config, dict):
+        d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    else:
+        d = read_config_file(config)
+    if mixed_precision not in _PRECISIONS:
+        raise ConfigError(f"mixed_precision={mixed_precision!r}: use one of {_PRECISIONS}")
+    for name in ("fp16", "bf16"):
+        enabled = (d.get(name) or {}).get("enabled") is True
+        if mixed_precision == name and not enabled:
+            d[name] = {**(d.get(name) or {}), "enabled": True}
+        elif mixed_precision not in (None, name) and enabled:
+            raise ConfigError(
+                f"mixed_precision={mixed_precision!r} but the config enables {name}; "
+                "give the precision in one place"
+            )
+    given = d.get("gradient_accumulation_steps")
+    if given not in (None, "auto") and gas != 1 and int(given) != gas:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gas} but the config says {given}; give it once"
+        )
+    if given in (None, "auto"):
+        d["gradient_accumulation_steps"] = gas
+    return d
+
+
+def engine_config(config: dict[str, Any], loaders: list, topology):
+    """The resolved ``Config`` for the Engine (batch sizes for this data-parallel size)."""
+    from meshtrain.config import load_config
+
+    d = dict(config)
+    train = [dl for dl in loaders if dl.shuffle] or loaders
+    mb = d.get("train_micro_batch_size_per_gpu")
+    if mb in (None, "auto"):
+        d["train_micro_batch_size_per_gpu"] = int(train[0].batch_size) if train else 1
+    elif train and int(mb) != int(train[0].batch_size):
+        raise ConfigError(
+            f"train_micro_batch_size_per_gpu: the config says {mb} but the training "
+            f'DataLoader has batch_size={train[0].batch_size}; make them agree or set "auto"'
+        )
+    if d.get("train_batch_size") == "auto":
+        del d["train_batch_size"]
+    cfg = load_config(d, world_size=topology.world_size)
+    return cfg.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+__all__ = ["config_dict", "engine_config", "rng_state", "set_rng_state"]

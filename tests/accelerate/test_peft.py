@@ -1,0 +1,205 @@
+"""LoRA (peft) through the Accelerator under ZeRO stages 0-3 at 2 processes vs 1 process.
+
+For each stage, on a tiny random BERT with LoRA on ``query``/``value`` (dropout 0):
+
+* adapter weights within 1e-6 of the one-process run on the same global batch (fp32; the
+  two runs differ only in the order of the gradient sums);
+* base weights bit-unchanged; the flat groups and the optimizer hold the adapter only;
+* bytes per optimizer step count only the adapter's parameters, asserted exactly: the
+  engine's recorded bytes (minus the gradient-norm scalar) equal both the plan's theory
+  and the closed form from the adapter's element count (2 x 4 Psi for stages 0-2, 3 x 4
+  Psi for stage 3; no padding: every LoRA matrix has an even element count);
+* stage 3 (adapters sharded: persistence threshold 0): the saved adapter is non-empty and
+  equals the gathered one bit for bit; plain ``PeftModel.from_pretrained`` loads it and
+  gives the trained model's logits (within 1e-5: same weights, same kernels; the bound
+  only absorbs summation-order noise); the merged export loads in plain transformers
+  (``BertForSequenceClassification.from_pretrained``) with logits within 1e-5 of the peft
+  model's (merging adds ``scaling x B @ A`` into ``W``: a reassociation of the same sum),
+  and so does ``meshtrain consolidate CKPT OUT --merge-lora ADAPTER`` of an engine checkpoint;
+  ``save_state`` / ``load_state`` resumes bit-exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+GLOBAL_BATCH = 8
+STEPS = 2
+SEQ = 6
+
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2,
+    )
+    torch.manual_seed(0)
+    return BertForSequenceClassification(cfg)
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"])
+    peft_model = get_peft_model(model, cfg)
+    torch.manual_seed(1)  # peft zero-initialises B; make the adapter do something at once
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    return peft_model
+
+
+def _data():
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 64, (GLOBAL_BATCH * STEPS, SEQ), generator=g)
+    labels = torch.randint(0, 2, (GLOBAL_BATCH * STEPS,), generator=g)
+    return [{"input_ids": i, "labels": y} for i, y in zip(ids, labels, strict=True)]
+
+
+def _setup(stage: int, world: int):
+    from torch.utils.data import DataLoader
+
+    from meshtrain import Accelerator
+
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    acc = Accelerator(config={"zero_optimization": zero})
+    model = _lora(_bert())
+    base0 = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    loader = DataLoader(_data(), batch_size=GLOBAL_BATCH // world, shuffle=True)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    return acc, model, opt, loader, base0
+
+
+def _train(acc, model, opt, loader, stop_after=None):
+    model.train()
+    for i, batch in enumerate(loader):
+        acc.backward(model(**batch).loss)
+        opt.step()
+        opt.zero_grad()
+        if i + 1 == stop_after:
+            break
+
+
+def _lora_sd(state):
+    return {k: v for k, v in state.items() if "lora_" in k}
+
+
+def _stage(stage: int, world: int, tmp: str) -> dict:
+    import os
+
+    from safetensors.torch import load_file
+
+    acc, model, opt, loader, base0 = _setup(stage, world)
+    engine = acc.engine
+    _train(acc, model, opt, loader)
+    b = engine.last_step_comm_bytes()
+    state = acc.get_state_dict(model)
+    adapter = _lora_sd(state)
+    psi = sum(v.numel() for v in adapter.values())
+    out = {
+        "adapter": adapter,
+        "base_unchanged": all(torch.equal(state[k], v) for k, v in base0.items()),
+        "trainable_numel": engine.zero.trainable_numel,
+        "psi": psi,
+        "opt_state_numel": sum(
+            s["exp_avg"].numel() for s in engine.optimizer.state.values() if "exp_avg" in s
+        ),
+        "bytes": (b["total"] - b.get("control", 0), engine.zero.comm_bytes_theory(1)),
+    }
+    if stage == 3:
+        ids = torch.arange(1, 1 + 2 * SEQ).reshape(2, SEQ)
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        adapter_dir, merged_dir, state_dir = (
+            os.path.join(tmp, n) for n in ("lora", "merged", "state")
+        )
+        acc.save_model(model, adapter_dir)
+        acc.save_model(model, merged_dir, merge_lora=True)
+        ckpt_dir, cli_dir = os.path.join(tmp, "ckpt"), os.path.join(tmp, "cli_merged")
+        acc.engine.save_checkpoint(ckpt_dir)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            from peft import PeftModel
+            from transformers import BertForSequenceClassification
+
+            saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+            out["saved"] = saved
+            loaded = PeftModel.from_pretrained(_bert(), adapter_dir).eval()
+            merged = BertForSequenceClassification.from_pretrained(merged_dir).eval()
+            from meshtrain.cli import main as cli
+
+            argv = ["consolidate", ckpt_dir, cli_dir, "--merge-lora", adapter_dir]
+            out["cli_rc"] = cli(argv)
+            from_cli = BertForSequenceClassification.from_pretrained(cli_dir).eval()
+            with torch.no_grad():
+                out["peft_loaded_diff"] = (loaded(input_ids=ids).logits - logits).abs().max().item()
+                out["merged_diff"] = (merged(input_ids=ids).logits - logits).abs().max().item()
+                out["cli_diff"] = (from_cli(input_ids=ids).logits - logits).abs().max().item()
+        # exact resume under stage 3
+        acc, model, opt, loader, _ = _setup(stage, world)
+        _train(acc, model, opt, loader, stop_after=1)
+        acc.save_state(state_dir)
+        acc, model, opt, loader, _ = _setup(stage, world)
+        acc.load_state(state_dir)
+        _train(acc, model, opt, loader)
+        out["resumed"] = _lora_sd(acc.get_state_dict(model))
+    return out
+
+
+def _run(tmp: str, stages: tuple[int, ...]) -> dict:
+    world = torch.distributed.get_world_size()
+    return {s: _stage(s, world, tmp) for s in stages}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    one = run_ranks(_run, 1, str(tmp_path_factory.mktemp("one")), (0,))[0]
+    two = run_ranks(_run, 2, str(tmp_path_factory.mktemp("two")), (0, 1, 2, 3))
+    return one, two
+
+
+def test_lora_every_stage_matches_one_process_and_moves_adapter_bytes_only(runs):
+    one, two = runs
+    ref = one[0]["adapter"]
+    for stage in (0, 1, 2, 3):
+        for r in (0, 1):
+            got = two[r][stage]
+            assert got["base_unchanged"], f"stage {stage}: a frozen base weight changed"
+            for k, v in ref.items():
+                diff = (got["adapter"][k] - v).abs().max().item()
+                assert diff <= 1e-6, f"stage {stage} rank {r} {k}: {diff}"
+            psi = got["psi"]
+            assert got["trainable_numel"] == psi
+            assert got["opt_state_numel"] == (psi if stage == 0 else psi // 2)
+            moved, theory = got["bytes"]
+            assert moved == theory == (3 if stage == 3 else 2) * 4 * psi, (stage, moved, theory)
+
+
+def test_stage3_adapter_save_load_merge_and_resume(runs):
+    _, two = runs
+    got = two[0][3]
+    saved, gathered = got["saved"], got["adapter"]
+    assert saved and all(v.numel() > 0 for v in saved.values())
+    assert len(saved) == len(gathered)
+    for k, v in gathered.items():
+        assert torch.equal(saved[k.replace(".default", "")], v), k
+    assert got["peft_loaded_diff"] <= 1e-5
+    assert got["merged_diff"] <= 1e-5
+    assert got["cli_rc"] == 0 and got["cli_diff"] <= 1e-5  # meshtrain consolidate --merge-lora
+    for r in (0, 1):
+        for k, v in two[r][3]["adapter"].items():
+            assert torch.equal(two[r][3]["resumed"][k], v), f"rank {r}: resume differs at {k}"
