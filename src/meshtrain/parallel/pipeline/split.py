@@ -125,7 +125,9 @@ def partition(weights: Sequence[float], parts: int, extra_first=0.0, extra_last=
 
 def _bounds_from_cuts(cut_points: Sequence[int], n: int, parts: int) -> list[int]:
     bounds = [0, *cut_points, n]
-    if len(cut_points) != parts - 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+    if len(cut_points) != parts - 1 or any(
+        a >= b for a, b in zip(bounds, bounds[1:], strict=False)
+    ):
         raise ConfigError(
             f"pipeline cut_points={list(cut_points)} must be {parts - 1} increasing block "
             f"indices strictly between 0 and {n} (the first block of stages 1..{parts - 1})"
@@ -226,6 +228,11 @@ def split_model(
     """All ``num_stages`` stages of ``model`` (cheap: modules are shared, not copied)."""
     layout = layout or find_layout(model)
     blocks = _get(model, layout.blocks)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ConfigError(
+            f"layout.blocks={layout.blocks!r} is {type(blocks).__name__}, not an nn.ModuleList "
+            f"in {type(model).__name__}; name the module list that holds the blocks"
+        )
     n = len(blocks)
     if cut_points is not None:
         bounds = _bounds_from_cuts(cut_points, n, num_stages)
@@ -273,22 +280,28 @@ def free_unused(model: nn.Module, kept: Sequence[nn.Module]) -> int:
 
 
 def tied_groups(stages: Sequence[nn.Module], topology) -> list[tuple[nn.Parameter, object]]:
-    """``(parameter, comm.Group)`` for every tied parameter this rank holds, the group being
-    the ranks of this pp group that hold it. Collective: every rank of the world calls it
-    (``new_group`` for each pp group of the mesh, in the same order everywhere)."""
+    """``(parameter, comm.Group)`` for every tied parameter of a split model this rank
+    holds (see ``make_tied_groups``); ``stages`` are all stages, with ``names`` dicts."""
+    p = topology.pp_size
+    mine: dict[str, nn.Parameter] = {}
+    for k, stage in enumerate(stages):
+        if k % p == topology.pp_rank:
+            mine.update(stage.names)
+    return make_tied_groups(tied_parameters(stages, p), mine, topology)
+
+
+def make_tied_groups(holders: dict, mine: dict, topology) -> list[tuple[nn.Parameter, object]]:
+    """``(parameter, comm.Group)`` per tied name this rank holds, the group being the ranks
+    of its pp group listed in ``holders[name]`` (pp ranks). Collective: every rank of the
+    world calls it (``new_group`` for each pp group of the mesh, in one order everywhere)."""
     import torch.distributed as dist
 
     from meshtrain.distributed.comm import Group
 
-    p = topology.pp_size
-    mine = {}
-    for k, stage in enumerate(stages):
-        if k % p == topology.pp_rank:
-            mine.update(stage.names)
     out = []
-    for name, holders in sorted(tied_parameters(stages, p).items()):
+    for name, pp_holders in sorted(holders.items()):
         for pp_ranks in topology.layout.all_groups("pp"):
-            ranks = tuple(pp_ranks[h] for h in holders)
+            ranks = tuple(pp_ranks[h] for h in pp_holders)
             pg = dist.new_group(list(ranks))
             if topology.rank in ranks:
                 group = Group("pp_tied", pg, ranks, ranks.index(topology.rank), topology.stats)
