@@ -15,6 +15,7 @@ import torch
 
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError
+from meshtrain.estimate.cli import parse_count
 from meshtrain.estimate.model import (
     ModelStates,
     count_params,
@@ -22,7 +23,6 @@ from meshtrain.estimate.model import (
     model_states_bytes,
     optimizer_state_bytes,
 )
-from meshtrain.estimate.cli import parse_count
 from meshtrain.models import Decoder, DecoderConfig
 
 PSI = 7_500_000_000

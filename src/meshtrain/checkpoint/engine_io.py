@@ -25,6 +25,7 @@ count of consumed samples, which the sampler re-deals over the new replica count
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,10 @@ import torch
 from meshtrain.checkpoint.manifest import Piece, dtype_name
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.checkpoint.writer import save_shards
+from meshtrain.errors import CheckpointError
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
-from meshtrain.parallel.zero.plan import gather_updated_params
+
+log = logging.getLogger("meshtrain")
 
 
 def _names(module: torch.nn.Module) -> tuple[dict[int, str], dict[str, str]]:
@@ -53,8 +56,9 @@ def _names(module: torch.nn.Module) -> tuple[dict[int, str], dict[str, str]]:
 
 def _save_range(g: FlatGroup, b: Bucket, dp: int, dp_rank: int) -> tuple[int, int, int]:
     """(lo, hi) bucket-local elements this rank writes, and where its master chunk starts."""
-    if g.partitions > 1:
-        return g.rank * b.chunk, (g.rank + 1) * b.chunk, g.rank * b.chunk
+    if g.sharded:
+        lo, hi = g.owned_range(b)
+        return lo, hi, lo
     c = -(-b.numel // dp)
     return min(dp_rank * c, b.numel), min((dp_rank + 1) * c, b.numel), 0
 
@@ -93,7 +97,7 @@ def _set_rng(state: dict, reader: CheckpointReader, rank: int) -> None:
 
 
 def _model_meta(engine, canon: dict[int, str], aliases: dict[str, str]) -> dict[str, Any]:
-    shapes = {p: s for g in engine.flat_groups for p, s in g.shapes.items()}
+    shapes = {p: s for g in engine.zero.flat_groups for p, s in g.shapes.items()}
     tensors = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if key in aliases:
@@ -111,13 +115,13 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     topo = engine.topology
     world = topo.group("world")
     rank, dp = world.rank, topo.dp_size
-    tag = tag or f"global_step{engine.global_steps}"
+    tag = _agreed_tag(tag or f"global_step{engine.global_steps}", world, engine.config)
     canon, aliases = _names(engine.module)
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[Piece] = []
     steps = set()
     opt_state = engine.optimizer.state
-    for gi, g in enumerate(engine.flat_groups):
+    for gi, g in enumerate(engine.zero.flat_groups):
         for b, master in zip(g.buckets, g.master_params, strict=True):
             lo, hi, base = _save_range(g, b, dp, topo.dp_rank)
             if hi <= lo:
@@ -146,6 +150,7 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
 
     rng, rng_tensors = _rng_state()
     tensors.update(rng_tensors)
+    state = engine.state_dict()
     rank_state = {
         "rng": rng,
         "optimizer_step": sorted(steps),
@@ -153,21 +158,20 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
             {k: v for k, v in pg.items() if k != "params" and _jsonable(v)}
             for pg in engine.optimizer.param_groups
         ],
-        "scaler": engine.scaler.state_dict(),
-        "scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
+        "scaler": state["scaler"],
+        "scheduler": state["scheduler"],
     }
-    loader = getattr(engine, "training_dataloader", None)
     meta = {
         "tensors": meta_tensors,
         "aliases": aliases,
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps,
+        "global_steps": state["global_steps"],
+        "micro_steps": state["micro_steps"],
+        "skipped_steps": state["skipped_steps"],
         "mesh": {"pp": topo.pp_size, "dp": dp, "tp": topo.tp_size},
         "zero_stage": engine.zero_stage,
         "precision": engine.config.precision,
         "config": engine.config.to_dict(derived=False),
-        "data_loader": None if loader is None else loader.state_dict(),
+        "data_loader": state["data_loader"],
         "client_state": client_state or {},
     }
     hf = getattr(engine.module, "config", None)
@@ -185,6 +189,30 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
         meta=meta,
         keep_last=keep or None,
     )
+
+
+def _agreed_tag(tag: str, world, config) -> str:
+    """Rank 0's tag; ranks that passed another are handled by ``checkpoint.tag_validation``."""
+    if world.size == 1 or world.pg is None:
+        return tag
+    import torch.distributed as dist
+
+    tags: list[Any] = [None] * world.size
+    dist.all_gather_object(tags, tag, group=world.pg)
+    if len(set(tags)) == 1:
+        return tag
+    policy = config.checkpoint.tag_validation
+    by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    if policy == "Fail":
+        raise CheckpointError(
+            f"save_checkpoint: ranks passed different tags ({by_rank}); pass the same tag on "
+            'every rank, or set checkpoint.tag_validation to "Warn" to save under rank 0\'s'
+        )
+    if policy == "Warn" and world.rank == 0:
+        log.warning(
+            "save_checkpoint: ranks passed different tags (%s); saving as %r", by_rank, tags[0]
+        )
+    return tags[0]
 
 
 def _jsonable(v: Any) -> bool:
@@ -232,10 +260,9 @@ def _load(
     rank0 = reader.rank_state(0)
     step_values = rank0.get("optimizer_step") or [0.0]
     with torch.no_grad():
-        for g in engine.flat_groups:
+        for g in engine.zero.flat_groups:
             for b, master in zip(g.buckets, g.master_params, strict=True):
-                lo = g.rank * b.chunk if g.partitions > 1 else 0
-                hi = lo + b.chunk
+                lo, hi = g.owned_range(b)
                 fresh = {s: torch.zeros_like(master) for s in states}
                 master.zero_()
                 for name, start, local, n in _runs(g, b, lo, hi, canon):
@@ -246,14 +273,11 @@ def _load(
                 if states:
                     step = torch.tensor(step_values[-1], dtype=torch.float32)
                     engine.optimizer.state[master] = {"step": step, **fresh}
-            g.copy_master_to_params()
-        gather_updated_params(engine.flat_groups, topo.dp_group)
+        engine.zero.reload_params()
         for key, t in engine.module.state_dict().items():
             if key in aliases or meta_tensors[key]["kind"] == "param":
                 continue
             t.copy_(reader.read_full(key).to(t.dtype))
-    for g in engine.flat_groups:
-        g.zero_grads()
     if load_module_only:
         return reader.path, meta.get("client_state", {})
     if load_optimizer_states:
@@ -261,15 +285,17 @@ def _load(
             pg.update(
                 {k: tuple(v) if isinstance(pg.get(k), tuple) else v for k, v in saved.items()}
             )
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and rank0["scheduler"]:
-        engine.lr_scheduler.load_state_dict(rank0["scheduler"])
-    engine.scaler.load_state_dict(rank0["scaler"])
-    engine.global_steps = meta["global_steps"]
-    engine.micro_steps = meta["micro_steps"]
-    engine.skipped_steps = meta["skipped_steps"]
+    engine.load_state_dict(
+        {
+            "global_steps": meta["global_steps"],
+            "micro_steps": meta["micro_steps"],
+            "skipped_steps": meta["skipped_steps"],
+            "scaler": rank0["scaler"],
+            "scheduler": rank0["scheduler"],
+            "data_loader": meta.get("data_loader"),
+        },
+        load_lr_scheduler=load_lr_scheduler_states,
+    )
     if reader.world_size == world.size:
         _set_rng(reader.rank_state(world.rank)["rng"], reader, world.rank)
-    loader = getattr(engine, "training_dataloader", None)
-    if loader is not None and meta.get("data_loader"):
-        loader.load_state_dict(meta["data_loader"])
     return reader.path, meta.get("client_state", {})

@@ -69,13 +69,13 @@ class Config(Section):
     steps_per_print: PosInt = 10
     """Log progress every this many optimizer steps."""
     wall_clock_breakdown: Bool = False
-    """Report the time spent in forward, backward and step."""
+    """Add the time spent in forward, backward and step to each step line and to the step's facts (engine.log.last); on CUDA each phase is synchronised."""
     prescale_gradients: Bool = False
-    """Divide gradients by the data-parallel size before the reduction instead of after (keeps fp16 sums in range)."""
+    """Divide gradients by the data-parallel size before the reduction instead of after (keeps fp16 sums in range); overrides gradient_predivide_factor."""
     gradient_predivide_factor: PosFloat = 1.0
     """Divide gradients by this factor before the reduction and by dp / factor after it."""
     communication_data_type: canonical_choice(("fp32", "fp16", "bf16")) | None = None
-    """Dtype of gradient reductions; null = the gradients' own dtype."""
+    """Dtype of gradient reductions (e.g. "fp32" sums bf16 gradients in fp32; bytes moved follow this dtype); null = the gradients' own dtype."""
     zero_allow_untested_optimizer: Bool = False
     """Accepted and ignored: meshtrain's ZeRO works with any torch optimizer."""
     optimizer: OptimizerConfig | None = None

@@ -148,10 +148,10 @@ def _main(args: argparse.Namespace) -> int:
 
 def _prepare(job_dict: dict[str, Any]) -> tuple[dict[str, Any], int, Path]:
     """Check the config, prepare the corpus, write config.json: (resolved, nproc, path)."""
-    from meshtrain.launch.launcher import gpu_count
     from meshtrain.jobs.train.corpus import prepare_corpus
     from meshtrain.jobs.train.job_config import JobConfig, check_engine_config, resolve_job_autos
     from meshtrain.jobs.train.loop import decoder_config
+    from meshtrain.launch.launcher import gpu_count
 
     job = JobConfig.from_dict(job_dict)
     gpus = gpu_count()
