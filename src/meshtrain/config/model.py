@@ -47,6 +47,7 @@ from meshtrain.config.sections import (
     OffloadOptimizerConfig,
     OffloadParamConfig,
     ParallelWriteConfig,
+    PipelineConfig,
     TensorBoardConfig,
     ZeroConfig,
 )
@@ -100,6 +101,8 @@ class Config(Section):
     """torch.compile."""
     mesh: MeshConfig = MeshConfig()
     """meshtrain: pipeline and tensor parallel sizes."""
+    pipeline: PipelineConfig = PipelineConfig()
+    """meshtrain: pipeline schedule and stage balancing."""
     distributed: DistributedConfig = DistributedConfig()
     """meshtrain: collective timeout and backend."""
     memory_breakdown: Bool = False
