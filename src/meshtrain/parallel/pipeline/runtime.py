@@ -25,6 +25,7 @@ the whole batch with gradient accumulation).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,6 +92,9 @@ class PipelineRuntime:
         self.tied = list(tied)
         self.device = torch.device(device)
         self._cache: dict[tuple, Any] = {}
+        # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
+        # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
+        self.trace: list | None = None
 
     def _actions(self, name: str, m: int):
         key = (name, m)
@@ -158,6 +162,8 @@ class PipelineRuntime:
         works: list = []
         for a in actions:
             key = (a.stage, a.mb)
+            if self.trace is not None:
+                t0, c0 = time.perf_counter(), time.thread_time()
             if a.kind == F:
                 x = inputs.get(key) if a.stage > 0 else None
                 y = self.stages[a.stage](x, batches[a.mb])
@@ -186,6 +192,9 @@ class PipelineRuntime:
                 self._backward(key, inputs, outputs, out_grads, split=True)
             elif a.kind == SEND_B:
                 self._send(inputs.pop(key).grad, a.stage - 1, works, header=False)
+            if self.trace is not None and a.kind in (F, B, W):
+                cpu = time.thread_time() - c0
+                self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
         self._wait(works)
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
         comm.broadcast(loss, src=self._peer(last), group=self.group, label="pp_loss")
