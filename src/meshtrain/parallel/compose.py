@@ -31,7 +31,7 @@ Why this order:
 Tensor parallelism is not available yet: a mesh asking for it raises ConfigError here,
 before anything runs, instead of silently training an unsplit model. Pipeline
 parallelism (``meshtrain.parallel.pipeline``) runs with every rank in the pipeline
-(pp = world size); pp x dp is refused the same way.
+with data parallelism and ZeRO 0/1 over dp inside each stage (pp x dp).
 """
 
 from __future__ import annotations

@@ -9,8 +9,12 @@
 ``train_batch(engine, it)`` pulls ``gradient_accumulation_steps`` micro-batches, runs the
 schedule, and steps once. The data-parallel reduction runs once after the schedule (the
 micro-batches' backwards interleave with forwards, so no backward is "the last one"):
-hooks are told not to reduce, and the step's ``finish`` reduces every bucket. ZeRO
-stages 0 and 1 only, with every rank in the pipeline (pp x dp is not implemented yet).
+hooks are told not to reduce, and the step's ``finish`` reduces every bucket over the
+stage's dp group (each stage has its own: ranks ``dp * tp`` apart hold the same stage).
+ZeRO stages 0 and 1 (optimizer states sharded over dp inside each stage); tp must be 1.
+With dp > 1 each replica pulls its own micro-batches (the data loader deals them by dp
+rank; the stages of one replica must see the same batches) and the returned loss is
+the mean over replicas.
 
 Global across stages (each rank holds different parameters): the gradient norm is
 ``sqrt(sum over pp ranks of each rank's squared norm)`` with a tied parameter counted on
@@ -54,11 +58,10 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
     from meshtrain.parallel.pipeline.split import split_model, tied_groups
 
     pc = config.pipeline
-    if topology.dp_size > 1 or topology.tp_size > 1:
+    if topology.tp_size > 1:
         raise ConfigError(
-            f"mesh: pipeline parallelism with dp={topology.dp_size}, tp={topology.tp_size} is "
-            "not implemented yet (pp x dp x tp); use all ranks for the pipeline "
-            "(mesh.pipeline_parallel_size = world size)"
+            f"mesh: pipeline parallelism with tensor_parallel_size={topology.tp_size} is not "
+            "implemented yet (pp x dp only); set mesh.tensor_parallel_size to 1"
         )
     if int(config.zero_optimization.stage) >= 2:
         raise ConfigError(
@@ -128,6 +131,16 @@ def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
     engine.log.add_loss(loss)
     engine.micro_steps += engine.gas - 1  # step() counts the last one and steps
     engine.step()
+    return _dp_mean(engine, loss)
+
+
+def _dp_mean(engine, loss: torch.Tensor) -> torch.Tensor:
+    """The loss averaged over data-parallel replicas (each ran its own micro-batches)."""
+    dp = engine.topology.dp_group
+    if dp.size > 1:
+        loss = loss.clone()
+        comm.all_reduce(loss, dp, label="control")
+        loss /= dp.size
     return loss
 
 
@@ -138,7 +151,7 @@ def eval_batch(engine, data_iter: Iterator | None = None, num_micro_batches: int
     batches = _pull(engine, data_iter, num_micro_batches or engine.gas)
     pipe: PipelineRuntime | None = engine.pipeline
     if pipe is not None:
-        return pipe.eval_step(batches)
+        return _dp_mean(engine, pipe.eval_step(batches))
     was = engine.module.training
     engine.module.eval()
     try:
