@@ -81,9 +81,10 @@ def parallelize(
     # 2. pipeline split: a rank keeps only its stages before anything is allocated for them
     pipeline = None
     if topology.pp_size > 1:
-        from meshtrain.parallel.pipeline.engine_step import split_for_engine
+        from meshtrain.parallel.pipeline.engine_step import local_parameters, split_for_engine
 
         model, pipeline = split_for_engine(model, topology, config)
+        model_parameters = local_parameters(model_parameters, model)
     elif config.mesh.pipeline_parallel_size > 1:
         raise ConfigError(
             f"mesh.pipeline_parallel_size: {config.mesh.pipeline_parallel_size} but the "

@@ -4,7 +4,8 @@
 ``meshtrain.pipe.PipelineModule`` is already cut; any other model is split with
 ``split_model``) and returns ``PipelineStages``, the module holding this rank's stages
 (what activation checkpointing, compile and the data-parallel wrap then see), with the
-``PipelineRuntime`` that runs them.
+``PipelineRuntime`` that runs them. The storage of the blocks other ranks run is released
+(the model object given to ``initialize`` cannot run whole afterwards).
 
 ``train_batch(engine, it)`` pulls ``gradient_accumulation_steps`` micro-batches, runs the
 schedule, and steps once. The data-parallel reduction runs once after the schedule (the
@@ -55,7 +56,7 @@ class PipelineStages(nn.Module):
 def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages, PipelineRuntime]:
     """Step 2 of ``parallelize``: this rank's stages and the runtime that schedules them."""
     from meshtrain.parallel.pipeline.module import PipelineModule
-    from meshtrain.parallel.pipeline.split import split_model, tied_groups
+    from meshtrain.parallel.pipeline.split import free_unused, split_model, tied_groups
 
     pc = config.pipeline
     if topology.tp_size > 1:
@@ -81,10 +82,23 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
         every = split_model(model, p * v, method=pc.partition_method, cut_points=pc.cut_points)
         stages = {k: s for k, s in enumerate(every) if k % p == topology.pp_rank}
         tied = tied_groups(every, topology)
+        free_unused(model, list(stages.values()))  # other ranks' blocks: storage released
     runtime = PipelineRuntime(
         stages, topology.pp_group, p * v, pc.schedule, tied, device=topology.device
     )
     return PipelineStages(stages), runtime
+
+
+def local_parameters(model_parameters, module: nn.Module):
+    """``model_parameters`` (parameters or param-group dicts, as given to ``initialize``)
+    restricted to the parameters of this rank's stages; None stays None."""
+    if model_parameters is None:
+        return None
+    mine = {id(p) for p in module.parameters()}
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=[p for p in g["params"] if id(p) in mine]) for g in items]
+    return [p for p in items if id(p) in mine]
 
 
 def _pull(engine, data_iter: Iterator | None, m: int) -> list:
