@@ -137,6 +137,9 @@ def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
             engine.step()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
+    for b in batches:  # samples/s and tokens/s of the step log
+        args, kwargs = ((), b) if isinstance(b, dict) else (tuple(b), {})
+        engine.log.count_batch(args, kwargs)
     zero = engine.zero
     zero.begin_window()
     zero.reducer.begin_backward(False)  # reduce once, after the schedule
