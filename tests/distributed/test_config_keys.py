@@ -2,7 +2,7 @@
 
 overlap_comm, ignore_unused_parameters, prescale_gradients, gradient_predivide_factor,
 communication_data_type, wall_clock_breakdown, checkpoint.tag_validation, and the mesh
-sizes that are refused until tensor/pipeline parallelism land.
+sizes that are refused until tensor parallelism lands.
 
 Tolerances: pre-division by a power of two (2 = dp here) is exact in binary floating
 point, so those runs equal the default bit for bit. Reducing bf16 gradients in fp32
@@ -106,13 +106,14 @@ def _keys(tmp: str):
         out["fail_tag"] = None
     except CheckpointError as exc:
         out["fail_tag"] = str(exc)
-    # tensor / pipeline parallel sizes are refused before training starts
-    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-        try:
-            make_engine("decoder", 1, 1, {"mesh": {key: 2}})
-            out[key] = None
-        except ConfigError as exc:
-            out[key] = str(exc)
+    # a tensor parallel size is refused before training starts; a pipeline is built
+    try:
+        make_engine("decoder", 1, 1, {"mesh": {"tensor_parallel_size": 2}})
+        out["tensor_parallel_size"] = None
+    except ConfigError as exc:
+        out["tensor_parallel_size"] = str(exc)
+    piped = make_engine("decoder", 1, 1, {"mesh": {"pipeline_parallel_size": 2}})
+    out["pipeline_parallel_size"] = type(piped.module).__name__
     # stage3_module_classes: the named class is the gather unit; same numbers
     z3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
     units = make_engine("decoder", 2, 1, {"zero_optimization": z3})
@@ -160,7 +161,7 @@ def test_config_keys_act(tmp_path):
     assert out["warn_tag"] == "tag0"
     assert "tag_validation" in out["fail_tag"] and "'other1'" in out["fail_tag"]
     assert "mesh.tensor_parallel_size: 2" in out["tensor_parallel_size"]
-    assert "mesh.pipeline_parallel_size: 2" in out["pipeline_parallel_size"]
+    assert out["pipeline_parallel_size"] == "PipelineStages"  # see test_pipeline_engine
     default_units, named_units, diff = out["units"]
     assert (default_units, named_units) == (5, 2) and diff <= 1e-6
     assert out["step_returns"] == [False, True]
