@@ -46,10 +46,17 @@ def _other_value(field):
     if isinstance(default, float):
         return default * 2 + 1
     if default is None:
-        args = typing.get_args(field.annotation)
-        if dict in [typing.get_origin(a) or a for a in args]:
+        # Optional[...] members, with Annotated[...] unwrapped to its base type
+        kinds = [
+            typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a
+            for a in typing.get_args(field.annotation)
+        ]
+        kinds = [typing.get_origin(a) or a for a in kinds]
+        if dict in kinds:
             return {"enabled": True}
-        return 3
+        if bool in kinds:
+            return True
+        return "llama" if str in kinds else 3
     if isinstance(default, str):
         for choice in ("O2", "abc"):
             if choice != default:

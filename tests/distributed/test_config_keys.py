@@ -2,7 +2,8 @@
 
 overlap_comm, ignore_unused_parameters, prescale_gradients, gradient_predivide_factor,
 communication_data_type, wall_clock_breakdown, checkpoint.tag_validation, and the mesh
-sizes that are refused until tensor parallelism lands.
+sizes (each builds its layout; the parity tests are test_tensor_parallel_* and
+test_pipeline_*).
 
 Tolerances: pre-division by a power of two (2 = dp here) is exact in binary floating
 point, so those runs equal the default bit for bit. Reducing bf16 gradients in fp32
@@ -39,7 +40,7 @@ def _keys(tmp: str):
     import torch
     import torch.distributed as dist
 
-    from meshtrain.errors import CheckpointError, ConfigError, TrainingError
+    from meshtrain.errors import CheckpointError, TrainingError
 
     out = {}
     # overlap_comm: the same numbers; false launches nothing until backward has ended
@@ -106,12 +107,12 @@ def _keys(tmp: str):
         out["fail_tag"] = None
     except CheckpointError as exc:
         out["fail_tag"] = str(exc)
-    # a tensor parallel size is refused before training starts; a pipeline is built
-    try:
-        make_engine("decoder", 1, 1, {"mesh": {"tensor_parallel_size": 2}})
-        out["tensor_parallel_size"] = None
-    except ConfigError as exc:
-        out["tensor_parallel_size"] = str(exc)
+    # mesh sizes build their layout
+    tp = make_engine("decoder", 1, 1, {"mesh": {"tensor_parallel_size": 2}})
+    out["tensor_parallel_size"] = (
+        tp.topology.tp_size,
+        type(tp.module.layers[0].attn.q_proj).__name__,
+    )
     piped = make_engine("decoder", 1, 1, {"mesh": {"pipeline_parallel_size": 2}})
     out["pipeline_parallel_size"] = type(piped.module).__name__
     # stage3_module_classes: the named class is the gather unit; same numbers
@@ -160,7 +161,7 @@ def test_config_keys_act(tmp_path):
     assert "forward" in out["line"] and "backward" in out["line"]
     assert out["warn_tag"] == "tag0"
     assert "tag_validation" in out["fail_tag"] and "'other1'" in out["fail_tag"]
-    assert "mesh.tensor_parallel_size: 2" in out["tensor_parallel_size"]
+    assert out["tensor_parallel_size"] == (2, "ColumnParallelLinear")
     assert out["pipeline_parallel_size"] == "PipelineStages"  # see test_pipeline_engine
     default_units, named_units, diff = out["units"]
     assert (default_units, named_units) == (5, 2) and diff <= 1e-6

@@ -49,6 +49,7 @@ from meshtrain.config.sections import (
     ParallelWriteConfig,
     PipelineConfig,
     TensorBoardConfig,
+    TensorParallelConfig,
     ZeroConfig,
 )
 from meshtrain.errors import ConfigError
@@ -103,6 +104,8 @@ class Config(Section):
     """meshtrain: pipeline and tensor parallel sizes."""
     pipeline: PipelineConfig = PipelineConfig()
     """meshtrain: pipeline schedule and stage balancing."""
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    """Tensor parallelism: DeepSpeed's autotp_size alias, sequence parallelism, a plan for your own model."""
     distributed: DistributedConfig = DistributedConfig()
     """meshtrain: collective timeout and backend."""
     memory_breakdown: Bool = False
@@ -147,6 +150,15 @@ class Config(Section):
                 "amp.enabled: true is not supported (meshtrain does not use NVIDIA apex); "
                 'use "fp16": {"enabled": true} or "bf16": {"enabled": true} instead'
             )
+        tp = self.tensor_parallel.autotp_size
+        if tp:
+            given = "tensor_parallel_size" in self.mesh.model_fields_set
+            if given and self.mesh.tensor_parallel_size != tp:
+                raise ConfigError(
+                    f"tensor_parallel.autotp_size {tp} != mesh.tensor_parallel_size "
+                    f"{self.mesh.tensor_parallel_size}; they are the same setting, give one"
+                )
+            self.mesh.tensor_parallel_size = tp
         z = self.zero_optimization
         if z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3:
             raise ConfigError(

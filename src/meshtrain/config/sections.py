@@ -244,6 +244,25 @@ class PipelineConfig(Section):
     """The first block index of each stage after the first (overrides partition_method), e.g. [4] for 2 stages."""
 
 
+class TensorParallelConfig(Section):
+    """``tensor_parallel``: DeepSpeed's AutoTP section, plus meshtrain's sequence parallelism and plans."""
+
+    autotp_size: NonNegInt = 0
+    """DeepSpeed's name for the tensor-parallel size: the same setting as mesh.tensor_parallel_size (give either, or both equal); 0 = not set."""
+    sequence_parallel: Bool = False
+    """Run norms and dropout between tensor-parallel regions on 1/T of the sequence: each all-reduce becomes a reduce-scatter plus an all-gather (same bytes, 1/T of the activation memory there). The sequence length must be a multiple of the tensor-parallel size. Supported by the meshtrain decoder and Llama/Qwen2/Mistral plans."""
+    plan: dict[str, Any] | None = None
+    """A tensor-parallel plan for a model without a built-in one: {"rows": [[module path, style, units?, blocks?], ...], "sizes": {"heads": "config.n_heads", ...}}; see docs/tensor_parallel.md. null = the built-in plan for the model's class."""
+    tp_overlap_comm: Bool = False
+    """Accepted and ignored (DeepSpeed AutoTP all-reduce overlap)."""
+    vocab_parallel_lm_head: Bool | None = None
+    """Accepted and ignored: meshtrain's plans always shard the LM head over the vocabulary and use the vocab-parallel loss."""
+    partition_config: dict[str, Any] | None = None
+    """Accepted and ignored (DeepSpeed AutoTP regex partition rules); write a meshtrain plan in tensor_parallel.plan instead."""
+    preset_model: Str | None = None
+    """Accepted and ignored (DeepSpeed AutoTP presets); meshtrain picks the plan from the model's class."""
+
+
 class DistributedConfig(Section):
     """``distributed`` (meshtrain): process-group settings."""
 
@@ -267,5 +286,6 @@ __all__ = [
     "PipelineConfig",
     "ParallelWriteConfig",
     "TensorBoardConfig",
+    "TensorParallelConfig",
     "ZeroConfig",
 ]
