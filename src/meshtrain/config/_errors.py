@@ -24,7 +24,6 @@ from meshtrain.errors import ConfigError
 # Keys DeepSpeed users write that meshtrain spells differently (or not at all).
 RENAMED = {
     "bfloat16": "use bf16 (DeepSpeed's current name)",
-    "pipeline": "set mesh.pipeline_parallel_size instead",
     "tensor_parallel": "set mesh.tensor_parallel_size instead",
     "cpu_offload": 'use offload_optimizer: {"device": "cpu"}',
     "cpu_offload_param": 'use offload_param: {"device": "cpu"}',

@@ -47,6 +47,7 @@ from meshtrain.config.sections import (
     OffloadOptimizerConfig,
     OffloadParamConfig,
     ParallelWriteConfig,
+    PipelineConfig,
     TensorBoardConfig,
     TensorParallelConfig,
     ZeroConfig,
@@ -101,6 +102,8 @@ class Config(Section):
     """torch.compile."""
     mesh: MeshConfig = MeshConfig()
     """meshtrain: pipeline and tensor parallel sizes."""
+    pipeline: PipelineConfig = PipelineConfig()
+    """meshtrain: pipeline schedule and stage balancing."""
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     """Tensor parallelism: DeepSpeed's autotp_size alias, sequence parallelism, a plan for your own model."""
     distributed: DistributedConfig = DistributedConfig()

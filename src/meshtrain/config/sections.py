@@ -231,6 +231,19 @@ class MeshConfig(Section):
     """Tensor-parallel ranks (tp) sharing each layer; data-parallel size = world size / (pp * tp)."""
 
 
+class PipelineConfig(Section):
+    """``pipeline`` (meshtrain): how pipeline stages run when mesh.pipeline_parallel_size > 1; micro-batches per step = gradient_accumulation_steps."""
+
+    schedule: canonical_choice(("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")) = "1f1b"
+    """Order of forwards and backwards: gpipe, 1f1b, interleaved_1f1b (virtual_stages per rank) or zb_h1 (zero-bubble, backward split into input and weight gradients)."""
+    virtual_stages: PosInt = 1
+    """Model chunks per pipeline rank (interleaved_1f1b only); the model is cut into pipeline_parallel_size x virtual_stages stages."""
+    partition_method: Str = "parameters"
+    """How the blocks are balanced over stages: "parameters" (parameter count), "uniform" (block count); meshtrain.pipe.PipelineModule also takes "type:REGEX"."""
+    cut_points: list[int] | None = None
+    """The first block index of each stage after the first (overrides partition_method), e.g. [4] for 2 stages."""
+
+
 class TensorParallelConfig(Section):
     """``tensor_parallel``: DeepSpeed's AutoTP section, plus meshtrain's sequence parallelism and plans."""
 
@@ -270,6 +283,7 @@ __all__ = [
     "MeshConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
+    "PipelineConfig",
     "ParallelWriteConfig",
     "TensorBoardConfig",
     "TensorParallelConfig",

@@ -30,6 +30,7 @@ from torch import nn
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
 from meshtrain.engine.step_log import StepLog
+from meshtrain.errors import ConfigError
 from meshtrain.optim.setup import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.zero.partition import adopt
@@ -77,6 +78,7 @@ class Engine:
         parallel = parallelize(model, topology, config, wanted, tp_plan=tp_plan)
         self.module = parallel.module
         self.zero = parallel.zero
+        self.pipeline = parallel.pipeline  # PipelineRuntime when pp > 1, else None
         # zero.Init leftovers made whole; owners recorded for zero.GatheredParameters
         adopt(self.module, self.zero)
         self.optimizer = make_optimizer(config, optimizer, parallel.groups, self.zero, self.device)
@@ -136,6 +138,21 @@ class Engine:
             (loss.float() * multiplier).backward()
             self.zero.after_backward()
 
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches from
+        ``data_iter`` (default: the training data loader); returns the mean loss on every
+        rank. The way to train with pipeline parallelism; works at any mesh."""
+        from meshtrain.parallel.pipeline.engine_step import train_batch
+
+        return train_batch(self, data_iter)
+
+    def eval_batch(self, data_iter=None, num_micro_batches: int | None = None) -> torch.Tensor:
+        """Mean loss over ``num_micro_batches`` (default gradient_accumulation_steps)
+        micro-batches of any shapes, without gradients; on every rank."""
+        from meshtrain.parallel.pipeline.engine_step import eval_batch
+
+        return eval_batch(self, data_iter, num_micro_batches)
+
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally without communicating (DDP's ``no_sync``)."""
@@ -172,7 +189,12 @@ class Engine:
         self.zero.before_step()
         # the reduced gradients are the loss-scaled sum over dp ranks (pre-divided by f)
         unscale = self.scaler.scale * self.zero.grad_divisor
-        norm = self.zero.grad_norm()
+        if self.pipeline is None:
+            norm = self.zero.grad_norm()
+        else:  # over every stage, so clipping and overflow agree on all of them
+            from meshtrain.parallel.pipeline.engine_step import global_grad_norm
+
+            norm = global_grad_norm(self.pipeline, self.zero)
         overflow = not math.isfinite(norm)
         self._step_applied = not overflow
         if overflow:
@@ -324,6 +346,7 @@ class Engine:
         ``load_checkpoint``. Returns the checkpoint directory (DeepSpeed returns True)."""
         from meshtrain.checkpoint.engine_io import save
 
+        self._no_pipeline_checkpoints()
         return save(self, save_dir, tag, {} if client_state is None else client_state)
 
     def load_checkpoint(
@@ -340,9 +363,17 @@ class Engine:
         directory, an empty one, or no such tag), as DeepSpeed does."""
         from meshtrain.checkpoint.engine_io import load
 
+        self._no_pipeline_checkpoints()
         return load(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
+
+    def _no_pipeline_checkpoints(self) -> None:
+        if self.pipeline is not None:
+            raise ConfigError(
+                "save_checkpoint/load_checkpoint with mesh.pipeline_parallel_size > 1 are "
+                "not implemented yet; export the stages' state_dicts yourself or train with pp 1"
+            )
 
     def memory_report(self):
         """This rank's bytes of parameters, gradients and optimizer states beside the

@@ -28,8 +28,9 @@ Why this order:
 * DP/ZeRO last: it owns the parameters' storage (flat buckets, shards), which must be
   laid out over the final set of parameters.
 
-Pipeline parallelism is not available yet: a mesh asking for it raises ConfigError here,
-before anything runs, instead of silently training an unsplit model.
+Pipeline parallelism (``meshtrain.parallel.pipeline``) composes with data parallelism and
+ZeRO 0/1 over dp inside each stage (pp x dp); pp x tp raises ConfigError before anything
+runs.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Parallelized:
     module: nn.Module
     groups: list[dict]
     zero: ZeroStage
+    pipeline: object | None = None  # PipelineRuntime when pp > 1
 
 
 def parallelize(
@@ -80,12 +82,17 @@ def parallelize(
 
         apply_tensor_parallel(model, topology, config, plan=tp_plan)
         model_parameters = remap_parameters(model_parameters, model)
-    # 2. pipeline split: a rank keeps only its stage before anything is allocated for it
-    pp = max(topology.pp_size, config.mesh.pipeline_parallel_size)
-    if pp > 1:
+    # 2. pipeline split: a rank keeps only its stages before anything is allocated for them
+    pipeline = None
+    if topology.pp_size > 1:
+        from meshtrain.parallel.pipeline.engine_step import local_parameters, split_for_engine
+
+        model, pipeline = split_for_engine(model, topology, config)
+        model_parameters = local_parameters(model_parameters, model)
+    elif config.mesh.pipeline_parallel_size > 1:
         raise ConfigError(
-            f"mesh.pipeline_parallel_size: {pp} asks for pipeline parallelism, which this "
-            "version of meshtrain does not implement yet; set it to 1"
+            f"mesh.pipeline_parallel_size: {config.mesh.pipeline_parallel_size} but the "
+            f"topology has pp={topology.pp_size}; build the Topology from the config"
         )
     # 3. activation checkpointing: wraps each block's forward, before it is traced
     ac = config.activation_checkpointing
@@ -108,7 +115,7 @@ def parallelize(
     # trainable parameters move into flat buckets (sharded by stage)
     _broadcast(model, topology)
     groups = param_groups(model, model_parameters)
-    return Parallelized(model, groups, ZeroStage(model, groups, config, topology))
+    return Parallelized(model, groups, ZeroStage(model, groups, config, topology), pipeline)
 
 
 def _broadcast(model: nn.Module, topology: Topology) -> None:

@@ -1,0 +1,195 @@
+"""The pipeline's part of the Engine: splitting in ``parallelize`` and ``train_batch``.
+
+``split_for_engine`` is ``parallelize``'s step 2: it cuts the model (a
+``meshtrain.pipe.PipelineModule`` is already cut; any other model is split with
+``split_model``) and returns ``PipelineStages``, the module holding this rank's stages
+(what activation checkpointing, compile and the data-parallel wrap then see), with the
+``PipelineRuntime`` that runs them. The storage of the blocks other ranks run is released
+(the model object given to ``initialize`` cannot run whole afterwards).
+
+``train_batch(engine, it)`` pulls ``gradient_accumulation_steps`` micro-batches, runs the
+schedule, and steps once. The data-parallel reduction runs once after the schedule (the
+micro-batches' backwards interleave with forwards, so no backward is "the last one"):
+hooks are told not to reduce, and the step's ``finish`` reduces every bucket over the
+stage's dp group (each stage has its own: ranks ``dp * tp`` apart hold the same stage).
+ZeRO stages 0 and 1 (optimizer states sharded over dp inside each stage); tp must be 1.
+With dp > 1 each replica pulls its own micro-batches (the data loader deals them by dp
+rank; the stages of one replica must see the same batches) and the returned loss is
+the mean over replicas.
+
+Global across stages (each rank holds different parameters): the gradient norm is
+``sqrt(sum over pp ranks of each rank's squared norm)`` with a tied parameter counted on
+its first holder only, so clipping scales every stage by the same factor and an inf/NaN
+on any stage skips the step on all (one 4-byte all-reduce over pp, recorded as
+``control``). The loss is the mean over micro-batches, broadcast from the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtrain.distributed import comm
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline.runtime import PipelineRuntime
+
+
+class PipelineStages(nn.Module):
+    """This rank's stages; ``stages[str(k)]`` is stage ``k``. Calling it is an error: run
+    ``engine.train_batch`` / ``eval_batch``, which follow the schedule."""
+
+    def __init__(self, stages: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleDict({str(k): s for k, s in stages.items()})
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(
+            "with mesh.pipeline_parallel_size > 1 the model runs in a pipeline schedule: "
+            "call loss = engine.train_batch(data_iter) / engine.eval_batch(data_iter) "
+            "instead of engine(batch), engine.backward(loss), engine.step()"
+        )
+
+
+def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages, PipelineRuntime]:
+    """Step 2 of ``parallelize``: this rank's stages and the runtime that schedules them."""
+    from meshtrain.parallel.pipeline.module import PipelineModule
+    from meshtrain.parallel.pipeline.split import free_unused, split_model, tied_groups
+
+    pc = config.pipeline
+    if topology.tp_size > 1:
+        raise ConfigError(
+            f"mesh: pipeline parallelism with tensor_parallel_size={topology.tp_size} is not "
+            "implemented yet (pp x dp only); set mesh.tensor_parallel_size to 1"
+        )
+    if int(config.zero_optimization.stage) >= 2:
+        raise ConfigError(
+            f"zero_optimization.stage: {config.zero_optimization.stage} with "
+            "mesh.pipeline_parallel_size > 1 is not implemented yet; use stage 0 or 1"
+        )
+    p, v = topology.pp_size, int(pc.virtual_stages)
+    if isinstance(model, PipelineModule):
+        if model.num_stages != p * v:
+            raise ConfigError(
+                f"PipelineModule has {model.num_stages} stages but the mesh asks for "
+                f"pp {p} x pipeline.virtual_stages {v}; build it with topology= and "
+                f"virtual_stages={v}"
+            )
+        stages, tied = model.stages, model.tied
+    else:
+        every = split_model(model, p * v, method=pc.partition_method, cut_points=pc.cut_points)
+        stages = {k: s for k, s in enumerate(every) if k % p == topology.pp_rank}
+        tied = tied_groups(every, topology)
+        free_unused(model, list(stages.values()))  # other ranks' blocks: storage released
+    runtime = PipelineRuntime(
+        stages, topology.pp_group, p * v, pc.schedule, tied, device=topology.device
+    )
+    return PipelineStages(stages), runtime
+
+
+def local_parameters(model_parameters, module: nn.Module):
+    """``model_parameters`` (parameters or param-group dicts, as given to ``initialize``)
+    restricted to the parameters of this rank's stages; None stays None."""
+    if model_parameters is None:
+        return None
+    mine = {id(p) for p in module.parameters()}
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=[p for p in g["params"] if id(p) in mine]) for g in items]
+    return [p for p in items if id(p) in mine]
+
+
+def _pull(engine, data_iter: Iterator | None, m: int) -> list:
+    if data_iter is None:
+        if engine.training_dataloader is None:
+            raise ConfigError(
+                "train_batch() needs a data iterator, or a training_data/dataloader given "
+                "to meshtrain.initialize"
+            )
+        if getattr(engine, "_pipe_iter", None) is None:
+            engine._pipe_iter = iter(engine.training_dataloader)
+        data_iter = engine._pipe_iter
+    try:
+        return [engine._to_device(next(data_iter)) for _ in range(m)]
+    except StopIteration:
+        raise ConfigError(
+            f"the data iterator ran out before giving {m} micro-batches "
+            "(gradient_accumulation_steps) for this step"
+        ) from None
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    return out.loss if hasattr(out, "loss") else out
+
+
+def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
+    mean loss on every rank. Without a pipeline it is the usual forward/backward/step."""
+    batches = _pull(engine, data_iter, engine.gas)
+    pipe: PipelineRuntime | None = engine.pipeline
+    if pipe is None:
+        losses = []
+        for batch in batches:
+            loss = _loss_of(engine(batch))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        return torch.stack(losses).mean()
+    for b in batches:  # samples/s and tokens/s of the step log
+        args, kwargs = ((), b) if isinstance(b, dict) else (tuple(b), {})
+        engine.log.count_batch(args, kwargs)
+    zero = engine.zero
+    zero.begin_window()
+    zero.reducer.begin_backward(False)  # reduce once, after the schedule
+    with engine.log.timed("forward"):  # forward and backward interleave
+        loss = pipe.train_step(batches, loss_scale=engine.scaler.scale / zero.predivide)
+    engine.log.add_loss(loss)
+    engine.micro_steps += engine.gas - 1  # step() counts the last one and steps
+    engine.step()
+    return _dp_mean(engine, loss)
+
+
+def _dp_mean(engine, loss: torch.Tensor) -> torch.Tensor:
+    """The loss averaged over data-parallel replicas (each ran its own micro-batches)."""
+    dp = engine.topology.dp_group
+    if dp.size > 1:
+        loss = loss.clone()
+        comm.all_reduce(loss, dp, label="control")
+        loss /= dp.size
+    return loss
+
+
+@torch.no_grad()
+def eval_batch(engine, data_iter: Iterator | None = None, num_micro_batches: int | None = None):
+    """Mean loss over ``num_micro_batches`` (default gradient_accumulation_steps)
+    micro-batches of any shapes, on every rank; no gradients, parameters unchanged."""
+    batches = _pull(engine, data_iter, num_micro_batches or engine.gas)
+    pipe: PipelineRuntime | None = engine.pipeline
+    if pipe is not None:
+        return _dp_mean(engine, pipe.eval_step(batches))
+    was = engine.module.training
+    engine.module.eval()
+    try:
+        return torch.stack([_loss_of(engine(b)).detach().float() for b in batches]).mean()
+    finally:
+        engine.module.train(was)
+
+
+def global_grad_norm(pipe: PipelineRuntime, zero) -> float:
+    """Gradient norm over every stage (see the module docstring); inf/NaN if any rank's is.
+
+    A tied weight's gradient is zeroed on its later holders while this rank's norm is
+    taken, then put back (stages 0-1 keep gradients as views of the flat buffers), so it
+    counts once without subtracting squares (which would cancel in fp32).
+    """
+    later = [t.grad for t, group in pipe.tied if group.rank > 0 and t.grad is not None]
+    saved = [g.clone() for g in later]
+    for g in later:
+        g.zero_()
+    sq = torch.tensor(zero.grad_norm(), dtype=torch.float64) ** 2
+    for g, keep in zip(later, saved, strict=True):
+        g.copy_(keep)
+    comm.all_reduce(sq, pipe.group, label="control")
+    return float(sq.sqrt())

@@ -1,0 +1,223 @@
+"""Executes one rank's action list: forwards, backwards and the p2p between stages.
+
+What is communicated, per micro-batch and stage boundary, over the ``pp`` group:
+
+* forward: a 10-element int64 header ``[ndim, dtype code, *shape]`` (80 bytes) then the
+  activation (``b * t * d`` elements for a transformer); the header is why micro-batches
+  of different shapes (sequence lengths, evaluation batch sizes) need nothing cached;
+* backward: the activation's gradient, same shape as the activation the receiver sent,
+  so no header;
+* after the last micro-batch: the mean loss broadcast from the last stage (4 bytes), and
+  each tied parameter's gradient all-reduced over the ranks holding it (2 x its bytes).
+
+Sends are non-blocking (``isend``: a rank never waits for its peer to receive), receives
+block and are posted in the order of the schedule, which places them in the global
+order of the sends (see ``schedules``), so the step cannot deadlock. Every send's work
+is waited on at the end of the step, which also keeps the sent tensors alive until then.
+
+Memory: a stage keeps, per alive micro-batch, its input (with ``requires_grad``) and its
+output, i.e. the autograd graph between them; ``schedules`` gives the peak count.
+
+The loss of micro-batch ``i`` is divided by ``m`` before backward, so the gradients are
+those of the mean loss over the step's micro-batches (the same as one process running
+the whole batch with gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtrain.distributed import comm
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    B,
+    F,
+    W,
+    build_schedule,
+)
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+_MAX_DIMS = 8
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise ConfigError(
+            f"a pipeline stage output of shape {tuple(t.shape)} and dtype {t.dtype} cannot be "
+            f"sent: stages must return one tensor of at most {_MAX_DIMS} dims in {_DTYPES}"
+        )
+    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
+    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+class PipelineRuntime:
+    """Runs a step of micro-batches through this rank's stages.
+
+    ``stages``: ``{stage index: module}`` for the stages this rank holds (stage ``s`` on
+    pp rank ``s % p``); a module is called ``module(x, batch)`` with ``x`` the previous
+    stage's activation (None on stage 0) and returns the activation, or the loss on the
+    last stage. ``tied``: ``(parameter, group)`` pairs whose gradients are summed over
+    ``group`` after the backward (a weight used by stages on several ranks).
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        group: comm.Group,
+        num_stages: int,
+        schedule: str = "1f1b",
+        tied: Sequence[tuple[nn.Parameter, comm.Group]] = (),
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.stages, self.group, self.num_stages = dict(stages), group, num_stages
+        self.p = group.size
+        if num_stages % self.p or any(s % self.p != group.rank for s in self.stages):
+            raise ConfigError(
+                f"pp rank {group.rank} of {self.p} holds stages {sorted(self.stages)} of "
+                f"{num_stages}; stage s must sit on rank s % {self.p}"
+            )
+        self.v = num_stages // self.p
+        self.schedule = schedule
+        self.tied = list(tied)
+        self.device = torch.device(device)
+        self._cache: dict[tuple, Any] = {}
+        # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
+        # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
+        self.trace: list | None = None
+
+    def _actions(self, name: str, m: int):
+        key = (name, m)
+        if key not in self._cache:
+            self._cache[key] = build_schedule(name, self.p, m, self.v).actions[self.group.rank]
+        return self._cache[key]
+
+    # ---- p2p -------------------------------------------------------------------------
+    def _peer(self, stage: int) -> int:
+        return stage % self.p
+
+    def _send(self, t: torch.Tensor, stage: int, works: list, header: bool) -> None:
+        t = t.detach().contiguous()
+        sends = ([(_header(t), self._peer(stage))] if header else []) + [(t, self._peer(stage))]
+        for tensor, peer in sends:  # one batch each: header strictly before data
+            works += comm.batch_p2p(self.group, sends=[(tensor, peer)], label="pp_p2p")
+
+    def _recv_activation(self, stage: int) -> torch.Tensor:
+        h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+        self._wait(comm.batch_p2p(self.group, recvs=[(h, self._peer(stage))], label="pp_p2p"))
+        ndim, dtype = int(h[0]), _DTYPES[int(h[1])]
+        buf = torch.empty(h[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
+        self._wait(comm.batch_p2p(self.group, recvs=[(buf, self._peer(stage))], label="pp_p2p"))
+        return buf
+
+    def _recv_like(self, like: torch.Tensor, stage: int) -> torch.Tensor:
+        buf = torch.empty_like(like)
+        self._wait(comm.batch_p2p(self.group, recvs=[(buf, self._peer(stage))], label="pp_p2p"))
+        return buf
+
+    @staticmethod
+    def _wait(works) -> None:
+        for w in works:
+            w.wait()
+
+    # ---- steps -----------------------------------------------------------------------
+    def train_step(self, batches: Sequence[Any], loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the mean loss (every rank).
+
+        Gradients accumulate into the parameters' ``.grad`` as ``loss_scale x`` those of
+        the mean loss; tied parameters' gradients are summed over their ranks.
+        """
+        for st in self.stages.values():
+            st.train()
+        loss = self._run(self._actions(self.schedule, len(batches)), batches, True, loss_scale)
+        for param, group in self.tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            comm.all_reduce(param.grad, group, label="pp_tied")
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, batches: Sequence[Any]) -> torch.Tensor:
+        """Forward of every micro-batch (any shapes); returns the mean loss on every rank."""
+        for st in self.stages.values():
+            st.eval()
+        return self._run(self._actions("forward", len(batches)), batches, False, 1.0)
+
+    def _run(self, actions, batches, train: bool, loss_scale: float) -> torch.Tensor:
+        m, last = len(batches), self.num_stages - 1
+        inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> stage input
+        outputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output / loss
+        out_grads: dict[tuple[int, int], torch.Tensor] = {}  # grad of the stage's output
+        losses: list[torch.Tensor] = []
+        works: list = []
+        for a in actions:
+            key = (a.stage, a.mb)
+            if self.trace is not None:
+                t0, c0 = time.perf_counter(), time.thread_time()
+            if a.kind == F:
+                x = inputs.get(key) if a.stage > 0 else None
+                y = self.stages[a.stage](x, batches[a.mb])
+                if a.stage == last:
+                    losses.append(y.detach().float())
+                    y = y * (loss_scale / m)
+                if train:
+                    outputs[key] = y
+                else:
+                    inputs.pop(key, None)
+                    outputs[key] = y.detach()
+                if a.stage < last and self._peer(a.stage + 1) == self.group.rank:
+                    nxt = y.detach().requires_grad_(train)  # only when p == 1
+                    inputs[(a.stage + 1, a.mb)] = nxt
+            elif a.kind == SEND_F:
+                self._send(outputs[key], a.stage + 1, works, header=True)
+                if not train:
+                    del outputs[key]
+            elif a.kind == RECV_F:
+                inputs[key] = self._recv_activation(a.stage - 1).requires_grad_(train)
+            elif a.kind == RECV_B:
+                out_grads[key] = self._recv_like(outputs[key], a.stage + 1)
+            elif a.kind == B:
+                self._backward(key, inputs, outputs, out_grads, split=False)
+            elif a.kind == W:
+                self._backward(key, inputs, outputs, out_grads, split=True)
+            elif a.kind == SEND_B:
+                self._send(inputs.pop(key).grad, a.stage - 1, works, header=False)
+            if self.trace is not None and a.kind in (F, B, W):
+                cpu = time.thread_time() - c0
+                self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
+        self._wait(works)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        comm.broadcast(loss, src=self._peer(last), group=self.group, label="pp_loss")
+        return loss
+
+    def _backward(self, key, inputs, outputs, out_grads, split: bool) -> None:
+        """``B`` (and ``W`` for ZB-H1): ``B`` alone runs the whole backward; under ZB-H1
+        ``B`` computes the input gradient keeping the graph, ``W`` the weight gradients."""
+        stage, mb = key
+        zb = self.schedule == "zb_h1"
+        y = outputs[key]
+        grad = out_grads.get(key)
+        x = inputs.get(key)
+        if zb and not split:  # input gradient only (nothing to do on stage 0)
+            if x is not None:
+                (x.grad,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+            return
+        outputs.pop(key)
+        out_grads.pop(key, None)
+        if zb:  # weight gradients: the graph again, towards the parameters only
+            params = [p for p in self.stages[stage].parameters() if p.requires_grad]
+            torch.autograd.backward(y, grad, inputs=params)
+        else:
+            torch.autograd.backward(y, grad)
+        if stage > 0 and self._peer(stage - 1) == self.group.rank:  # p == 1 hand-over
+            out_grads[(stage - 1, mb)] = inputs.pop(key).grad

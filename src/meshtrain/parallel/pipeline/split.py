@@ -1,0 +1,309 @@
+"""Cutting a model whose blocks sit in one ``nn.ModuleList`` into pipeline stages.
+
+A ``Layout`` names, for a model family, the block list, the modules only the first stage
+runs (embeddings) and the modules only the last stage runs (final norm, head; the loss
+is the model's own, computed where the labels go). Known layouts: meshtrain's reference
+decoder, ``transformers`` Llama-style (``model.layers``), GPT-2 (``transformer.h``) and
+BERT (``bert.encoder.layer``); pass your own ``Layout`` for other models.
+
+Stage ``k`` of ``S`` runs the model's own ``forward`` on a shallow copy of the module tree
+in which (1) the block list holds only blocks ``[a_k, b_k)``, (2) on stages after the
+first the embedding returns the activation received from stage ``k - 1`` (the dummy
+``input_ids`` it is called with only carry the shape) and position embeddings add
+nothing, (3) on stages before the last the head modules are the identity, so the
+"logits" the model returns are the hidden states to send on. Blocks, embeddings and head
+are the user's own modules: nothing is copied, parameter names stay the model's names.
+Parameters of blocks on other ranks can be freed (``free_unused``).
+
+Balancing (contiguous cuts, each stage at least one block): ``"parameters"`` minimises
+the largest stage's parameter count (embedding counted on the first stage, head on the
+last), ``"uniform"`` the largest block count, or ``cut_points`` names the first block of
+each stage after the first. A parameter two stages on different ranks both use (GPT-2's
+tied input embedding and LM head) is reported by ``tied_parameters`` so its gradient can
+be summed over the ranks holding it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from meshtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a model family keeps its blocks, its first-stage and its last-stage modules.
+
+    ``first`` maps a module path to its role on later stages: ``"input"`` (returns the
+    received activation), ``"zero"`` (adds nothing, e.g. learned positions) or
+    ``"identity"`` (e.g. an embedding dropout already applied on stage 0).
+    """
+
+    blocks: str
+    first: dict[str, str] = field(default_factory=dict)
+    last: tuple[str, ...] = ()
+
+
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("layers", {"embed": "input"}, ("norm", "lm_head")),  # meshtrain Decoder
+    Layout("model.layers", {"model.embed_tokens": "input"}, ("model.norm", "lm_head", "score")),
+    Layout(
+        "transformer.h",
+        {"transformer.wte": "input", "transformer.wpe": "zero", "transformer.drop": "identity"},
+        ("transformer.ln_f", "lm_head", "score"),
+    ),
+    Layout(
+        "bert.encoder.layer", {"bert.embeddings": "input"}, ("bert.pooler", "cls", "classifier")
+    ),
+)
+
+
+def _get(root: nn.Module, path: str) -> nn.Module | None:
+    mod: nn.Module | None = root
+    for part in path.split("."):
+        mod = getattr(mod, part, None) if mod is not None else None
+    return mod if isinstance(mod, nn.Module) else None
+
+
+def find_layout(model: nn.Module) -> Layout:
+    """The first known ``Layout`` whose block list and input embedding exist in ``model``."""
+    for layout in LAYOUTS:
+        inputs = [p for p, role in layout.first.items() if role == "input"]
+        if isinstance(_get(model, layout.blocks), nn.ModuleList) and all(
+            _get(model, p) is not None for p in inputs
+        ):
+            return layout
+    raise ConfigError(
+        f"cannot split {type(model).__name__} into pipeline stages automatically: no block "
+        f"list at any of {[lay.blocks for lay in LAYOUTS]}; pass layout=Layout(blocks=..., "
+        "first=..., last=...) or build the model with meshtrain.pipe.PipelineModule"
+    )
+
+
+def partition(weights: Sequence[float], parts: int, extra_first=0.0, extra_last=0.0) -> list[int]:
+    """Bounds ``[0, c_1, ..., len(weights)]`` of ``parts`` contiguous non-empty ranges that
+    minimise the largest range's weight sum (``extra_*`` added to the first/last range)."""
+    n = len(weights)
+    if not 1 <= parts <= n:
+        raise ConfigError(
+            f"cannot cut {n} layers into {parts} pipeline stages; need 1 <= stages <= layers"
+        )
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+
+    def cost(i: int, j: int, k: int) -> float:
+        return (
+            prefix[j]
+            - prefix[i]
+            + (extra_first if k == 0 else 0.0)
+            + (extra_last if k == parts - 1 else 0.0)
+        )
+
+    inf = float("inf")
+    # best[k][j]: smallest max-cost of the first j layers in k + 1 ranges; cut[k][j]: start
+    best = [[inf] * (n + 1) for _ in range(parts)]
+    cut = [[0] * (n + 1) for _ in range(parts)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, j, 0)
+    for k in range(1, parts):
+        for j in range(k + 1, n + 1):
+            for i in range(k, j):
+                c = max(best[k - 1][i], cost(i, j, k))
+                if c < best[k][j]:
+                    best[k][j], cut[k][j] = c, i
+    bounds = [n]
+    for k in range(parts - 1, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return [0] + bounds[::-1]
+
+
+def _bounds_from_cuts(cut_points: Sequence[int], n: int, parts: int) -> list[int]:
+    bounds = [0, *cut_points, n]
+    if len(cut_points) != parts - 1 or any(
+        a >= b for a, b in zip(bounds, bounds[1:], strict=False)
+    ):
+        raise ConfigError(
+            f"pipeline cut_points={list(cut_points)} must be {parts - 1} increasing block "
+            f"indices strictly between 0 and {n} (the first block of stages 1..{parts - 1})"
+        )
+    return bounds
+
+
+class _Input(nn.Module):
+    """Stands in for the embedding on later stages: returns the received activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value: torch.Tensor | None = None
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.value
+
+
+class _Zero(nn.Module):
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return torch.zeros(())
+
+
+def _rewire(root: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of ``root`` with the modules at ``replace``'s paths swapped; every
+    module on those paths is copied (own child dict), everything else is shared."""
+    new_root = copy.copy(root)
+    new_root._modules = dict(root._modules)
+    for path, module in replace.items():
+        *parents, leaf = path.split(".")
+        node = new_root
+        for part in parents:
+            child = copy.copy(node._modules[part])
+            child._modules = dict(child._modules)
+            node._modules[part] = child
+            node = child
+        node._modules[leaf] = module
+    return new_root
+
+
+class SplitStage(nn.Module):
+    """Stage ``index`` of ``num_stages``: calls the model's forward on its rewired copy."""
+
+    def __init__(self, model: nn.Module, layout: Layout, index: int, num_stages: int, blocks):
+        super().__init__()
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self._input = _Input()
+        full = _get(model, layout.blocks)
+        replace: dict[str, nn.Module] = {layout.blocks: nn.ModuleList(full[i] for i in blocks)}
+        if not self.is_first:
+            roles = {"input": self._input, "zero": _Zero(), "identity": nn.Identity()}
+            replace.update({p: roles[r] for p, r in layout.first.items() if _get(model, p)})
+        if not self.is_last:
+            replace.update({p: nn.Identity() for p in layout.last if _get(model, p) is not None})
+        self.model = _rewire(model, replace)
+        self.block_ids = tuple(blocks)
+        # the model's own parameter names (shared modules keep them)
+        ids: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            ids.setdefault(id(p), n)
+        self.names = {ids[id(p)]: p for p in self.model.parameters()}
+
+    def forward(self, x: torch.Tensor | None, batch) -> torch.Tensor:
+        """``x``: the previous stage's activation (None on stage 0); ``batch``: the
+        micro-batch as the user gives it (dict, or tuple ``(input_ids, labels)``)."""
+        if isinstance(batch, dict):
+            kwargs = dict(batch)
+            labels = kwargs.pop("labels", None)
+            ids = kwargs.pop("input_ids")
+            args: tuple = ()
+        else:
+            ids, labels, kwargs = batch[0], (batch[1] if len(batch) > 1 else None), {}
+            args = ()
+        if not self.is_first:
+            self._input.value = x
+            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        if self.is_last and labels is not None:
+            kwargs["labels"] = labels
+        try:
+            out = self.model(*args, input_ids=ids, **kwargs)
+        finally:
+            self._input.value = None
+        if isinstance(out, torch.Tensor):
+            return out
+        key = "loss" if self.is_last and labels is not None else "logits"
+        return out[key] if key in out else out[0]
+
+
+def split_model(
+    model: nn.Module,
+    num_stages: int,
+    *,
+    method: str = "parameters",
+    cut_points: Sequence[int] | None = None,
+    layout: Layout | None = None,
+) -> list[SplitStage]:
+    """All ``num_stages`` stages of ``model`` (cheap: modules are shared, not copied)."""
+    layout = layout or find_layout(model)
+    blocks = _get(model, layout.blocks)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ConfigError(
+            f"layout.blocks={layout.blocks!r} is {type(blocks).__name__}, not an nn.ModuleList "
+            f"in {type(model).__name__}; name the module list that holds the blocks"
+        )
+    n = len(blocks)
+    if cut_points is not None:
+        bounds = _bounds_from_cuts(cut_points, n, num_stages)
+    elif method == "uniform":
+        bounds = partition([1] * n, num_stages)
+    elif method == "parameters":
+
+        def count(mods) -> int:
+            return sum(p.numel() for p in {id(p): p for m in mods for p in m.parameters()}.values())
+
+        first = [m for p in layout.first if (m := _get(model, p)) is not None]
+        last = [m for p in layout.last if (m := _get(model, p)) is not None]
+        bounds = partition([count([b]) for b in blocks], num_stages, count(first), count(last))
+    else:
+        raise ConfigError(
+            f"pipeline.partition_method={method!r} is unknown for automatic splitting; use "
+            "'parameters', 'uniform' or give cut_points"
+        )
+    return [
+        SplitStage(model, layout, k, num_stages, range(bounds[k], bounds[k + 1]))
+        for k in range(num_stages)
+    ]
+
+
+def tied_parameters(stages: Sequence[nn.Module], p: int) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> the ranks (stage ``k`` on rank ``k % p``) of every parameter that
+    stages on more than one rank hold. ``stages`` are all stages, with ``names`` dicts."""
+    holders: dict[str, set[int]] = {}
+    for k, stage in enumerate(stages):
+        for name in stage.names:
+            holders.setdefault(name, set()).add(k % p)
+    return {n: tuple(sorted(r)) for n, r in holders.items() if len(r) > 1}
+
+
+def free_unused(model: nn.Module, kept: Sequence[nn.Module]) -> int:
+    """Release the storage of ``model``'s parameters no kept stage uses; returns elements
+    freed. The model must not run whole afterwards (its other blocks are empty)."""
+    keep = {id(p) for s in kept for p in s.parameters()}
+    freed = 0
+    for p in model.parameters():
+        if id(p) not in keep and p.numel():
+            freed += p.numel()
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return freed
+
+
+def tied_groups(stages: Sequence[nn.Module], topology) -> list[tuple[nn.Parameter, object]]:
+    """``(parameter, comm.Group)`` for every tied parameter of a split model this rank
+    holds (see ``make_tied_groups``); ``stages`` are all stages, with ``names`` dicts."""
+    p = topology.pp_size
+    mine: dict[str, nn.Parameter] = {}
+    for k, stage in enumerate(stages):
+        if k % p == topology.pp_rank:
+            mine.update(stage.names)
+    return make_tied_groups(tied_parameters(stages, p), mine, topology)
+
+
+def make_tied_groups(holders: dict, mine: dict, topology) -> list[tuple[nn.Parameter, object]]:
+    """``(parameter, comm.Group)`` per tied name this rank holds, the group being the ranks
+    of its pp group listed in ``holders[name]`` (pp ranks). Collective: every rank of the
+    world calls it (``new_group`` for each pp group of the mesh, in one order everywhere)."""
+    import torch.distributed as dist
+
+    from meshtrain.distributed.comm import Group
+
+    out = []
+    for name, pp_holders in sorted(holders.items()):
+        for pp_ranks in topology.layout.all_groups("pp"):
+            ranks = tuple(pp_ranks[h] for h in pp_holders)
+            pg = dist.new_group(list(ranks))
+            if topology.rank in ranks:
+                group = Group("pp_tied", pg, ranks, ranks.index(topology.rank), topology.stats)
+                out.append((mine[name], group))
+    return out

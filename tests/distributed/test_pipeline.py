@@ -1,0 +1,173 @@
+"""Pipeline parallelism against one process (fp32, gloo, real processes).
+
+For every schedule (GPipe, 1F1B, interleaved 1F1B with 2 stages per rank, ZB-H1) at pp 2
+and pp 4, on the reference decoder and tiny ``transformers`` Llama and GPT-2 (tied input
+embedding and LM head, summed over the first and last stage): 10 SGD steps of 4
+micro-batches whose sequence lengths differ (5..12 tokens), with an evaluation at another
+batch size and micro-batch count mixed in after step 4. One process runs the same
+micro-batches with gradient accumulation (loss / m per micro-batch).
+
+Tolerances: losses 1e-6 relative; every parameter's gradient on every rank at steps 1 and
+10, and the parameters after 10 steps, 1e-6 normwise. Reason: the same fp32 operations
+in the same micro-batch order; only the tied gradient is summed in a different order
+(embedding part + head part after the step instead of per micro-batch), ~1e-7. SGD with
+momentum, not Adam: Adam divides by sqrt(v), so gradient entries that are zero in exact
+arithmetic (GPT-2's key bias: softmax ignores a shift) turn 1e-10 rounding noise into
++-lr steps and the parameters would differ by 1e-4 whatever the pipeline does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+STEPS, MICRO = 10, 4
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
+MODELS = ("decoder", "llama", "gpt2")
+
+
+def build(kind: str, n_layers: int):
+    torch.manual_seed(0)  # HF initialises from the global RNG: same weights everywhere
+    if kind == "decoder":
+        from meshtrain.models import Decoder, DecoderConfig
+
+        cfg = DecoderConfig(
+            vocab_size=64, dim=32, n_layers=n_layers, n_heads=2, ffn_dim=48, max_seq_len=16
+        )
+        return Decoder(cfg)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=n_layers,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=16,
+                tie_word_embeddings=False,
+            )
+        )
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=64,
+            n_embd=32,
+            n_layer=n_layers,
+            n_head=2,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+
+
+def batches(kind: str, step: int, m: int = MICRO, rows: int = 2) -> list:
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for i in range(m):
+        ids = torch.randint(0, 64, (rows, 5 + (3 * i + step) % 8), generator=g)
+        out.append((ids, ids) if kind == "decoder" else {"input_ids": ids, "labels": ids})
+    return out
+
+
+def call(model, mb):
+    return model(*mb) if isinstance(mb, tuple) else model(**mb).loss
+
+
+def reference(kind: str, n_layers: int):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: the same matmul blocking, the same rounding
+    try:
+        return _reference(kind, n_layers)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(kind: str, n_layers: int):
+    model = build(kind, n_layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        if step == 5:
+            model.eval()
+            with torch.no_grad():
+                ev = [call(model, mb).item() for mb in batches(kind, 99, m=3, rows=5)]
+            model.train()
+            losses.append(sum(ev) / 3)
+        opt.zero_grad()
+        total = 0.0
+        for mb in batches(kind, step):
+            loss = call(model, mb)
+            (loss / MICRO).backward()
+            total += loss.item()
+        losses.append(total / MICRO)
+        if step in (0, STEPS - 1):
+            grads[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _pipeline_runs(n_layers: int):
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.parallel.pipeline.runtime import PipelineRuntime
+    from meshtrain.parallel.pipeline.split import split_model, tied_groups
+
+    topo = Topology(pp=torch.distributed.get_world_size())
+    p, out = topo.pp_size, {}
+    for kind in MODELS:
+        for name, v in SCHEDULES:
+            model = build(kind, n_layers)
+            stages = split_model(model, p * v)
+            mine = {k: s for k, s in enumerate(stages) if k % p == topo.pp_rank}
+            rt = PipelineRuntime(mine, topo.pp_group, p * v, name, tied_groups(stages, topo))
+            named = {n: t for s in mine.values() for n, t in s.names.items()}
+            opt = torch.optim.SGD(list(named.values()), lr=0.05, momentum=0.9)
+            losses, grads = [], {}
+            for step in range(STEPS):
+                if step == 5:
+                    losses.append(rt.eval_step(batches(kind, 99, m=3, rows=5)).item())
+                opt.zero_grad()
+                losses.append(rt.train_step(batches(kind, step)).item())
+                if step in (0, STEPS - 1):
+                    grads[step] = {n: t.grad.clone() for n, t in named.items()}
+                opt.step()
+            params = {n: t.detach().clone() for n, t in named.items()}
+            out[(kind, name)] = (losses, grads, params)
+    return out
+
+
+def _normwise(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,n_layers", [(2, 4), (4, 8)])
+def test_pipeline_matches_one_process(pp, n_layers):
+    import transformers  # noqa: F401  (imported once here; forked ranks inherit it)
+
+    refs = {kind: reference(kind, n_layers) for kind in MODELS}
+    per_rank = run_ranks(_pipeline_runs, pp, n_layers, timeout=400)
+    for kind in MODELS:
+        ref_losses, ref_grads, ref_params = refs[kind]
+        for name, _v in SCHEDULES:
+            seen = set()
+            for rank, got in enumerate(per_rank):
+                losses, grads, params = got[(kind, name)]
+                for a, b in zip(losses, ref_losses, strict=True):
+                    assert abs(a - b) <= 1e-6 * abs(b), (kind, name, rank, losses, ref_losses)
+                for step, g in grads.items():
+                    for n, t in g.items():
+                        assert _normwise(t, ref_grads[step][n]) <= 1e-6, (kind, name, step, n)
+                for n, t in params.items():
+                    assert _normwise(t, ref_params[n]) <= 1e-6, (kind, name, n)
+                seen |= set(params)
+            assert seen == set(ref_params), (kind, name)  # every parameter lives somewhere

@@ -1,0 +1,241 @@
+"""DeepSpeed's PipelineModule form and the automatic split's balancing.
+
+Multi-rank: a sequential model with a tied input embedding / output head
+(``TiedLayerSpec``) at pp 4, 1F1B and interleaved (2 stages per rank), against the same
+PipelineModule built whole in one process: 10 SGD steps, losses 1e-6 relative. At step
+1 every parameter's gradient on every rank equals the reference exactly, except the
+tied embedding's, 1e-6 normwise (measured 5e-8: its two halves are summed after the
+step instead of per micro-batch). That 5e-8 on one weight then compounds through the
+updates (measured up to 1.3e-6 on small biases by step 9), so later steps' gradients are
+held to 1e-5 normwise. Each rank builds only its own layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline.split import Layout, partition, split_model
+from meshtrain.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from tests.harness import run_ranks
+
+V, D, STEPS, MICRO = 32, 16, 10, 4
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def head(embed: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    return x @ embed.weight.T
+
+
+def lm_loss(logits, labels):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def specs():
+    return [
+        TiedLayerSpec("embed", nn.Embedding, V, D),
+        *[LayerSpec(Block, D) for _ in range(8)],
+        LayerSpec(nn.LayerNorm, D),
+        TiedLayerSpec("embed", nn.Embedding, V, D, forward_fn=head),
+    ]
+
+
+def batches(step: int, m: int = MICRO):
+    g = torch.Generator().manual_seed(500 + step)
+    return [
+        (torch.randint(0, V, (2, 4 + i), generator=g), torch.randint(0, V, (2, 4 + i), generator=g))
+        for i in range(m)
+    ]
+
+
+def reference():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: the same matmul blocking, the same rounding
+    try:
+        return _reference()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference():
+    pm = PipelineModule(specs(), loss_fn=lm_loss)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.02, momentum=0.9)
+    losses, grads = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for x, y in batches(step):
+            loss = lm_loss(pm(x), y)
+            (loss / MICRO).backward()
+            total += loss.item()
+        losses.append(total / MICRO)
+        grads.append({n: p.grad.clone() for n, p in pm.named_parameters()})
+        opt.step()
+    return losses, grads
+
+
+def _ranks():
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.parallel.pipeline.runtime import PipelineRuntime
+
+    topo = Topology(pp=torch.distributed.get_world_size())
+    out = {}
+    for name, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        pm = PipelineModule(specs(), topology=topo, loss_fn=lm_loss, virtual_stages=v)
+        rt = PipelineRuntime(pm.stages, topo.pp_group, pm.num_stages, name, pm.tied)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.02, momentum=0.9)
+        losses, grads = [], []
+        for step in range(STEPS):
+            opt.zero_grad()
+            losses.append(rt.train_step(batches(step)).item())
+            grads.append({n: p.grad.clone() for n, p in pm.named_parameters()})
+            opt.step()
+        built = sorted(int(k) for k in pm.layers)
+        out[name] = (losses, grads, built, pm.bounds, sorted(pm.tied_modules))
+    return out
+
+
+def test_pipeline_module_matches_one_process():
+    ref_losses, ref_grads = reference()
+    per_rank = run_ranks(_ranks, 4)
+    for name, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        names = set()
+        for rank, got in enumerate(per_rank):
+            losses, grads, built, bounds, tied = got[name]
+            for a, b in zip(losses, ref_losses, strict=True):
+                assert abs(a - b) <= 1e-6 * abs(b), (name, rank)
+            for step, g in enumerate(grads):
+                for n, t in g.items():
+                    err = (t - ref_grads[step][n]).norm() / ref_grads[step][n].norm()
+                    if step > 0:
+                        assert err <= 1e-5, (name, rank, step, n)
+                    elif n.startswith("tied_modules."):
+                        assert err <= 1e-6, (name, rank, n)
+                    else:
+                        assert torch.equal(t, ref_grads[0][n]), (name, rank, n)
+            names |= set(grads[0])
+            # only this rank's layers were built; the tied embedding on first and last rank
+            mine = [k for k in range(4 * v) if k % 4 == rank]
+            assert built == [i for k in mine for i in range(bounds[k], bounds[k + 1]) if 0 < i < 10]
+            assert tied == (["embed"] if rank in (0, 3) else [])
+        assert names == set(dict(PipelineModule(specs(), loss_fn=lm_loss).named_parameters()))
+
+
+def test_partition_methods():
+    assert partition([1] * 8, 4) == [0, 2, 4, 6, 8]
+    assert partition([1, 1, 1, 1, 4], 2) == [0, 4, 5]
+    assert partition([1] * 4, 2, extra_first=2) == [0, 1, 4]
+    with pytest.raises(ConfigError, match="cannot cut 3 layers into 4"):
+        partition([1] * 3, 4)
+    pm = PipelineModule(specs(), loss_fn=lm_loss, partition_method="type:block")
+    assert pm.bounds == [0, 11]
+    with pytest.raises(ConfigError, match="partition_method"):
+        PipelineModule(specs(), partition_method="random")
+    with pytest.raises(ConfigError, match="nn.Module class"):
+        LayerSpec(len)
+
+
+def test_split_balancing_and_errors():
+    from meshtrain.models import Decoder, DecoderConfig
+
+    model = Decoder(DecoderConfig(vocab_size=512, dim=32, n_layers=6, n_heads=2, ffn_dim=48))
+    # embedding 16384 and head + norm 16416 parameters vs 8768 per block: the largest
+    # stage is 33920 with cuts (2, 5) against 35072 with (1, 5), 43520 uniform
+    by_params = [s.block_ids for s in split_model(model, 3)]
+    assert by_params == [(0, 1), (2, 3, 4), (5,)]
+    assert [s.block_ids for s in split_model(model, 3, method="uniform")] == [
+        (0, 1),
+        (2, 3),
+        (4, 5),
+    ]
+    assert [s.block_ids for s in split_model(model, 2, cut_points=[4])] == [(0, 1, 2, 3), (4, 5)]
+    with pytest.raises(ConfigError, match="cut_points"):
+        split_model(model, 3, cut_points=[4, 2])
+    with pytest.raises(ConfigError, match="cannot split"):
+        split_model(nn.Sequential(nn.Linear(2, 2)), 2)
+    with pytest.raises(ConfigError, match="partition_method"):
+        split_model(model, 2, method="type:Block")
+    with pytest.raises(ConfigError, match="not an nn.ModuleList"):
+        split_model(nn.Sequential(nn.Linear(2, 2)), 1, layout=Layout("0", {}, ()))
+
+
+@pytest.mark.parametrize("family", ["bert-mlm", "bert-cls", "llama", "gpt2"])
+def test_split_stages_chain_to_the_whole_model(family):
+    """One process: the stages of an automatic split, called in a chain, give the whole
+    model's loss and gradients (the same modules run the same ops: 1e-6 relative)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (3, 7))
+    if family.startswith("bert"):
+        cfg = tf.BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            intermediate_size=48,
+            max_position_embeddings=16,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=3,
+        )
+        if family == "bert-mlm":
+            model, labels = tf.BertForMaskedLM(cfg), ids
+        else:
+            model, labels = tf.BertForSequenceClassification(cfg), torch.tensor([0, 2, 1])
+    elif family == "llama":
+        model, labels = (
+            tf.LlamaForCausalLM(
+                tf.LlamaConfig(
+                    vocab_size=64,
+                    hidden_size=32,
+                    intermediate_size=48,
+                    num_hidden_layers=4,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                    max_position_embeddings=16,
+                )
+            ),
+            ids,
+        )
+    else:
+        model, labels = (
+            tf.GPT2LMHeadModel(
+                tf.GPT2Config(
+                    vocab_size=64,
+                    n_embd=32,
+                    n_layer=4,
+                    n_head=2,
+                    n_positions=16,
+                    resid_pdrop=0.0,
+                    embd_pdrop=0.0,
+                    attn_pdrop=0.0,
+                )
+            ),
+            ids,
+        )
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    whole = model(**batch).loss
+    whole.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    x = None
+    stages = split_model(model, 3, method="uniform")
+    for stage in stages:
+        x = stage(x, batch)  # in one process the graph runs through all stages
+    assert abs(x.item() - whole.item()) <= 1e-6 * abs(whole.item())
+    x.backward()
+    for n, p in model.named_parameters():
+        if ref[n].norm() > 0:
+            assert ((p.grad - ref[n]).norm() / ref[n].norm()).item() <= 1e-6, n
+    assert sum(len(s.block_ids) for s in stages) == 4
