@@ -10,6 +10,7 @@ from pathlib import Path
 
 LABELS = {0: "差评!", 1: "好评!"}  # seed 000's id2label
 CONTEXT = 64  # small, so over-long inputs are cheap to build
+CHAT_CONTEXT = 256  # random answers re-encode longer (bytes of U+FFFD): room for two turns
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -76,7 +77,7 @@ def bpe_tokenizer(chat_template: str | None = None):
         tokenizer_object=tok,
         bos_token="<|endoftext|>",
         eos_token="<|endoftext|>",
-        model_max_length=CONTEXT,
+        model_max_length=CHAT_CONTEXT,
     )
     if chat_template:
         out.chat_template = chat_template
@@ -93,6 +94,7 @@ def bert_config(tokenizer):
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=CONTEXT,
+        initializer_range=0.2,  # spread the random logits: scores well away from 0.5
         num_labels=2,
         id2label=LABELS,
         label2id={v: k for k, v in LABELS.items()},
@@ -111,7 +113,7 @@ def llama_config(tokenizer):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
+        max_position_embeddings=CHAT_CONTEXT,
         bos_token_id=eos,
         eos_token_id=eos,
         pad_token_id=eos,

@@ -88,30 +88,30 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._reject(send, length.decode())
-        seen, started = 0, False
-
-        class TooLarge(Exception):
-            pass
+        seen, started, rejected = 0, False, False
 
         async def limited_receive() -> Any:
-            nonlocal seen
+            nonlocal seen, rejected
             msg = await receive()
-            if msg["type"] == "http.request":
+            if msg["type"] == "http.request" and not rejected:
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
-                    raise TooLarge
+                    # answer now and tell the app the client left: it stops reading, and
+                    # whatever it would send instead is dropped by tracked_send
+                    rejected = True
+                    if not started:
+                        await self._reject(send, f"more than {self.max_bytes}")
+                    return {"type": "http.disconnect"}
             return msg
 
         async def tracked_send(msg: Any) -> None:
             nonlocal started
+            if rejected:
+                return
             started = started or msg["type"] == "http.response.start"
             await send(msg)
 
-        try:
-            await self.app(scope, limited_receive, tracked_send)
-        except TooLarge:
-            if not started:
-                await self._reject(send, f"more than {self.max_bytes}")
+        await self.app(scope, limited_receive, tracked_send)
 
 
 def _validation_answer(exc: Any) -> tuple[int, dict]:
