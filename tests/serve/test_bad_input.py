@@ -54,7 +54,12 @@ OPENAI_CASES = [
     ("content a number", {"messages": [{"role": "user", "content": 1}]}, 422, "messages.0.content"),
     ("last is assistant", {"messages": [{"role": "assistant", "content": "a"}]}, 422, "messages"),
     ("n is 2", {"messages": [{"role": "user", "content": "a"}], "n": 2}, 422, "n"),
-    ("stream a string", {"messages": [{"role": "user", "content": "a"}], "stream": "y"}, 422, "stream"),
+    (
+        "stream a string",
+        {"messages": [{"role": "user", "content": "a"}], "stream": "y"},
+        422,
+        "stream",
+    ),
 ]
 
 
@@ -87,7 +92,9 @@ def test_classify_bad_inputs(classify_url):
         _check(_post(classify_url, "/classify", body, headers), status, field, name)
     # a chunked body (no Content-Length) over the limit is cut off at the limit
     chunks = iter([b'{"text": "', b"x" * LIMIT, b'"}'])
-    r = httpx.post(classify_url + "/classify", content=chunks, headers={"content-type": "application/json"})
+    r = httpx.post(
+        classify_url + "/classify", content=chunks, headers={"content-type": "application/json"}
+    )
     _check(r, 413, "body", "chunked body over the limit")
     _check(_post(classify_url, "/", {"prompt": "a"}), 404, "POST /classify", "chat on a classifier")
     assert httpx.get(classify_url + "/classify").status_code == 405

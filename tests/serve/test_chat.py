@@ -80,10 +80,18 @@ def test_openai_endpoint_with_template_and_streaming(chat_template_dir):
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     expected = reference(chat_template_dir, ids)
-    body = {"model": "x", "messages": messages, "max_tokens": N_NEW, "temperature": 0, "presence_penalty": 0}
+    body = {
+        "model": "x",
+        "messages": messages,
+        "max_tokens": N_NEW,
+        "temperature": 0,
+        "presence_penalty": 0,
+    }
     with live_server(load(chat_template_dir), model_name="tiny") as url:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60
+        ) as s:
             assert s.status_code == 200
             assert s.headers["content-type"].startswith("text/event-stream")
             chunks = _sse(list(s.iter_lines()))
@@ -93,8 +101,12 @@ def test_openai_endpoint_with_template_and_streaming(chat_template_dir):
     assert choice["message"] == {"role": "assistant", "content": expected}
     assert out["usage"]["prompt_tokens"] == len(ids)
     assert out["usage"]["total_tokens"] == len(ids) + out["usage"]["completion_tokens"]
-    assert choice["finish_reason"] == ("length" if out["usage"]["completion_tokens"] == N_NEW else "stop")
-    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert choice["finish_reason"] == (
+        "length" if out["usage"]["completion_tokens"] == N_NEW else "stop"
+    )
+    assert all(
+        c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks
+    )
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:])
     assert streamed == expected

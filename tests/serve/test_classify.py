@@ -20,10 +20,8 @@ TEXTS = ["我觉得不错!", "房间太小，服务很差", "good", "还行吧"]
 
 
 def test_matches_pipeline_and_batching(classifier_dir, served_classifier):
-    import torch
     from transformers import pipeline
 
-    torch.set_num_threads(1)
     pipe = pipeline("text-classification", model=str(classifier_dir), device="cpu")
     texts = [t[:40] for t in TEXTS]  # within the context: the pipeline does not truncate
     expected = [pipe(t)[0] for t in texts]

@@ -66,7 +66,14 @@ def test_load_refuses_what_does_not_fit(tmp_path, classifier_dir, chat_dir):
 
     meta = {"tensors": {"w": {"shape": [3], "dtype": "float32", "kind": "param"}}}
     piece = Piece("w", "param", "m", 0, 0, 3)
-    save_shards(tmp_path / "plain", "t", group=None, tensors={"m": torch.zeros(3)}, pieces=[piece], meta=meta)
+    save_shards(
+        tmp_path / "plain",
+        "t",
+        group=None,
+        tensors={"m": torch.zeros(3)},
+        pieces=[piece],
+        meta=meta,
+    )
     with pytest.raises(ServeError, match="not saved from a transformers model"):
         load(tmp_path / "plain")
     (tmp_path / "broken").mkdir()

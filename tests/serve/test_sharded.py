@@ -45,7 +45,9 @@ def _answers(url: str, task: str) -> list:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             if task == "classifier":
                 texts = ["我觉得不错!", "太差了", "good", "还行吧"]
-                rs = await asyncio.gather(*(client.post("/classify", json={"text": t}) for t in texts))
+                rs = await asyncio.gather(
+                    *(client.post("/classify", json={"text": t}) for t in texts)
+                )
             else:
                 rs = [await client.post("/", json={"prompt": p}) for p in ("你好", "hello")]
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
@@ -72,7 +74,9 @@ def test_sharded_checkpoint_serves_like_its_export(trained, task, tmp_path):
     export = consolidate(save_dir, tmp_path / "export")
     export_served = load(export, tokenizer=str(save_dir))
     _same_weights(export_served.model, states[task][1])
-    assert sharded.task == export_served.task == ("chat" if task == "chat" else "text-classification")
+    assert (
+        sharded.task == export_served.task == ("chat" if task == "chat" else "text-classification")
+    )
 
     # batching off: which texts share a batch would move scores by ~1e-7 (test_classify)
     with live_server(sharded, max_new_tokens=8, max_batch_size=1) as url:

@@ -19,7 +19,6 @@ over ``timeout_s`` is 504 (and its generation is stopped). No global state: ever
 lives on the app built by :func:`build_app`, so tests run several servers in one process.
 """
 
-
 import asyncio
 import json
 import logging
@@ -131,8 +130,9 @@ def _validation_answer(exc: Any) -> tuple[int, dict]:
         except ValueError as exc:
             return 400, _error_body(400, "body", f"is not valid JSON ({exc})")
         return 415, _error_body(
-            415, "body", "is JSON but the Content-Type header is not; send "
-            "-H 'Content-Type: application/json'"
+            415,
+            "body",
+            "is JSON but the Content-Type header is not; send -H 'Content-Type: application/json'",
         )
     msg = first.get("msg", "invalid").removeprefix("Value error, ")
     if first.get("type") == "missing":
@@ -258,15 +258,19 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
         ids = chat.prompt_ids(prompt, history, system)
         if max_new is not None and max_new > settings.max_new_tokens:
             raise ApiError(
-                422, "max_new_tokens", f"{max_new} is over this server's limit "
-                f"{settings.max_new_tokens} (meshtrain serve --max-new-tokens)"
+                422,
+                "max_new_tokens",
+                f"{max_new} is over this server's limit "
+                f"{settings.max_new_tokens} (meshtrain serve --max-new-tokens)",
             )
         if max_new is None and max_length is not None:
             max_new = max_length - len(ids)
             if max_new < 1:
                 raise ApiError(
-                    422, "max_length", f"{max_length} leaves no room after the "
-                    f"{len(ids)} tokens of prompt and history"
+                    422,
+                    "max_length",
+                    f"{max_length} leaves no room after the "
+                    f"{len(ids)} tokens of prompt and history",
                 )
             max_new = min(max_new, settings.max_new_tokens)
         if do_sample is None:
@@ -277,8 +281,11 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
 
         try:
             kwargs = chat.generate_kwargs(
-                len(ids), max_new or settings.max_new_tokens,
-                do_sample=do_sample, temperature=temperature, top_p=top_p,
+                len(ids),
+                max_new or settings.max_new_tokens,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_p=top_p,
             )
         except PromptTooLong as exc:
             raise ApiError(422, "prompt", str(exc)) from None
@@ -302,8 +309,14 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
         _needs("chat", "POST /")
         history = [(q, a) for q, a in req.history]
         ids, kwargs = _prepare(
-            req.prompt, history, None, req.max_new_tokens, req.max_length,
-            req.do_sample, req.temperature, req.top_p,
+            req.prompt,
+            history,
+            None,
+            req.max_new_tokens,
+            req.max_length,
+            req.do_sample,
+            req.temperature,
+            req.top_p,
         )
         answer = await _answer(_submit(ids, kwargs))
         return {
@@ -318,10 +331,17 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
         _needs("chat", "POST /v1/chat/completions")
         prompt, history, system = req.conversation()
         ids, kwargs = _prepare(
-            prompt, history, system, req.max_completion_tokens or req.max_tokens, None,
-            None, req.temperature, req.top_p,
+            prompt,
+            history,
+            system,
+            req.max_completion_tokens or req.max_tokens,
+            None,
+            None,
+            req.temperature,
+            req.top_p,
         )
-        rid, created, name = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), settings.model_name
+        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        name = settings.model_name
         job = _submit(ids, kwargs, stream=req.stream)
         if not req.stream:
             a = await _answer(job)
@@ -349,8 +369,8 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                         break
                     except asyncio.TimeoutError:
                         job.cancelled.set()
-                        yield event({"error": _error_body(504, None, f"no answer within "
-                                                          f"{settings.timeout_s:g} s")})
+                        late = f"no answer within {settings.timeout_s:g} s"
+                        yield event({"error": _error_body(504, None, late)})
                         return
                     yield event(schemas.openai_chunk(rid, created, name, {"content": piece}, None))
                 answer = await job.future

@@ -29,6 +29,10 @@ def _main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         served = load(
             args.model, task=args.task, tag=args.tag, tokenizer=args.tokenizer, dtype=args.dtype
@@ -140,6 +144,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="meshtrain",
         help="turn format when the tokenizer has no chat template (default meshtrain, "
         "the ChatCollator's)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive(int),
+        default=None,
+        help="torch intra-op threads (default: torch's, one per core); 1 is far faster on "
+        "a CPU shared with other busy processes",
     )
     p.add_argument("--model-name", default=None, help="name in responses (default: folder name)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))

@@ -78,9 +78,7 @@ class GenerationWorker:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise QueueFull(
-                f"{self.max_queue} generation requests are already waiting"
-            ) from None
+            raise QueueFull(f"{self.max_queue} generation requests are already waiting") from None
         return job
 
     @property

@@ -34,7 +34,8 @@ class ChatRequest(BaseModel):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     do_sample: StrictBool | None = Field(
-        None, description="sample instead of greedy; default: true when temperature or top_p is given"
+        None,
+        description="sample instead of greedy; default: true when temperature or top_p is given",
     )
 
     @field_validator("history")
