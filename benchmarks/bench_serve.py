@@ -212,6 +212,10 @@ class Server:
         self.proc.wait(30)
 
 
+def _delta(after: dict, before: dict, key: str) -> int | None:
+    return None if after.get(key) is None else after[key] - before[key]
+
+
 async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s: float) -> dict:
     """Send ``bodies`` with ``concurrency`` workers; stop issuing after ``max_s`` seconds."""
     import httpx
@@ -221,6 +225,7 @@ async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s:
     next_i = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        before = (await client.get("/")).json()  # counters so far (the warm-up's)
         start = time.perf_counter()
         deadline = start + max_s
 
@@ -252,8 +257,8 @@ async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s:
         "p99_ms": round(1000 * lat[min(done - 1, int(0.99 * done))], 2),
         "status": dict(sorted(codes.items())),
         "5xx": sum(v for k, v in codes.items() if k.startswith("5")),
-        "server_batches": info.get("batches"),
-        "server_batched_texts": info.get("batched_texts"),
+        "server_batches": _delta(info, before, "batches"),
+        "server_batched_texts": _delta(info, before, "batched_texts"),
     }
 
 
@@ -264,7 +269,7 @@ def phase(
     try:
         server.wait()
         warm = bodies[: min(len(bodies), 4 * conc)]  # first requests pay imports and caches
-        asyncio.run(load(server.url, path, warm, conc, max_s))
+        asyncio.run(load(server.url, path, warm, conc, min(max_s, 30.0)))
         result = asyncio.run(load(server.url, path, bodies, conc, max_s))
     finally:
         server.close()
@@ -293,12 +298,18 @@ def main() -> None:
         help="torch threads of the server (default 1: OpenMP threads spin on a shared CPU)",
     )
     p.add_argument("--max-seconds", type=float, default=300, help="cap per phase")
+    p.add_argument(
+        "--phases",
+        default="classify_batching_on,classify_batching_off,chat",
+        help="comma-separated subset of the phases, run in this order",
+    )
     p.add_argument("--quick", action="store_true", help="1,000 classify + 100 chat requests")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/)")
     args = p.parse_args()
     if args.quick:
         args.classify_requests, args.chat_requests = 1000, 100
 
+    load_start = os.getloadavg()  # other jobs on the machine skew every figure: recorded
     texts = reviews()
     with tempfile.TemporaryDirectory() as tmp:
         classifier, chat = build_models(Path(tmp), texts)
@@ -312,49 +323,47 @@ def main() -> None:
             for i in range(args.chat_requests)
         ]
         c = args.classify_concurrency
-        threads = ["--threads", str(args.server_threads)]
-        results = {
-            "classify_batching_on": phase(
-                "classify batching on",
+        chat_flags = ["--max-new-tokens", str(args.max_new_tokens)]
+        chat_flags += ["--max-queue", str(4 * args.chat_concurrency)]
+        plan = {
+            "classify_batching_on": (
                 classifier,
-                ["--max-batch-size", "32", *threads],
+                ["--max-batch-size", "32"],
                 "/classify",
                 cls_bodies,
                 c,
-                args.max_seconds,
             ),
-            "classify_batching_off": phase(
-                "classify batching off",
+            "classify_batching_off": (
                 classifier,
-                ["--max-batch-size", "1", *threads],
+                ["--max-batch-size", "1"],
                 "/classify",
                 cls_bodies,
                 c,
-                args.max_seconds,
             ),
-            "chat": phase(
-                "chat POST /",
-                chat,
-                [
-                    "--max-new-tokens",
-                    str(args.max_new_tokens),
-                    "--max-queue",
-                    str(4 * args.chat_concurrency),
-                    *threads,
-                ],
-                "/",
-                chat_bodies,
-                args.chat_concurrency,
-                args.max_seconds,
-            ),
+            "chat": (chat, chat_flags, "/", chat_bodies, args.chat_concurrency),
         }
-    on, off = results["classify_batching_on"], results["classify_batching_off"]
-    gain = on["requests_per_s"] / off["requests_per_s"]
-    print(
-        f"dynamic batching gain: {gain:.2f}x requests/s, p99 {off['p99_ms'] / on['p99_ms']:.2f}x lower"
-    )
+        stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime()) + ("-quick" if args.quick else "")
+        out = (
+            Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"serve-{stamp}.json"
+        )
+        results: dict = {}
+        for name in args.phases.split(","):
+            model, flags, path, bodies, conc = plan[name]
+            flags = [*flags, "--threads", str(args.server_threads)]
+            results[name] = phase(name, model, flags, path, bodies, conc, args.max_seconds)
+            write(out, args, load_start, results)  # after every phase: a cut run keeps its figures
+    print(f"wrote {out}")
+
+
+def write(out: Path, args: argparse.Namespace, load_start: tuple, results: dict) -> None:
+    gain = None
+    if {"classify_batching_on", "classify_batching_off"} <= set(results):
+        on, off = results["classify_batching_on"], results["classify_batching_off"]
+        gain = round(on["requests_per_s"] / off["requests_per_s"], 2)
+        p99 = off["p99_ms"] / on["p99_ms"]
+        print(f"dynamic batching gain: {gain:.2f}x requests/s, p99 {p99:.2f}x lower")
     fivexx = sum(r["5xx"] for r in results.values())
-    print(f"5xx answers: {fivexx}")
+    print(f"5xx answers so far: {fivexx}", flush=True)
     record = {
         "benchmark": "serve",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -362,21 +371,19 @@ def main() -> None:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
-            "load_avg_at_end": os.getloadavg(),
+            "load_avg_at_start": load_start,
+            "load_avg_now": os.getloadavg(),
         },
         "versions": {
             k: version(k) for k in ("torch", "transformers", "fastapi", "uvicorn", "httpx")
         },
         "args": vars(args),
         "results": results,
-        "batching_gain_rps": round(gain, 2),
+        "batching_gain_rps": gain,
         "total_5xx": fivexx,
     }
-    stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime()) + ("-quick" if args.quick else "")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"serve-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=3, help="ZeRO stage (0-3)")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch")
     parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--test-size", type=int, default=1000, help="held-out reviews")
     parser.add_argument("--serve", action="store_true", help="serve on 127.0.0.1:8000 after")
     args = parser.parse_args()
 
@@ -95,7 +96,7 @@ def main() -> None:
 
     world = meshtrain.init_distributed().world_size
     texts, labels = reviews()
-    n_test = 1000
+    n_test = args.test_size
     train = list(zip(texts[n_test:], labels[n_test:], strict=True))
     tok = tokenizer(texts[n_test:], args.max_length)
     torch.manual_seed(0)

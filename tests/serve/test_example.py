@@ -19,7 +19,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_classifier.p
 def test_serve_classifier_example(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     save_dir = tmp_path / "ck"
-    cmd = [sys.executable, str(EXAMPLE), "--steps", "3", "--batch-size", "8"]
+    cmd = [sys.executable, str(EXAMPLE), "--steps", "3", "--batch-size", "8", "--test-size", "64"]
     out = subprocess.run(
         [*cmd, "--save-dir", str(save_dir)], env=env, capture_output=True, text=True, timeout=300
     )

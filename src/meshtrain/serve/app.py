@@ -10,12 +10,12 @@ Routes (``docs/serve.md`` has curl examples):
 * ``POST /v1/chat/completions`` -- OpenAI's chat completion, ``"stream": true`` as
   server-sent events ending with ``data: [DONE]``.
 
-Errors are answers, never crashes: every bad input gets a 4xx whose JSON body is
-``{"error": "<field>: <what is wrong>", "field": ..., "status": <code>, "detail": [...]}``
--- 400 invalid JSON, 415 JSON without ``Content-Type: application/json``, 413 a body over ``max_body_bytes``, 422 a missing field, a wrong
-type, a history that is not pairs, an empty text, a prompt longer than the context, a
-route this task does not serve is 404. A full queue is 503 with ``Retry-After``, a request
-over ``timeout_s`` is 504 (and its generation is stopped). No global state: everything
+Errors are answers, never crashes: every bad input gets a 4xx whose JSON body names the
+field (``http_errors.py``) -- 400 invalid JSON, 415 JSON without ``Content-Type:
+application/json``, 413 a body over ``max_body_bytes``, 422 a missing field, a wrong type,
+a history that is not pairs, an empty text, a prompt longer than the context; a route
+this task does not serve is 404. A full queue is 503 with ``Retry-After``, a request over
+``timeout_s`` is 504 (and its generation is stopped). No global state: everything
 lives on the app built by :func:`build_app`, so tests run several servers in one process.
 """
 
@@ -30,6 +30,7 @@ from datetime import datetime
 from typing import Any
 
 from meshtrain.serve.batching import DynamicBatcher, QueueFull
+from meshtrain.serve.http_errors import ApiError, BodyLimit, error_body, validation_answer
 from meshtrain.serve.loading import ServedModel
 
 log = logging.getLogger("meshtrain.serve")
@@ -50,96 +51,6 @@ class ServeSettings:
     retry_after_s: int = 1  # the Retry-After a 503 sends
     chat_format: str = "meshtrain"  # turn format when the tokenizer has no chat template
     model_name: str = "meshtrain"  # the "model" OpenAI responses name
-
-
-class ApiError(Exception):
-    """A 4xx/5xx answer with the field it concerns."""
-
-    def __init__(
-        self, status: int, field: str | None, message: str, headers: dict | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.field, self.message, self.headers = status, field, message, headers
-
-
-def _error_body(status: int, field: str | None, message: str, detail: Any = None) -> dict:
-    text = f"{field}: {message}" if field else message
-    return {"error": text, "field": field, "status": status, "detail": detail or []}
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for a body over ``max_bytes``, by its Content-Length or, for a
-    chunked body, as soon as the bytes received pass the limit (nothing more is read)."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def _reject(self, send: Any, size: str) -> None:
-        from starlette.responses import JSONResponse
-
-        msg = f"the request body is {size} bytes; this server accepts at most {self.max_bytes}"
-        resp = JSONResponse(_error_body(413, "body", msg), status_code=413)
-        await resp({"type": "http"}, None, send)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._reject(send, length.decode())
-        seen, started, rejected = 0, False, False
-
-        async def limited_receive() -> Any:
-            nonlocal seen, rejected
-            msg = await receive()
-            if msg["type"] == "http.request" and not rejected:
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    # answer now and tell the app the client left: it stops reading, and
-                    # whatever it would send instead is dropped by tracked_send
-                    rejected = True
-                    if not started:
-                        await self._reject(send, f"more than {self.max_bytes}")
-                    return {"type": "http.disconnect"}
-            return msg
-
-        async def tracked_send(msg: Any) -> None:
-            nonlocal started
-            if rejected:
-                return
-            started = started or msg["type"] == "http.response.start"
-            await send(msg)
-
-        await self.app(scope, limited_receive, tracked_send)
-
-
-def _validation_answer(exc: Any) -> tuple[int, dict]:
-    """400 for a body that is not JSON, 415 for JSON sent without its Content-Type, else
-    422; the message names the first bad field."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    field = ".".join(loc) or "body"
-    if first.get("type") == "json_invalid":
-        ctx = first.get("ctx", {}).get("error", "")
-        return 400, _error_body(400, "body", f"is not valid JSON ({ctx})")
-    raw = first.get("input")
-    if loc == [] and isinstance(raw, bytes | str):  # FastAPI parses JSON only if declared
-        try:
-            json.loads(raw)
-        except ValueError as exc:
-            return 400, _error_body(400, "body", f"is not valid JSON ({exc})")
-        return 415, _error_body(
-            415,
-            "body",
-            "is JSON but the Content-Type header is not; send -H 'Content-Type: application/json'",
-        )
-    msg = first.get("msg", "invalid").removeprefix("Value error, ")
-    if first.get("type") == "missing":
-        msg = "is required"
-    # pydantic's detail may hold the raw input and exception objects: keep what is JSON
-    detail = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in errors]
-    return 422, _error_body(422, field, msg, detail)
 
 
 def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any:
@@ -188,18 +99,25 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        status, body = _validation_answer(exc)
+        status, body = validation_answer(exc)
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        body = _error_body(exc.status, exc.field, exc.message)
+        body = error_body(exc.status, exc.field, exc.message)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = _error_body(exc.status_code, None, str(exc.detail))
+        body = error_body(exc.status_code, None, str(exc.detail))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # not the client's fault: log the traceback, answer JSON like every other error
+        log.exception("%s %s failed", request.method, request.url.path)
+        body = error_body(500, None, f"internal error ({type(exc).__name__}: {exc})")
+        return JSONResponse(body, status_code=500)
 
     def _needs(task: str, route: str) -> None:
         if served.task != task:
@@ -254,12 +172,14 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
             raise _late() from None
         return preds[0] if isinstance(req.text, str) else preds
 
-    def _prepare(prompt, history, system, max_new, max_length, do_sample, temperature, top_p):
+    def _prepare(
+        prompt, history, system, max_new, max_length, do_sample, temperature, top_p, max_field
+    ):
         ids = chat.prompt_ids(prompt, history, system)
         if max_new is not None and max_new > settings.max_new_tokens:
             raise ApiError(
                 422,
-                "max_new_tokens",
+                max_field,
                 f"{max_new} is over this server's limit "
                 f"{settings.max_new_tokens} (meshtrain serve --max-new-tokens)",
             )
@@ -317,6 +237,7 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
             req.do_sample,
             req.temperature,
             req.top_p,
+            "max_new_tokens",
         )
         answer = await _answer(_submit(ids, kwargs))
         return {
@@ -339,6 +260,7 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
             None,
             req.temperature,
             req.top_p,
+            "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         )
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         name = settings.model_name
@@ -370,7 +292,7 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                     except asyncio.TimeoutError:
                         job.cancelled.set()
                         late = f"no answer within {settings.timeout_s:g} s"
-                        yield event({"error": _error_body(504, None, late)})
+                        yield event({"error": error_body(504, None, late)})
                         return
                     yield event(schemas.openai_chunk(rid, created, name, {"content": piece}, None))
                 answer = await job.future

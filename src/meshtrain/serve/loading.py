@@ -59,10 +59,6 @@ class ServedModel:
     dtype: torch.dtype
     info: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def labels(self) -> dict[int, str]:
-        return {int(k): v for k, v in (self.model.config.id2label or {}).items()}
-
 
 @dataclass(frozen=True)
 class Resolved:
