@@ -3,7 +3,8 @@
 Starts ``python -m meshtrain serve`` as a subprocess on 127.0.0.1 (never another address)
 for each phase, waits for ``/health``, then fires a bounded number of requests from a
 fixed number of concurrent ``httpx.AsyncClient`` workers in this process, and stops
-issuing at ``--max-seconds`` per phase whatever the count:
+issuing at ``--max-seconds`` per phase whatever the count (after an untimed warm-up of
+4 x concurrency requests, itself capped at 30 s):
 
 * classify, batching on:  ``--classify-requests`` (10,000) at ``--classify-concurrency``
   (32), server ``--max-batch-size 32``;
@@ -191,7 +192,7 @@ class Server:
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
-    def wait(self, timeout: float = 180) -> None:
+    def wait(self, timeout: float = 600) -> None:
         import httpx
 
         deadline = time.monotonic() + timeout
