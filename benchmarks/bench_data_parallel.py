@@ -19,6 +19,8 @@ Peers:
 * ``meshtrain``: ``meshtrain.initialize`` with ZeRO stage 0 (plain data parallelism),
   optimizer from the config (``AdamW``).
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim.AdamW``.
+* ``meshtrain-noledger``: ``meshtrain`` with the collective ledger of the hang doctor off
+  (``MESHTRAIN_LEDGER=0``); its ratio is the ledger's overhead (not run by default).
 * ``deepspeed-z0``: ``deepspeed.initialize`` with ``zero_optimization.stage = 0`` and a
   client ``torch.optim.AdamW``, only when ``deepspeed`` is installed. It runs on CPU with
   gloo (``DS_ACCELERATOR=cpu``); its first run JIT-compiles a small op with ninja/g++, so
@@ -62,7 +64,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 RESULTS = HERE.parent / "results"
-ALL_PEERS = ("meshtrain", "ddp", "deepspeed-z0")
+ALL_PEERS = ("meshtrain", "ddp", "deepspeed-z0", "meshtrain-noledger")
 
 GLOBAL_BATCH = 16
 SEQ_LEN = 32
@@ -112,7 +114,9 @@ def _worker(args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     adamw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
-    if args.worker == "meshtrain":
+    if args.worker in ("meshtrain", "meshtrain-noledger"):
+        if args.worker == "meshtrain-noledger":  # the hang doctor's ledger off (its overhead)
+            os.environ["MESHTRAIN_LEDGER"] = "0"
         import meshtrain
 
         config = {
@@ -615,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument(
         "--peers",
-        default=",".join(ALL_PEERS),
+        default=",".join(ALL_PEERS[:3]),
         help="comma-separated subset of: " + ", ".join(ALL_PEERS),
     )
     ap.add_argument("--timeout", type=int, default=300, help="seconds per torchrun")

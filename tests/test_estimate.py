@@ -15,6 +15,7 @@ import torch
 
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError
+from meshtrain.estimate.cli import parse_count
 from meshtrain.estimate.model import (
     ModelStates,
     count_params,
@@ -22,8 +23,8 @@ from meshtrain.estimate.model import (
     model_states_bytes,
     optimizer_state_bytes,
 )
-from meshtrain.estimate.cli import parse_count
 from meshtrain.models import Decoder, DecoderConfig
+from tests.tiny_models import tiny_llama_config
 
 PSI = 7_500_000_000
 
@@ -175,16 +176,7 @@ def test_cli_offload_and_model(capsys):
 
 def test_cli_hf_config(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        tie_word_embeddings=False,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
+    cfg = tiny_llama_config(vocab_size=128)
     cfg.save_pretrained(tmp_path)
     expected = count_params(transformers.LlamaForCausalLM(cfg))  # includes the LM head
     for target in (tmp_path, tmp_path / "config.json"):

@@ -23,7 +23,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain.errors import ConfigError
-from meshtrain.optim.optimizers import SUPPORTED_OPTIMIZERS, build_optimizer
 from meshtrain.optim.lr_schedules import (
     SUPPORTED_SCHEDULERS,
     WarmupCosineLR,
@@ -31,6 +30,7 @@ from meshtrain.optim.lr_schedules import (
     WarmupLR,
     build_scheduler,
 )
+from meshtrain.optim.optimizers import SUPPORTED_OPTIMIZERS, build_optimizer
 
 # --------------------------------------------------------------------------- helpers
 

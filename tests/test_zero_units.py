@@ -7,8 +7,9 @@ from torch import nn
 
 from meshtrain.errors import ConfigError
 from meshtrain.models import Decoder, DecoderConfig
-from meshtrain.parallel.activation_checkpointing import modules_of_classes
-from meshtrain.parallel.zero.stage3 import assign_units, find_units
+from meshtrain.parallel.blocks import gather_units as find_units
+from meshtrain.parallel.blocks import modules_of_classes
+from meshtrain.parallel.zero.stage3 import assign_units
 
 TINY = DecoderConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
 

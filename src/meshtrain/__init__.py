@@ -23,8 +23,10 @@ __version__ = "0.1.0"
 
 # public name -> "module:attribute"
 _LAZY = {
-    "initialize": "meshtrain.engine.engine:initialize",
+    "initialize": "meshtrain.engine.initialize:initialize",
+    "add_config_arguments": "meshtrain.engine.initialize:add_config_arguments",
     "Engine": "meshtrain.engine.engine:Engine",
+    "parallelize": "meshtrain.parallel.compose:parallelize",
     "init_distributed": "meshtrain.distributed.env:init_distributed",
     "shutdown_distributed": "meshtrain.distributed.env:shutdown_distributed",
     "Topology": "meshtrain.distributed.topology:Topology",
@@ -43,17 +45,25 @@ __all__ = [
     "TrainingError",
     "__version__",
     "initialize",
+    "add_config_arguments",
     "Engine",
+    "parallelize",
     "init_distributed",
     "shutdown_distributed",
     "Topology",
     "Config",
     "load_config",
     "notebook_launcher",
+    "zero",
 ]
 
 
+_SUBMODULES = ("zero",)  # meshtrain.zero.Init / GatheredParameters, as deepspeed.zero
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"meshtrain.{name}")
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
@@ -71,5 +81,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from meshtrain.config import Config, load_config
     from meshtrain.distributed.env import init_distributed, shutdown_distributed
     from meshtrain.distributed.topology import Topology
-    from meshtrain.engine.engine import Engine, initialize
+    from meshtrain.engine.engine import Engine
+    from meshtrain.engine.initialize import add_config_arguments, initialize
     from meshtrain.launch.function import notebook_launcher
+    from meshtrain.parallel.compose import parallelize

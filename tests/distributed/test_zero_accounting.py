@@ -18,6 +18,7 @@ from tests.distributed.training import (
     train_steps,
 )
 from tests.harness import run_ranks
+from tests.tiny_models import tiny_llama_config
 
 STAGE3 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 5000}
 
@@ -36,8 +37,6 @@ def _report_fields(report) -> dict:
 
 
 def _accounting():
-    from meshtrain.parallel.zero.plan import comm_bytes_theory
-
     out = {}
     for stage in (0, 1, 2, 3):
         for accum in (1, 2):
@@ -45,8 +44,8 @@ def _accounting():
             _, step_bytes, _ = train_steps(engine, "decoder", 2, 2, accum)
             b = step_bytes[-1]
             moved = b["total"] - b.get("control", 0)
-            theory = comm_bytes_theory(engine.flat_groups, stage, accum)
-            psi = sum(g.trainable_numel for g in engine.flat_groups)
+            theory = engine.zero.comm_bytes_theory(accum)
+            psi = engine.zero.trainable_numel
             out["bytes", stage, accum] = (moved, theory, psi)
             if accum == 1:
                 out["memory", stage] = _report_fields(engine.memory_report())
@@ -58,7 +57,7 @@ def _accounting():
     engine = make_engine("decoder", 2, 1, zero(3), frozen=frozen)
     _, step_bytes, _ = train_steps(engine, "decoder", 2, 2, 1)
     b = step_bytes[-1]
-    out["frozen"] = (b["total"] - b["control"], comm_bytes_theory(engine.flat_groups, 3))
+    out["frozen"] = (b["total"] - b["control"], engine.zero.comm_bytes_theory(1))
     return out
 
 
@@ -174,15 +173,7 @@ def _hf_llama():
 
     import meshtrain
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_llama_config()
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = []
     for stage in (0, 3):
@@ -203,7 +194,7 @@ def _hf_llama():
             engine.step()
             losses.append(out.loss.item())
         runs.append(
-            (losses, engine.module_state_dict(), len(engine.gatherer.units) if stage else 0)
+            (losses, engine.module_state_dict(), len(engine.zero.gatherer.units) if stage else 0)
         )
     return (
         max(abs(a - b) / abs(b) for a, b in zip(runs[0][0], runs[1][0], strict=True)),

@@ -1,23 +1,19 @@
 """The Engine: the one training step every way into meshtrain (initialize, prepare,
 Trainer, ``meshtrain train``) runs on.
 
-``meshtrain.initialize`` follows DeepSpeed so scripts port with an import change::
+One step, in order::
 
-    engine, optimizer, dataloader, lr_scheduler = meshtrain.initialize(
-        model=model, model_parameters=model.parameters(), config="ds_config.json",
-        training_data=dataset)
-    for batch in dataloader:
-        loss = engine(batch)
-        engine.backward(loss)
-        engine.step()        # acts only at the gradient-accumulation boundary
+    engine(batch)          forward in the model dtype
+    engine.backward(loss)  backward of loss x scale / (k x f)   (k: accumulation steps,
+                           f: gradient pre-division); buckets reduce as they fill
+    engine.step()          at the accumulation boundary: global gradient norm over every
+                           shard -> on inf/NaN skip everywhere and lower the loss scale,
+                           else scale by clip / (loss scale x dp / f) and step the fp32
+                           masters -> write back (all-gather under ZeRO) -> LR schedule
 
-One step, in order: forward in the model dtype -> backward of ``loss * scale / k``
-(``k`` = gradient_accumulation_steps), with gradient buckets reduced asynchronously as
-they fill on the boundary micro-step (``GradReducer``) -> wait -> global gradient norm
-(sum of squares of the gradient chunks this rank owns, all-reduced when they are
-sharded) -> on inf/NaN skip everywhere and lower the loss scale, else scale by
-``clip / loss_scale`` and step the fp32 masters -> write masters back to the model
-(all-gather the chunks under ZeRO) -> LR schedule.
+What is sharded, reduced and gathered, and when, is the ``ZeroStage`` lifecycle
+(``meshtrain.parallel.zero.stage``) that ``parallelize`` built; the Engine calls it in
+the order above and never looks at the stage itself.
 """
 
 from __future__ import annotations
@@ -33,12 +29,11 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
-from meshtrain.errors import ConfigError, TrainingError
-from meshtrain.optim.setup import make_optimizer, make_scheduler, param_groups
-from meshtrain.parallel.grad_reducer import GradReducer
-from meshtrain.parallel.zero.plan import build_plan, gather_updated_params
-from meshtrain.precision import DTYPES, scaler_from_config
 from meshtrain.engine.step_log import StepLog
+from meshtrain.optim.setup import make_optimizer, make_scheduler
+from meshtrain.parallel.compose import parallelize
+from meshtrain.parallel.zero.partition import adopt
+from meshtrain.precision import DTYPES, scaler_from_config
 
 log = logging.getLogger("meshtrain")
 
@@ -57,6 +52,9 @@ class Engine:
         model_parameters=None,
         optimizer=None,
         lr_scheduler=None,
+        training_dataloader=None,
+        *,
+        tp_plan=None,
     ) -> None:
         self.config = config
         self.topology = topology
@@ -66,67 +64,33 @@ class Engine:
         self.gas = int(config.gradient_accumulation_steps)
         self.micro_batch_size = int(config.train_micro_batch_size_per_gpu)
         self.clip = float(config.gradient_clipping or 0.0)
+        self.training_dataloader = training_dataloader
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self.last_step_skipped = False
+        self._step_applied = False
         self._global_grad_norm: float | None = None
-        self.training_dataloader = None  # set by initialize(training_data=...)
-
-        model = model.to(device=self.device, dtype=self.dtype)
-        self._apply_activation_checkpointing(model)
-        self.module = model
-        self._broadcast_model()
 
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model_parameters or model.parameters())  # a factory
-        groups = (
-            [dict(g) for g in optimizer.param_groups]
-            if optimizer is not None
-            else param_groups(model, model_parameters)
-        )
-        groups = param_groups(model, groups)
-        self.plan = build_plan(model, groups, config, topology, self.zero_stage)
-        self.flat_groups = self.plan.flat_groups
-        self.gatherer = self.plan.gatherer
-        self.optimizer = make_optimizer(config, optimizer, groups, self.plan, self.device)
+        wanted = [dict(g) for g in optimizer.param_groups] if optimizer else model_parameters
+        parallel = parallelize(model, topology, config, wanted, tp_plan=tp_plan)
+        self.module = parallel.module
+        self.zero = parallel.zero
+        # zero.Init leftovers made whole; owners recorded for zero.GatheredParameters
+        adopt(self.module, self.zero)
+        self.optimizer = make_optimizer(config, optimizer, parallel.groups, self.zero, self.device)
         self.lr_scheduler = make_scheduler(config, lr_scheduler, self.optimizer)
-        self.reducer = GradReducer(
-            self.flat_groups,
-            topology.dp_group,
-            on_reduced=(lambda g, b: g.release(b)) if self.gatherer is not None else None,
-        )
         self.scaler = scaler_from_config(config)
-        self.log = StepLog(self, every=int(config.steps_per_print or 0))
-        self._step_comm: dict[str, int] = {}
+        self.log = StepLog(
+            every=int(config.steps_per_print or 0),
+            dp_size=topology.dp_size,
+            is_logging_rank=topology.rank == 0,
+            breakdown=bool(config.wall_clock_breakdown),
+            device=self.device,
+        )
+        self._step_comm: dict[tuple[str, str], int] = {}
         self._comm_mark = topology.stats.snapshot()
-        if config.compile.active:
-            c = config.compile
-            self.module.compile(
-                backend=c.backend,
-                mode=c.mode,
-                fullgraph=c.fullgraph,
-                dynamic=c.dynamic,
-                options=c.options,
-                **c.kwargs,
-            )
-
-    # set-up --------------------------------------------------------------------------------
-    def _broadcast_model(self) -> None:
-        """Start every data-parallel replica from rank 0's weights and buffers."""
-        if self.topology.dp_size == 1:
-            return
-        with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
-                comm.broadcast(t.data, 0, self.topology.dp_group, label="init")
-
-    def _apply_activation_checkpointing(self, model: nn.Module) -> None:
-        ac = self.config.activation_checkpointing
-        if not ac.enabled:
-            return
-        from meshtrain.parallel.activation_checkpointing import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model, ac.module_classes)
 
     # the training step ----------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -153,102 +117,168 @@ class Engine:
             elif isinstance(args[0], list | tuple):
                 args = tuple(args[0])
         self.log.count_batch(args, kwargs)
-        return self.module(*args, **kwargs)
+        with self.log.timed("forward"):
+            return self.module(*args, **kwargs)
 
     __call__ = forward
 
     def backward(self, loss: Any) -> None:
-        """Backward of ``loss * loss_scale / gradient_accumulation_steps``; on the boundary
-        micro-step gradient buckets are reduced while backward runs."""
+        """Backward of ``loss * loss_scale / gradient_accumulation_steps``; gradient
+        buckets are reduced while backward runs (see the ZeRO stage for when)."""
         if hasattr(loss, "loss"):  # a transformers ModelOutput
             loss = loss.loss
         if self.micro_steps % self.gas == 0:
-            for g in self.flat_groups:
-                g.attach_grads()
+            self.zero.begin_window()
         self.log.add_loss(loss.detach())
-        if self.reducer.every_backward:  # ZeRO 2/3: reduce now, keep only the shard
-            (loss.float() * (self.scaler.scale / self.gas)).backward()
-            self.reducer.finish()
-            if self.gatherer is not None:
-                self.gatherer.release_all()  # units whose parameters got no gradient
-            return
-        sync_before = self.reducer.sync
-        self.reducer.sync = sync_before and self.is_gradient_accumulation_boundary()
-        try:
-            (loss.float() * (self.scaler.scale / self.gas)).backward()
-        finally:
-            self.reducer.sync = sync_before
+        multiplier = self.scaler.scale / (self.gas * self.zero.predivide)
+        self.zero.before_backward(self.is_gradient_accumulation_boundary())
+        with self.log.timed("backward"):
+            (loss.float() * multiplier).backward()
+            self.zero.after_backward()
 
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally without communicating (DDP's ``no_sync``)."""
-        if self.reducer.every_backward:
-            raise TrainingError(
-                f"no_sync: ZeRO stage {self.zero_stage} reduce-scatters gradients on every "
-                "backward (no rank keeps a full gradient to accumulate into); use "
-                "gradient_accumulation_steps, or ZeRO stage 0/1 to accumulate locally"
-            )
-        with self.reducer.no_sync():
+        with self.zero.no_sync():
             yield
 
-    def step(self) -> None:
-        """Count the micro-step; at the accumulation boundary update the parameters."""
+    def step(self) -> bool:
+        """Count the micro-step; at the accumulation boundary update the parameters.
+
+        Returns True when this call ended an accumulation window (``global_steps``
+        advanced). ``was_step_applied()`` then says whether the parameters changed: False
+        when the step was skipped because a gradient was inf/NaN.
+        """
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
-            return
-        if not self.reducer.every_backward:
-            self.reducer.finish()
-        # the reduction summed over dp ranks: fold the average into the scaling
-        scale = self.scaler.scale * self.topology.dp_size
-        norm = self._grad_norm()  # of the loss-scaled, dp-summed gradients
+            return False
+        with self.log.timed("step"):
+            self._optimizer_step()
+        now = self.topology.stats.snapshot()
+        self._step_comm = comm.CommStats.diff(now, self._comm_mark)
+        self._comm_mark = now
+        self.log.end_step(
+            step=self.global_steps,
+            lr=self.get_lr()[0],
+            loss_scale=self.loss_scale,
+            grad_norm=self._global_grad_norm,
+            comm_bytes=self.last_step_comm_bytes()["total"],
+            skipped=not self._step_applied,
+        )
+        return True
+
+    def _optimizer_step(self) -> None:
+        self.zero.before_step()
+        # the reduced gradients are the loss-scaled sum over dp ranks (pre-divided by f)
+        unscale = self.scaler.scale * self.zero.grad_divisor
+        norm = self.zero.grad_norm()
         overflow = not math.isfinite(norm)
-        self.last_step_skipped = overflow
+        self._step_applied = not overflow
         if overflow:
             self._global_grad_norm = None
             self.skipped_steps += 1
         else:
-            self._global_grad_norm = norm / scale
-            factor = 1.0 / scale
+            self._global_grad_norm = norm / unscale
+            factor = 1.0 / unscale
             if self.clip > 0:
                 factor *= min(1.0, self.clip / (self._global_grad_norm + 1e-6))
-            for g in self.flat_groups:
-                g.load_master_grads(factor)
-            self.optimizer.step()
-            for g in self.flat_groups:
-                g.release_master_grads()
-                g.copy_master_to_params()
-            gather_updated_params(self.flat_groups, self.topology.dp_group)
+            self.zero.step(self.optimizer, factor)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        for g in self.flat_groups:
-            g.zero_grads()
+        self.zero.after_step()
         self.scaler.update(overflow)
         self.global_steps += 1
-        now = self.topology.stats.snapshot()
-        self._step_comm = comm.CommStats.diff(now, self._comm_mark)
-        self._comm_mark = now
-        self.log.end_step()
 
-    def _grad_norm(self) -> float:
-        """L2 norm over every rank's owned gradient chunks (inf/NaN if any overflowed)."""
-        parts = [
-            torch.linalg.vector_norm(c, dtype=torch.float32)
-            for g in self.flat_groups
-            for c in g.grad_chunks
-        ]
-        sq = torch.stack(parts).pow(2).sum() if parts else torch.zeros((), device=self.device)
-        if any(g.partitions > 1 for g in self.flat_groups):
-            comm.all_reduce(sq, self.topology.dp_group, label="control")
-        return float(sq.sqrt())
+    # state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's own state (JSON-able): step counters, loss scaler, LR scheduler and
+        the training data loader's position. Model and optimizer tensors are the
+        checkpoint's (``save_checkpoint``)."""
+        loader = self.training_dataloader
+        return {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            "scaler": self.scaler.state_dict(),
+            "scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "data_loader": None if loader is None else loader.state_dict(),
+        }
 
-    # queries ----------------------------------------------------------------------------------
+    def load_state_dict(self, state: dict[str, Any], *, load_lr_scheduler: bool = True) -> None:
+        """Restore what ``state_dict`` returned (a missing or None entry is left as is)."""
+        for key in ("global_steps", "micro_steps", "skipped_steps"):
+            if state.get(key) is not None:
+                setattr(self, key, int(state[key]))
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if load_lr_scheduler and self.lr_scheduler is not None and state.get("scheduler"):
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+        if self.training_dataloader is not None and state.get("data_loader"):
+            self.training_dataloader.load_state_dict(state["data_loader"])
+
+    # queries (DeepSpeed's names and meanings) --------------------------------------------------
     def get_lr(self) -> list[float]:
+        """The current learning rate of each optimizer param group."""
         return [g["lr"] for g in self.optimizer.param_groups]
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch on one data-parallel rank."""
+        return self.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.gas
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks (micro x accumulation x dp)."""
+        return self.micro_batch_size * self.gas * self.topology.dp_size
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (0-3) the engine runs."""
+        return self.zero_stage
+
+    def fp16_enabled(self) -> bool:
+        """True when the model runs in float16 with loss scaling."""
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        """True when the model runs in bfloat16."""
+        return self.config.precision == "bf16"
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the world."""
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the world (``dp_world_size`` counts data-parallel ranks)."""
+        return self.topology.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """Number of data-parallel ranks (equal to ``world_size`` without TP/PP)."""
+        return self.topology.dp_size
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (``LOCAL_RANK`` / ``SLURM_LOCALID``; 0 alone)."""
+        from meshtrain.distributed.env import read_env
+
+        return read_env().local_rank
 
     def get_global_grad_norm(self) -> float | None:
         """Global gradient norm of the last step before clipping (None if it overflowed)."""
         return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the parameters (False after a skip)."""
+        return self._step_applied
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return not self._step_applied
 
     @property
     def loss_scale(self) -> float:
@@ -270,42 +300,31 @@ class Engine:
         return self.train(False)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state dict (every parameter whole, gathered under ZeRO-3)."""
+        """The full model state dict (every parameter whole: gathered under ZeRO-3,
+        unsharded and unpadded under tensor parallelism)."""
         with self.gathered_parameters():
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            if self.topology.tp_size > 1:
+                from meshtrain.parallel.tensor.sharding import full_state_dict
 
-    @contextmanager
+                state = full_state_dict(self.module, self.topology.tp_group)
+            else:
+                state = self.module.state_dict()
+            return {k: v.detach().clone() for k, v in state.items()}
+
     def gathered_parameters(self, module: nn.Module | None = None):
         """Under ZeRO-3, make ``module``'s parameters (default: all) whole for the block
         (evaluation, export, generation); they are freed again on exit. Changes made to
         them inside are not kept. A no-op for stages 0-2. Every rank must enter it."""
-        if self.gatherer is None:
-            yield
-            return
-        wanted = None if module is None else {id(p) for p in module.parameters()}
-        buckets = [
-            (g, b)
-            for g in self.gatherer.groups
-            for b in g.buckets
-            if wanted is None or any(id(p) in wanted for p in b.params)
-        ]
-        for g, b in buckets:
-            g.start_gather(b, self.topology.dp_group, comm)
-        for g, b in buckets:
-            g.finish_gather(b)
-        try:
-            yield
-        finally:
-            for g, b in buckets:
-                g.release(b)
+        return self.zero.gathered(module)
 
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None):
         """Write a sharded checkpoint ``save_dir/tag`` (default ``global_step<N>``) and
         point ``save_dir/latest`` at it once every rank's files are complete. Every rank
-        calls it; ``client_state`` must be JSON-able. Returns the checkpoint directory."""
+        calls it; ``client_state`` (default ``{}``) must be JSON-able and comes back from
+        ``load_checkpoint``. Returns the checkpoint directory (DeepSpeed returns True)."""
         from meshtrain.checkpoint.engine_io import save
 
-        return save(self, save_dir, tag, client_state)
+        return save(self, save_dir, tag, {} if client_state is None else client_state)
 
     def load_checkpoint(
         self,
@@ -316,7 +335,9 @@ class Engine:
         load_module_only: bool = False,
     ):
         """Load ``load_dir/tag`` (default: the tag ``latest`` names), written under any
-        data-parallel size or ZeRO stage. Returns ``(load_path, client_state)``."""
+        data-parallel size or ZeRO stage. Returns ``(load_path, client_state)``, or
+        ``(None, None)`` with a logged warning when there is nothing to load (no such
+        directory, an empty one, or no such tag), as DeepSpeed does."""
         from meshtrain.checkpoint.engine_io import load
 
         return load(
@@ -334,51 +355,4 @@ class Engine:
         return self.module.parameters()
 
 
-def initialize(
-    model: nn.Module,
-    model_parameters=None,
-    config=None,
-    training_data=None,
-    collate_fn=None,
-    optimizer=None,
-    lr_scheduler=None,
-    topology: Topology | None = None,
-    *,
-    args=None,
-    config_params=None,
-):
-    """DeepSpeed-style entry: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
-
-    ``config`` is a dict, a JSON/YAML path or a ``Config``; ``topology`` defaults to the
-    mesh the config's ``mesh`` section describes over the whole world. ``dataloader`` is
-    None unless ``training_data`` is given; it deals disjoint shards to data-parallel
-    ranks with ``train_micro_batch_size_per_gpu`` samples per batch.
-    """
-    from meshtrain.config import load_config
-    from meshtrain.distributed.env import init_distributed
-
-    config = config if config is not None else config_params
-    if config is None:
-        raise ConfigError("config: meshtrain.initialize needs a config (dict, path or Config)")
-    cfg = load_config(config)
-    init_distributed(timeout_minutes=cfg.distributed.timeout_minutes)
-    if topology is None:
-        topology = Topology(pp=cfg.mesh.pipeline_parallel_size, tp=cfg.mesh.tensor_parallel_size)
-    cfg = cfg.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
-    engine = Engine(model, cfg, topology, model_parameters, optimizer, lr_scheduler)
-    loader = None
-    if training_data is not None:  # (its position is saved with the engine's checkpoints)
-        from meshtrain.data.loader import ResumableDataLoader
-
-        loader = ResumableDataLoader(
-            training_data,
-            cfg.train_micro_batch_size_per_gpu,
-            num_replicas=topology.dp_size,
-            rank=topology.dp_rank,
-            collate_fn=collate_fn,
-        )
-        engine.training_dataloader = loader
-    return engine, engine.optimizer, loader, engine.lr_scheduler
-
-
-__all__ = ["Engine", "initialize"]
+__all__ = ["Engine"]

@@ -40,6 +40,7 @@ class MemoryReport:
     dp: int
     precision: str
     optimizer: str | None
+    tp: int = 1  # tensor-parallel size: measured and formula are this rank's shard
 
     @property
     def ratio(self) -> float | None:
@@ -55,8 +56,9 @@ class MemoryReport:
 
         f = self.formula
         rows = [
-            f"model states per rank (ZeRO stage {self.stage}, dp {self.dp}, {self.precision}, "
-            f"{self.optimizer or 'unknown optimizer'}), MiB",
+            f"model states per rank (ZeRO stage {self.stage}, dp {self.dp}, "
+            + (f"tp {self.tp}, " if self.tp > 1 else "")
+            + f"{self.precision}, {self.optimizer or 'unknown optimizer'}), MiB",
             f"{'':12}{'measured':>10} {'formula':>10}",
         ]
         for key in ("params", "grads", "optimizer", "host"):
@@ -75,25 +77,16 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 def memory_report(engine) -> MemoryReport:
     """Build the report for ``engine`` (see module docstring)."""
-    groups = engine.flat_groups
-    in_groups = {id(p) for g in groups for p in g.params}
+    zero = engine.zero
+    in_groups = {id(p) for g in zero.flat_groups for p in g.params}
     frozen = {id(p): p for p in engine.module.parameters() if id(p) not in in_groups}
-    frozen_bytes = sum(_tensor_bytes(p) for p in frozen.values())
-    trainable = sum(g.trainable_numel for g in groups)
-
-    params = frozen_bytes
-    grads = masters = host = 0
+    trainable = zero.trainable_numel
     z = engine.config.zero_optimization
     offload_opt = z.offload_optimizer is not None and z.offload_optimizer.device == "cpu"
     offload_par = z.offload_param is not None and z.offload_param.device == "cpu"
-    for g in groups:
-        b = g.state_bytes()
-        grads += b["grads"]
-        masters += b["master"]
-        if offload_par and g.shard_params:
-            host += b["params"]
-        else:
-            params += b["params"]
+    b = zero.state_bytes()
+    params = b["params"] + sum(_tensor_bytes(p) for p in frozen.values())
+    host, grads, masters = b["params_host"], b["grads"], b["master"]
     states = sum(
         _tensor_bytes(t)
         for s in engine.optimizer.state.values()
@@ -118,6 +111,14 @@ def memory_report(engine) -> MemoryReport:
             offload_param=offload_par,
             frozen_params=sum(p.numel() for p in frozen.values()),
         )
+    # Under tensor parallelism the flat groups hold this rank's shards (sharded weights
+    # / tp, replicated norms whole), so the formula over the same local counts is exact.
     return MemoryReport(
-        measured, formula, engine.zero_stage, engine.topology.dp_size, engine.config.precision, name
+        measured,
+        formula,
+        engine.zero_stage,
+        engine.topology.dp_size,
+        engine.config.precision,
+        name,
+        tp=engine.topology.tp_size,
     )

@@ -1,26 +1,47 @@
 """Per-step numbers for the engine's log line and for callers (Trainer, ``meshtrain train``).
 
-Every ``steps_per_print`` optimizer steps, rank 0 logs one line::
+Every ``steps_per_print`` optimizer steps, rank 0 prints one line (on stdout through the
+``meshtrain`` logger, like DeepSpeed, with no logging set-up needed)::
 
     step 20 | loss 5.8123 | lr 1.00e-03 | scale 65536 | grad norm 0.912 | 35.1 samples/s |
     1123 tokens/s | comm 29.5 MB
 
-``loss`` is this rank's mean over the micro-batches of the step; samples and tokens are
-counted from the batches seen (tokens = elements of ``input_ids`` when the batch has
-them) and multiplied by the data-parallel size; throughput is over the wall time since
-the previous step ended; ``comm`` is the bytes the step recorded (see
-``meshtrain.distributed.comm`` for the convention).
+and, with ``wall_clock_breakdown: true``, ``| forward 12.1 ms | backward 25.3 ms | step
+4.0 ms`` (summed over the step's micro-batches; on CUDA the device is synchronised around
+each phase, which costs a little overlap). ``loss`` is this rank's mean over the
+micro-batches of the step; samples and tokens are counted from the batches seen (tokens
+= elements of ``input_ids`` when the batch has them) and multiplied by the data-parallel
+size; throughput is over the wall time since the previous step ended; ``comm`` is the
+bytes the step recorded (see ``meshtrain.distributed.comm`` for the convention).
+
+Silence or redirect the lines with the standard logging API, e.g.
+``logging.getLogger("meshtrain").setLevel(logging.WARNING)``.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 log = logging.getLogger("meshtrain")
+PHASES = ("forward", "backward", "step")
+
+
+def ensure_visible(logger: logging.Logger = log) -> None:
+    """Give the ``meshtrain`` logger a stdout handler at INFO unless the program set up
+    logging itself (a handler on it or on the root logger), so step lines show by default."""
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[meshtrain] %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
 
 
 def _batch_size_and_tokens(args: tuple, kwargs: dict) -> tuple[int, int]:
@@ -34,16 +55,30 @@ def _batch_size_and_tokens(args: tuple, kwargs: dict) -> tuple[int, int]:
 
 
 class StepLog:
-    """Accumulates one optimizer step's loss, samples and tokens; logs every ``every``."""
+    """Accumulates one optimizer step's loss, samples, tokens (and phase times); the
+    engine hands it the step's facts in ``end_step``; it logs every ``every`` steps."""
 
-    def __init__(self, engine: Any, every: int) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        every: int,
+        dp_size: int,
+        is_logging_rank: bool,
+        breakdown: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
         self.every = every
+        self.dp_size = dp_size
+        self.is_logging_rank = is_logging_rank
+        self.breakdown = breakdown
+        self._sync = breakdown and device is not None and device.type == "cuda"
         self._losses: list[torch.Tensor] = []
         self._samples = 0
         self._tokens = 0
+        self._phase = dict.fromkeys(PHASES, 0.0)
         self._t0 = time.perf_counter()
-        self.last: dict[str, float] = {}
+        self.last: dict[str, Any] = {}
+        if every and is_logging_rank:
+            ensure_visible()
 
     def count_batch(self, args: tuple, kwargs: dict) -> None:
         samples, tokens = _batch_size_and_tokens(args, kwargs)
@@ -53,40 +88,66 @@ class StepLog:
     def add_loss(self, loss: torch.Tensor) -> None:
         self._losses.append(loss.float())
 
-    def end_step(self) -> None:
-        e = self.engine
+    def timed(self, phase: str):
+        """Time ``phase`` into this step's breakdown (a no-op unless enabled)."""
+        return self._timed(phase) if self.breakdown else nullcontext()
+
+    @contextmanager
+    def _timed(self, phase: str):
+        if self._sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            self._phase[phase] += time.perf_counter() - t0
+
+    def end_step(
+        self,
+        *,
+        step: int,
+        lr: float,
+        loss_scale: float,
+        grad_norm: float | None,
+        comm_bytes: int,
+        skipped: bool,
+    ) -> dict[str, Any]:
+        """Record the facts of optimizer step ``step`` (1-based); returns ``last``."""
         now = time.perf_counter()
         seconds = max(now - self._t0, 1e-9)
-        dp = e.topology.dp_size
         loss = float(torch.stack(self._losses).mean()) if self._losses else float("nan")
-        comm_bytes = e.last_step_comm_bytes()["total"]
         self.last = {
-            "step": e.global_steps,
+            "step": step,
             "loss": loss,
-            "lr": e.get_lr()[0],
-            "loss_scale": e.loss_scale,
-            "grad_norm": e.get_global_grad_norm() or float("nan"),
-            "samples_per_s": self._samples * dp / seconds,
-            "tokens_per_s": self._tokens * dp / seconds,
+            "lr": lr,
+            "loss_scale": loss_scale,
+            "grad_norm": float("nan") if grad_norm is None else grad_norm,
+            "samples_per_s": self._samples * self.dp_size / seconds,
+            "tokens_per_s": self._tokens * self.dp_size / seconds,
             "comm_bytes": comm_bytes,
-            "skipped": e.last_step_skipped,
+            "skipped": skipped,
             "seconds": seconds,
         }
+        if self.breakdown:
+            self.last.update({f"{k}_ms": v * 1e3 for k, v in self._phase.items()})
+            self._phase = dict.fromkeys(PHASES, 0.0)
         self._losses.clear()
         self._samples = self._tokens = 0
         self._t0 = now
-        if self.every and e.global_steps % self.every == 0 and e.topology.rank == 0:
-            s = self.last
-            log.info(
-                "step %d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.1f samples/s "
-                "| %.0f tokens/s | comm %.1f MB%s",
-                s["step"],
-                s["loss"],
-                s["lr"],
-                s["loss_scale"],
-                s["grad_norm"],
-                s["samples_per_s"],
-                s["tokens_per_s"],
-                comm_bytes / 1e6,
-                " | skipped (overflow)" if s["skipped"] else "",
-            )
+        if self.every and step % self.every == 0 and self.is_logging_rank:
+            log.info(self.format(self.last))
+        return self.last
+
+    def format(self, s: dict[str, Any]) -> str:
+        """The step line for the facts ``s`` (see the module docstring)."""
+        line = (
+            f"step {s['step']} | loss {s['loss']:.4f} | lr {s['lr']:.2e} | "
+            f"scale {s['loss_scale']:g} | grad norm {s['grad_norm']:.3f} | "
+            f"{s['samples_per_s']:.1f} samples/s | {s['tokens_per_s']:.0f} tokens/s | "
+            f"comm {s['comm_bytes'] / 1e6:.1f} MB"
+        )
+        if self.breakdown:
+            line += "".join(f" | {k} {s[f'{k}_ms']:.1f} ms" for k in PHASES)
+        return line + (" | skipped (non-finite gradients)" if s["skipped"] else "")

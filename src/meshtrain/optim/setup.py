@@ -35,7 +35,7 @@ def param_groups(model: nn.Module, model_parameters) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def make_optimizer(config, client, groups: list[dict], plan, device) -> torch.optim.Optimizer:
+def make_optimizer(config, client, groups: list[dict], zero, device) -> torch.optim.Optimizer:
     """The optimizer steps master chunks; a client optimizer is re-pointed at them so
     that it (and a scheduler built on it) stays the object the user holds."""
     masters = [
@@ -43,7 +43,7 @@ def make_optimizer(config, client, groups: list[dict], plan, device) -> torch.op
             **{k: v for k, v in g.items() if k != "params"},
             "params": [m for fg in fgs for m in fg.master_params],
         }
-        for g, fgs in zip(groups, plan.per_group, strict=True)
+        for g, fgs in zip(groups, zero.per_group, strict=True)
     ]
     if client is not None:
         client.state.clear()

@@ -36,6 +36,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshtrain.parallel.zero.partition import (
+    full_numel,
+    full_shape,
+    full_value,
+    is_partitioned,
+    release,
+)
+
 
 @dataclass(eq=False)
 class Bucket:
@@ -49,9 +57,6 @@ class Bucket:
     key: object = None  # the packing key (ZeRO-3: the unit)
     params: list[nn.Parameter] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # each param's offset in the flat space
-    ready: int = 0  # params whose gradient has landed in the current backward
-    gathered: torch.Tensor | None = None  # ZeRO-3: the full bucket while in use
-    gather_work: object = None  # ZeRO-3: pending all-gather of ``gathered``
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, self.start, self.numel)
@@ -115,7 +120,8 @@ class FlatGroup:
                 )
         self.params = list(reversed(params))  # backward order
         rev_keys = list(reversed(keys)) if keys is not None else None
-        packed = pack_buckets([p.numel() for p in self.params], bucket_numel, partitions, rev_keys)
+        numels = [full_numel(p) for p in self.params]  # true sizes, even if partitioned
+        packed = pack_buckets(numels, bucket_numel, partitions, rev_keys)
         self.numel = sum(n for _, n, _ in packed)
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -130,10 +136,10 @@ class FlatGroup:
                 bucket.params.append(p)
                 bucket.offsets.append(offset)
                 self.bucket_of[p] = bucket
-                offset += p.numel()
+                offset += numels[i]
             self.buckets.append(bucket)
-        self.shapes = {p: p.shape for p in self.params}
-        self.grads_fresh = True  # sharded grads: nothing reduced yet in this window
+        self.shapes = {p: full_shape(p) for p in self.params}
+        self.params_offloaded = param_device is not None  # ZeRO-3 offload_param
         self._init_params(param_device or self.device)
         self._init_grads()
         self._init_masters(master_device or self.device, separate_master)
@@ -145,8 +151,8 @@ class FlatGroup:
             self.param_shard = None
             with torch.no_grad():
                 for b in self.buckets:
-                    for p, view in self._views(b, self.param_flat):
-                        view.copy_(p.data)
+                    for p, view in self.views(b, self.param_flat):
+                        view.copy_(self._value(p))
                         p.data = view
             return
         self.param_flat = None
@@ -156,11 +162,20 @@ class FlatGroup:
         with torch.no_grad():
             for b in self.buckets:  # one bucket at a time: never the whole model twice
                 full = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
-                for p, view in self._views(b, full, base=b.start):
-                    view.copy_(p.data)
+                for p, view in self.views(b, full, base=b.start):
+                    view.copy_(self._value(p))
                 b.in_shard(self.param_shard).copy_(full.narrow(0, self.rank * b.chunk, b.chunk))
                 for p in b.params:
                     p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def _value(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s whole value. One partitioned at construction (``meshtrain.zero.Init``)
+        is all-gathered here, one parameter at a time, and its construction shard dropped."""
+        if not is_partitioned(p):
+            return p.data
+        full = full_value(p, self.device)
+        release(p)
+        return full
 
     def _init_grads(self) -> None:
         if self.shard_grads:
@@ -204,7 +219,19 @@ class FlatGroup:
         self.master_params = [nn.Parameter(c, requires_grad=True) for c in self.master_chunks]
 
     # views -------------------------------------------------------------------------------
-    def _views(self, bucket: Bucket, flat: torch.Tensor, base: int = 0):
+    @property
+    def sharded(self) -> bool:
+        """True when each rank owns one chunk of every bucket (ZeRO stages 1-3)."""
+        return self.partitions > 1
+
+    def owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        """Bucket-local ``[lo, hi)`` of the elements whose master this rank holds."""
+        lo = self.rank * bucket.chunk if self.sharded else 0
+        return lo, lo + bucket.chunk
+
+    def views(self, bucket: Bucket, flat: torch.Tensor, base: int = 0):
+        """``(param, view)`` of each parameter of ``bucket`` inside ``flat`` (whose element
+        0 is flat-space offset ``base``)."""
         # shapes are remembered: a ZeRO-3 parameter is an empty placeholder between uses
         for p, off in zip(bucket.params, bucket.offsets, strict=True):
             shape = self.shapes[p]
@@ -222,50 +249,19 @@ class FlatGroup:
         if self.grad_flat is None:
             return
         for b in self.buckets:
-            for p, view in self._views(b, self.grad_flat):
+            for p, view in self.views(b, self.grad_flat):
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
 
-    def take_bucket_grads(self, bucket: Bucket) -> torch.Tensor:
+    def take_bucket_grads(self, bucket: Bucket, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Sharded gradients: pack the bucket's fresh ``.grad`` tensors (zero for a
-        parameter that got none) into one padded buffer and drop them."""
-        buf = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-        for p, view in self._views(bucket, buf, base=bucket.start):
+        parameter that got none) into one padded buffer of ``dtype`` and drop them."""
+        buf = torch.zeros(bucket.numel, dtype=dtype or self.dtype, device=self.device)
+        for p, view in self.views(bucket, buf, base=bucket.start):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None
         return buf
-
-    # ZeRO-3 gathering ----------------------------------------------------------------------
-    def start_gather(self, bucket: Bucket, group, comm) -> None:
-        """Launch the all-gather of ``bucket`` into a fresh full buffer (async)."""
-        if bucket.gathered is not None:
-            return
-        src = bucket.in_shard(self.param_shard)
-        if src.device != self.device:  # parameters offloaded to the CPU
-            src = src.to(self.device, non_blocking=True)
-        bucket.gathered = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-        bucket.gather_work = comm.all_gather(bucket.gathered, src, group, async_op=True)
-
-    def finish_gather(self, bucket: Bucket) -> None:
-        """Wait for ``bucket``'s gather and point its parameters at the full buffer."""
-        if bucket.gather_work is None:
-            return
-        bucket.gather_work.wait()
-        bucket.gather_work = None
-        for p, view in self._views(bucket, bucket.gathered, base=bucket.start):
-            p.data = view
-
-    def release(self, bucket: Bucket) -> None:
-        """Drop ``bucket``'s gathered buffer; its parameters become empty placeholders."""
-        if bucket.gathered is None:
-            return
-        if bucket.gather_work is not None:
-            bucket.gather_work.wait()
-            bucket.gather_work = None
-        bucket.gathered = None
-        for p in bucket.params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
     # the optimizer step --------------------------------------------------------------------
     def load_master_grads(self, factor: float) -> None:
@@ -292,10 +288,10 @@ class FlatGroup:
             self.owned_params(b).copy_(master, non_blocking=True)
 
     def zero_grads(self) -> None:
+        """Clear full gradients for the next window. Sharded gradients need nothing: the
+        reducer's first reduction of a window overwrites every chunk."""
         if self.grad_flat is not None:
             self.grad_flat.zero_()
-        else:  # the first reduction of the next window overwrites every chunk
-            self.grads_fresh = True
 
     # accounting ----------------------------------------------------------------------------
     @property
@@ -304,11 +300,10 @@ class FlatGroup:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this group keeps for parameters, gradients and fp32 masters on this rank
-        (gathered ZeRO-3 buckets in use included)."""
+        (ZeRO-3 units gathered right now are the gatherer's, not counted here)."""
         size = self.itemsize
         store = self.param_flat if self.param_flat is not None else self.param_shard
         params = store.numel() * size
-        params += sum(b.numel * size for b in self.buckets if b.gathered is not None)
         grad = self.grad_flat if self.grad_flat is not None else self.grad_shard
         master = 0 if self.master_shard is None else self.master_shard.numel() * 4
         return {"params": params, "grads": grad.numel() * size, "master": master}

@@ -3,19 +3,23 @@
 Algorithm. Each ``FlatGroup`` bucket counts its parameters' gradients as autograd
 finishes accumulating them (``register_post_accumulate_grad_hook``). When a bucket's last
 gradient lands on a *synchronising* backward, its collective starts asynchronously while
-backward carries on with earlier layers; ``finish()`` launches buckets that never filled
-(parameters unused in this forward) in a fixed order, waits for all of them and lands
-the results.
+backward carries on with earlier layers (``overlap_comm``; without it every bucket is
+launched in ``finish``); ``finish()`` launches buckets that never filled (parameters
+unused in this forward) in a fixed order, waits for all of them and lands the results.
 
 * ``P = 1`` (ZeRO stage 0, plain data parallelism): ``all_reduce`` of the bucket of
-  ``grad_flat``, in place. Synchronises only on the accumulation boundary.
+  ``grad_flat``, in place.
 * ``P = dp``, full gradients (stage 1): ``reduce_scatter`` of the bucket of ``grad_flat``
-  in place into this rank's chunk of it. Synchronises only on the boundary.
+  in place into this rank's chunk of it.
 * ``P = dp``, sharded gradients (stages 2 and 3): the bucket's fresh ``.grad`` tensors are
   packed into one buffer and dropped, and the buffer is reduce-scattered into this
-  rank's chunk of ``grad_shard`` (added to it after the first micro-step of an
-  accumulation window). This happens on *every* backward, so no rank ever holds more
-  than the buckets in flight; ``finish()`` then runs at the end of every backward.
+  rank's chunk of ``grad_shard`` (the first reduction of an accumulation window writes
+  the chunk, later ones add to it).
+
+Which backward synchronises is the caller's decision (``begin_backward(sync)``): the ZeRO
+stage plan makes it every backward for sharded gradients and the accumulation boundary
+otherwise. ``communication_data_type`` reduces in another dtype (e.g. fp32 sums of bf16
+gradients): the bucket is cast into a temporary of that dtype, reduced, and cast back.
 
 The result is the *sum* over ranks; the engine folds the ``1 / dp`` of averaging into
 the one scaling pass it makes anyway (``FlatGroup.load_master_grads``). With backward
@@ -23,10 +27,9 @@ scaling each micro-batch loss by ``1 / gradient_accumulation_steps``, ``N`` rank
 micro-batch ``m`` x ``k`` accumulation steps then give exactly the gradient of one
 process on batch ``N m k`` (up to summation order).
 
-Bytes per optimizer step, in ``meshtrain.distributed.comm``'s convention, for a group of
-padded size ``Psi_pad`` elements of ``s`` bytes: stage 0 records ``2 s Psi_pad``
-(all-reduce), stages 1-3 record ``s Psi_pad`` of reduce-scatter per synchronising
-backward (stages 2-3: per micro-step). Non-synchronising micro-steps record nothing.
+Bytes per synchronising backward, in ``meshtrain.distributed.comm``'s convention, for a
+group of padded size ``Psi_pad`` elements of ``c`` bytes in the communication dtype:
+``2 c Psi_pad`` for the all-reduce (stage 0), ``c Psi_pad`` for a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
+from meshtrain.errors import TrainingError
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
 
 
@@ -45,94 +49,146 @@ class GradReducer:
     """Launches each bucket's reduction as soon as its gradients are complete.
 
     ``on_reduced(group, bucket)`` is called once a bucket's gradients are handed to the
-    collective (ZeRO-3 frees the gathered parameters there).
+    collective (ZeRO-3 frees the gathered parameters there). ``names`` maps parameters
+    to their names for the unused-parameter error (``ignore_unused=False``).
     """
 
     def __init__(
         self,
         groups: list[FlatGroup],
         dp_group: Group,
+        *,
+        overlap: bool = True,
+        comm_dtype: torch.dtype | None = None,
+        ignore_unused: bool = True,
+        names: dict[torch.Tensor, str] | None = None,
         on_reduced: Callable[[FlatGroup, Bucket], None] | None = None,
     ) -> None:
         self.groups = groups
         self.dp_group = dp_group
+        self.overlap = overlap
+        self.comm_dtype = comm_dtype
+        self.ignore_unused = ignore_unused
+        self.names = names or {}
         self.on_reduced = on_reduced
-        self.sync = True  # reduce on this backward?
+        self._sync = True  # reduce on this backward?
+        self._local = False  # inside no_sync()
+        self._ready = {id(b): 0 for g in groups for b in g.buckets}
+        self._fresh = {id(g): True for g in groups}  # sharded: nothing reduced this window
+        self._seen: set[int] = set()  # params with a gradient (only when checking unused)
         self._pending: list[tuple] = []
-        self._launched: set[tuple[int, int]] = set()
+        self._launched: set[int] = set()
         self._handles = []
-        for gi, group in enumerate(groups):
+        for group in groups:
             for p in group.params:
-                self._handles.append(
-                    p.register_post_accumulate_grad_hook(self._make_hook(gi, group))
-                )
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(group)))
 
-    @property
-    def every_backward(self) -> bool:
-        """Sharded gradients must be reduced on every backward (no local accumulation)."""
-        return any(g.shard_grads for g in self.groups)
-
-    def _make_hook(self, gi: int, group: FlatGroup):
+    def _hook(self, group: FlatGroup):
         def hook(param: torch.Tensor) -> None:
-            if not self.sync:
+            if not self._sync:
                 return
+            if not self.ignore_unused:
+                self._seen.add(id(param))
             bucket = group.bucket_of[param]
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params):
-                self._launch(gi, group, bucket)
+            self._ready[id(bucket)] += 1
+            if self.overlap and self._ready[id(bucket)] == len(bucket.params):
+                self._launch(group, bucket)
 
         return hook
 
-    def _launch(self, gi: int, group: FlatGroup, bucket: Bucket) -> None:
-        if (gi, bucket.index) in self._launched:
-            return
-        self._launched.add((gi, bucket.index))
-        target = group.grad_chunks[bucket.index]
-        landing = source = None
-        if group.partitions == 1 and not group.shard_grads:
-            work = comm.all_reduce(target, self.dp_group, async_op=True)
-        elif not group.shard_grads:
-            # stage 1: in place, the output is this rank's chunk of the input (gloo and
-            # NCCL both allow it), so no temporary the size of the gradient shard
-            source = bucket.view(group.grad_flat)
-            work = comm.reduce_scatter(target, source, self.dp_group, async_op=True)
-        else:
-            source = group.take_bucket_grads(bucket)
-            # the first micro-step of a window writes the shard; later ones reduce into
-            # their own packed buffer's chunk and add it in finish()
-            if not group.grads_fresh:
-                landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
-            out = target if landing is None else landing
-            work = comm.reduce_scatter(out, source, self.dp_group, async_op=True)
-        # ``source`` rides along so the packed buffer outlives the async collective
-        self._pending.append((group, bucket, work, landing, source))
-        if self.on_reduced is not None:
-            self.on_reduced(group, bucket)
+    # the window ------------------------------------------------------------------------------
+    def begin_window(self) -> None:
+        """A new accumulation window: the next reduction of sharded gradients overwrites."""
+        for key in self._fresh:
+            self._fresh[key] = True
+
+    def begin_backward(self, sync: bool) -> None:
+        """Whether the coming backward reduces (ignored inside ``no_sync``)."""
+        self._sync = sync and not self._local
 
     @contextmanager
     def no_sync(self):
         """Backward passes inside accumulate locally and communicate nothing."""
-        previous, self.sync = self.sync, False
+        previous, self._local = self._local, True
         try:
             yield
         finally:
-            self.sync = previous
+            self._local = previous
+
+    @property
+    def synchronising(self) -> bool:
+        return self._sync
+
+    # launching -------------------------------------------------------------------------------
+    def _launch(self, group: FlatGroup, bucket: Bucket) -> None:
+        if id(bucket) in self._launched:
+            return
+        self._launched.add(id(bucket))
+        target = group.grad_chunks[bucket.index]
+        cast = self.comm_dtype is not None and self.comm_dtype != group.dtype
+        landing = source = None
+        if group.grad_flat is not None and not group.sharded:
+            source = target.to(self.comm_dtype) if cast else target
+            landing = source if cast else None
+            work = comm.all_reduce(source, self.dp_group, async_op=True)
+        elif group.grad_flat is not None:
+            # stage 1: in place, the output is this rank's chunk of the input (gloo and
+            # NCCL both allow it), so no temporary the size of the gradient shard
+            source = bucket.view(group.grad_flat)
+            if cast:
+                source = source.to(self.comm_dtype)
+                landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
+            out = target if landing is None else landing
+            work = comm.reduce_scatter(out, source, self.dp_group, async_op=True)
+        else:
+            source = group.take_bucket_grads(bucket, self.comm_dtype)
+            # the first reduction of a window writes the shard; later ones reduce into
+            # their own packed buffer's chunk and add it in finish()
+            if cast or not self._fresh[id(group)]:
+                landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
+            out = target if landing is None else landing
+            work = comm.reduce_scatter(out, source, self.dp_group, async_op=True)
+        # ``source`` rides along so the buffer outlives the async collective
+        self._pending.append((group, bucket, work, landing, source))
+        if self.on_reduced is not None:
+            self.on_reduced(group, bucket)
 
     def finish(self) -> None:
-        """Launch unfilled buckets in a fixed order, wait for all, land the results."""
-        for gi, group in enumerate(self.groups):
+        """Launch unfilled buckets in a fixed order, wait for all, land the results. After a
+        backward that did not synchronise (``no_sync``), everything is reduced here."""
+        if not self.ignore_unused and self._sync:
+            self._check_unused()
+        for group in self.groups:
             for bucket in group.buckets:
-                self._launch(gi, group, bucket)
+                self._launch(group, bucket)
         for group, bucket, work, landing, _source in self._pending:
             work.wait()
-            if landing is not None:
-                group.grad_chunks[bucket.index].add_(landing)
+            if landing is None:
+                continue
+            target = group.grad_chunks[bucket.index]
+            if group.grad_flat is None and not self._fresh[id(group)]:
+                target.add_(landing)
+            else:
+                target.copy_(landing)
         self._pending.clear()
         self._launched.clear()
         for group in self.groups:
-            group.grads_fresh = False
+            self._fresh[id(group)] = False
             for bucket in group.buckets:
-                bucket.ready = 0
+                self._ready[id(bucket)] = 0
+
+    def _check_unused(self) -> None:
+        missing = [p for g in self.groups for p in g.params if id(p) not in self._seen]
+        self._seen.clear()
+        if missing:
+            shown = [self.names.get(p, f"<parameter of shape {tuple(p.shape)}>") for p in missing]
+            raise TrainingError(
+                f"zero_optimization.ignore_unused_parameters is false and {len(missing)} "
+                f"trainable parameter(s) got no gradient in this backward: {shown[:8]}"
+                f"{' ...' if len(shown) > 8 else ''}; freeze them (requires_grad=False), use "
+                "them in forward, or set ignore_unused_parameters to true (they then count "
+                "as zero gradients)"
+            )
 
     def remove(self) -> None:
         for h in self._handles:

@@ -178,9 +178,7 @@ def run_rank(
                 continue
             loss = engine(batch)
             engine.backward(loss)
-            before = engine.global_steps
-            engine.step()
-            if engine.global_steps == before:
+            if not engine.step():
                 continue  # inside a gradient-accumulation window
             if run_log is not None:
                 run_log.step(engine.log.last)

@@ -25,22 +25,16 @@ from __future__ import annotations
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
-import torch
-
 
 def comm_theory(engine: Any) -> tuple[int, str]:
     """(bytes per optimizer step, the formula in words) for this engine's layout."""
-    from meshtrain.parallel.zero.plan import comm_bytes_theory
-
     n = engine.topology.dp_size
     stage = engine.zero_stage
     k = int(engine.gas)
     if n == 1:
         return 0, "one data-parallel rank: nothing to communicate"
-    total = comm_bytes_theory(engine.flat_groups, stage, k)
-    padded = sum(
-        g.numel * torch.empty((), dtype=g.dtype).element_size() for g in engine.flat_groups
-    )
+    total = engine.zero.comm_bytes_theory(k)
+    padded = sum(g.numel * g.itemsize for g in engine.zero.flat_groups)
     words = {
         0: "2 x P (all-reduce of gradients)",
         1: "2 x P (reduce-scatter of gradients + all-gather of parameters)",

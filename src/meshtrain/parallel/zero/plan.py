@@ -40,10 +40,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
+from meshtrain.parallel.blocks import gather_units
 from meshtrain.parallel.flat_group import FlatGroup
-from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units, find_units
+from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
 
 _UNBOUNDED = 1 << 62
 
@@ -83,7 +83,7 @@ def build_plan(
         per_group = [[FlatGroup(g["params"], bucket_numel=bucket, **common)] for g in groups]
         return ZeroPlan(per_group, None)
 
-    units = find_units(model, list(z.stage3_module_classes))
+    units = gather_units(model, list(z.stage3_module_classes))
     owner = assign_units(model, units, int(z.stage3_param_persistence_threshold))
     param_device = torch.device("cpu") if _offloaded(z.offload_param) else None
     per_group, sharded = [], []
@@ -113,29 +113,24 @@ def build_plan(
     return ZeroPlan(per_group, gatherer)
 
 
-def gather_updated_params(flat_groups: list[FlatGroup], dp_group) -> None:
-    """Stages 1-2 (and stage 3's whole parameters): every rank updated its own chunks;
-    all-gather the full buckets. Sharded ZeRO-3 parameters are gathered when used."""
-    works = []
-    for g in flat_groups:
-        if g.partitions == 1 or g.shard_params:
-            continue
-        for b in g.buckets:  # in place: the input is this rank's chunk of the output
-            mine = b.owned(g.param_flat, g.rank)
-            works.append(comm.all_gather(b.view(g.param_flat), mine, dp_group, async_op=True))
-    for w in works:
-        w.wait()
+def comm_bytes_theory(
+    flat_groups: list[FlatGroup], stage: int, micro_steps: int = 1, comm_itemsize: int | None = None
+) -> int:
+    """Model-state bytes one optimizer step records under ``stage`` (module docstring).
 
-
-def comm_bytes_theory(flat_groups: list[FlatGroup], stage: int, micro_steps: int = 1) -> int:
-    """Model-state bytes one optimizer step records under ``stage`` (module docstring)."""
+    Gradient reductions move ``comm_itemsize`` bytes per element (the
+    ``communication_data_type``; default: the gradients' own), parameter gathers the
+    model dtype's."""
     total = 0
     for g in flat_groups:
-        nbytes = g.numel * g.itemsize
-        if stage <= 1:  # reduced once, at the accumulation boundary
-            total += 2 * nbytes
-        elif g.shard_params:
-            total += 3 * nbytes * micro_steps
+        grads = g.numel * (comm_itemsize or g.itemsize)
+        params = g.numel * g.itemsize
+        if stage == 0:
+            total += 2 * grads  # one all-reduce at the boundary
+        elif stage == 1:  # reduced once at the boundary, then the updated chunks gathered
+            total += grads + params
+        elif g.shard_params:  # gathered for forward and for backward, reduced: per micro-step
+            total += (2 * params + grads) * micro_steps
         else:  # stage 2, and stage 3's persistent parameters
-            total += nbytes * (micro_steps + 1)
+            total += grads * micro_steps + params
     return total

@@ -1,9 +1,9 @@
 """ZeRO stage 3: parameters live as 1/N shards and are gathered unit by unit when used.
 
-A *unit* is a module whose parameters are gathered together: by default each block of
-the model's outermost ``nn.ModuleList``/``nn.Sequential`` and each other child along the
-way (for a Llama: the embedding, every decoder layer, the final norm, the head), or the
-instances of the classes named in ``zero_optimization.stage3_module_classes``. Each
+A *unit* is a module whose parameters are gathered together (``meshtrain.parallel.blocks``
+``gather_units``: by default each block of the model's outermost ``nn.ModuleList`` /
+``nn.Sequential`` and each other child along the way, or the instances of the classes
+named in ``zero_optimization.stage3_module_classes``). Each
 unit's parameters form their own buckets (``FlatGroup`` ``keys``), so gathering a unit is
 one all-gather per param group.
 
@@ -32,6 +32,7 @@ free while autograd is running (``_in_backward``).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -40,37 +41,8 @@ from torch.utils._pytree import tree_flatten
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
-from meshtrain.parallel.activation_checkpointing import modules_of_classes
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
-
-_CONTAINERS = (nn.ModuleList, nn.Sequential)
-
-
-def _has_container(module: nn.Module) -> bool:
-    return any(isinstance(m, _CONTAINERS) for m in module.modules())
-
-
-def _split(module: nn.Module) -> list[nn.Module]:
-    units: list[nn.Module] = []
-    for child in module.children():
-        if isinstance(child, _CONTAINERS):
-            units.extend(child.children())
-        elif _has_container(child):
-            units.extend(_split(child))
-        else:
-            units.append(child)
-    return units
-
-
-def find_units(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
-    """The gather units of ``model`` in registration order (see module docstring)."""
-    if class_names:
-        field = "zero_optimization.stage3_module_classes"
-        units = modules_of_classes(model, class_names, field, outermost=True)
-    else:
-        units = _split(model) if _has_container(model) else list(model.children())
-    units = [u for u in units if any(True for _ in u.parameters())]
-    return units or [model]
+from meshtrain.parallel.zero.partition import full_numel
 
 
 def assign_units(
@@ -82,7 +54,7 @@ def assign_units(
     owner: dict[nn.Parameter, int] = {}
     for i, unit in enumerate(units):
         for p in unit.parameters():
-            if p.requires_grad and p.numel() >= threshold and p not in owner:
+            if p.requires_grad and full_numel(p) >= threshold and p not in owner:
                 owner[p] = i
     return owner
 
@@ -113,6 +85,8 @@ class ParamGatherer:
         self.dp_group = dp_group
         self.prefetch_numel = prefetch_numel
         self.groups = groups
+        self._full: dict[int, torch.Tensor] = {}  # bucket id -> gathered buffer in use
+        self._work: dict[int, object] = {}  # bucket id -> pending all-gather
         where = {p: (g, g.bucket_of[p]) for g in groups for p in g.params}
         self.units: list[Unit] = []
         for module in units:
@@ -134,24 +108,80 @@ class ParamGatherer:
             self._handles.append(unit.module.register_forward_pre_hook(self._pre(unit)))
             self._handles.append(unit.module.register_forward_hook(self._post(unit)))
 
-    # gathering -------------------------------------------------------------------------------
+    # one bucket ------------------------------------------------------------------------------
+    def _start_bucket(self, g: FlatGroup, b: Bucket) -> None:
+        """Launch the all-gather of ``b`` into a fresh full buffer (async)."""
+        if id(b) in self._full:
+            return
+        src = b.in_shard(g.param_shard)
+        if src.device != g.device:  # parameters offloaded to the CPU
+            src = src.to(g.device, non_blocking=True)
+        full = torch.empty(b.numel, dtype=g.dtype, device=g.device)
+        self._full[id(b)] = full
+        self._work[id(b)] = comm.all_gather(full, src, self.dp_group, async_op=True)
+
+    def _finish_bucket(self, g: FlatGroup, b: Bucket) -> None:
+        """Wait for ``b``'s gather and point its parameters at the full buffer."""
+        work = self._work.pop(id(b), None)
+        if work is None:
+            return
+        work.wait()
+        for p, view in g.views(b, self._full[id(b)], base=b.start):
+            p.data = view
+
+    def release_bucket(self, g: FlatGroup, b: Bucket) -> None:
+        """Drop ``b``'s gathered buffer; its parameters become empty placeholders."""
+        if self._full.pop(id(b), None) is None:
+            return
+        work = self._work.pop(id(b), None)
+        if work is not None:
+            work.wait()
+        for p in b.params:
+            p.data = torch.empty(0, dtype=g.dtype, device=g.device)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of the full buckets alive right now."""
+        return sum(t.numel() * t.element_size() for t in self._full.values())
+
+    # units -------------------------------------------------------------------------------------
     def _start(self, unit: Unit) -> None:
         for g, b in unit.buckets:
-            g.start_gather(b, self.dp_group, comm)
+            self._start_bucket(g, b)
 
     def gather(self, unit: Unit) -> None:
         self._start(unit)
         for g, b in unit.buckets:
-            g.finish_gather(b)
+            self._finish_bucket(g, b)
 
     def release(self, unit: Unit) -> None:
         for g, b in unit.buckets:
-            g.release(b)
+            self.release_bucket(g, b)
 
     def release_all(self) -> None:
         for g in self.groups:
             for b in g.buckets:
-                g.release(b)
+                self.release_bucket(g, b)
+
+    @contextmanager
+    def gathered(self, module: nn.Module | None = None):
+        """Make ``module``'s sharded parameters (default: all) whole inside the block and
+        free them on exit; changes made inside are not kept. Every rank must enter it."""
+        wanted = None if module is None else {id(p) for p in module.parameters()}
+        buckets = [
+            (g, b)
+            for g in self.groups
+            for b in g.buckets
+            if wanted is None or any(id(p) in wanted for p in b.params)
+        ]
+        for g, b in buckets:
+            self._start_bucket(g, b)
+        for g, b in buckets:
+            self._finish_bucket(g, b)
+        try:
+            yield
+        finally:
+            for g, b in buckets:
+                self.release_bucket(g, b)
 
     def _prefetch(self, order: list[Unit], start: int, step: int) -> None:
         budget, i = self.prefetch_numel, start

@@ -1,0 +1,123 @@
+"""``parallelize(model, topology, config)``: every parallelism decision, in one fixed order.
+
+::
+
+    place      model.to(device, dtype)
+    1. TP      tensor-parallel plan: swap linears/embeddings for sharded ones
+    2. PP      pipeline split: keep this stage's layers only
+    3. AC      activation checkpointing of each block
+    4. compile torch.compile (lazy: traced at the first forward)
+    5. DP/ZeRO broadcast rank 0's weights over dp, flatten into buckets, install the
+               gradient reducer (and ZeRO-3's gathering hooks)
+
+Why this order:
+
+* TP first: it changes what the parameters *are* (shapes, which rank holds what). Every
+  later step (the pipeline's balance by parameter count, the checkpointed blocks, the
+  flat buffers) must see the sharded parameters, never the full ones.
+* PP before AC and DP: a rank checkpoints, flattens and reduces only the layers of its
+  own stage; flattening first would allocate buffers for layers the rank drops.
+* AC before compile: the checkpoint wrapper is part of what gets traced, so the compiled
+  graph recomputes instead of saving (torchtitan's order).
+* compile before the DP/ZeRO wrap: the wrap works through hooks (gradient-accumulation
+  hooks on parameters; ZeRO-3 module hooks that swap ``param.data``) and through
+  parameter storage, not by wrapping ``forward``. ``nn.Module.compile`` only marks the
+  module: tracing happens at the first forward, when every hook exists, so the graph
+  sees the module exactly as it will run. Compiling the module after the wrap would be
+  equivalent; this order keeps the documented one.
+* DP/ZeRO last: it owns the parameters' storage (flat buckets, shards), which must be
+  laid out over the final set of parameters.
+
+Pipeline parallelism is not available yet: a mesh asking for it raises ConfigError here,
+before anything runs, instead of silently training an unsplit model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshtrain.distributed import comm
+from meshtrain.distributed.topology import Topology
+from meshtrain.errors import ConfigError
+from meshtrain.optim.setup import param_groups
+from meshtrain.parallel.zero.stage import ZeroStage
+from meshtrain.precision import DTYPES
+
+
+@dataclass
+class Parallelized:
+    """What the Engine steps: the model as it runs, its optimizer param groups (over this
+    rank's parameters), and the data-parallel / ZeRO stage that owns their storage."""
+
+    module: nn.Module
+    groups: list[dict]
+    zero: ZeroStage
+
+
+def parallelize(
+    model: nn.Module, topology: Topology, config, model_parameters=None, *, tp_plan=None
+) -> Parallelized:
+    """Apply the configured parallelism to ``model`` in place (see the module docstring).
+
+    ``model_parameters`` is what a user passes to ``initialize``: parameters, or torch-style
+    param-group dicts (default: every parameter of the model in one group). ``tp_plan``: a
+    ``meshtrain.parallel.tensor.TPPlan`` for a model without a built-in plan.
+    """
+    model = model.to(device=topology.device, dtype=DTYPES[config.precision])
+
+    # 1. tensor parallelism: changes the parameters themselves, so it comes first
+    if config.mesh.tensor_parallel_size not in (1, topology.tp_size):
+        raise ConfigError(
+            f"mesh.tensor_parallel_size {config.mesh.tensor_parallel_size} != the topology's "
+            f"tp size {topology.tp_size}; build the Topology from the config (or leave "
+            "topology= out of initialize)"
+        )
+    if topology.tp_size > 1:
+        from meshtrain.parallel.tensor.apply import apply_tensor_parallel, remap_parameters
+
+        apply_tensor_parallel(model, topology, config, plan=tp_plan)
+        model_parameters = remap_parameters(model_parameters, model)
+    # 2. pipeline split: a rank keeps only its stage before anything is allocated for it
+    pp = max(topology.pp_size, config.mesh.pipeline_parallel_size)
+    if pp > 1:
+        raise ConfigError(
+            f"mesh.pipeline_parallel_size: {pp} asks for pipeline parallelism, which this "
+            "version of meshtrain does not implement yet; set it to 1"
+        )
+    # 3. activation checkpointing: wraps each block's forward, before it is traced
+    ac = config.activation_checkpointing
+    if ac.enabled:
+        from meshtrain.parallel.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, ac.module_classes)
+    # 4. compile: lazy, so the hooks installed in step 5 are traced at the first forward
+    c = config.compile
+    if c.active:
+        model.compile(
+            backend=c.backend,
+            mode=c.mode,
+            fullgraph=c.fullgraph,
+            dynamic=c.dynamic,
+            options=c.options,
+            **c.kwargs,
+        )
+    # 5. data parallelism / ZeRO: every replica starts from rank 0's weights, then the
+    # trainable parameters move into flat buckets (sharded by stage)
+    _broadcast(model, topology)
+    groups = param_groups(model, model_parameters)
+    return Parallelized(model, groups, ZeroStage(model, groups, config, topology))
+
+
+def _broadcast(model: nn.Module, topology: Topology) -> None:
+    """Start every data-parallel replica from rank 0's weights and buffers."""
+    if topology.dp_size == 1:
+        return
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            comm.broadcast(t.data, 0, topology.dp_group, label="init")
+
+
+__all__ = ["Parallelized", "parallelize"]

@@ -1,0 +1,198 @@
+"""The data-parallel / ZeRO stage as one object with a small lifecycle.
+
+The Engine does not branch on the stage. It calls, for every micro-step and step::
+
+    begin_window()          first micro-step of an accumulation window
+    before_backward(b)      b: is this the window's last micro-step?
+    <loss.backward()>       gradient buckets reduce as they fill (GradReducer)
+    after_backward()        stages 2-3: finish the reductions now (no rank keeps a full
+                            gradient to accumulate into), free ZeRO-3 units
+    before_step()           stages 0-1: finish the reductions (they ran on the boundary
+                            backward only)
+    grad_norm()             L2 norm of the reduced gradients over every shard
+    step(optimizer, f)      masters get gradient x f, the optimizer steps, the updated
+                            chunks are written back and all-gathered (stages 1-2)
+    after_step()            clear gradients for the next window
+
+and ``gathered(module)`` wherever whole parameters are needed (evaluation, export,
+``module_state_dict``): a no-op below stage 3. The storage and bytes of each stage are
+``meshtrain.parallel.zero.plan``'s table; the reduction is ``grad_reducer``'s; stage-3
+gathering is ``stage3``'s.
+
+Gradient pre-division (``prescale_gradients`` / ``gradient_predivide_factor``, DeepSpeed's
+keys): each rank's gradients are divided by ``f`` (``dp`` with prescale) *before* the
+reduction, which keeps fp16 sums in range, and the rest of the ``1 / dp`` average after
+it. Gradients are linear in the loss, so the division rides on the backward's loss
+multiplier (``predivide``) and the rest on the step's single scaling pass
+(``grad_divisor = dp / f``): no extra pass over the gradients.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+from meshtrain.distributed import comm
+from meshtrain.distributed.topology import Topology
+from meshtrain.errors import TrainingError
+from meshtrain.parallel.grad_reducer import GradReducer
+from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory
+from meshtrain.precision import DTYPES
+
+
+class ZeroStage:
+    """Flat groups, gradient reducer and (stage 3) gatherer of one model, and their order."""
+
+    def __init__(self, model: nn.Module, groups: list[dict], config, topology: Topology) -> None:
+        z = config.zero_optimization
+        self.stage = int(z.stage)
+        self.topology = topology
+        plan = build_plan(model, groups, config, topology, self.stage)
+        self.per_group = plan.per_group
+        self.flat_groups = plan.flat_groups
+        self.gatherer = plan.gatherer
+        self.every_backward = self.stage >= 2
+        dp = topology.dp_size
+        self.predivide = float(
+            dp if config.prescale_gradients else config.gradient_predivide_factor
+        )
+        self.grad_divisor = dp / self.predivide
+        comm_dtype = config.communication_data_type
+        self.comm_dtype = DTYPES[comm_dtype] if comm_dtype else None
+        names = {p: n for n, p in reversed(list(model.named_parameters()))}
+        gatherer = self.gatherer
+        self.reducer = GradReducer(
+            self.flat_groups,
+            topology.dp_group,
+            overlap=bool(z.overlap_comm),
+            comm_dtype=self.comm_dtype,
+            ignore_unused=bool(z.ignore_unused_parameters),
+            names=names,
+            on_reduced=(lambda g, b: gatherer.release_bucket(g, b)) if gatherer else None,
+        )
+        self.tp_spans = None  # tensor parallelism: which gradient spans are sharded over tp
+        if topology.tp_size > 1:
+            from meshtrain.parallel.tensor.grad_norm import sharded_spans
+            from meshtrain.parallel.tensor.sharding import sharded_parameter_ids
+
+            self.tp_spans = sharded_spans(self.flat_groups, sharded_parameter_ids(model))
+
+    # the lifecycle ---------------------------------------------------------------------------
+    def begin_window(self) -> None:
+        for g in self.flat_groups:
+            g.attach_grads()  # cheap; re-points .grad a user reset to None
+        self.reducer.begin_window()
+
+    def before_backward(self, boundary: bool) -> None:
+        self.reducer.begin_backward(self.every_backward or boundary)
+
+    def after_backward(self) -> None:
+        if self.every_backward:
+            self.reducer.finish()
+            if self.gatherer is not None:
+                self.gatherer.release_all()  # units whose parameters got no gradient
+
+    def before_step(self) -> None:
+        if not self.every_backward:
+            self.reducer.finish()
+
+    def grad_norm(self) -> float:
+        """L2 norm of the reduced gradients over every rank's owned chunks (inf/NaN if any
+        overflowed); the scalar all-reduce is recorded under ``control``. Under tensor
+        parallelism replicated parameters count once (``parallel.tensor.grad_norm``)."""
+        device = self.topology.device
+        if self.tp_spans is not None:
+            from meshtrain.parallel.tensor.grad_norm import local_square_sum
+
+            sq = local_square_sum(self.flat_groups, self.tp_spans, self.topology.tp_size, device)
+            comm.all_reduce(sq, self.topology.tp_group, label="control")
+            if any(g.sharded for g in self.flat_groups):
+                comm.all_reduce(sq, self.topology.dp_group, label="control")
+            return float(sq.sqrt())
+        parts = [
+            torch.linalg.vector_norm(c, dtype=torch.float32)
+            for g in self.flat_groups
+            for c in g.grad_chunks
+        ]
+        sq = torch.stack(parts).pow(2).sum() if parts else torch.zeros((), device=device)
+        if any(g.sharded for g in self.flat_groups):
+            comm.all_reduce(sq, self.topology.dp_group, label="control")
+        return float(sq.sqrt())
+
+    def step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
+        """Step the fp32 masters with gradients x ``factor``, write them back, gather."""
+        for g in self.flat_groups:
+            g.load_master_grads(factor)
+        optimizer.step()
+        for g in self.flat_groups:
+            g.release_master_grads()
+            g.copy_master_to_params()
+        self._gather_updated_params()
+
+    def _gather_updated_params(self) -> None:
+        """Stages 1-2 (and stage 3's whole parameters): every rank updated its own chunks;
+        all-gather the full buckets. Sharded ZeRO-3 parameters are gathered when used."""
+        works = []
+        for g in self.flat_groups:
+            if not g.sharded or g.shard_params:
+                continue
+            for b in g.buckets:  # in place: the input is this rank's chunk of the output
+                full = b.view(g.param_flat)
+                mine = b.owned(g.param_flat, g.rank)
+                works.append(comm.all_gather(full, mine, self.topology.dp_group, async_op=True))
+        for w in works:
+            w.wait()
+
+    def after_step(self) -> None:
+        for g in self.flat_groups:
+            g.zero_grads()
+
+    def reload_params(self) -> None:
+        """After the masters were loaded (checkpoint): write them to the parameters and
+        all-gather, exactly as after an optimizer step, and start a fresh window."""
+        for g in self.flat_groups:
+            g.copy_master_to_params()
+        self._gather_updated_params()
+        self.after_step()
+        self.reducer.begin_window()
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally without communicating (stages 0-1 only)."""
+        if self.every_backward:
+            raise TrainingError(
+                f"no_sync: ZeRO stage {self.stage} reduce-scatters gradients on every "
+                "backward (no rank keeps a full gradient to accumulate into); use "
+                "gradient_accumulation_steps, or ZeRO stage 0/1 to accumulate locally"
+            )
+        with self.reducer.no_sync():
+            yield
+
+    def gathered(self, module: nn.Module | None = None):
+        """Whole parameters of ``module`` (default: all) inside the block; every rank must
+        enter it. Changes made inside are not kept under stage 3."""
+        return nullcontext() if self.gatherer is None else self.gatherer.gathered(module)
+
+    # accounting ------------------------------------------------------------------------------
+    @property
+    def trainable_numel(self) -> int:
+        return sum(g.trainable_numel for g in self.flat_groups)
+
+    def comm_bytes_theory(self, micro_steps: int = 1) -> int:
+        """Bytes one optimizer step with ``micro_steps`` micro-steps records (plan table)."""
+        itemsize = None if self.comm_dtype is None else self.comm_dtype.itemsize
+        return comm_bytes_theory(self.flat_groups, self.stage, micro_steps, itemsize)
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of parameters (device / host), gradients and fp32 masters."""
+        out = {"params": 0, "params_host": 0, "grads": 0, "master": 0}
+        for g in self.flat_groups:
+            b = g.state_bytes()
+            out["params_host" if g.params_offloaded else "params"] += b["params"]
+            out["grads"] += b["grads"]
+            out["master"] += b["master"]
+        if self.gatherer is not None:
+            out["params"] += self.gatherer.gathered_bytes()
+        return out
