@@ -33,6 +33,11 @@ _LAZY = {
     "Config": "meshtrain.config:Config",
     "load_config": "meshtrain.config:load_config",
     "notebook_launcher": "meshtrain.launch.function:notebook_launcher",
+    "Trainer": "meshtrain.trainer.trainer:Trainer",
+    "TrainingArguments": "meshtrain.trainer.arguments:TrainingArguments",
+    "TrainerCallback": "meshtrain.trainer.callbacks:TrainerCallback",
+    "EarlyStoppingCallback": "meshtrain.trainer.callbacks:EarlyStoppingCallback",
+    "EvalPrediction": "meshtrain.trainer.state:EvalPrediction",
 }
 
 __all__ = [
@@ -55,6 +60,11 @@ __all__ = [
     "load_config",
     "notebook_launcher",
     "zero",
+    "Trainer",
+    "TrainingArguments",
+    "TrainerCallback",
+    "EarlyStoppingCallback",
+    "EvalPrediction",
 ]
 
 
@@ -85,3 +95,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from meshtrain.engine.initialize import add_config_arguments, initialize
     from meshtrain.launch.function import notebook_launcher
     from meshtrain.parallel.compose import parallelize
+    from meshtrain.trainer.arguments import TrainingArguments
+    from meshtrain.trainer.callbacks import EarlyStoppingCallback, TrainerCallback
+    from meshtrain.trainer.state import EvalPrediction
+    from meshtrain.trainer.trainer import Trainer

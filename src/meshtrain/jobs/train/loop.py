@@ -1,20 +1,22 @@
-"""One rank of ``meshtrain train``: data, model, engine, resume, the loop, saves, summary.
+"""One rank of ``meshtrain train``: data, model, a ``Trainer``, resume, summary.
 
-Every rank runs :func:`run_rank` with the same resolved job config. Rank 0 prepares the
+The training loop is the Trainer's (``meshtrain.trainer``): this module turns the job
+config into ``TrainingArguments`` (the engine part goes in as ``deepspeed=``) and keeps
+the job's own naming and outputs. Every rank runs :func:`run_rank` with the same
+resolved job config. Rank 0 prepares the
 corpus (a cached no-op when the launching process already did) while the others wait, so
 the job also works when started directly by ``torchrun -m meshtrain train`` or
 ``meshtrain launch -m meshtrain train`` (several nodes need a shared output directory).
 
-Checkpoints go to ``<output_dir>/checkpoints/global_step<N>`` through the engine
-(``engine.save_checkpoint``), which also records the position of the data loader that
-``initialize`` built, so a resumed run continues with the next unseen batch. A run finds
+Checkpoints go to ``<output_dir>/checkpoints/global_step<N>`` (the Trainer saves through
+``engine.save_checkpoint``, which also records the position of its data loader), so a
+resumed run continues with the next unseen batch. A run finds
 ``checkpoints/latest``, loads it, says so, and trains on to ``train.max_steps``.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +90,6 @@ def run_rank(
     """
     import torch.distributed as dist
 
-    import meshtrain
     from meshtrain.checkpoint import latest_tag
     from meshtrain.data.store import TokenDataset
     from meshtrain.distributed.env import init_distributed, shutdown_distributed
@@ -120,77 +121,75 @@ def run_rank(
     model = build_model(resolved, data.vocab_size)
     # counted now: under ZeRO-3 the engine leaves empty placeholders in the module
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    engine, _, loader, _ = meshtrain.initialize(
-        model=model,
-        config=engine_dict(resolved_dict),
-        training_data=TokenDataset(data.store),
-        collate_fn=collate_packed,
-    )
     max_steps = resolved.train.max_steps
     ckpt_dir = out / CHECKPOINTS
     tag = latest_tag(ckpt_dir)
+    done = 0
+    if tag is not None:
+        from meshtrain.checkpoint import CheckpointReader
+
+        with CheckpointReader(ckpt_dir, tag) as reader:
+            done = int(reader.meta["global_steps"])
+        if done >= max_steps:
+            _say(
+                rank,
+                f"already at step {done} (train.max_steps = {max_steps}); "
+                "raise --max-steps to train further",
+            )
+            if owns_group:
+                shutdown_distributed()
+            return None
+    trainer = _trainer(resolved, resolved_dict, model, TokenDataset(data.store), out, progress)
+    engine = trainer.prepare_engine()
     if tag is not None:
         # the engine restores the model, optimizer, schedule, loss scale, RNG and the
-        # position of the loader initialize() built (the next unseen batch)
-        engine.load_checkpoint(str(ckpt_dir))
-        _say(rank, f"resuming from {tag} (step {engine.global_steps}) in {ckpt_dir}")
-    start = engine.global_steps
-    if start >= max_steps:
-        _say(
-            rank,
-            f"already at step {start} (train.max_steps = {max_steps}); "
-            "raise --max-steps to train further",
-        )
-        if owns_group:
-            shutdown_distributed()
-        return None
-
+        # data position (the next unseen batch)
+        _say(rank, f"resuming from {tag} (step {done}) in {ckpt_dir}")
+    start = done
     _say(
         rank,
         f"training {n_params:,} parameters on {env.world_size} process(es), ZeRO stage "
         f"{engine.zero_stage}, {engine.config.precision}, steps {start + 1}-{max_steps}, "
         f"{engine.config.train_batch_size} x {d.seq_len} tokens per step; output in {out}",
     )
-    interval = resolved.train.save_interval
-    tb = _tensorboard_dir(resolved, out)
-    run_log = None
-    if rank == 0:
-        from meshtrain.jobs.train.run_log import RunLog
-
-        run_log = RunLog(
-            out, start_step=start, max_steps=max_steps, tensorboard_dir=tb, progress=progress
-        )
-
-    def save() -> None:
-        t = time.perf_counter()
-        path = engine.save_checkpoint(str(ckpt_dir), tag=f"global_step{engine.global_steps}")
-        if run_log is not None:
-            run_log.write(f"saved checkpoint {path} in {time.perf_counter() - t:.1f}s")
-
-    saved_at = start
-    with run_log or nullcontext():
-        batches = iter(loader)
-        while engine.global_steps < max_steps:
-            batch = next(batches, None)
-            if batch is None:  # end of a pass over the corpus: next epoch, new order
-                loader.set_epoch(loader.state_dict()["epoch"] + 1)
-                batches = iter(loader)
-                continue
-            loss = engine(batch)
-            engine.backward(loss)
-            if not engine.step():
-                continue  # inside a gradient-accumulation window
-            if run_log is not None:
-                run_log.step(engine.log.last)
-            if interval and engine.global_steps % interval == 0:
-                save()
-                saved_at = engine.global_steps
-        if saved_at != engine.global_steps:
-            save()
+    trainer.train(resume_from_checkpoint=str(ckpt_dir / tag) if tag else None)
+    run_log = trainer.run_log_rows
     facts = _finish(engine, rank, out, start, max_steps, n_params, resolved, tag, t0, run_log)
     if owns_group:
         shutdown_distributed()
     return facts
+
+
+def _trainer(job: JobConfig, job_dict: dict[str, Any], model, dataset, out: Path, progress):
+    """The Trainer this job runs on: the job's engine config as ``deepspeed=``, its batch
+    sizes and clipping as the arguments, checkpoints as ``checkpoints/global_step<N>``."""
+    from meshtrain.config import load_config
+    from meshtrain.trainer import Trainer, TrainingArguments
+
+    config = engine_dict(job_dict)
+    cfg = load_config(config)  # the world size of the environment (set by the launcher)
+    tb = _tensorboard_dir(job, out)
+    interval = job.train.save_interval or job.train.max_steps
+    args = TrainingArguments(
+        str(out),
+        per_device_train_batch_size=int(cfg.train_micro_batch_size_per_gpu),
+        gradient_accumulation_steps=int(cfg.gradient_accumulation_steps),
+        max_grad_norm=float(cfg.gradient_clipping),
+        max_steps=job.train.max_steps,
+        logging_strategy="no",  # the engine's steps_per_print line reports progress
+        save_strategy="steps",
+        save_steps=interval,
+        report_to=["tensorboard"] if tb is not None else "none",
+        logging_dir=None if tb is None else str(tb.parent),
+        run_name=None if tb is None else tb.name,
+        disable_tqdm=None if progress is None else not progress,
+        deepspeed=config,
+        seed=job.model.seed,
+        data_seed=0,  # the order initialize()'s loader used
+    )
+    trainer = Trainer(model, args, train_dataset=dataset, data_collator=collate_packed)
+    trainer.checkpoint_dir, trainer.checkpoint_prefix = str(out / CHECKPOINTS), "global_step"
+    return trainer
 
 
 def _tensorboard_dir(job: JobConfig, out: Path) -> Path | None:
@@ -228,7 +227,7 @@ def _finish(engine, rank, out, start, max_steps, n_params, job, tag, t0, run_log
     text, facts = build_summary(
         engine,
         history=read_metrics(out / METRICS),
-        this_run=run_log.rows,
+        this_run=run_log,
         wall_seconds=time.perf_counter() - t0,
         start_step=start,
         max_steps=max_steps,

@@ -163,6 +163,18 @@ class RunLog:
         self._bar.update(row["step"] - self._bar.n)
         return row
 
+    def record(self, step: int, values: dict[str, Any]) -> dict[str, Any]:
+        """A non-step row (e.g. the Trainer's ``eval_*`` metrics) into the JSONL and
+        TensorBoard (``eval_loss`` -> ``eval/loss``); the loss plot marks ``eval_loss``."""
+        row = {"step": int(step), **{k: _num(v) if k != "epoch" else v for k, v in values.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key.startswith("eval_") and value is not None:
+                    self._tb.add_scalar(f"eval/{key[5:]}", value, row["step"])
+        return row
+
 
 def _num(value: Any) -> float | None:
     """A JSON-safe float (NaN/inf -> None: JSON has no NaN)."""
@@ -197,9 +209,17 @@ def _truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def plot_loss(metrics: str | Path, out: str | Path, title: str, resumed_at: int = 0) -> bool:
+def plot_loss(
+    metrics: str | Path,
+    out: str | Path,
+    title: str,
+    resumed_at: int = 0,
+    ylabel: str = "cross-entropy (nats/token)",
+) -> bool:
     """Draw the loss curve of ``metrics`` into ``out`` (PNG); False when matplotlib is missing."""
-    rows = [r for r in read_metrics(metrics) if r.get("loss") is not None]
+    everything = read_metrics(metrics)
+    rows = [r for r in everything if r.get("loss") is not None]
+    evals = [r for r in everything if r.get("eval_loss") is not None]
     try:
         import matplotlib
 
@@ -218,10 +238,18 @@ def plot_loss(metrics: str | Path, out: str | Path, title: str, resumed_at: int 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     ax.plot(steps, losses, color="#9ab8d8", linewidth=0.8, label="loss (rank 0)")
     ax.plot(steps, smooth, color="#1f4e8c", linewidth=1.8, label="moving average")
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_loss"] for r in evals],
+            "o-",
+            color="#c0504d",
+            label="eval loss",
+        )
     if resumed_at:
         ax.axvline(resumed_at, color="#888888", linestyle=":", label=f"resumed at {resumed_at}")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -1,0 +1,233 @@
+"""meshtrain's Trainer vs transformers' Trainer on the same script, and the Trainer's step
+overhead vs a hand-written engine loop.
+
+Issue 15's benchmark. Workload: a BERT sequence classifier (hidden 128, 2 layers, 2
+heads, ffn 256, vocab 4000; dropout off), fp32, 512 rows of 64 tokens (no padding, so
+both Trainers run the same shapes), ``per_device_train_batch_size`` 16, AdamW lr 1e-3,
+``--steps`` optimizer steps, logging every 1000 steps, no evaluation, no saving. Peers,
+each in its own processes (torchrun's environment; one thread per rank):
+
+* ``meshtrain``: ``meshtrain.Trainer`` (ZeRO stage 0);
+* ``transformers``: ``transformers.Trainer`` (DDP over gloo when N > 1);
+* ``engine-loop``: ``meshtrain.initialize`` + ``engine(batch)`` / ``backward`` / ``step``
+  by hand on the same loader, collator and config: what the Trainer adds on top.
+
+samples/s counts steps after the first ``--warmup`` (a callback timestamps every
+``on_step_end``; the hand loop timestamps its steps the same way), on rank 0. Peers are
+interleaved over ``--repeats`` rounds and the median is reported, since other jobs share
+the machine. Results: ``benchmarks/results/trainer-<date>-np<N>.json``.
+
+    python benchmarks/bench_trainer.py --nproc 1 --nproc 2 [--steps 40] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HIDDEN, LAYERS, VOCAB, SEQ, ROWS, BATCH = 128, 2, 4000, 64, 512, 16
+
+
+def _data():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, VOCAB, (ROWS, SEQ), generator=g)
+    labels = (ids[:, 0] % 2).tolist()
+    return [
+        {
+            "input_ids": ids[i],
+            "attention_mask": torch.ones(SEQ, dtype=torch.long),
+            "labels": labels[i],
+        }
+        for i in range(ROWS)
+    ]
+
+
+def _model():
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=2,
+        intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, num_labels=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def _args(cls, out: str, steps: int):
+    return cls(
+        out,
+        per_device_train_batch_size=BATCH,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+    ) if cls.__module__.startswith("transformers") else cls(
+        out,
+        per_device_train_batch_size=BATCH,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_steps=1000,
+        save_strategy="no",
+        disable_tqdm=True,
+    )  # fmt: skip
+
+
+def _worker(peer: str, steps: int, out: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    stamps: list[float] = []
+    if peer == "engine-loop":
+        import meshtrain
+        from meshtrain.data.loader import ResumableDataLoader
+        from meshtrain.trainer import TrainingArguments
+
+        args = _args(TrainingArguments, out, steps)
+        engine, _, _, _ = meshtrain.initialize(model=_model(), config=args.to_engine_config(steps))
+        from transformers import default_data_collator
+
+        loader = ResumableDataLoader(
+            _data(), BATCH, num_replicas=engine.topology.dp_size, rank=engine.topology.dp_rank,
+            seed=42, collate_fn=default_data_collator,
+        )  # fmt: skip
+        epoch = 0
+        while len(stamps) < steps:
+            loader.set_epoch(epoch)
+            for batch in loader:
+                loss = engine(batch).loss
+                engine.backward(loss)
+                engine.step()
+                stamps.append(time.perf_counter())
+                if len(stamps) >= steps:
+                    break
+            epoch += 1
+    else:
+        if peer == "meshtrain":
+            from meshtrain import Trainer, TrainerCallback, TrainingArguments
+        else:
+            from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        class Stamp(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                stamps.append(time.perf_counter())
+
+        from transformers import default_data_collator
+
+        trainer = Trainer(
+            model=_model(), args=_args(TrainingArguments, out, steps), train_dataset=_data(),
+            data_collator=default_data_collator, callbacks=[Stamp()],
+        )  # fmt: skip
+        trainer.train()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {"rank": rank, "world": world, "stamps": stamps}
+
+
+def _run(peer: str, nproc: int, steps: int, warmup: int, tmp: str) -> dict:
+    from meshtrain.launch.processes import run_on_ranks
+
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    results = run_on_ranks(
+        _worker, nproc, (peer, steps, f"{tmp}/{peer}"), {}, timeout=1200, env=env
+    )
+    stamps = results[0]["stamps"]
+    timed = stamps[warmup:]
+    seconds = timed[-1] - timed[0]
+    step_s = seconds / (len(timed) - 1)
+    return {
+        "peer": peer,
+        "nproc": nproc,
+        "steps": len(stamps),
+        "step_ms": 1e3 * step_s,
+        "samples_per_s": BATCH * nproc / step_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nproc", type=int, action="append")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    a = parser.parse_args(argv)
+    import tempfile
+
+    import torch
+    import transformers
+
+    peers = ("meshtrain", "transformers", "engine-loop")
+    runs = []
+    summary = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for nproc in a.nproc or [1, 2]:
+            by_peer: dict[str, list[float]] = {p: [] for p in peers}
+            for _ in range(a.repeats):
+                for peer in peers:
+                    r = _run(peer, nproc, a.steps, a.warmup, tmp)
+                    runs.append(r)
+                    by_peer[peer].append(r["samples_per_s"])
+                    print(f"np{nproc} {peer:13s} {r['samples_per_s']:8.1f} samples/s "
+                          f"({r['step_ms']:.1f} ms/step)", flush=True)  # fmt: skip
+            med = {p: statistics.median(v) for p, v in by_peer.items()}
+            summary[f"np{nproc}"] = {
+                "samples_per_s": med,
+                "meshtrain_vs_transformers": med["meshtrain"] / med["transformers"],
+                "trainer_overhead_vs_engine_loop": med["engine-loop"] / med["meshtrain"] - 1.0,
+            }
+            s = summary[f"np{nproc}"]
+            print(f"np{nproc}: meshtrain/transformers {s['meshtrain_vs_transformers']:.3f}x, "
+                  f"Trainer overhead vs engine loop {100 * s['trainer_overhead_vs_engine_loop']:+.1f}%",
+                  flush=True)  # fmt: skip
+    date = _dt.datetime.now(_dt.UTC)
+    record = {
+        "benchmark": "bench_trainer",
+        "date": date.isoformat(),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_avg": os.getloadavg(),
+        },  # fmt: skip
+        "versions": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },  # fmt: skip
+        "args": vars(a) | {"out": str(a.out) if a.out else None},
+        "workload": {
+            "hidden": HIDDEN,
+            "layers": LAYERS,
+            "vocab": VOCAB,
+            "seq": SEQ,
+            "rows": ROWS,
+            "per_device_batch": BATCH,
+        },  # fmt: skip
+        "runs": runs,
+        "summary": summary,
+    }
+    nps = "-".join(f"np{n}" for n in (a.nproc or [1, 2]))
+    path = a.out or RESULTS / f"trainer-{date:%Y-%m-%d-%H%M}-{nps}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""``TrainingArguments``: the transformers names and defaults, checked once, mapped onto
+meshtrain's engine config.
+
+The fields are the ones users type into transformers' ``TrainingArguments`` (5.x names and
+defaults), plus the older ``evaluation_strategy`` that transformers removed but every
+tutorial still uses, and meshtrain's ``mesh``. A bad value raises one ``ConfigError``
+naming the field, the value and the fix, before any process group or model is touched.
+
+``to_engine_config(...)`` builds the dict ``meshtrain.initialize`` takes. With
+``deepspeed=`` (a DeepSpeed/meshtrain JSON or YAML path, or a dict) that config is the
+base: its ``"auto"`` values are filled from these arguments, as the transformers
+DeepSpeed integration does, and a number written there that contradicts an argument is
+an error rather than a silent winner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from meshtrain.errors import ConfigError
+
+STRATEGIES = ("no", "steps", "epoch")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+# transformers optim name -> meshtrain optimizer type (all torch.optim implementations)
+OPTIMIZERS = {
+    "adamw_torch": "AdamW",
+    "adamw_torch_fused": "AdamW",
+    "adamw_hf": "AdamW",
+    "adamw": "AdamW",
+    "adam": "Adam",
+    "sgd": "SGD",
+    "adagrad": "Adagrad",
+}
+REPORTERS = ("tensorboard", "jsonl", "none", "all")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    text = getattr(value, "value", value)  # transformers' enums carry .value
+    if not isinstance(text, str) or text.lower() not in allowed:
+        raise ConfigError(
+            f"TrainingArguments.{name}: {value!r} is not allowed; use one of "
+            f"{', '.join(repr(a) for a in allowed)}"
+        )
+    return text.lower()
+
+
+def _positive(name: str, value: Any, *, allow_zero: bool = False, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        want = "an integer" if integer else "a number"
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"TrainingArguments.{name}: {value!r} is not allowed; use {want} {bound}")
+
+
+@dataclass
+class TrainingArguments:
+    """The arguments of :class:`~meshtrain.trainer.Trainer`, as in transformers.
+
+    Everything a seed script passes to ``transformers.TrainingArguments`` is accepted with
+    the same meaning and default; see docs/trainer.md for what differs. meshtrain-only:
+    ``mesh`` (``{"tensor_parallel_size": ..., "pipeline_parallel_size": ...}``) and
+    ``deepspeed`` accepting any meshtrain config key (ZeRO stage, offload, ...).
+    """
+
+    output_dir: str | None = None
+    overwrite_output_dir: bool = False
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "linear"
+    warmup_steps: float = 0
+    warmup_ratio: float | None = None
+    optim: str = "adamw_torch_fused"
+    logging_dir: str | None = None
+    logging_strategy: str = "steps"
+    logging_steps: float = 500
+    logging_first_step: bool = False
+    eval_strategy: str = "no"
+    evaluation_strategy: str | None = None
+    eval_steps: float | None = None
+    eval_delay: float = 0
+    save_strategy: str = "steps"
+    save_steps: float = 500
+    save_total_limit: int | None = None
+    save_only_model: bool = False
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None
+    load_best_model_at_end: bool = False
+    fp16: bool = False
+    bf16: bool = False
+    gradient_checkpointing: bool | None = None
+    torch_compile: bool = False
+    seed: int = 42
+    data_seed: int | None = None
+    dataloader_num_workers: int = 0
+    dataloader_drop_last: bool = False
+    remove_unused_columns: bool = True
+    label_names: list[str] | None = None
+    prediction_loss_only: bool = False
+    report_to: str | list[str] | None = "none"
+    run_name: str | None = None
+    disable_tqdm: bool | None = None
+    resume_from_checkpoint: str | None = None
+    deepspeed: str | dict | None = None
+    mesh: dict | None = None
+    """meshtrain: ``{"tensor_parallel_size": t, "pipeline_parallel_size": p}``."""
+
+    def __post_init__(self) -> None:
+        if self.evaluation_strategy is not None:  # the name the seeds and tutorials use
+            if self.eval_strategy not in ("no", self.evaluation_strategy):
+                raise ConfigError(
+                    f"TrainingArguments: evaluation_strategy={self.evaluation_strategy!r} and "
+                    f"eval_strategy={self.eval_strategy!r} disagree; pass only one "
+                    "(evaluation_strategy is the older name of eval_strategy)"
+                )
+            self.eval_strategy = self.evaluation_strategy
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"  # transformers 5's default
+        self.output_dir = os.fspath(self.output_dir)
+        self.eval_strategy = _choice("eval_strategy", self.eval_strategy, STRATEGIES)
+        self.evaluation_strategy = self.eval_strategy
+        self.logging_strategy = _choice("logging_strategy", self.logging_strategy, STRATEGIES)
+        self.save_strategy = _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        self.lr_scheduler_type = _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        self.optim = _choice("optim", self.optim, tuple(OPTIMIZERS))
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            _positive(name, getattr(self, name), integer=True)
+        _positive("gradient_accumulation_steps", self.gradient_accumulation_steps, integer=True)
+        _positive(
+            "dataloader_num_workers", self.dataloader_num_workers, allow_zero=True, integer=True
+        )
+        _positive("learning_rate", self.learning_rate, allow_zero=True)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("adam_epsilon", self.adam_epsilon, allow_zero=True)
+        _positive("max_grad_norm", self.max_grad_norm, allow_zero=True)
+        _positive("num_train_epochs", self.num_train_epochs, allow_zero=True)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0 <= value < 1:
+                raise ConfigError(f"TrainingArguments.{name}: {value!r} must be in [0, 1)")
+        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio <= 1:
+            raise ConfigError(
+                f"TrainingArguments.warmup_ratio: {self.warmup_ratio!r} must be in [0, 1]"
+            )
+        if not isinstance(self.max_steps, int) or isinstance(self.max_steps, bool):
+            raise ConfigError(f"TrainingArguments.max_steps: {self.max_steps!r} is not an integer")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise ConfigError(
+                "TrainingArguments: max_steps <= 0 and num_train_epochs <= 0 leave nothing to "
+                "train; set num_train_epochs > 0 or max_steps > 0"
+            )
+        if self.fp16 and self.bf16:
+            raise ConfigError("TrainingArguments: fp16 and bf16 are both True; enable at most one")
+        if self.save_total_limit is not None:
+            _positive("save_total_limit", self.save_total_limit, integer=True)
+        if self.logging_strategy == "steps":
+            _positive("logging_steps", self.logging_steps)
+        if self.save_strategy == "steps":
+            _positive("save_steps", self.save_steps)
+        if self.eval_strategy == "steps":
+            if self.eval_steps is None:
+                self.eval_steps = self.logging_steps  # transformers' rule
+            _positive("eval_steps", self.eval_steps)
+        self.report_to = self._reporters(self.report_to)
+        if isinstance(self.label_names, str):
+            self.label_names = [self.label_names]
+        self._check_best_model()
+        if self.mesh is not None:
+            from meshtrain.config import MeshConfig
+
+            try:
+                MeshConfig.model_validate(self.mesh)
+            except Exception as exc:  # pydantic's message, prefixed with the field
+                raise ConfigError(f"TrainingArguments.mesh: {exc}") from None
+
+    def _reporters(self, value: Any) -> list[str]:
+        items = [value] if value is None or isinstance(value, str) else list(value)
+        out = []
+        for item in items:
+            name = "none" if item is None else _choice("report_to", item, REPORTERS)
+            out += ["tensorboard", "jsonl"] if name == "all" else [name]
+        return [] if "none" in out else out
+
+    def _check_best_model(self) -> None:
+        if self.save_strategy == "best" and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.load_best_model_at_end:
+            if self.save_strategy != "best" and self.eval_strategy != self.save_strategy:
+                raise ConfigError(
+                    "TrainingArguments.load_best_model_at_end needs evaluations where "
+                    f"checkpoints are saved: eval_strategy={self.eval_strategy!r} but "
+                    f"save_strategy={self.save_strategy!r}; make them equal"
+                )
+            if self.eval_strategy == "no":
+                raise ConfigError(
+                    "TrainingArguments.load_best_model_at_end needs an evaluation; set "
+                    'eval_strategy to "steps" or "epoch"'
+                )
+            if self.eval_strategy == "steps" and self.save_strategy == "steps":
+                if self.save_steps % self.eval_steps:
+                    raise ConfigError(
+                        f"TrainingArguments.save_steps {self.save_steps} must be a multiple "
+                        f"of eval_steps {self.eval_steps} with load_best_model_at_end, so "
+                        "every checkpoint has an evaluation"
+                    )
+            if self.metric_for_best_model is None:
+                self.metric_for_best_model = "loss"
+        if self.metric_for_best_model is not None and self.greater_is_better is None:
+            name = self.metric_for_best_model
+            self.greater_is_better = not name.endswith("loss")
+
+    # -- derived values -------------------------------------------------------------------
+    @property
+    def metric_key(self) -> str | None:
+        """The metrics key of ``metric_for_best_model`` (``"f1"`` -> ``"eval_f1"``)."""
+        m = self.metric_for_best_model
+        return None if m is None else (m if m.startswith("eval_") else f"eval_{m}")
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warmup steps: ``warmup_steps`` (a fraction of ``total_steps`` when < 1, as in
+        transformers 5), else ``warmup_ratio * total_steps`` rounded up."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        ratio = self.warmup_steps if self.warmup_steps > 0 else (self.warmup_ratio or 0.0)
+        return int(-(-ratio * total_steps // 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The arguments as a JSON-serialisable dict (saved with each checkpoint)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "deepspeed" or not isinstance(self.deepspeed, dict)
+        }
+
+    def to_engine_config(self, total_steps: int | None = None) -> dict[str, Any]:
+        """The config dict for ``meshtrain.initialize`` (see the module docstring).
+
+        The optimizer is built by the engine from ``optim`` unless the DeepSpeed config has
+        its own ``optimizer`` section; the learning-rate schedule is the Trainer's own
+        (``lr_scheduler_type``) unless that config has a ``scheduler`` section.
+        """
+        from meshtrain.config import load_config
+
+        base = self._deepspeed_dict()
+        filled = {
+            "train_micro_batch_size_per_gpu": self.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_clipping": self.max_grad_norm,
+            "fp16.enabled": self.fp16,
+            "bf16.enabled": self.bf16,
+            "optimizer.params.lr": self.learning_rate,
+            "optimizer.params.betas": [self.adam_beta1, self.adam_beta2],
+            "optimizer.params.eps": self.adam_epsilon,
+            "optimizer.params.weight_decay": self.weight_decay,
+            "scheduler.params.warmup_max_lr": self.learning_rate,
+        }
+        if total_steps is not None:  # a DeepSpeed scheduler section's "auto" step counts
+            filled["scheduler.params.total_num_steps"] = total_steps
+            filled["scheduler.params.warmup_num_steps"] = self.warmup_for(total_steps)
+        for key, value in filled.items():
+            written = _get(base, key)
+            if written is None or written == "auto":
+                continue
+            if key.startswith(("optimizer.", "scheduler.")):
+                continue  # the DeepSpeed config's own optimizer/schedule wins, as in transformers
+            if key.endswith(".enabled") and not value:
+                continue  # precision enabled by the config alone is fine
+            if written != value:
+                raise ConfigError(
+                    f"deepspeed config {key} = {written!r} contradicts TrainingArguments "
+                    f'({_arg_name(key)} = {value!r}); write "auto" there or make them equal'
+                )
+        config = dict(base)
+        config.setdefault("train_micro_batch_size_per_gpu", self.per_device_train_batch_size)
+        config.setdefault("gradient_accumulation_steps", self.gradient_accumulation_steps)
+        config.setdefault("gradient_clipping", self.max_grad_norm)
+        if base.get("train_batch_size") == "auto":
+            config.pop("train_batch_size")
+        if self.fp16:
+            config["fp16"] = {**config.get("fp16", {}), "enabled": True}
+        if self.bf16:
+            config["bf16"] = {**config.get("bf16", {}), "enabled": True}
+        if "optimizer" not in config:
+            config["optimizer"] = self._optimizer_section()
+        if self.mesh:
+            config["mesh"] = {**config.get("mesh", {}), **self.mesh}
+        if self.gradient_checkpointing:
+            config["activation_checkpointing"] = {
+                **config.get("activation_checkpointing", {}),
+                "enabled": True,
+            }
+        if self.torch_compile:
+            config["compile"] = {**config.get("compile", {}), "enabled": True}
+        config.setdefault("steps_per_print", 10**9)  # the Trainer logs; the engine stays quiet
+        cfg = load_config(config, world_size=1)
+        cfg = cfg.resolve_auto({k: v for k, v in filled.items()})
+        return cfg.to_dict(derived=False)
+
+    def _optimizer_section(self) -> dict[str, Any]:
+        kind = OPTIMIZERS[self.optim]
+        params: dict[str, Any] = {"lr": self.learning_rate, "weight_decay": self.weight_decay}
+        if kind in ("Adam", "AdamW"):
+            params.update(betas=[self.adam_beta1, self.adam_beta2], eps=self.adam_epsilon)
+        if kind == "Adagrad":
+            params["eps"] = self.adam_epsilon
+        return {"type": kind, "params": params}
+
+    def _deepspeed_dict(self) -> dict[str, Any]:
+        ds = self.deepspeed
+        if ds is None:
+            return {}
+        if isinstance(ds, dict):
+            return dict(ds)
+        if isinstance(ds, str | os.PathLike):
+            from meshtrain.config import read_config_file
+
+            try:
+                return dict(read_config_file(ds))
+            except ConfigError as exc:
+                raise ConfigError(f"TrainingArguments.deepspeed: {exc}") from None
+        raise ConfigError(
+            f"TrainingArguments.deepspeed: {type(ds).__name__} is not allowed; pass a path "
+            "to a JSON/YAML config or a dict"
+        )
+
+
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _arg_name(key: str) -> str:
+    return {
+        "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+        "gradient_accumulation_steps": "gradient_accumulation_steps",
+        "gradient_clipping": "max_grad_norm",
+        "fp16.enabled": "fp16",
+        "bf16.enabled": "bf16",
+    }.get(key, key)
+
+
+__all__ = ["OPTIMIZERS", "SCHEDULERS", "TrainingArguments"]

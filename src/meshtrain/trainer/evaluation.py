@@ -1,0 +1,217 @@
+"""Evaluation and prediction over every data-parallel rank, returning exactly the
+dataset's rows in dataset order.
+
+Rank ``r`` of ``R`` takes rows ``r, r + R, r + 2R, ...`` (no padding rows, so nothing is
+duplicated on an uneven tail: ranks differ by at most one row). Under ZeRO-3 the forward
+gathers parameters with collectives, so a rank that runs out of batches repeats its
+first one and discards the result until every rank has run the same number of forwards.
+Predictions stay on the CPU as numpy arrays; batches of different sequence lengths are
+padded with -100 to a common shape (as transformers does). At the end one
+``all_gather_object`` over the data-parallel group brings every rank's arrays to every
+rank, and row ``i`` of the result is row ``i // R`` of rank ``i % R``.
+
+``eval_loss`` is the mean of the per-batch losses weighted by their rows (each row is
+counted once over all ranks).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshtrain.trainer.loss import batch_rows
+from meshtrain.trainer.state import EvalPrediction, PredictionOutput
+
+PAD = -100
+
+
+def to_numpy(x: Any) -> Any:
+    """Tensors (nested in tuples/lists/dicts) -> CPU numpy; float16/bfloat16 -> float32."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if x.is_floating_point() and x.dtype != torch.float64:
+            x = x.float()
+        return x.cpu().numpy()
+    if isinstance(x, list | tuple):
+        return type(x)(to_numpy(v) for v in x)
+    if isinstance(x, dict):
+        return {k: to_numpy(v) for k, v in x.items()}
+    return x
+
+
+def pad_concat(arrays: list[np.ndarray], pad: int = PAD) -> np.ndarray:
+    """Concatenate along rows, padding the other dimensions to the largest with ``pad``."""
+    arrays = [np.asarray(a) for a in arrays]
+    if not arrays:
+        return np.zeros((0,))
+    if all(a.shape[1:] == arrays[0].shape[1:] for a in arrays):
+        return np.concatenate(arrays, axis=0)
+    tail = tuple(max(a.shape[d] for a in arrays) for d in range(1, arrays[0].ndim))
+    out = np.full((sum(a.shape[0] for a in arrays), *tail), pad, dtype=arrays[0].dtype)
+    row = 0
+    for a in arrays:
+        out[(slice(row, row + a.shape[0]), *(slice(0, s) for s in a.shape[1:]))] = a
+        row += a.shape[0]
+    return out
+
+
+def nested_concat(parts: list[Any]) -> Any:
+    """``pad_concat`` applied leaf by leaf to a list of same-structured (tuples of) arrays."""
+    if not parts:
+        return None
+    first = parts[0]
+    if isinstance(first, list | tuple):
+        return type(first)(nested_concat([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: nested_concat([p[k] for p in parts]) for k in first}
+    return pad_concat(parts)
+
+
+def nested_rows(x: Any, n: int) -> Any:
+    """The first ``n`` rows of every leaf."""
+    if isinstance(x, list | tuple):
+        return type(x)(nested_rows(v, n) for v in x)
+    if isinstance(x, dict):
+        return {k: nested_rows(v, n) for k, v in x.items()}
+    return x[:n]
+
+
+def interleave(per_rank: list[Any], total: int) -> Any:
+    """Row ``i`` of the result is row ``i // R`` of ``per_rank[i % R]`` (see module doc)."""
+    ranks = len(per_rank)
+    first = next((p for p in per_rank if p is not None), None)
+    if first is None:
+        return None
+    if isinstance(first, list | tuple):
+        return type(first)(interleave([p[i] for p in per_rank], total) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: interleave([p[k] for p in per_rank], total) for k in first}
+    # one common shape over ranks (sequence lengths may differ between ranks)
+    padded = pad_concat(per_rank)
+    out = np.empty((total, *padded.shape[1:]), dtype=padded.dtype)
+    row = 0
+    for r, part in enumerate(per_rank):
+        n = len(part)
+        out[r::ranks][:n] = padded[row : row + n]
+        row += n
+    return out
+
+
+def rank_rows(n: int, ranks: int, rank: int) -> list[int]:
+    """Dataset rows rank ``rank`` evaluates."""
+    return list(range(rank, n, ranks))
+
+
+def max_batches(n: int, ranks: int, batch_size: int) -> int:
+    """Forwards every rank runs under ZeRO-3 (the most any rank needs)."""
+    return math.ceil(math.ceil(n / ranks) / batch_size) if n else 0
+
+
+def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix: str):
+    """Evaluate or predict ``dataset`` on every data-parallel rank (module docstring);
+    returns a ``PredictionOutput`` with ``<prefix>_`` metrics, identical on every rank."""
+    import torch.distributed as dist
+
+    trainer._setup()
+    args, topo = trainer.args, trainer.topology
+    dataset = trainer._prepare_dataset(dataset)
+    n, ranks, rank = len(dataset), topo.dp_size, topo.dp_rank
+    rows = rank_rows(n, ranks, rank)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.per_device_eval_batch_size,
+        sampler=rows,
+        collate_fn=trainer.data_collator,
+        num_workers=args.dataloader_num_workers,
+    )
+    loss_only = args.prediction_loss_only
+    preds, labels, loss_sum, seen, had_loss = [], [], 0.0, 0, False
+    t0 = time.perf_counter()
+    trainer.model.eval()
+    batches = 0
+    first = None
+    for batch in loader:
+        first = first if first is not None else batch
+        inputs = trainer._prepare_inputs(batch)
+        loss, logits, lab = trainer.prediction_step(trainer.model, inputs, loss_only, ignore_keys)
+        size = batch_rows(batch)
+        batches += 1
+        if loss is not None:
+            loss_sum += float(loss) * size
+            had_loss = True
+        if logits is not None and trainer.preprocess_logits_for_metrics is not None:
+            logits = trainer.preprocess_logits_for_metrics(logits, lab)
+        if logits is not None:
+            preds.append(to_numpy(logits))
+        if lab is not None:
+            labels.append(to_numpy(lab))
+        seen += size
+        trainer.control = trainer._event("on_prediction_step")
+    if getattr(trainer.engine.zero, "gatherer", None) is not None and first is not None:
+        for _ in range(max_batches(n, ranks, args.per_device_eval_batch_size) - batches):
+            with torch.no_grad():  # ZeRO-3: match the other ranks' collectives
+                trainer.prediction_step(
+                    trainer.model, trainer._prepare_inputs(first), True, ignore_keys
+                )
+    mine = (loss_sum, seen, had_loss, nested_concat(preds), nested_concat(labels))
+    if ranks > 1:
+        everyone: list[Any] = [None] * ranks
+        dist.all_gather_object(everyone, mine, group=topo.dp_group.pg)
+    else:
+        everyone = [mine]
+    total_loss = sum(e[0] for e in everyone)
+    counted = sum(e[1] for e in everyone)
+    predictions = interleave([e[3] for e in everyone], n) if preds else None
+    label_ids = interleave([e[4] for e in everyone], n) if labels else None
+    runtime = time.perf_counter() - t0
+    metrics: dict[str, float] = {}
+    if trainer.compute_metrics is not None and predictions is not None and label_ids is not None:
+        metrics.update(trainer.compute_metrics(EvalPrediction(predictions, label_ids)))
+    metrics = {k: plain(v) for k, v in metrics.items()}
+    if counted and any(e[2] for e in everyone):
+        metrics["loss"] = total_loss / counted
+    metrics.update(
+        runtime=round(runtime, 4),
+        samples_per_second=round(n / runtime, 3),
+        steps_per_second=round(
+            math.ceil(n / max(1, ranks) / args.per_device_eval_batch_size) / runtime, 3
+        ),
+    )
+    metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
+    return PredictionOutput(predictions, label_ids, metrics)
+
+
+def plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def logits_of(outputs: Any, ignore_keys: list[str]) -> Any:
+    """The prediction part of a model's outputs (transformers: everything but the loss)."""
+    if isinstance(outputs, Mapping):
+        items = tuple(v for k, v in outputs.items() if k != "loss" and k not in ignore_keys)
+    elif isinstance(outputs, tuple | list):
+        items = tuple(outputs[1:]) if len(outputs) > 1 else tuple(outputs)
+    else:
+        return outputs
+    items = tuple(v for v in items if v is not None)
+    return items[0] if len(items) == 1 else items
+
+
+__all__ = [
+    "interleave",
+    "logits_of",
+    "prediction_loop",
+    "max_batches",
+    "nested_concat",
+    "nested_rows",
+    "pad_concat",
+    "rank_rows",
+    "to_numpy",
+]

@@ -1,0 +1,109 @@
+"""What the Trainer knows about a run (``TrainerState``), what callbacks may ask of it
+(``TrainerControl``), and what ``train`` / ``predict`` / ``compute_metrics`` receive or
+return (``TrainOutput``, ``PredictionOutput``, ``EvalPrediction``) -- the transformers
+names and fields, so callbacks and metric functions written for transformers work.
+
+``TrainerState`` is saved in every checkpoint (inside its manifest, so it is committed
+atomically with the weights) and as ``trainer_state.json`` beside it for people to read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class EvalPrediction:
+    """Predictions and labels of an evaluation, gathered over every process in dataset
+    order; unpacks as ``predictions, label_ids = eval_pred`` like transformers'."""
+
+    def __init__(self, predictions: Any, label_ids: Any, inputs: Any = None) -> None:
+        self.predictions = predictions
+        self.label_ids = label_ids
+        self.inputs = inputs
+
+    def _items(self) -> tuple:
+        base = (self.predictions, self.label_ids)
+        return base if self.inputs is None else (*base, self.inputs)
+
+    def __iter__(self):
+        return iter(self._items())
+
+    def __getitem__(self, i: int) -> Any:
+        return self._items()[i]
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+
+class TrainOutput(NamedTuple):
+    """What ``Trainer.train()`` returns."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class PredictionOutput(NamedTuple):
+    """What ``Trainer.predict()`` returns: exactly one row per dataset row."""
+
+    predictions: np.ndarray | tuple
+    label_ids: np.ndarray | tuple | None
+    metrics: dict[str, float] | None
+
+
+@dataclass
+class TrainerState:
+    """The run's counters, history and best checkpoint (transformers' field names)."""
+
+    epoch: float = 0.0
+    global_step: int = 0
+    max_steps: int = 0
+    num_train_epochs: int = 0
+    logging_steps: float = 500
+    eval_steps: float | None = None
+    save_steps: float = 500
+    train_batch_size: int = 0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    total_flos: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def save_to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, default=float) + "\n")
+
+
+@dataclass
+class TrainerControl:
+    """Flags callbacks set to steer the loop; the Trainer resets each after acting on it."""
+
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+
+__all__ = [
+    "EvalPrediction",
+    "PredictionOutput",
+    "TrainOutput",
+    "TrainerControl",
+    "TrainerState",
+]

@@ -1,0 +1,256 @@
+"""The training loop of :class:`~meshtrain.trainer.Trainer` (``train`` and what it
+calls at each step: logging, evaluation, best-model tracking, checkpoints, the end).
+
+A mixin so the Trainer module stays small; it uses the Trainer's attributes (``args``,
+``state``, ``control``, ``engine``, ``topology``, callbacks) and methods
+(``training_step``, ``evaluate``, ``log``, ``_event``, ``_say``).
+
+Epochs and windows: an epoch is one pass of the resumable loader; an optimizer step takes
+the next ``gradient_accumulation_steps`` micro-batches (fewer at the end of an epoch).
+Resuming loads the engine checkpoint (model, optimizer, schedule, RNG, data position) and
+the ``TrainerState`` saved in it, and continues in the epoch and at the sample where the
+checkpoint was taken.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any
+
+import torch
+
+from meshtrain.errors import ConfigError
+from meshtrain.trainer import checkpoints as ckpt
+from meshtrain.trainer.callbacks import RunLogCallback
+from meshtrain.trainer.report import end_table, training_header
+from meshtrain.trainer.state import TrainerControl, TrainerState, TrainOutput
+
+
+class TrainingLoop:
+    """``train()`` and its helpers (see the module docstring)."""
+
+    def train(
+        self,
+        resume_from_checkpoint: bool | str | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
+        """Train to ``max_steps`` / ``num_train_epochs``; see the module docstring."""
+        if self.train_dataset is None:
+            raise ConfigError("Trainer.train() needs train_dataset=")
+        from meshtrain.distributed import comm
+
+        args = self.args
+        self._setup()
+        engine, loader = self.engine, self.train_dataloader
+        resume = resume_from_checkpoint
+        if resume is None:
+            resume = args.resume_from_checkpoint
+        path = ckpt.resolve_resume(resume, self.checkpoint_dir, self.checkpoint_prefix)
+        epoch_done = False
+        if path is not None:
+            _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
+            self.state = TrainerState.from_dict(client.get("trainer_state", {}))
+            epoch_done = bool(client.get("epoch_done"))
+            self._say(f"resuming from {path} (step {self.state.global_step})")
+        st = self.state
+        st.max_steps, st.num_train_epochs = self.max_steps, self.num_epochs
+        st.logging_steps, st.eval_steps, st.save_steps = (
+            args.logging_steps,
+            args.eval_steps,
+            args.save_steps,
+        )
+        st.train_batch_size = args.per_device_train_batch_size
+        st.is_world_process_zero = self.topology.rank == 0
+        start_step = self.start_step = st.global_step
+        self._say(
+            training_header(
+                num_examples=len(self.train_dataset),
+                num_epochs=self.num_epochs,
+                per_device=args.per_device_train_batch_size,
+                total_batch=engine.config.train_batch_size,
+                accumulation=args.gradient_accumulation_steps,
+                max_steps=self.max_steps,
+                num_params=self.num_parameters,
+                processes=self.topology.world_size,
+                zero_stage=engine.zero_stage,
+                precision=engine.config.precision,
+            )
+        )
+        self.control = TrainerControl()
+        self.control = self._event("on_train_begin")
+        t0 = time.perf_counter()
+        run_loss = torch.zeros((), device=engine.device)  # this run's summed step shares
+        log_loss = torch.zeros((), device=engine.device)
+        log_steps, self._last_eval = 0, None
+        sampler = loader.sampler
+        start_epoch = int(sampler.epoch) if path is not None else 0
+        if path is not None and epoch_done and sampler.consumed >= len(self.train_dataset):
+            start_epoch += 1
+        n_rows = len(self.train_dataset)
+        for epoch in range(start_epoch, self.num_epochs):
+            if st.global_step >= self.max_steps or self.control.should_training_stop:
+                break
+            loader.set_epoch(epoch)
+            batches = iter(loader)
+            self.control = self._event("on_epoch_begin")
+            while st.global_step < self.max_steps:
+                window = list(itertools.islice(batches, args.gradient_accumulation_steps))
+                if not window:
+                    break
+                self.control = self._event("on_step_begin")
+                share, local_sum, local_items = self.training_step(window)
+                if engine.log.last and local_items and not self._loss_is_share():
+                    engine.log.last["loss"] = local_sum / local_items  # rank 0's item mean
+                run_loss += share
+                log_loss += share
+                log_steps += 1
+                st.global_step += 1
+                st.epoch = epoch + min(1.0, sampler.consumed / max(1, n_rows))
+                self.control = self._event("on_step_end")
+                if self.control.should_log and log_steps:
+                    comm.all_reduce(log_loss, self.topology.dp_group, label="control")
+                    self._log_train(float(log_loss) / log_steps)
+                    log_loss.zero_()
+                    log_steps = 0
+                self._evaluate_and_save(ignore_keys_for_eval, epoch_done=False)
+                if self.control.should_training_stop or self.control.should_epoch_stop:
+                    break
+            self.control.should_epoch_stop = False
+            if st.global_step >= self.max_steps or self.control.should_training_stop:
+                if sampler.consumed < n_rows:
+                    break
+            st.epoch = float(epoch + 1)
+            self.control = self._event("on_epoch_end")
+            if self.control.should_log and log_steps:
+                comm.all_reduce(log_loss, self.topology.dp_group, label="control")
+                self._log_train(float(log_loss) / log_steps)
+                log_loss.zero_()
+                log_steps = 0
+            self._evaluate_and_save(ignore_keys_for_eval, epoch_done=True)
+        return self._finish_training(run_loss, start_step, t0)
+
+    def _log_train(self, loss: float) -> None:
+        grad_norm = self.engine.get_global_grad_norm()
+        self.log(
+            {
+                "loss": loss,
+                "grad_norm": grad_norm if grad_norm is not None else float("nan"),
+                "learning_rate": self._applied_lr,
+            }
+        )
+
+    def _evaluate_and_save(self, ignore_keys: list[str] | None, epoch_done: bool) -> None:
+        metrics = None
+        if self.control.should_evaluate:
+            metrics = self.evaluate(ignore_keys=ignore_keys)
+            self._update_best(metrics)
+            self.control.should_evaluate = False
+        if self.control.should_save or (
+            self.args.save_strategy == "best" and metrics is not None and self._improved
+        ):
+            if self.args.save_strategy != "best" or (metrics is not None and self._improved):
+                self._save_checkpoint(epoch_done)
+            self.control.should_save = False
+        self.control.should_log = False
+
+    def _update_best(self, metrics: dict[str, float]) -> None:
+        self._improved = False
+        key = self.args.metric_key
+        if key is None:
+            return
+        if key not in metrics:
+            raise ConfigError(
+                f"TrainingArguments.metric_for_best_model={self.args.metric_for_best_model!r}: "
+                f"the evaluation returned no {key!r}; available: {sorted(metrics)}. Use one of "
+                "those names (without the eval_ prefix) or return it from compute_metrics"
+            )
+        value = float(metrics[key])
+        if ckpt.is_better(value, self.state.best_metric, bool(self.args.greater_is_better)):
+            self.state.best_metric = value
+            self.state.best_global_step = self.state.global_step
+            self._improved = True
+
+    def _save_checkpoint(self, epoch_done: bool) -> None:
+        """``output_dir/checkpoint-<step>`` (see ``meshtrain.trainer.checkpoints``)."""
+        st, args, engine = self.state, self.args, self.engine
+        root, prefix = self.checkpoint_dir, self.checkpoint_prefix
+        tag = f"{prefix}{st.global_step}"
+        if st.best_global_step == st.global_step:
+            st.best_model_checkpoint = os.path.join(root, tag)
+        client = {"trainer_state": st.to_dict(), "epoch_done": epoch_done}
+        path = engine.save_checkpoint(root, tag=tag, client_state=client)
+        export = hasattr(self.model, "save_pretrained")
+        state_dict = engine.module_state_dict() if export else None  # every rank gathers
+        if self.topology.rank == 0:
+            if export:
+                self.model.save_pretrained(path, state_dict=state_dict)
+                if self.processing_class is not None and hasattr(
+                    self.processing_class, "save_pretrained"
+                ):
+                    self.processing_class.save_pretrained(path)
+            st.save_to_json(path / "trainer_state.json")
+            best = ckpt.step_of(st.best_model_checkpoint, prefix)
+            steps = ckpt.checkpoint_steps(root, prefix)
+            ckpt.delete(root, ckpt.to_delete(steps, args.save_total_limit, best), prefix)
+        self._barrier()
+        self.control = self._event("on_save")
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and self.topology.world_size > 1:
+            dist.barrier()
+
+    def _finish_training(self, run_loss: torch.Tensor, start_step: int, t0: float) -> TrainOutput:
+        from meshtrain.distributed import comm
+
+        st, args = self.state, self.args
+        comm.all_reduce(run_loss, self.topology.dp_group, label="control")
+        steps = max(1, st.global_step - start_step)
+        train_loss = float(run_loss) / steps
+        if args.load_best_model_at_end and st.best_model_checkpoint:
+            best = ckpt.resolve_resume(st.best_model_checkpoint, self.checkpoint_dir)
+            if best is not None and best.is_dir():
+                self._say(f"Loading best model from {best} (score: {st.best_metric}).")
+                self.engine.load_checkpoint(str(best.parent), tag=best.name, load_module_only=True)
+        self._sync_user_model()
+        runtime = time.perf_counter() - t0
+        samples = steps * self.engine.config.train_batch_size
+        metrics = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(samples / runtime, 3),
+            "train_steps_per_second": round(steps / runtime, 3),
+            "total_flos": 0.0,
+            "train_loss": train_loss,
+        }
+        self.log(dict(metrics))
+        self.control = self._event("on_train_end")
+        logger = next(
+            (c for c in self.callback_handler.callbacks if isinstance(c, RunLogCallback)), None
+        )
+        self.run_log_rows = [] if logger is None else logger.rows
+        table = end_table(st.log_history)
+        if table:
+            self._say(table)
+        return TrainOutput(st.global_step, train_loss, metrics)
+
+    def _sync_user_model(self) -> None:
+        """Under ZeRO-3 the model's parameters are shards between steps: give the user's
+        model object the whole trained weights on every rank (hooks removed)."""
+        engine = self.engine
+        gatherer = getattr(engine.zero, "gatherer", None)
+        if gatherer is None:
+            return  # stages 0-2: every rank's module already holds the full weights
+        state = engine.module_state_dict()
+        gatherer.remove()
+        engine.zero.gatherer = None
+        with torch.no_grad():
+            for name, p in engine.module.named_parameters():
+                p.data = state[name].to(p.device)
+
+
+__all__ = ["TrainingLoop"]

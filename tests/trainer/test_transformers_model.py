@@ -1,0 +1,115 @@
+"""A transformers BERT through the Trainer on 2 ranks: ZeRO-3 equals ZeRO-0, the user's
+model holds the full trained weights afterwards, and seed 000's closing pipeline works.
+
+Tolerances: logged losses within 1e-6 (fp32, dropout off; ZeRO-3 reduce-scatters where
+stage 0 all-reduces: the same sums in another order); weights within 1e-5 (AdamW's
+division by sqrt(v) enlarges ~1e-7 gradient differences on near-zero entries).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.harness import run_ranks
+
+CHARS = list("我觉得不错很好差评酒店服务房间干净价格便宜太贵了失望推荐满意")
+REVIEWS = [
+    ("我觉得不错", 1), ("很好推荐", 1), ("房间干净满意", 1), ("价格便宜很好", 1),
+    ("太差了失望", 0), ("服务差评", 0), ("太贵了不好", 0), ("房间不干净", 0),
+]  # fmt: skip
+
+
+def _tokenizer(tmp: str):
+    from transformers import BertTokenizer
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(CHARS)]
+    path = f"{tmp}/vocab.txt"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(vocab) + "\n")
+    return BertTokenizer(path)
+
+
+def _data(tokenizer, n: int):
+    rows = [REVIEWS[i % len(REVIEWS)] for i in range(n)]
+    return [{**tokenizer(text, max_length=16, truncation=True), "labels": y} for text, y in rows]
+
+
+def _bert(tokenizer):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, num_labels=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def _run(tmp: str):
+    import os
+
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, pipeline
+
+    from meshtrain import Trainer, TrainingArguments
+
+    tok = _tokenizer(tmp)
+    out = {}
+    for stage in (0, 3):
+        model = _bert(tok)
+        args = TrainingArguments(
+            f"{tmp}/z{stage}",
+            per_device_train_batch_size=4,
+            per_device_eval_batch_size=5,
+            num_train_epochs=2,
+            learning_rate=5e-3,
+            logging_steps=1,
+            eval_strategy="epoch",
+            save_strategy="epoch",
+            save_total_limit=1,
+            metric_for_best_model="accuracy",
+            load_best_model_at_end=True,
+            deepspeed={"zero_optimization": {"stage": stage}},
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=model, args=args, train_dataset=_data(tok, 32), eval_dataset=_data(tok, 11),
+            data_collator=DataCollatorWithPadding(tok),
+            compute_metrics=lambda p: {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())},
+        )  # fmt: skip
+        trainer.train()
+        metrics = trainer.evaluate()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.config.id2label = {0: "差评!", 1: "好评!"}
+        pipe = pipeline("text-classification", model=model, tokenizer=tok)
+        answer = pipe("我觉得不错!")
+        best = trainer.state.best_model_checkpoint
+        kept = sorted(d for d in os.listdir(f"{tmp}/z{stage}") if d.startswith("checkpoint-"))
+        exported = AutoModelForSequenceClassification.from_pretrained(best)
+        batch = DataCollatorWithPadding(tok)(_data(tok, 8))
+        batch.pop("labels")
+        with torch.no_grad():
+            same = torch.allclose(exported(**batch).logits, model(**batch).logits, atol=1e-5)
+        out[stage] = (losses, weights, metrics, answer, kept, best, same)
+    return out
+
+
+def test_zero3_bert_pipeline_and_exports(tmp_path):
+    ranks = run_ranks(_run, 2, str(tmp_path))
+    for out in ranks:
+        (l0, w0, m0, a0, kept0, best0, same0), (l3, w3, m3, a3, _kept3, _best3, same3) = (
+            out[0],
+            out[3],
+        )
+        assert len(l0) == 8 and max(abs(a - b) for a, b in zip(l0, l3, strict=True)) <= 1e-6
+        for k in w0:
+            assert torch.allclose(w0[k], w3[k], atol=1e-5, rtol=0), k
+        assert abs(m0["eval_loss"] - m3["eval_loss"]) <= 1e-5
+        assert a0[0]["label"] in ("差评!", "好评!") and a3[0]["label"] == a0[0]["label"]
+        # 2 epochs, limit 1: the best (with load_best_model_at_end) and the newest survive
+        assert best0.endswith(kept0[0]) or best0.endswith(kept0[-1])
+        assert len(kept0) <= 2 and same0 and same3
+    # every rank holds the same full weights
+    for k in ranks[0][3][1]:
+        assert torch.equal(ranks[0][3][1][k], ranks[1][3][1][k])
