@@ -3,8 +3,9 @@ the same answers as its consolidated export.
 
 Both paths read the same fp32 masters from the same rank files, so the loaded weights
 are compared for exact equality with the weights the engine gathered after training,
-and the two servers' answers (scores and greedy text) for exact equality too (batching
-off, so that both compute each text alone).
+and the two servers' answers: labels and greedy text exactly, scores within 1e-6 (the
+same fp32 weights in differently allocated tensors may take CPU kernels that sum in
+another order: 1.2e-7 apart was seen). Batching is off, so each text is computed alone.
 """
 
 from __future__ import annotations
@@ -83,4 +84,8 @@ def test_sharded_checkpoint_serves_like_its_export(trained, task, tmp_path):
         a = _answers(url, task)
     with live_server(export_served, max_new_tokens=8, max_batch_size=1) as url:
         b = _answers(url, task)
-    assert a == b
+    if task == "chat":
+        assert a == b
+    else:
+        assert [x["label"] for x in a] == [y["label"] for y in b]
+        assert [x["score"] for x in a] == pytest.approx([y["score"] for y in b], abs=1e-6)
