@@ -34,3 +34,7 @@ class DataError(MeshtrainError, ValueError):
 
 class TrainingError(MeshtrainError, RuntimeError):
     """Training cannot continue (e.g. fp16 loss scale stuck at its minimum)."""
+
+
+class ServeError(MeshtrainError, ValueError):
+    """``meshtrain serve`` cannot start: the model, tokenizer or task given does not fit."""

