@@ -43,7 +43,7 @@ from meshtrain.accelerate.prepared import (
     PreparedOptimizer,
     PreparedScheduler,
 )
-from meshtrain.accelerate.setup import config_dict, engine_config, rng_state, set_rng_state
+from meshtrain.accelerate.setup import config_dict, engine_config, load_rng_state, save_rng_state
 from meshtrain.errors import ConfigError
 
 
@@ -371,7 +371,7 @@ class Accelerator:
         path = Path(
             engine.save_checkpoint(output_dir, tag="accelerator_state", client_state=client)
         )
-        torch.save(rng_state(), Path(path) / f"rng_state_{self.process_index}.pt")
+        save_rng_state(Path(path), self.process_index)
         self.wait_for_everyone()
         return path
 
@@ -383,9 +383,7 @@ class Accelerator:
             dl.load_state_dict(st)
         for s, st in zip(self._schedulers, client.get("schedulers", []), strict=False):
             s.load_state_dict(st)
-        rng = Path(path) / f"rng_state_{self.process_index}.pt"
-        if rng.exists():
-            set_rng_state(torch.load(rng, weights_only=False))
+        load_rng_state(Path(path), self.process_index)
 
     def end_training(self) -> None:
         self.wait_for_everyone()

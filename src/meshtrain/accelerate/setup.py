@@ -9,7 +9,9 @@ argument, and ``train_micro_batch_size_per_gpu`` from the training loader's batc
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,23 +77,41 @@ def engine_config(config: dict[str, Any], loaders: list, topology):
     return cfg.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
 
 
-def rng_state() -> dict[str, Any]:
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
+def save_rng_state(folder: Path, rank: int) -> None:
+    """This rank's torch/python/numpy (and CUDA) RNG states: tensors in safetensors, the
+    rest in JSON, so loading never unpickles."""
+    from safetensors.torch import save_file
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    py = random.getstate()
+    tensors = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64))}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        for i, t in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = t
+    save_file(tensors, str(folder / f"rng_state_{rank}.safetensors"))
+    scalars = {"python": [py[0], list(py[1]), py[2]], "numpy": [kind, pos, has_gauss, cached]}
+    (folder / f"rng_state_{rank}.json").write_text(json.dumps(scalars), encoding="utf-8")
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def load_rng_state(folder: Path, rank: int) -> bool:
+    """Restore what ``save_rng_state`` wrote for ``rank``; False when there is nothing."""
+    from safetensors.torch import load_file
+
+    tensors_path = folder / f"rng_state_{rank}.safetensors"
+    scalars_path = folder / f"rng_state_{rank}.json"
+    if not (tensors_path.exists() and scalars_path.exists()):
+        return False
+    tensors = load_file(str(tensors_path))
+    scalars = json.loads(scalars_path.read_text(encoding="utf-8"))
+    torch.set_rng_state(tensors["torch"])
+    version, state, gauss = scalars["python"]
+    random.setstate((version, tuple(state), gauss))
+    kind, pos, has_gauss, cached = scalars["numpy"]
+    np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    return True
 
 
-__all__ = ["config_dict", "engine_config", "rng_state", "set_rng_state"]
+__all__ = ["config_dict", "engine_config", "load_rng_state", "save_rng_state"]
