@@ -16,6 +16,13 @@ unused in this forward) in a fixed order, waits for all of them and lands the re
   rank's chunk of ``grad_shard`` (the first reduction of an accumulation window writes
   the chunk, later ones add to it).
 
+At most ``max_in_flight`` (default 2) reductions are outstanding: launching one more first
+waits for the oldest and lands it. Unbounded, every bucket of a backward can be in flight
+at its end (on 2 CPU cores gloo's thread falls behind compute), and each holds its
+packed buffer (stages 2-3) and gloo's clone of the input (reduce-scatter), i.e. up to two
+extra copies of all gradients. Two in flight keep one reduction running while the next
+bucket fills, which is all the overlap a single communication thread can use.
+
 Which backward synchronises is the caller's decision (``begin_backward(sync)``): the ZeRO
 stage plan makes it every backward for sharded gradients and the accumulation boundary
 otherwise. ``communication_data_type`` reduces in another dtype (e.g. fp32 sums of bf16
@@ -63,6 +70,7 @@ class GradReducer:
         ignore_unused: bool = True,
         names: dict[torch.Tensor, str] | None = None,
         on_reduced: Callable[[FlatGroup, Bucket], None] | None = None,
+        max_in_flight: int = 2,
     ) -> None:
         self.groups = groups
         self.dp_group = dp_group
@@ -71,6 +79,7 @@ class GradReducer:
         self.ignore_unused = ignore_unused
         self.names = names or {}
         self.on_reduced = on_reduced
+        self.max_in_flight = max(1, max_in_flight)
         self._sync = True  # reduce on this backward?
         self._local = False  # inside no_sync()
         self._ready = {id(b): 0 for g in groups for b in g.buckets}
@@ -152,6 +161,19 @@ class GradReducer:
         self._pending.append((group, bucket, work, landing, source))
         if self.on_reduced is not None:
             self.on_reduced(group, bucket)
+        while len(self._pending) > self.max_in_flight:
+            self._land(*self._pending.pop(0))
+
+    def _land(self, group: FlatGroup, bucket: Bucket, work, landing, _source) -> None:
+        """Wait for one reduction and put its result where it belongs."""
+        work.wait()
+        if landing is None:
+            return
+        target = group.grad_chunks[bucket.index]
+        if group.grad_flat is None and not self._fresh[id(group)]:
+            target.add_(landing)
+        else:
+            target.copy_(landing)
 
     def finish(self) -> None:
         """Launch unfilled buckets in a fixed order, wait for all, land the results. After a
@@ -161,15 +183,8 @@ class GradReducer:
         for group in self.groups:
             for bucket in group.buckets:
                 self._launch(group, bucket)
-        for group, bucket, work, landing, _source in self._pending:
-            work.wait()
-            if landing is None:
-                continue
-            target = group.grad_chunks[bucket.index]
-            if group.grad_flat is None and not self._fresh[id(group)]:
-                target.add_(landing)
-            else:
-                target.copy_(landing)
+        for entry in self._pending:
+            self._land(*entry)
         self._pending.clear()
         self._launched.clear()
         for group in self.groups:
