@@ -23,6 +23,12 @@ packed buffer (stages 2-3) and gloo's clone of the input (reduce-scatter), i.e. 
 extra copies of all gradients. Two in flight keep one reduction running while the next
 bucket fills, which is all the overlap a single communication thread can use.
 
+The reduce-scatters go through ``meshtrain.parallel.collectives``: on CPU (gloo) an
+in-place all-reduce of the bucket is used instead (about half the time; the bytes are
+still recorded as a reduce-scatter of the bucket). Stage 1's full-gradient buffer then
+holds the summed gradient in every chunk, not only the owned one; nothing reads the others
+before ``zero_grads``.
+
 Which backward synchronises is the caller's decision (``begin_backward(sync)``): the ZeRO
 stage plan makes it every backward for sharded gradients and the accumulation boundary
 otherwise. ``communication_data_type`` reduces in another dtype (e.g. fp32 sums of bf16
@@ -49,6 +55,7 @@ import torch
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
 from meshtrain.errors import TrainingError
+from meshtrain.parallel import collectives
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
 
 
@@ -148,7 +155,7 @@ class GradReducer:
                 source = source.to(self.comm_dtype)
                 landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
             out = target if landing is None else landing
-            work = comm.reduce_scatter(out, source, self.dp_group, async_op=True)
+            work = collectives.reduce_scatter(out, source, self.dp_group)
         else:
             source = group.take_bucket_grads(bucket, self.comm_dtype)
             # the first reduction of a window writes the shard; later ones reduce into
@@ -156,7 +163,7 @@ class GradReducer:
             if cast or not self._fresh[id(group)]:
                 landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
             out = target if landing is None else landing
-            work = comm.reduce_scatter(out, source, self.dp_group, async_op=True)
+            work = collectives.reduce_scatter(out, source, self.dp_group)
         # ``source`` rides along so the buffer outlives the async collective
         self._pending.append((group, bucket, work, landing, source))
         if self.on_reduced is not None:
