@@ -29,6 +29,12 @@ still recorded as a reduce-scatter of the bucket). Stage 1's full-gradient buffe
 holds the summed gradient in every chunk, not only the owned one; nothing reads the others
 before ``zero_grads``.
 
+Stages 2-3 pack each bucket's gradients into a buffer taken from a small pool (at most
+``max_in_flight + 1`` buffers of the largest bucket, filled without zeroing first): a
+fresh buffer of 32 MiB or more is a fresh ``mmap`` in glibc and pays a page fault per 4 KiB
+on first touch (about 17 ms for 38 MiB here) every time. The pool is dropped at the end of
+``finish()``, so it adds nothing to the memory held during the optimizer step.
+
 Which backward synchronises is the caller's decision (``begin_backward(sync)``): the ZeRO
 stage plan makes it every backward for sharded gradients and the accumulation boundary
 otherwise. ``communication_data_type`` reduces in another dtype (e.g. fp32 sums of bf16
@@ -94,6 +100,7 @@ class GradReducer:
         self._seen: set[int] = set()  # params with a gradient (only when checking unused)
         self._pending: list[tuple] = []
         self._launched: set[int] = set()
+        self._spare: list[torch.Tensor] = []  # pooled packing buffers (stages 2-3)
         self._handles = []
         for group in groups:
             for p in group.params:
@@ -157,7 +164,7 @@ class GradReducer:
             out = target if landing is None else landing
             work = collectives.reduce_scatter(out, source, self.dp_group)
         else:
-            source = group.take_bucket_grads(bucket, self.comm_dtype)
+            source = group.take_bucket_grads(bucket, out=self._buffer(group, bucket))
             # the first reduction of a window writes the shard; later ones reduce into
             # their own packed buffer's chunk and add it in finish()
             if cast or not self._fresh[id(group)]:
@@ -171,16 +178,26 @@ class GradReducer:
         while len(self._pending) > self.max_in_flight:
             self._land(*self._pending.pop(0))
 
-    def _land(self, group: FlatGroup, bucket: Bucket, work, landing, _source) -> None:
+    def _buffer(self, group: FlatGroup, bucket: Bucket) -> torch.Tensor:
+        """A packing buffer of ``bucket.numel`` elements in the communication dtype."""
+        dtype = self.comm_dtype or group.dtype
+        for i, buf in enumerate(self._spare):
+            if buf.dtype == dtype and buf.device == group.device and buf.numel() >= bucket.numel:
+                return self._spare.pop(i).narrow(0, 0, bucket.numel)
+        largest = max(b.numel for g in self.groups if g.grad_flat is None for b in g.buckets)
+        return torch.empty(largest, dtype=dtype, device=group.device).narrow(0, 0, bucket.numel)
+
+    def _land(self, group: FlatGroup, bucket: Bucket, work, landing, source) -> None:
         """Wait for one reduction and put its result where it belongs."""
         work.wait()
-        if landing is None:
-            return
-        target = group.grad_chunks[bucket.index]
-        if group.grad_flat is None and not self._fresh[id(group)]:
-            target.add_(landing)
-        else:
-            target.copy_(landing)
+        if landing is not None:
+            target = group.grad_chunks[bucket.index]
+            if group.grad_flat is None and not self._fresh[id(group)]:
+                target.add_(landing)
+            else:
+                target.copy_(landing)
+        if group.grad_flat is None and len(self._spare) <= self.max_in_flight:
+            self._spare.append(source._base)  # the pooled buffer (source is a narrow of it)
 
     def finish(self) -> None:
         """Launch unfilled buckets in a fixed order, wait for all, land the results. After a
@@ -193,6 +210,7 @@ class GradReducer:
         for entry in self._pending:
             self._land(*entry)
         self._pending.clear()
+        self._spare.clear()  # not held through the optimizer step (module docstring)
         self._launched.clear()
         for group in self.groups:
             self._fresh[id(group)] = False
