@@ -22,9 +22,7 @@ def test_flops_per_token_and_step_log_mfu():
     log.set_mfu(6.0 * 1000, 12.0 * 2 * 64, peak_flops=1e9, source="test")
     log.count_batch((torch.zeros(4, 32, dtype=torch.long),), {})
     log.add_loss(torch.tensor(1.0))
-    last = log.end_step(
-        step=1, lr=0.1, loss_scale=1.0, grad_norm=None, comm_bytes=0, skipped=False
-    )
+    last = log.end_step(step=1, lr=0.1, loss_scale=1.0, grad_norm=None, comm_bytes=0, skipped=False)
     want = flops.flops_per_token(1000, 2, 64, 32) * last["tokens_per_s"] / (1e9 * 2)
     assert abs(last["mfu"] - want) <= 1e-12 * want
     assert last["mfu_peak_source"] == "test"
