@@ -19,6 +19,8 @@ Peers:
 * ``meshtrain``: ``meshtrain.initialize`` with ZeRO stage 0 (plain data parallelism),
   optimizer from the config (``AdamW``).
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim.AdamW``.
+* ``meshtrain-noledger``: ``meshtrain`` with the collective ledger of the hang doctor off
+  (``MESHTRAIN_LEDGER=0``); its ratio is the ledger's overhead (not run by default).
 * ``deepspeed-z0``: ``deepspeed.initialize`` with ``zero_optimization.stage = 0`` and a
   client ``torch.optim.AdamW``, only when ``deepspeed`` is installed. It runs on CPU with
   gloo (``DS_ACCELERATOR=cpu``); its first run JIT-compiles a small op with ninja/g++, so
@@ -64,7 +66,7 @@ from benchmarks.peers import BETAS, EPS, LR, WEIGHT_DECAY, setup
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 RESULTS = HERE.parent / "results"
-ALL_PEERS = ("meshtrain", "ddp", "deepspeed-z0")
+ALL_PEERS = ("meshtrain", "ddp", "deepspeed-z0", "meshtrain-noledger")
 
 GLOBAL_BATCH = 16
 SEQ_LEN = 32
@@ -108,7 +110,10 @@ def _worker(args: argparse.Namespace) -> None:
     torch.manual_seed(SEED)
     model = Decoder(DecoderConfig(**MODEL))
     n_params = sum(p.numel() for p in model.parameters())
-    name = {"meshtrain": "mt-z0", "deepspeed-z0": "ds-z0"}.get(args.worker, args.worker)
+    if args.worker == "meshtrain-noledger":  # the hang doctor's ledger off (its overhead)
+        os.environ["MESHTRAIN_LEDGER"] = "0"
+    aliases = {"meshtrain": "mt-z0", "meshtrain-noledger": "mt-z0", "deepspeed-z0": "ds-z0"}
+    name = aliases.get(args.worker, args.worker)
     zero = {"reduce_bucket_size": args.reduce_bucket_size} if args.reduce_bucket_size else {}
     run = setup(name, model, micro=micro, world=world, zero=zero, threads=args.threads)
     forward, backward, step, shutdown = run.forward, run.backward, run.step, run.shutdown
@@ -525,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument(
         "--peers",
-        default=",".join(ALL_PEERS),
+        default=",".join(ALL_PEERS[:3]),
         help="comma-separated subset of: " + ", ".join(ALL_PEERS),
     )
     ap.add_argument("--timeout", type=int, default=300, help="seconds per torchrun")

@@ -24,6 +24,7 @@ from meshtrain.estimate.model import (
     optimizer_state_bytes,
 )
 from meshtrain.models import Decoder, DecoderConfig
+from tests.tiny_models import tiny_llama_config
 
 PSI = 7_500_000_000
 
@@ -175,16 +176,7 @@ def test_cli_offload_and_model(capsys):
 
 def test_cli_hf_config(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        tie_word_embeddings=False,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
+    cfg = tiny_llama_config(vocab_size=128)
     cfg.save_pretrained(tmp_path)
     expected = count_params(transformers.LlamaForCausalLM(cfg))  # includes the LM head
     for target in (tmp_path, tmp_path / "config.json"):

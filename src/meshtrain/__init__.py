@@ -54,10 +54,16 @@ __all__ = [
     "Config",
     "load_config",
     "notebook_launcher",
+    "zero",
 ]
 
 
+_SUBMODULES = ("zero",)  # meshtrain.zero.Init / GatheredParameters, as deepspeed.zero
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"meshtrain.{name}")
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")

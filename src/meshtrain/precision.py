@@ -20,6 +20,11 @@ Dynamic loss scaling (DeepSpeed's ``DynamicLossScaler``, same knobs and meaning)
 An overflow while the scale already sits at ``min_loss_scale`` means the model produces
 inf/NaN whatever the scale; after ``max_overflow_steps_at_min`` such steps in a row
 ``TrainingError`` is raised instead of skipping forever (or, worse, training on NaN).
+
+In fp32 and bf16 there is no loss scale (``LossScaler.disabled``) and nothing overflows
+by scaling: a non-finite gradient means the loss or the model went to inf/NaN. The step
+is still skipped on every rank, and the warning says so in those words (step, precision,
+what to try); ``max_overflow_steps_at_min`` such steps in a row raise ``TrainingError``.
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ class LossScaler:
         min_loss_scale: float = 1.0,
         consecutive_hysteresis: bool = False,
         max_overflow_steps_at_min: int = 10,
+        precision: str = "fp16",
     ) -> None:
+        self.precision = precision  # "fp16", "bf16" or "fp32": chooses the messages
         self.dynamic = dynamic
         self.scale = float(2**initial_scale_power) if dynamic else float(static_scale)
         self.window = loss_scale_window
@@ -63,13 +70,15 @@ class LossScaler:
         self.overflows_at_min = 0
 
     @classmethod
-    def disabled(cls) -> LossScaler:
+    def disabled(cls, precision: str = "fp32") -> LossScaler:
         """Scale 1 that never changes (fp32 and bf16)."""
-        return cls(dynamic=False, static_scale=1.0)
+        return cls(dynamic=False, static_scale=1.0, precision=precision)
 
     def update(self, overflow: bool) -> None:
         """Record one optimizer step's outcome and adjust the scale."""
-        if overflow:
+        if overflow and self.precision != "fp16":
+            self._non_finite_unscaled()
+        elif overflow:
             if self.scale <= self.min_scale:
                 self.overflows_at_min += 1
                 if self.overflows_at_min >= self.max_overflow_steps_at_min:
@@ -118,6 +127,26 @@ class LossScaler:
                     self.scale *= 2.0
         self.steps += 1
 
+    def _non_finite_unscaled(self) -> None:
+        """fp32/bf16: no scale to lower; say what happened and what to try."""
+        self.overflows_at_min += 1
+        what = (
+            f"non-finite loss or gradient (inf/NaN) at step {self.steps} in "
+            f"{self.precision} (no loss scaling is involved in {self.precision})"
+        )
+        tips = (
+            "lower the learning rate or add warmup, enable gradient_clipping (e.g. 1.0), "
+            "check the data for inf/NaN or empty label rows, and find the first bad op "
+            "with torch.autograd.set_detect_anomaly(True)"
+        )
+        if self.overflows_at_min >= self.max_overflow_steps_at_min:
+            raise TrainingError(
+                f"{what}; {self.overflows_at_min} steps in a row were skipped, so training "
+                f"cannot continue. Try: {tips}"
+            )
+        log.warning("%s: step skipped on every rank. If it repeats: %s", what, tips)
+        self.last_overflow_step = self.steps
+
     def state_dict(self) -> dict:
         return {
             k: getattr(self, k)
@@ -133,7 +162,8 @@ def scaler_from_config(config) -> LossScaler:
     """The scaler the config asks for: disabled unless fp16 is enabled."""
     fp16 = config.fp16
     if not fp16.enabled:
-        return LossScaler.disabled()
+        bf16 = getattr(config, "bf16", None)
+        return LossScaler.disabled("bf16" if bf16 is not None and bf16.enabled else "fp32")
     return LossScaler(
         dynamic=fp16.loss_scale == 0,
         static_scale=fp16.loss_scale or 1.0,

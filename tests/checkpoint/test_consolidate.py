@@ -18,6 +18,7 @@ from meshtrain import cli
 from meshtrain.checkpoint import Piece, consolidate, save_shards
 from meshtrain.checkpoint.consolidate import CHUNK_NUMEL
 from tests.checkpoint.common import SHAPES, full_state
+from tests.tiny_models import tiny_llama_config
 
 
 def test_consolidate_two_rank_checkpoint(two_rank_checkpoint, tmp_path):
@@ -82,15 +83,7 @@ def test_model_dtype_and_buffers(tmp_path, capsys):
 
 def test_hf_folder_loads_with_from_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_llama_config(num_attention_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     sd = model.state_dict()

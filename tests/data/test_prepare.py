@@ -77,7 +77,9 @@ def test_second_prepare_does_no_tokenizing(tmp_path):
     assert texts(tmp_path / "s") == ["hello", "changed"], "a failed run leaves the old store"
 
 
-def test_empty_and_missing_text_are_skipped_and_counted(tmp_path):
+def test_empty_text_is_skipped_and_a_missing_field_is_reported(tmp_path):
+    """Blank or null text is skipped and counted; an object without the text field is a
+    bad row naming file:line (issue 18: it used to be counted as "empty" silently)."""
     src = write_jsonl(
         tmp_path / "a.jsonl",
         [
@@ -90,10 +92,12 @@ def test_empty_and_missing_text_are_skipped_and_counted(tmp_path):
             {"text": "b"},
         ],
     )
-    result = prepare(src, "byte", tmp_path / "s", workers=2, chunk_bytes=16)
-    assert (result.rows_read, result.skipped_empty, result.skipped_bad, result.docs) == (7, 5, 0, 2)
+    with pytest.raises(DataError, match=r"a.jsonl:4: no field 'text' .*'review'.*--text-field"):
+        prepare(src, "byte", tmp_path / "s", workers=2, chunk_bytes=16)
+    result = prepare(src, "byte", tmp_path / "s", workers=2, chunk_bytes=16, skip_bad_rows=True)
+    assert (result.rows_read, result.skipped_empty, result.skipped_bad, result.docs) == (7, 4, 1, 2)
     assert texts(tmp_path / "s") == ["a", "b"]
-    with pytest.raises(DataError, match="no row .* had a non-empty 'body'.*--text-field"):
+    with pytest.raises(DataError, match=r"a.jsonl:1: no field 'body' .*--text-field"):
         prepare(src, "byte", tmp_path / "t", text_field="body")
 
 

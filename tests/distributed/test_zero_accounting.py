@@ -18,6 +18,7 @@ from tests.distributed.training import (
     train_steps,
 )
 from tests.harness import run_ranks
+from tests.tiny_models import tiny_llama_config
 
 STAGE3 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 5000}
 
@@ -172,15 +173,7 @@ def _hf_llama():
 
     import meshtrain
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_llama_config()
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = []
     for stage in (0, 3):

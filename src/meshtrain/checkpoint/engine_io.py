@@ -18,13 +18,19 @@ Load: each rank asks the reader for exactly the element ranges it owns in its *o
 layout (padding stays zero) -- a parameter's elements come from whichever files hold
 them. The fp32 masters are the source of truth: parameters are then written from them
 (and all-gathered for stages 1-2), exactly as after an optimizer step, so a resumed run
-continues bit-identically. RNG states are restored only when the world size matches
+continues bit-identically. Tensor parallelism: a rank's parameters are shards, but its pieces are named in the FULL
+parameter's flattened index space (``parallel.tensor.sharding.full_runs``; padding is
+not written), replicated parameters are written by tensor-parallel rank 0 only, and the
+meta records full shapes. So a checkpoint saved at tp 2 x dp 2 loads at tp 1 x dp 4 or
+tp 4 with no conversion: each rank reads the full-index runs of its own shard. RNG states
+are restored only when the world size matches
 (per-rank streams have no meaning under another layout); the data-loader position is a
 count of consumed samples, which the sampler re-deals over the new replica count.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -32,10 +38,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshtrain.checkpoint import storage
 from meshtrain.checkpoint.manifest import Piece, dtype_name
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.checkpoint.writer import save_shards
+from meshtrain.errors import CheckpointError
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
+from meshtrain.parallel.tensor.sharding import (
+    ShardSpec,
+    full_runs,
+    full_shape,
+    shard_tensor,
+    specs_by_param,
+    unshard_tensor,
+)
+
+log = logging.getLogger("meshtrain")
 
 
 def _names(module: torch.nn.Module) -> tuple[dict[int, str], dict[str, str]]:
@@ -59,13 +77,37 @@ def _save_range(g: FlatGroup, b: Bucket, dp: int, dp_rank: int) -> tuple[int, in
     return min(dp_rank * c, b.numel), min((dp_rank + 1) * c, b.numel), 0
 
 
-def _runs(g: FlatGroup, b: Bucket, lo: int, hi: int, names: dict[int, str]):
-    """(name, start in the param, bucket-local offset, numel) for each param overlapping."""
+def _runs(
+    g: FlatGroup,
+    b: Bucket,
+    lo: int,
+    hi: int,
+    names: dict[int, str],
+    tp: tuple[dict[int, ShardSpec], int] | None = None,
+    writing: bool = False,
+):
+    """(name, start in the FULL param, bucket-local offset, numel) for each param
+    overlapping ``[lo, hi)``. ``tp``: (specs by param id, tp rank) under tensor
+    parallelism; ``writing`` leaves replicated params to tp rank 0."""
+    specs, tp_rank = tp if tp is not None else ({}, 0)
     for p, off in zip(b.params, b.offsets, strict=True):
         a, z = off - b.start, off - b.start + g.shapes[p].numel()
         s, e = max(a, lo), min(z, hi)
-        if s < e:
-            yield names[id(p)], s - a, s, e - s
+        if s >= e:
+            continue
+        spec = specs.get(id(p))
+        if spec is None:
+            if not (writing and tp_rank):
+                yield names[id(p)], s - a, s, e - s
+            continue
+        for rel, full_start, n in full_runs(spec, tuple(g.shapes[p]), tp_rank, s - a, e - s):
+            yield names[id(p)], full_start, s + rel, n
+
+
+def _tp(engine) -> tuple[dict[int, ShardSpec], int] | None:
+    if engine.topology.tp_size == 1:
+        return None
+    return specs_by_param(engine.module), engine.topology.tp_rank
 
 
 def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
@@ -94,6 +136,7 @@ def _set_rng(state: dict, reader: CheckpointReader, rank: int) -> None:
 
 def _model_meta(engine, canon: dict[int, str], aliases: dict[str, str]) -> dict[str, Any]:
     shapes = {p: s for g in engine.zero.flat_groups for p, s in g.shapes.items()}
+    specs = specs_by_param(engine.module) if engine.topology.tp_size > 1 else {}
     tensors = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if key in aliases:
@@ -102,6 +145,8 @@ def _model_meta(engine, canon: dict[int, str], aliases: dict[str, str]) -> dict[
             "param" if t in shapes else "frozen" if isinstance(t, torch.nn.Parameter) else "buffer"
         )
         shape = shapes.get(t, t.shape)
+        if id(t) in specs:  # a tensor-parallel shard: the checkpoint holds the full tensor
+            shape = full_shape(tuple(shape), specs[id(t)])
         tensors[key] = {"shape": list(shape), "dtype": dtype_name(t.dtype), "kind": kind}
     return tensors
 
@@ -111,8 +156,9 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     topo = engine.topology
     world = topo.group("world")
     rank, dp = world.rank, topo.dp_size
-    tag = tag or f"global_step{engine.global_steps}"
+    tag = _agreed_tag(tag or f"global_step{engine.global_steps}", world, engine.config)
     canon, aliases = _names(engine.module)
+    tp = _tp(engine)
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[Piece] = []
     steps = set()
@@ -131,12 +177,15 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
             for state, src in sources.items():
                 key = f"g{gi}.b{b.index}.{state}"
                 tensors[key] = src[lo - base : hi - base].detach().float().cpu().contiguous()
-                for name, start, local, n in _runs(g, b, lo, hi, canon):
+                for name, start, local, n in _runs(g, b, lo, hi, canon, tp, writing=True):
                     pieces.append(Piece(name, state, key, local - lo, start, n))
     meta_tensors = _model_meta(engine, canon, aliases)
+    frozen_specs = _frozen_specs(engine)
     for key, t in engine.module.state_dict().items():
         if key in aliases or meta_tensors[key]["kind"] == "param":
             continue
+        if key in frozen_specs:  # a frozen tensor-parallel shard: write the full tensor
+            t = unshard_tensor(t, frozen_specs[key], topo.tp_group)
         flat = t.detach().reshape(-1)
         c = -(-flat.numel() // world.size)
         lo, hi = min(rank * c, flat.numel()), min((rank + 1) * c, flat.numel())
@@ -187,6 +236,41 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     )
 
 
+def _frozen_specs(engine) -> dict[str, ShardSpec]:
+    """State-dict keys of tensor-parallel shards that are not trainable (frozen)."""
+    if engine.topology.tp_size == 1:
+        return {}
+    from meshtrain.parallel.tensor.sharding import tp_specs
+
+    trainable = {id(p) for g in engine.zero.flat_groups for p in g.params}
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    return {k: s for k, s in tp_specs(engine.module).items() if id(params.get(k)) not in trainable}
+
+
+def _agreed_tag(tag: str, world, config) -> str:
+    """Rank 0's tag; ranks that passed another are handled by ``checkpoint.tag_validation``."""
+    if world.size == 1 or world.pg is None:
+        return tag
+    import torch.distributed as dist
+
+    tags: list[Any] = [None] * world.size
+    dist.all_gather_object(tags, tag, group=world.pg)
+    if len(set(tags)) == 1:
+        return tag
+    policy = config.checkpoint.tag_validation
+    by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    if policy == "Fail":
+        raise CheckpointError(
+            f"save_checkpoint: ranks passed different tags ({by_rank}); pass the same tag on "
+            'every rank, or set checkpoint.tag_validation to "Warn" to save under rank 0\'s'
+        )
+    if policy == "Warn" and world.rank == 0:
+        log.warning(
+            "save_checkpoint: ranks passed different tags (%s); saving as %r", by_rank, tags[0]
+        )
+    return tags[0]
+
+
 def _jsonable(v: Any) -> bool:
     return (
         v is None
@@ -202,13 +286,38 @@ def load(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
-) -> tuple[Path, dict]:
-    """``engine.load_checkpoint`` (see the module docstring)."""
+) -> tuple[Path | None, dict | None]:
+    """``engine.load_checkpoint`` (see the module docstring); ``(None, None)`` when there
+    is nothing to load."""
+    reason = nothing_to_load(load_dir, tag)
+    if reason is not None:
+        if engine.topology.rank == 0:
+            log.warning("load_checkpoint: %s; starting from the model as it is", reason)
+        return None, None
     # closing unmaps the files: their touched pages would otherwise stay in this rank's RSS
     with CheckpointReader(load_dir, tag) as reader:
         return _load(
             engine, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
+
+
+def nothing_to_load(load_dir, tag: str | None) -> str | None:
+    """Why ``load_dir``/``tag`` holds no checkpoint (DeepSpeed then returns ``(None, None)``
+    and the script starts fresh), or None when there is one to load. A directory with
+    complete tags but no ``latest`` is not "nothing": the reader's error names the tags."""
+    path = Path(load_dir)
+    if not path.is_dir():
+        return f"{path} does not exist"
+    if tag is not None:
+        primary, old = path / tag, path / f"{storage.OLD_PREFIX}{tag}"
+        if not primary.exists() and not storage.is_complete(old):
+            return f"{path} has no tag {tag!r} (complete tags: {storage.list_tags(path)})"
+        return None
+    if storage.is_complete(path) or storage.latest_tag(path) is not None:
+        return None
+    if not storage.list_tags(path):
+        return f"{path} has no 'latest' file and no checkpoint tags"
+    return None
 
 
 def _load(
@@ -221,6 +330,7 @@ def _load(
     topo = engine.topology
     world = topo.group("world")
     canon, aliases = _names(engine.module)
+    tp = _tp(engine)
     meta_tensors = _model_meta(engine, canon, aliases)
     expected = {k: tuple(v["shape"]) for k, v in meta_tensors.items()}
     expected.update({a: expected[c] for a, c in aliases.items()})
@@ -237,7 +347,7 @@ def _load(
                 lo, hi = g.owned_range(b)
                 fresh = {s: torch.zeros_like(master) for s in states}
                 master.zero_()
-                for name, start, local, n in _runs(g, b, lo, hi, canon):
+                for name, start, local, n in _runs(g, b, lo, hi, canon, tp):
                     dst = slice(local - lo, local - lo + n)
                     master[dst] = reader.read(name, "param", start, n).to(master.dtype)
                     for s in states:
@@ -246,10 +356,14 @@ def _load(
                     step = torch.tensor(step_values[-1], dtype=torch.float32)
                     engine.optimizer.state[master] = {"step": step, **fresh}
         engine.zero.reload_params()
+        frozen_specs = _frozen_specs(engine)
         for key, t in engine.module.state_dict().items():
             if key in aliases or meta_tensors[key]["kind"] == "param":
                 continue
-            t.copy_(reader.read_full(key).to(t.dtype))
+            full = reader.read_full(key)
+            if key in frozen_specs:
+                full = shard_tensor(full, frozen_specs[key], topo.tp_rank)
+            t.copy_(full.to(t.dtype))
     if load_module_only:
         return reader.path, meta.get("client_state", {})
     if load_optimizer_states:

@@ -69,7 +69,17 @@ class CheckpointReader:
                         f"'latest' file; "
                         + (f"pass tag= one of {tags}" if tags else "no complete tags in it")
                     )
-            self.path = storage.tag_dir(path, tag)
+                try:
+                    self.path = storage.tag_dir(path, tag)
+                except CheckpointError as exc:
+                    tags = storage.list_tags(path)
+                    fix = f"write one of {tags} into it" if tags else "delete it"
+                    raise CheckpointError(
+                        f"{path / 'latest'} names tag {tag!r}, but {exc}. The file points "
+                        f"nowhere (a copy or cleanup removed that tag): {fix}, or pass tag="
+                    ) from None
+            else:
+                self.path = storage.tag_dir(path, tag)
         mpath = self.path / MANIFEST
         try:
             data = json.loads(mpath.read_text())

@@ -98,7 +98,17 @@ class _Channel:
         if self.group is None:
             return [obj]
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group.pg)
+        try:
+            dist.all_gather_object(out, obj, group=self.group.pg)
+        except Exception as exc:  # a collective timeout, or a peer that left
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(
+                f"checkpoint save: rank {self.rank} could not exchange its status with the "
+                f"other {self.size - 1} rank(s) ({type(exc).__name__}: {first}). Every rank "
+                "must call save_checkpoint (or save_shards) at the same step: each writes its "
+                "own shard, rank 0 only adds the manifest and `latest`. A save under "
+                "`if rank == 0:` waits here for ranks that never come; call it on all ranks"
+            ) from exc
         return out
 
 
@@ -251,18 +261,29 @@ def save_shards(
     ``CheckpointError`` on every rank if any rank failed; ``latest`` is then unchanged.
     """
     chan = _Channel(group)
-    rank = chan.rank
     save_dir = Path(save_dir)
     phase = on_phase or (lambda _name: None)
     rank_state = {} if rank_state is None else rank_state
-    tmp = save_dir / f"{TMP_PREFIX}{tag}"
+    made: list[Path] = []  # the .tmp-<tag> this call created (rank 0)
+    try:
+        return _save(chan, save_dir, tag, tensors, pieces, rank_state, meta, keep_last, phase, made)
+    except CheckpointError:
+        # a failed exchange (a rank that never called save) must not leave .tmp-<tag>
+        for tmp in made:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
+
+def _save(chan, save_dir, tag, tensors, pieces, rank_state, meta, keep_last, phase, made):
+    rank = chan.rank
+    tmp = save_dir / f"{TMP_PREFIX}{tag}"
     err, created = None, False
     try:
         check_tag(tag)
         _check_local(rank, tensors, pieces, rank_state)
         if rank == 0:
             tmp, created = _prepare(save_dir, tag, meta, keep_last), True
+            made.append(tmp)
     except Exception as exc:
         err = _describe(exc)
     statuses = chan.gather(err)

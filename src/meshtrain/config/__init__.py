@@ -48,6 +48,7 @@ from meshtrain.config.sections import (
     OffloadOptimizerConfig,
     OffloadParamConfig,
     TensorBoardConfig,
+    TensorParallelConfig,
     ZeroConfig,
 )
 
@@ -82,6 +83,7 @@ __all__ = [
     "SGDParams",
     "SchedulerConfig",
     "TensorBoardConfig",
+    "TensorParallelConfig",
     "WarmupCosineLRParams",
     "WarmupDecayLRParams",
     "WarmupLRParams",

@@ -40,7 +40,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: no such config file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file ({exc.strerror or exc})") from None
-    if path.suffix.lower() in (".yaml", ".yml"):
+    if not text.strip():
+        data, kind = None, "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON"
+    elif path.suffix.lower() in (".yaml", ".yml"):
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -57,8 +59,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                 f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
             ) from None
         kind = "JSON"
-    if data is None:
-        data = {}
+    if data is None or not text.strip():
+        # an empty file is a mistake (a truncated write, the wrong path), in YAML as in
+        # JSON; a config with every default is written as {} on purpose
+        raise ConfigError(
+            f"{path}: the {kind} config file is empty; write the keys to set, or {{}} "
+            "to keep every default"
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: the top level must be a {kind} mapping of keys, not {type(data).__name__}"

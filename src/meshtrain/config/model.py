@@ -48,6 +48,7 @@ from meshtrain.config.sections import (
     OffloadParamConfig,
     ParallelWriteConfig,
     TensorBoardConfig,
+    TensorParallelConfig,
     ZeroConfig,
 )
 from meshtrain.errors import ConfigError
@@ -69,13 +70,13 @@ class Config(Section):
     steps_per_print: PosInt = 10
     """Log progress every this many optimizer steps."""
     wall_clock_breakdown: Bool = False
-    """Report the time spent in forward, backward and step."""
+    """Add the time spent in forward, backward and step to each step line and to the step's facts (engine.log.last); on CUDA each phase is synchronised."""
     prescale_gradients: Bool = False
-    """Divide gradients by the data-parallel size before the reduction instead of after (keeps fp16 sums in range)."""
+    """Divide gradients by the data-parallel size before the reduction instead of after (keeps fp16 sums in range); overrides gradient_predivide_factor."""
     gradient_predivide_factor: PosFloat = 1.0
     """Divide gradients by this factor before the reduction and by dp / factor after it."""
     communication_data_type: canonical_choice(("fp32", "fp16", "bf16")) | None = None
-    """Dtype of gradient reductions; null = the gradients' own dtype."""
+    """Dtype of gradient reductions (e.g. "fp32" sums bf16 gradients in fp32; bytes moved follow this dtype); null = the gradients' own dtype."""
     zero_allow_untested_optimizer: Bool = False
     """Accepted and ignored: meshtrain's ZeRO works with any torch optimizer."""
     optimizer: OptimizerConfig | None = None
@@ -100,6 +101,8 @@ class Config(Section):
     """torch.compile."""
     mesh: MeshConfig = MeshConfig()
     """meshtrain: pipeline and tensor parallel sizes."""
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    """Tensor parallelism: DeepSpeed's autotp_size alias, sequence parallelism, a plan for your own model."""
     distributed: DistributedConfig = DistributedConfig()
     """meshtrain: collective timeout and backend."""
     memory_breakdown: Bool = False
@@ -144,6 +147,15 @@ class Config(Section):
                 "amp.enabled: true is not supported (meshtrain does not use NVIDIA apex); "
                 'use "fp16": {"enabled": true} or "bf16": {"enabled": true} instead'
             )
+        tp = self.tensor_parallel.autotp_size
+        if tp:
+            given = "tensor_parallel_size" in self.mesh.model_fields_set
+            if given and self.mesh.tensor_parallel_size != tp:
+                raise ConfigError(
+                    f"tensor_parallel.autotp_size {tp} != mesh.tensor_parallel_size "
+                    f"{self.mesh.tensor_parallel_size}; they are the same setting, give one"
+                )
+            self.mesh.tensor_parallel_size = tp
         z = self.zero_optimization
         if z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3:
             raise ConfigError(

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import model_validator
-
 from meshtrain.config._types import (
     Auto,
     Bool,
@@ -20,7 +18,6 @@ from meshtrain.config._types import (
     PosInt,
     Section,
     Str,
-    _to_int,
     canonical_choice,
     int_choice,
 )
@@ -34,7 +31,7 @@ class FP16Config(Section):
     enabled: Bool | Auto = False
     """Train in float16 mixed precision (fp32 master weights, scaled loss). "auto" is filled by the Trainer; unfilled it means false."""
     auto_cast: Bool = False
-    """Cast floating-point inputs of the model's forward to float16."""
+    """Accepted and ignored: meshtrain always casts floating-point inputs of the model's forward to the model's dtype (float16 here)."""
     loss_scale: NonNegFloat = 0.0
     """Static loss scale (a multiplier); 0 selects dynamic loss scaling."""
     initial_scale_power: NonNegInt = 16
@@ -78,7 +75,7 @@ class OffloadOptimizerConfig(Section):
     device: canonical_choice(("none", "cpu")) = "none"
     """Where optimizer states live: "cpu" offloads them and runs the optimizer step on CPU; "none" keeps them on the accelerator. (NVMe is not supported.)"""
     pin_memory: Bool = False
-    """Allocate the offloaded states in page-locked memory (faster copies, more host memory)."""
+    """Accepted and ignored: offloaded fp32 masters and optimizer states are always page-locked when a CUDA device is present (faster copies), and plain host memory otherwise."""
 
 
 class OffloadParamConfig(Section):
@@ -87,7 +84,7 @@ class OffloadParamConfig(Section):
     device: canonical_choice(("none", "cpu")) = "none"
     """Where parameter shards live between uses: "cpu" or "none" (stage 3 only; NVMe is not supported)."""
     pin_memory: Bool = False
-    """Allocate the offloaded parameters in page-locked memory."""
+    """Accepted and ignored: offloaded parameter shards live in plain host memory."""
 
 
 class ZeroConfig(Section):
@@ -96,17 +93,17 @@ class ZeroConfig(Section):
     stage: int_choice(0, 1, 2, 3) = 0
     """0: plain data parallelism; 1: shard optimizer states; 2: + gradients; 3: + parameters."""
     allgather_partitions: Bool = True
-    """Gather updated parameter shards with all-gather (true) rather than a series of broadcasts."""
+    """Accepted and ignored: updated parameter shards are always gathered with one all-gather per bucket (DeepSpeed's false means a series of broadcasts)."""
     allgather_bucket_size: NonNegInt = 500_000_000
-    """Elements all-gathered per collective call (bounds the temporary buffer)."""
-    overlap_comm: Bool = False
-    """Overlap gradient reduction with the backward pass. When absent: true for stage 3, false otherwise (DeepSpeed's default)."""
+    """Accepted and ignored: updated parameters are all-gathered bucket by bucket, in the buckets of reduce_bucket_size."""
+    overlap_comm: Bool = True
+    """Launch each gradient bucket's reduction as soon as its gradients are ready, overlapping backward (true); false launches every bucket after backward ends. meshtrain's default is true at every stage (DeepSpeed's is false below stage 3)."""
     reduce_scatter: Bool = True
-    """Average gradients with reduce-scatter (true) rather than all-reduce."""
+    """Accepted and ignored: stages 1-3 always reduce-scatter gradients (each rank needs only its shard) and stage 0 always all-reduces."""
     reduce_bucket_size: NonNegInt | Auto = 500_000_000
     """Elements per gradient bucket reduced at a time (also the data-parallel all-reduce bucket size). "auto": hidden_size**2."""
     contiguous_gradients: Bool = True
-    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    """Accepted and ignored: gradients always live in contiguous flat buffers (stages 0-1) or are packed bucket by bucket before their reduce-scatter (stages 2-3)."""
     offload_optimizer: OffloadOptimizerConfig | None = None
     """CPU offload of optimizer states (stages 1-3)."""
     offload_param: OffloadParamConfig | None = None
@@ -120,30 +117,19 @@ class ZeroConfig(Section):
     stage3_param_persistence_threshold: NonNegInt | Auto = 100_000
     """Stage 3: parameters with fewer elements stay unsharded (saves latency-bound collectives). "auto": 10 * hidden_size."""
     stage3_max_live_parameters: NonNegInt | Auto = 1_000_000_000
-    """Stage 3: gathered parameter elements kept alive per rank before releasing. "auto": 1e9."""
+    """Accepted and ignored: meshtrain frees each stage-3 unit right after its forward and after its gradients are reduced; what is gathered ahead is bounded by stage3_prefetch_bucket_size. "auto": 1e9."""
     stage3_max_reuse_distance: NonNegInt | Auto = 1_000_000_000
-    """Stage 3: do not release a parameter reused within this many elements of computation. "auto": 1e9."""
+    """Accepted and ignored: a stage-3 unit is gathered again for each use (see stage3_max_live_parameters). "auto": 1e9."""
     stage3_gather_16bit_weights_on_model_save: Bool | Auto = False
-    """Stage 3: gather the full 16-bit weights when saving a model file (meshtrain checkpoints load under any stage either way). "auto": false."""
+    """Accepted and ignored: engine.module_state_dict(), `meshtrain consolidate` and every checkpoint give whole weights under any stage. "auto": false."""
     round_robin_gradients: Bool = False
     """Accepted and ignored (DeepSpeed CPU-offload copy ordering)."""
     load_from_fp32_weights: Bool = True
     """Accepted and ignored: meshtrain always restores fp32 master weights from the checkpoint."""
     ignore_unused_parameters: Bool = True
-    """Parameters that get no gradient are treated as zero-gradient (true) rather than an error."""
+    """Trainable parameters that get no gradient in a synchronising backward count as zero gradients (true); false raises TrainingError naming them (a check that costs a set insertion per parameter per backward)."""
     memory_efficient_linear: Bool = True
     """Accepted and ignored (DeepSpeed stage-3 linear implementation)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _overlap_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "overlap_comm" not in data:
-            try:
-                stage = _to_int(data.get("stage", 0))
-            except ValueError:
-                stage = None  # reported by the stage field itself
-            data = {**data, "overlap_comm": stage == 3}
-        return data
 
 
 # --------------------------------------------------------------------------- the rest
@@ -194,11 +180,11 @@ class CheckpointConfig(Section):
     keep_last: PosInt | None = None
     """meshtrain: keep only the newest keep_last checkpoints in the save folder (null keeps all)."""
     tag_validation: canonical_choice(("Ignore", "Warn", "Fail")) = "Warn"
-    """What to do when ranks disagree on the checkpoint tag at save time: Ignore, Warn or Fail (case-insensitive)."""
+    """What to do when ranks pass different tags to save_checkpoint: "Warn" (log it and save under rank 0's tag), "Ignore" (rank 0's tag, silently) or "Fail" (CheckpointError naming the tags); case-insensitive."""
     load_universal: Bool = False
     """Accepted and ignored: meshtrain loads any checkpoint under any mesh or ZeRO stage without conversion."""
     use_node_local_storage: Bool = False
-    """Each node saves to its own local disk (checkpoints are not on a shared file system)."""
+    """Accepted and ignored: every rank writes into save_dir, which must be one folder all ranks see (a shared file system on several nodes)."""
     parallel_write: ParallelWriteConfig = ParallelWriteConfig()
     """DeepSpeed's parallel-write options."""
 
@@ -245,6 +231,25 @@ class MeshConfig(Section):
     """Tensor-parallel ranks (tp) sharing each layer; data-parallel size = world size / (pp * tp)."""
 
 
+class TensorParallelConfig(Section):
+    """``tensor_parallel``: DeepSpeed's AutoTP section, plus meshtrain's sequence parallelism and plans."""
+
+    autotp_size: NonNegInt = 0
+    """DeepSpeed's name for the tensor-parallel size: the same setting as mesh.tensor_parallel_size (give either, or both equal); 0 = not set."""
+    sequence_parallel: Bool = False
+    """Run norms and dropout between tensor-parallel regions on 1/T of the sequence: each all-reduce becomes a reduce-scatter plus an all-gather (same bytes, 1/T of the activation memory there). The sequence length must be a multiple of the tensor-parallel size. Supported by the meshtrain decoder and Llama/Qwen2/Mistral plans."""
+    plan: dict[str, Any] | None = None
+    """A tensor-parallel plan for a model without a built-in one: {"rows": [[module path, style, units?, blocks?], ...], "sizes": {"heads": "config.n_heads", ...}}; see docs/tensor_parallel.md. null = the built-in plan for the model's class."""
+    tp_overlap_comm: Bool = False
+    """Accepted and ignored (DeepSpeed AutoTP all-reduce overlap)."""
+    vocab_parallel_lm_head: Bool | None = None
+    """Accepted and ignored: meshtrain's plans always shard the LM head over the vocabulary and use the vocab-parallel loss."""
+    partition_config: dict[str, Any] | None = None
+    """Accepted and ignored (DeepSpeed AutoTP regex partition rules); write a meshtrain plan in tensor_parallel.plan instead."""
+    preset_model: Str | None = None
+    """Accepted and ignored (DeepSpeed AutoTP presets); meshtrain picks the plan from the model's class."""
+
+
 class DistributedConfig(Section):
     """``distributed`` (meshtrain): process-group settings."""
 
@@ -267,5 +272,6 @@ __all__ = [
     "OffloadParamConfig",
     "ParallelWriteConfig",
     "TensorBoardConfig",
+    "TensorParallelConfig",
     "ZeroConfig",
 ]

@@ -1,8 +1,9 @@
 """Input readers for ``prepare``: JSONL, CSV/TSV, plain text, JSON arrays, ``datasets.Dataset``.
 
 A reader turns an input into rows ``(line, text, label)``; every other row is either
-*empty* (missing, ``None`` or blank text: skipped and counted, never an error) or *bad*
-(malformed JSON/CSV, a text that is not a string, a label that is not an integer). A bad
+*empty* (``None`` or blank text: skipped and counted, never an error) or *bad*
+(malformed JSON/CSV, an object without the text field -- usually a wrong ``--text-field``
+--, a text that is not a string, a label that is not an integer). A bad
 row carries its file and line so ``prepare`` can raise :class:`~meshtrain.errors.DataError`
 naming them, or skip and count it under ``--skip-bad-rows``.
 
@@ -115,6 +116,14 @@ def _add(rows: Rows, line: int, text: Any, label: Any, label_field: str | None, 
     rows.texts.append(text)
 
 
+def _missing(text_field: str, obj: dict) -> str:
+    fields = ", ".join(map(repr, list(obj)[:8])) or "none"
+    return (
+        f"no field {text_field!r} in this row (its fields: {fields}); pass --text-field with "
+        "the right name, or --skip-bad-rows to skip such rows"
+    )
+
+
 def parse_lines(
     data: bytes,
     fmt: str,
@@ -150,6 +159,8 @@ def parse_lines(
         else:
             if not isinstance(obj, dict):
                 rows.bad.append((i, f"expected a JSON object, got {type(obj).__name__}"))
+            elif text_field not in obj:
+                rows.bad.append((i, _missing(text_field, obj)))
             else:
                 label = obj.get(label_field) if label_field else None
                 _add(rows, i, obj.get(text_field), label, label_field, f"field {text_field!r}")
@@ -259,6 +270,9 @@ def _iter_json_array(
             rows.lines += 1
             if not isinstance(obj, dict):
                 rows.bad.append((i, f"item {i} is {type(obj).__name__}, expected an object"))
+                continue
+            if text_field not in obj:
+                rows.bad.append((i, _missing(text_field, obj)))
                 continue
             label = obj.get(label_field) if label_field else None
             _add(rows, i, obj.get(text_field), label, label_field, f"field {text_field!r}")

@@ -266,6 +266,17 @@ def load_tokenizer(name_or_path: str) -> ByteTokenizer | HFTokenizer:
             return HFTokenizer(Tokenizer.from_file(name_or_path), source=name_or_path)
         from transformers import AutoTokenizer
 
+        if not os.path.isdir(name_or_path):
+            # a hub name: the cache first; the hub only if it answers, so an offline run
+            # fails at once instead of retrying an unreachable hub for a minute
+            try:
+                tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+                return HFTokenizer(tok, source=name_or_path)
+            except ImportError:
+                raise
+            except Exception:  # noqa: BLE001 - not cached: decide below
+                if not _hub_reachable():
+                    raise DataError(_not_found(name_or_path)) from None
         return HFTokenizer(AutoTokenizer.from_pretrained(name_or_path), source=name_or_path)
     except ImportError as exc:
         raise DataError(
@@ -279,6 +290,36 @@ def load_tokenizer(name_or_path: str) -> ByteTokenizer | HFTokenizer:
             f"cannot load tokenizer {name_or_path!r}: {exc}. Pass a save_pretrained folder, a "
             "tokenizer.json file, a model name already in the Hugging Face cache, or 'byte'"
         ) from exc
+
+
+def _hub_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether the Hugging Face hub answers (never, under ``HF_HUB_OFFLINE=1``)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    import socket
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _not_found(name: str) -> str:
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE as cache
+    except ImportError:
+        cache = os.path.expanduser("~/.cache/huggingface/hub")
+    cached = os.path.join(cache, "models--" + name.replace("/", "--"))
+    return (
+        f"cannot load tokenizer {name!r}: it is not a local path and not in the Hugging Face "
+        f"cache, and the hub cannot be reached. Tried: {os.path.abspath(name)} (no such "
+        f"folder or file), {cached} (not cached). Pass a save_pretrained folder or a "
+        "tokenizer.json file, download the model once where there is network "
+        f"(huggingface-cli download {name}), or use --tokenizer byte"
+    )
 
 
 def as_tokenizer(tokenizer: Any) -> ByteTokenizer | HFTokenizer:

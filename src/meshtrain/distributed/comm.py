@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from meshtrain.distributed.ledger import Ledger
+
 ReduceOp = dist.ReduceOp
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,10 +53,13 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 class CommStats:
     """Bytes and call counts by (op, group name), owned by one ``Topology``.
 
-    Thread-safe: gradient hooks may record from autograd's worker threads on GPU.
+    Thread-safe: gradient hooks may record from autograd's worker threads on GPU. Also holds
+    the topology's collective ``ledger`` (:mod:`meshtrain.distributed.ledger`), which the
+    hang doctor reads; it does not take part in the byte accounting.
     """
 
     def __init__(self) -> None:
+        self.ledger = Ledger()
         self._lock = threading.Lock()
         self._bytes: dict[tuple[str, str], int] = defaultdict(int)
         self._calls: dict[tuple[str, str], int] = defaultdict(int)
@@ -156,7 +161,10 @@ def all_reduce(
     if group.size == 1:
         return _Done() if async_op else None
     _record(group, "all_reduce", 2 * _nbytes(tensor), label)
-    return dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
+    return _call(
+        group, "all_reduce", (tensor,), async_op,
+        dist.all_reduce, tensor, op=op, group=group.pg, async_op=async_op,
+    )  # fmt: skip
 
 
 def reduce_scatter(
@@ -180,7 +188,10 @@ def reduce_scatter(
         output.copy_(input)
         return _Done() if async_op else None
     _record(group, "reduce_scatter", _nbytes(input), label)
-    return _reduce_scatter_single(output, input, op=op, group=group.pg, async_op=async_op)
+    return _call(
+        group, "reduce_scatter", (input,), async_op,
+        _reduce_scatter_single, output, input, op=op, group=group.pg, async_op=async_op,
+    )  # fmt: skip
 
 
 def all_gather(
@@ -204,7 +215,10 @@ def all_gather(
             output.copy_(input)
         return _Done() if async_op else None
     _record(group, "all_gather", _nbytes(output), label)
-    return _all_gather_single(output, input, group=group.pg, async_op=async_op)
+    return _call(
+        group, "all_gather", (output,), async_op,
+        _all_gather_single, output, input, group=group.pg, async_op=async_op,
+    )  # fmt: skip
 
 
 def broadcast(
@@ -218,19 +232,22 @@ def broadcast(
     if group.size == 1:
         return _Done() if async_op else None
     _record(group, "broadcast", _nbytes(tensor), label)
-    return dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=async_op)
+    return _call(
+        group, "broadcast", (tensor,), async_op,
+        dist.broadcast, tensor, src=group.global_rank(src), group=group.pg, async_op=async_op,
+    )  # fmt: skip
 
 
 def send(tensor: torch.Tensor, dst: int, group: Group, label: str | None = None) -> None:
     """Blocking send to group rank ``dst``."""
     _record(group, "send", _nbytes(tensor), label)
-    dist.send(tensor, dst=group.global_rank(dst), group=group.pg)
+    _call(group, "send", (tensor,), False, dist.send, tensor, group.global_rank(dst), group.pg)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group, label: str | None = None) -> None:
     """Blocking receive from group rank ``src``."""
     _record(group, "recv", _nbytes(tensor), label)
-    dist.recv(tensor, src=group.global_rank(src), group=group.pg)
+    _call(group, "recv", (tensor,), False, dist.recv, tensor, group.global_rank(src), group.pg)
 
 
 def batch_p2p(
@@ -251,7 +268,40 @@ def batch_p2p(
     for tensor, peer in recvs:
         _record(group, "recv", _nbytes(tensor), label)
         ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group.pg))
-    return dist.batch_isend_irecv(ops) if ops else []
+    if not ops:
+        return []
+    led = group.stats.ledger
+    if not led.enabled:
+        return dist.batch_isend_irecv(ops)
+    tensors = [t for t, _ in sends] + [t for t, _ in recvs]
+    seq = led.enter(group, "batch_p2p", tuple(tensors), 2)
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except Exception as exc:
+        led.failed(group, seq, exc)
+        raise
+    return [led.track(w, group, seq) for w in works]
+
+
+def _call(g: Group, name: str, tensors: tuple, is_async: bool, fn, /, *args, **kwargs):
+    """Run torch's collective ``fn`` with a ledger entry around it (see ledger.py).
+
+    A sync call is marked done when it returns; an async one when its work's ``wait()``
+    returns. An exception publishes this rank's ledger before it propagates.
+    """
+    led = g.stats.ledger
+    if not led.enabled:
+        return fn(*args, **kwargs)
+    seq = led.enter(g, name, tensors)
+    try:
+        work = fn(*args, **kwargs)
+    except Exception as exc:
+        led.failed(g, seq, exc)
+        raise
+    if is_async:
+        return led.track(work, g, seq)
+    led.done(g, seq)
+    return work
 
 
 class _Done:

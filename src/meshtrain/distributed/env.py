@@ -218,7 +218,9 @@ def _shutdown_at_exit() -> None:
     skipped. Otherwise the ranks meet on the store with a short timeout (a rank that
     called ``sys.exit(n)`` mid-run would leave a collective barrier waiting for the full
     collective timeout); either way the group is then destroyed, which is what keeps
-    gloo from aborting at exit.
+    gloo from aborting at exit. The wait is at most half the collective timeout: a rank
+    that leaves mid-run must be gone, with its own exit code, before its peers' collective
+    times out, or the launcher would see them fail first and blame the wrong rank.
     """
     if not dist.is_initialized():
         return
@@ -229,10 +231,17 @@ def _shutdown_at_exit() -> None:
             store = dist.distributed_c10d._get_default_store()
             if store.add("meshtrain/exit", 1) == world:
                 store.set("meshtrain/exit_done", "1")
-            store.wait(["meshtrain/exit_done"], timedelta(seconds=EXIT_BARRIER_SECONDS))
+            store.wait(["meshtrain/exit_done"], timedelta(seconds=_exit_barrier_seconds()))
         except Exception:  # noqa: BLE001 - a peer is gone; destroy regardless
             pass
     dist.destroy_process_group()
+
+
+def _exit_barrier_seconds() -> float:
+    from meshtrain.distributed.ledger import _pg_timeout_seconds
+
+    timeout = _pg_timeout_seconds()
+    return EXIT_BARRIER_SECONDS if timeout is None else min(EXIT_BARRIER_SECONDS, timeout / 2)
 
 
 def shutdown_distributed() -> None:

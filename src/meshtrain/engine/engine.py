@@ -32,6 +32,7 @@ from meshtrain.distributed.topology import Topology
 from meshtrain.engine.step_log import StepLog
 from meshtrain.optim.setup import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
+from meshtrain.parallel.zero.partition import adopt
 from meshtrain.precision import DTYPES, scaler_from_config
 
 log = logging.getLogger("meshtrain")
@@ -52,6 +53,8 @@ class Engine:
         optimizer=None,
         lr_scheduler=None,
         training_dataloader=None,
+        *,
+        tp_plan=None,
     ) -> None:
         self.config = config
         self.topology = topology
@@ -71,9 +74,11 @@ class Engine:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model_parameters or model.parameters())  # a factory
         wanted = [dict(g) for g in optimizer.param_groups] if optimizer else model_parameters
-        parallel = parallelize(model, topology, config, wanted)
+        parallel = parallelize(model, topology, config, wanted, tp_plan=tp_plan)
         self.module = parallel.module
         self.zero = parallel.zero
+        # zero.Init leftovers made whole; owners recorded for zero.GatheredParameters
+        adopt(self.module, self.zero)
         self.optimizer = make_optimizer(config, optimizer, parallel.groups, self.zero, self.device)
         self.lr_scheduler = make_scheduler(config, lr_scheduler, self.optimizer)
         self.scaler = scaler_from_config(config)
@@ -229,9 +234,56 @@ class Engine:
         if self.training_dataloader is not None and state.get("data_loader"):
             self.training_dataloader.load_state_dict(state["data_loader"])
 
-    # queries ----------------------------------------------------------------------------------
+    # queries (DeepSpeed's names and meanings) --------------------------------------------------
     def get_lr(self) -> list[float]:
+        """The current learning rate of each optimizer param group."""
         return [g["lr"] for g in self.optimizer.param_groups]
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch on one data-parallel rank."""
+        return self.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.gas
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks (micro x accumulation x dp)."""
+        return self.micro_batch_size * self.gas * self.topology.dp_size
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (0-3) the engine runs."""
+        return self.zero_stage
+
+    def fp16_enabled(self) -> bool:
+        """True when the model runs in float16 with loss scaling."""
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        """True when the model runs in bfloat16."""
+        return self.config.precision == "bf16"
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the world."""
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the world (``dp_world_size`` counts data-parallel ranks)."""
+        return self.topology.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """Number of data-parallel ranks (equal to ``world_size`` without TP/PP)."""
+        return self.topology.dp_size
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (``LOCAL_RANK`` / ``SLURM_LOCALID``; 0 alone)."""
+        from meshtrain.distributed.env import read_env
+
+        return read_env().local_rank
 
     def get_global_grad_norm(self) -> float | None:
         """Global gradient norm of the last step before clipping (None if it overflowed)."""
@@ -265,9 +317,16 @@ class Engine:
         return self.train(False)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state dict (every parameter whole, gathered under ZeRO-3)."""
+        """The full model state dict (every parameter whole: gathered under ZeRO-3,
+        unsharded and unpadded under tensor parallelism)."""
         with self.gathered_parameters():
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            if self.topology.tp_size > 1:
+                from meshtrain.parallel.tensor.sharding import full_state_dict
+
+                state = full_state_dict(self.module, self.topology.tp_group)
+            else:
+                state = self.module.state_dict()
+            return {k: v.detach().clone() for k, v in state.items()}
 
     def gathered_parameters(self, module: nn.Module | None = None):
         """Under ZeRO-3, make ``module``'s parameters (default: all) whole for the block
@@ -278,10 +337,11 @@ class Engine:
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None):
         """Write a sharded checkpoint ``save_dir/tag`` (default ``global_step<N>``) and
         point ``save_dir/latest`` at it once every rank's files are complete. Every rank
-        calls it; ``client_state`` must be JSON-able. Returns the checkpoint directory."""
+        calls it; ``client_state`` (default ``{}``) must be JSON-able and comes back from
+        ``load_checkpoint``. Returns the checkpoint directory (DeepSpeed returns True)."""
         from meshtrain.checkpoint.engine_io import save
 
-        return save(self, save_dir, tag, client_state)
+        return save(self, save_dir, tag, {} if client_state is None else client_state)
 
     def load_checkpoint(
         self,
@@ -292,7 +352,9 @@ class Engine:
         load_module_only: bool = False,
     ):
         """Load ``load_dir/tag`` (default: the tag ``latest`` names), written under any
-        data-parallel size or ZeRO stage. Returns ``(load_path, client_state)``."""
+        data-parallel size or ZeRO stage. Returns ``(load_path, client_state)``, or
+        ``(None, None)`` with a logged warning when there is nothing to load (no such
+        directory, an empty one, or no such tag), as DeepSpeed does."""
         from meshtrain.checkpoint.engine_io import load
 
         return load(

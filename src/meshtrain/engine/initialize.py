@@ -90,21 +90,32 @@ def initialize(
     *,
     args=None,
     config_params=None,
+    dist_init_required: bool | None = None,
+    mpu=None,
+    tp_plan=None,
 ):
     """DeepSpeed-style entry: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     The config comes from ``config`` (a dict, a JSON/YAML path or a ``Config``),
     ``config_params`` or ``args.deepspeed_config``; giving two that differ is an error.
     ``topology`` defaults to the mesh the config's ``mesh`` section describes over the
-    whole world. ``dataloader`` is None unless ``training_data`` is given; it deals
-    disjoint shards to data-parallel ranks with ``train_micro_batch_size_per_gpu``
+    whole world; the process group is always joined (``dist_init_required`` is accepted
+    for DeepSpeed scripts and changes nothing). ``dataloader`` is None unless
+    ``training_data`` is given; it deals disjoint shards to data-parallel ranks with ``train_micro_batch_size_per_gpu``
     samples per batch, and its position is saved with the engine's checkpoints.
+    ``tp_plan``: a tensor-parallel plan (``meshtrain.parallel.tensor.TPPlan``) for a model
+    without a built-in one, used when ``mesh.tensor_parallel_size`` > 1.
     """
     from meshtrain.config.ignored import warn_ignored
     from meshtrain.distributed.env import init_distributed
 
     if model is None:
         raise ConfigError("model: meshtrain.initialize needs model= (a torch.nn.Module)")
+    if mpu is not None:  # DeepSpeed's Megatron model-parallel unit
+        raise ConfigError(
+            "mpu: meshtrain does not take a model-parallel unit; describe the layout in the "
+            "config's mesh section (mesh.tensor_parallel_size, mesh.pipeline_parallel_size)"
+        )
     cfg = _choose_config(config, config_params, args)
     init_distributed(timeout_minutes=cfg.distributed.timeout_minutes)
     if topology is None:
@@ -123,7 +134,9 @@ def initialize(
             rank=topology.dp_rank,
             collate_fn=collate_fn,
         )
-    engine = Engine(model, cfg, topology, model_parameters, optimizer, lr_scheduler, loader)
+    engine = Engine(
+        model, cfg, topology, model_parameters, optimizer, lr_scheduler, loader, tp_plan=tp_plan
+    )
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

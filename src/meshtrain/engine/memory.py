@@ -40,6 +40,7 @@ class MemoryReport:
     dp: int
     precision: str
     optimizer: str | None
+    tp: int = 1  # tensor-parallel size: measured and formula are this rank's shard
 
     @property
     def ratio(self) -> float | None:
@@ -55,8 +56,9 @@ class MemoryReport:
 
         f = self.formula
         rows = [
-            f"model states per rank (ZeRO stage {self.stage}, dp {self.dp}, {self.precision}, "
-            f"{self.optimizer or 'unknown optimizer'}), MiB",
+            f"model states per rank (ZeRO stage {self.stage}, dp {self.dp}, "
+            + (f"tp {self.tp}, " if self.tp > 1 else "")
+            + f"{self.precision}, {self.optimizer or 'unknown optimizer'}), MiB",
             f"{'':12}{'measured':>10} {'formula':>10}",
         ]
         for key in ("params", "grads", "optimizer", "host"):
@@ -109,6 +111,14 @@ def memory_report(engine) -> MemoryReport:
             offload_param=offload_par,
             frozen_params=sum(p.numel() for p in frozen.values()),
         )
+    # Under tensor parallelism the flat groups hold this rank's shards (sharded weights
+    # / tp, replicated norms whole), so the formula over the same local counts is exact.
     return MemoryReport(
-        measured, formula, engine.zero_stage, engine.topology.dp_size, engine.config.precision, name
+        measured,
+        formula,
+        engine.zero_stage,
+        engine.topology.dp_size,
+        engine.config.precision,
+        name,
+        tp=engine.topology.tp_size,
     )

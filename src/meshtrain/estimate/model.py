@@ -163,10 +163,21 @@ def model_states_bytes(
     params and grads, fp32 master in the optimizer state) or "fp32". ``optimizer``: see
     :func:`optimizer_state_bytes`. ``offload_optimizer`` (stage >= 1) puts the optimizer
     states in host memory, ``offload_param`` (stage 3) the parameter partition. ``tp`` and
-    ``pp`` divide the parameters first. Raises ``ConfigError`` on a bad argument.
+    ``pp`` divide the parameters first; for a model with a tensor-parallel plan the
+    per-rank count is exact instead (sharded weights padded / tp, norms and row biases
+    whole: ``meshtrain.parallel.tensor.sizes``). Raises ``ConfigError`` on a bad argument.
     """
+    tp_divides = tp
     if isinstance(num_params, nn.Module):
         trainable, frozen = _param_split(num_params)
+        if tp > 1:
+            from meshtrain.parallel.tensor.plans import plan_for
+
+            if plan_for(num_params) is not None:  # exact: replicated norms, padding
+                from meshtrain.parallel.tensor.sizes import local_parameter_counts
+
+                trainable, frozen = local_parameter_counts(num_params, tp)
+                tp_divides = 1
     else:
         trainable, frozen = _count("num_params", num_params, 1), 0
     frozen += _count("frozen_params", frozen_params, 0)
@@ -191,7 +202,7 @@ def model_states_bytes(
     def shard(n: int, parts: int) -> int:
         return -(-n // parts)  # ceil: the largest rank's share
 
-    trainable, frozen = shard(trainable, tp * pp), shard(frozen, tp * pp)
+    trainable, frozen = shard(trainable, tp_divides * pp), shard(frozen, tp_divides * pp)
     every = trainable + frozen
     params = width * (shard(every, dp) if stage >= 3 else every)
     grads = width * (shard(trainable, dp) if stage >= 2 else trainable)

@@ -41,6 +41,9 @@ EXPORT_PREFIXES = (
 ENV_FILES = (".meshtrain_env", ".deepspeed_env")
 _LINE = re.compile(r"(\S+)\s+slots\s*=\s*(\d+)")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what a host name, IPv4/IPv6 address or ssh ``user@host`` can hold; anything else (and a
+# leading "-", which ssh would read as an option: CVE-2017-1000117's pattern) is refused
+_HOST = re.compile(r"[A-Za-z0-9_.:%\[\]@-]+")
 
 
 def parse_hostfile(path: str | os.PathLike) -> dict[str, int]:
@@ -62,6 +65,12 @@ def parse_hostfile(path: str | os.PathLike) -> dict[str, int]:
                 "(e.g. 'worker-1 slots=8')"
             )
         host, slots = match.group(1), int(match.group(2))
+        if host.startswith("-") or not _HOST.fullmatch(host):
+            raise ConfigError(
+                f"{path}:{number}: {host!r} is not a host name (a name may hold letters, "
+                "digits, '.', '-', '_', ':' and '@', and may not start with '-', which ssh "
+                "would take for an option); fix the line"
+            )
         if host in hosts:
             raise ConfigError(f"{path}:{number}: host {host!r} is listed twice")
         if slots < 1:

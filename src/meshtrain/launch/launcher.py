@@ -15,8 +15,17 @@ Choices made here (and why):
   ``static``, would ignore the elastic range and need node ranks).
 * A single-node run with no port chosen gets torchrun's ``c10d`` rendezvous on a free
   port, so two jobs on one machine do not collide on 29500.
-* The exit code is the job's: the first failing worker's code (``128 + signal`` for a
-  worker killed by a signal), not torchrun's blanket 1.
+* The exit code is the job's: the culprit's code (``128 + signal`` for a worker killed
+  by a signal), not torchrun's blanket 1. The culprit is the hang doctor's (a rank that
+  raised outside a collective, left early, or never entered the collective its peers
+  waited in), else the first failure torch saw.
+* On a failure the launcher prints the hang doctor's table (every rank's last completed
+  collective, the one it waits in, its sequence number, a verdict) and writes it as
+  ``doctor.json`` into the run's output folder (``MESHTRAIN_RUN_DIR``, which
+  ``meshtrain train`` sets) or the doctor folder. The workers publish their ledgers into
+  a fresh folder named by ``MESHTRAIN_DOCTOR_DIR`` (:mod:`meshtrain.distributed.ledger`).
+* A worker found stopped (``SIGSTOP``, state ``T``) after a peer failed is killed at once:
+  it cannot take a ``SIGTERM``, and the agent would otherwise wait out its grace period.
 """
 
 from __future__ import annotations
@@ -25,11 +34,16 @@ import dataclasses
 import os
 import re
 import shlex
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from meshtrain.distributed.env import DEFAULT_MASTER_PORT, expand_slurm_nodelist
+from meshtrain.distributed.ledger import DOCTOR_DIR_ENV
 from meshtrain.errors import ConfigError
 
 _NPROC_WORDS = ("auto", "gpu", "cpu", "xpu")
@@ -216,19 +230,97 @@ def run_agent(spec: LaunchSpec) -> int:
 
     # "--" keeps a script whose name starts with "-" from being read as a flag; the
     # script's own arguments are set afterwards so argparse never touches them.
+    if not (spec.module or spec.no_python) and not os.path.isfile(spec.script):
+        raise ConfigError(
+            f"SCRIPT {spec.script!r} does not exist (looked in {os.getcwd()}); check the "
+            "path, or pass -m to run a module"
+        )
     args = get_args_parser().parse_args([*spec_flags(spec), "--", spec.script])
     args.training_script_args = list(spec.script_args)
+    own_dir = DOCTOR_DIR_ENV not in os.environ
+    doctor_dir = os.environ.get(DOCTOR_DIR_ENV) or tempfile.mkdtemp(prefix="meshtrain-doctor-")
+    os.environ[DOCTOR_DIR_ENV] = doctor_dir  # the workers inherit it
+    watcher = _StopWatcher(doctor_dir)
+    watcher.start()
+    keep = False
     try:
         run(args)
     except ChildFailedError as exc:
-        return _report_failure(exc)
+        code, keep = _report_failure(exc, doctor_dir, watcher.stopped)
+        return code
     except RendezvousError as exc:
+        _raise_if_port_in_use(exc, spec)
         print(f"meshtrain launch: rendezvous failed: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:  # torch's DistNetworkError, raised while binding the store
+        _raise_if_port_in_use(exc, spec)
+        raise
     except SignalException as exc:
         print(f"meshtrain launch: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
+    finally:
+        watcher.stop()
+        if own_dir:
+            os.environ.pop(DOCTOR_DIR_ENV, None)
+            if not keep:
+                shutil.rmtree(doctor_dir, ignore_errors=True)
     return 0
+
+
+def _raise_if_port_in_use(exc: BaseException, spec: LaunchSpec) -> None:
+    """EADDRINUSE from the rendezvous store: one clear line instead of torch's traceback."""
+    text = f"{exc} {exc.__cause__ or ''}"
+    if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+        return
+    port = spec.master_port or (spec.rdzv_endpoint or "").rpartition(":")[2] or "?"
+    flag = "--master_port" if spec.master_port else "--rdzv_endpoint"
+    raise ConfigError(
+        f"port {port} is already in use on this machine (another job, or one that has not "
+        f"exited yet); pick a free port with {flag}, or leave it out on a single node and "
+        "meshtrain launch picks a free one"
+    ) from None
+
+
+class _StopWatcher(threading.Thread):
+    """Kills a worker that is stopped (SIGSTOP) once a peer has failed; notes which.
+
+    A stopped process holds its SIGTERM until it is continued, so the agent would wait out
+    its whole grace period; continuing it instead would let it run into collectives its
+    peers already left, and blur the doctor's picture.
+    """
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(name="meshtrain-stop-watcher", daemon=True)
+        self.folder = folder
+        self.stopped: dict[int, str] = {}
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        from meshtrain.distributed.doctor import read_folder
+
+        while not self._done.wait(0.5):
+            records, pids = read_folder(self.folder)
+            if not any(r.get("reason") in ("error", "exception") for r in records.values()):
+                continue
+            for rank, pid in pids.items():
+                if rank not in self.stopped and _process_state(pid) == "T":
+                    self.stopped[rank] = "stopped (SIGSTOP), killed by the launcher"
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def _process_state(pid: int) -> str | None:
+    """The one-letter state of a local process from /proc (None where unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def exit_code(code: int | None) -> int:
@@ -238,11 +330,28 @@ def exit_code(code: int | None) -> int:
     return 128 - code if code < 0 else code
 
 
-def _report_failure(exc) -> int:
+def _report_failure(exc, doctor_dir: str, stopped: Mapping[int, str]) -> tuple[int, bool]:
+    """Print who failed (the doctor's culprit first) and the doctor's table.
+
+    Returns the job's exit code and whether the doctor folder holds the written report.
+    """
+    from meshtrain.distributed.doctor import diagnose, read_folder
+
     # torch picks the first failure by error-file timestamp; without error files (workers
-    # that do not use @record) ties are arbitrary, so every failed rank is listed
+    # that do not use @record) ties go to the lowest rank, so the doctor decides first
     rank, failure = exc.get_first_failure()
+    records, _pids = read_folder(doctor_dir)
+    exits = {r: _how(f) for r, f in exc.failures.items()}
+    exits.update(stopped)
+    world = max([*records, *exc.failures, -1]) + 1
+    world = max([world, *(int(r.get("world_size", 0)) for r in records.values())])
+    report = diagnose(records, world, exits) if records else None
     code = exit_code(failure.exitcode)
+    if report is not None and report.culprit is not None and report.culprit != rank:
+        if report.culprit in exc.failures:
+            rank, failure = report.culprit, exc.failures[report.culprit]
+            if failure.exitcode > 0:  # its own code; a signal came from the agent's stop
+                code = failure.exitcode
     others = ", ".join(
         f"rank {r} ({_how(f)})" for r, f in sorted(exc.failures.items()) if r != rank
     )
@@ -257,7 +366,16 @@ def _report_failure(exc) -> int:
         if isinstance(message, dict):
             message = message.get("message", message)
         print(message, file=sys.stderr)
-    return code or 1
+    if report is None:
+        return code or 1, False
+    run_dirs = [r["run_dir"] for r in records.values() if r.get("run_dir")]
+    target = run_dirs[0] if run_dirs and os.path.isdir(run_dirs[0]) else doctor_dir
+    try:
+        path = report.write(target)
+    except OSError:
+        path = report.write(doctor_dir)
+    print(f"{report.table()}\nmeshtrain doctor: report written to {path}", file=sys.stderr)
+    return code or 1, os.path.dirname(path) == doctor_dir
 
 
 def _how(failure) -> str:

@@ -6,7 +6,9 @@ This is the engine under both ``meshtrain.notebook_launcher`` and the test harne
 process group, runs the function and sends back its return value or its traceback. The
 parent kills every rank as soon as one fails, and on a timeout first asks each live rank
 to dump its Python stacks (``faulthandler`` on ``SIGUSR1``) so a hang reads like a bug
-report rather than a silence.
+report rather than a silence. The ranks publish their collective ledgers into a private
+doctor folder (``MESHTRAIN_DOCTOR_DIR``), and a failure's message ends with the hang
+doctor's table (:mod:`meshtrain.distributed.doctor`).
 
 Start method: ``fork`` where available (children inherit the imported torch, which makes
 spawning several groups per test module cheap, and functions defined in ``__main__`` or a
@@ -22,6 +24,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import tempfile
@@ -181,7 +184,7 @@ def run_on_ranks(
                 port,
                 tuple(args),
                 dict(kwargs or {}),
-                dict(env or {}),
+                {"MESHTRAIN_DOCTOR_DIR": stack_dir, **(env or {})},
                 threads_per_rank,
                 setup_distributed,
                 collective_timeout_minutes,
@@ -197,43 +200,12 @@ def run_on_ranks(
     values: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        while len(values) < nprocs:
-            try:
-                out: _Outcome = pickle.loads(results.get(timeout=0.2))
-            except queue.Empty:
-                dead = [
-                    (r, p.exitcode)
-                    for r, p in enumerate(procs)
-                    if r not in values and p.exitcode is not None
-                ]
-                if dead:
-                    # a rank that exited without a report may still have one in flight
-                    try:
-                        out = pickle.loads(results.get(timeout=1.0))
-                    except queue.Empty:
-                        r, code = dead[0]
-                        how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                        raise RankFailedError(
-                            f"rank {r} died with {how} before reporting a result", rank=r
-                        ) from None
-                elif deadline is not None and time.monotonic() > deadline:
-                    raise _timeout_error(procs, values, stack_files, timeout) from None
-                else:
-                    continue
-            if not out.ok:
-                raise RankFailedError(
-                    f"rank {out.rank} raised {out.exc_type}: {out.message}\n"
-                    f"--- traceback from rank {out.rank} ---\n{out.traceback}",
-                    rank=out.rank,
-                    exc_type=out.exc_type,
-                )
-            values[out.rank] = out.value
-        for p in procs:
-            p.join(timeout=60)
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-        if bad:
-            raise RankFailedError(f"ranks finished but exited uncleanly: {bad}", rank=bad[0][0])
-        return [values[r] for r in range(nprocs)]
+        return _collect(procs, results, values, nprocs, deadline, stack_files, timeout)
+    except RankFailedError as exc:
+        table = _doctor_table(stack_dir, nprocs)
+        if table:
+            exc.args = (f"{exc.args[0]}\n{table}",)
+        raise
     finally:
         for p in procs:
             if p.is_alive():
@@ -241,10 +213,55 @@ def run_on_ranks(
         for p in procs:
             p.join(timeout=10)
         results.close()
-        for f in stack_files:
-            if os.path.exists(f):
-                os.unlink(f)
-        os.rmdir(stack_dir)
+        shutil.rmtree(stack_dir, ignore_errors=True)
+
+
+def _doctor_table(folder: str, nprocs: int) -> str:
+    from meshtrain.distributed.doctor import diagnose, read_folder
+
+    records, _pids = read_folder(folder)
+    return diagnose(records, nprocs).table() if records else ""
+
+
+def _collect(procs, results, values, nprocs, deadline, stack_files, timeout) -> list[Any]:
+    """The parent's loop: gather each rank's outcome; raise on a failure or timeout."""
+    while len(values) < nprocs:
+        try:
+            out: _Outcome = pickle.loads(results.get(timeout=0.2))
+        except queue.Empty:
+            dead = [
+                (r, p.exitcode)
+                for r, p in enumerate(procs)
+                if r not in values and p.exitcode is not None
+            ]
+            if dead:
+                # a rank that exited without a report may still have one in flight
+                try:
+                    out = pickle.loads(results.get(timeout=1.0))
+                except queue.Empty:
+                    r, code = dead[0]
+                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    raise RankFailedError(
+                        f"rank {r} died with {how} before reporting a result", rank=r
+                    ) from None
+            elif deadline is not None and time.monotonic() > deadline:
+                raise _timeout_error(procs, values, stack_files, timeout) from None
+            else:
+                continue
+        if not out.ok:
+            raise RankFailedError(
+                f"rank {out.rank} raised {out.exc_type}: {out.message}\n"
+                f"--- traceback from rank {out.rank} ---\n{out.traceback}",
+                rank=out.rank,
+                exc_type=out.exc_type,
+            )
+        values[out.rank] = out.value
+    for p in procs:
+        p.join(timeout=60)
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise RankFailedError(f"ranks finished but exited uncleanly: {bad}", rank=bad[0][0])
+    return [values[r] for r in range(nprocs)]
 
 
 def _timeout_error(procs, values, stack_files, timeout) -> RankFailedError:

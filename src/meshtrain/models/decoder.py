@@ -145,20 +145,30 @@ class Decoder(nn.Module):
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # The loss of (logits, labels); tensor parallelism swaps in the vocab-parallel one
+        # because its logits hold only this rank's slice of the vocabulary.
+        self.loss_fn = causal_lm_loss
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Deterministic init from ``config.seed``: N(0, 0.02), output projections scaled
-        by 1/sqrt(2 n_layers) (GPT-2), norms at 1. Uses a private generator."""
+        by 1/sqrt(2 n_layers) (GPT-2), norms at 1. Uses a private generator.
+
+        Built under ``meshtrain.zero.Init`` the children's parameters are already
+        partitioned here; ``GatheredParameters`` makes each one whole while it is set (a
+        no-op otherwise), so both builds get the same values."""
+        from meshtrain.zero import GatheredParameters
+
         gen = torch.Generator().manual_seed(self.config.seed)
         out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
+            with GatheredParameters(p, modifier_rank=0):
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                    continue
+                std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         t = input_ids.shape[1]
@@ -171,7 +181,7 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
-        return causal_lm_loss(logits, labels)
+        return self.loss_fn(logits, labels)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

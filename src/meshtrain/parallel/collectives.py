@@ -83,7 +83,10 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, async_op
             f"{full.numel()} elements, expected output {out.numel()} x {group.size}"
         )
     group.stats.record("reduce_scatter", group.name, _nbytes(full), group.size)
-    work = dist.all_reduce(full, group=group.pg, async_op=True)
+    # through comm's ledger wrapper, so the hang doctor sees it like any other collective
+    work = comm._call(
+        group, "all_reduce", (full,), True, dist.all_reduce, full, group=group.pg, async_op=True
+    )
     mine = full.narrow(0, group.rank * out.numel(), out.numel())
     then = None if _aliases(mine, out) else (lambda: out.copy_(mine))
     done = _Works([work], then)

@@ -28,8 +28,8 @@ Why this order:
 * DP/ZeRO last: it owns the parameters' storage (flat buckets, shards), which must be
   laid out over the final set of parameters.
 
-Tensor and pipeline parallelism are not available yet: a mesh asking for them raises
-ConfigError here, before anything runs, instead of silently training an unsplit model.
+Pipeline parallelism is not available yet: a mesh asking for it raises ConfigError here,
+before anything runs, instead of silently training an unsplit model.
 """
 
 from __future__ import annotations
@@ -58,23 +58,28 @@ class Parallelized:
 
 
 def parallelize(
-    model: nn.Module, topology: Topology, config, model_parameters=None
+    model: nn.Module, topology: Topology, config, model_parameters=None, *, tp_plan=None
 ) -> Parallelized:
     """Apply the configured parallelism to ``model`` in place (see the module docstring).
 
     ``model_parameters`` is what a user passes to ``initialize``: parameters, or torch-style
-    param-group dicts (default: every parameter of the model in one group).
+    param-group dicts (default: every parameter of the model in one group). ``tp_plan``: a
+    ``meshtrain.parallel.tensor.TPPlan`` for a model without a built-in plan.
     """
     model = model.to(device=topology.device, dtype=DTYPES[config.precision])
 
     # 1. tensor parallelism: changes the parameters themselves, so it comes first
-    tp = max(topology.tp_size, config.mesh.tensor_parallel_size)
-    if tp > 1:
+    if config.mesh.tensor_parallel_size not in (1, topology.tp_size):
         raise ConfigError(
-            f"mesh.tensor_parallel_size: {tp} asks for tensor parallelism, which this "
-            "version of meshtrain does not implement yet; set it to 1 (data parallelism "
-            "and ZeRO shard over all ranks)"
+            f"mesh.tensor_parallel_size {config.mesh.tensor_parallel_size} != the topology's "
+            f"tp size {topology.tp_size}; build the Topology from the config (or leave "
+            "topology= out of initialize)"
         )
+    if topology.tp_size > 1:
+        from meshtrain.parallel.tensor.apply import apply_tensor_parallel, remap_parameters
+
+        apply_tensor_parallel(model, topology, config, plan=tp_plan)
+        model_parameters = remap_parameters(model_parameters, model)
     # 2. pipeline split: a rank keeps only its stage before anything is allocated for it
     pp = max(topology.pp_size, config.mesh.pipeline_parallel_size)
     if pp > 1:

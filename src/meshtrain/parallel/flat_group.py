@@ -36,6 +36,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshtrain.parallel.zero.partition import (
+    full_numel,
+    full_shape,
+    full_value,
+    is_partitioned,
+    release,
+)
+
 
 @dataclass(eq=False)
 class Bucket:
@@ -112,7 +120,8 @@ class FlatGroup:
                 )
         self.params = list(reversed(params))  # backward order
         rev_keys = list(reversed(keys)) if keys is not None else None
-        packed = pack_buckets([p.numel() for p in self.params], bucket_numel, partitions, rev_keys)
+        numels = [full_numel(p) for p in self.params]  # true sizes, even if partitioned
+        packed = pack_buckets(numels, bucket_numel, partitions, rev_keys)
         self.numel = sum(n for _, n, _ in packed)
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -127,9 +136,9 @@ class FlatGroup:
                 bucket.params.append(p)
                 bucket.offsets.append(offset)
                 self.bucket_of[p] = bucket
-                offset += p.numel()
+                offset += numels[i]
             self.buckets.append(bucket)
-        self.shapes = {p: p.shape for p in self.params}
+        self.shapes = {p: full_shape(p) for p in self.params}
         self.params_offloaded = param_device is not None  # ZeRO-3 offload_param
         self._init_params(param_device or self.device)
         self._init_grads()
@@ -143,7 +152,7 @@ class FlatGroup:
             with torch.no_grad():
                 for b in self.buckets:
                     for p, view in self.views(b, self.param_flat):
-                        view.copy_(p.data)
+                        view.copy_(self._value(p))
                         p.data = view
             return
         self.param_flat = None
@@ -154,10 +163,19 @@ class FlatGroup:
             for b in self.buckets:  # one bucket at a time: never the whole model twice
                 full = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
                 for p, view in self.views(b, full, base=b.start):
-                    view.copy_(p.data)
+                    view.copy_(self._value(p))
                 b.in_shard(self.param_shard).copy_(full.narrow(0, self.rank * b.chunk, b.chunk))
                 for p in b.params:
                     p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def _value(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s whole value. One partitioned at construction (``meshtrain.zero.Init``)
+        is all-gathered here, one parameter at a time, and its construction shard dropped."""
+        if not is_partitioned(p):
+            return p.data
+        full = full_value(p, self.device)
+        release(p)
+        return full
 
     def _init_grads(self) -> None:
         if self.shard_grads:

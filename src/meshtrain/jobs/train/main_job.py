@@ -130,6 +130,33 @@ def _main(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(job_dict, sort_keys=False, allow_unicode=True), end="")
         return 0
+    lock = _claim_output_dir(job_dict, args.launched)
+    try:
+        return _run(args, job_dict)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim_output_dir(job_dict: dict[str, Any], launched: bool):
+    """Check the output folder can be written and lock it for this run (see run_lock.py).
+
+    The process that starts the run holds the lock (the ranks it launches do not take it
+    again); a rank of a job the user launched takes it on rank 0. ``MESHTRAIN_RUN_DIR``
+    tells the hang doctor where to write its report.
+    """
+    from meshtrain.jobs.train.job_config import JobConfig
+    from meshtrain.jobs.train.run_lock import RunLock, check_output_dir
+
+    out = JobConfig.from_dict(job_dict).train.output_dir
+    if launched or (_in_job() and os.environ.get("RANK") != "0"):
+        return None
+    os.environ["MESHTRAIN_RUN_DIR"] = str(Path(out).resolve())  # the ranks inherit it
+    check_output_dir(out)
+    return RunLock(out).acquire()
+
+
+def _run(args: argparse.Namespace, job_dict: dict[str, Any]) -> int:
     progress = False if args.no_progress else None
     if _in_job():
         from meshtrain.jobs.train.loop import run_rank

@@ -94,8 +94,9 @@ class RunLog:
         # the engine's steps_per_print lines go above the bar (and stay in the scrollback)
         self._handler = _TqdmHandler()
         self._handler.setFormatter(logging.Formatter("%(message)s"))
-        self._saved_logger = (log.level, log.propagate)
-        log.addHandler(self._handler)
+        # the bar's handler replaces the engine's default stdout one while the bar is shown
+        self._saved_logger = (log.level, log.propagate, list(log.handlers))
+        log.handlers = [self._handler]
         log.setLevel(logging.INFO)
         log.propagate = False
         self._tb = self._open_tensorboard()
@@ -109,8 +110,7 @@ class RunLog:
         if self._tb is not None:
             self._tb.close()
         if self._handler is not None:
-            log.removeHandler(self._handler)
-            log.level, log.propagate = self._saved_logger  # type: ignore[misc]
+            log.level, log.propagate, log.handlers = self._saved_logger  # type: ignore[misc]
 
     def _open_tensorboard(self):
         if self.tensorboard_dir is None:

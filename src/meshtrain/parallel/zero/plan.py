@@ -44,7 +44,6 @@ import torch
 from torch import nn
 
 from meshtrain.distributed.topology import Topology
-from meshtrain.parallel import collectives
 from meshtrain.parallel.blocks import gather_units
 from meshtrain.parallel.flat_group import FlatGroup
 from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
@@ -115,20 +114,6 @@ def build_plan(
             model, units, sharded, topology.dp_group, int(z.stage3_prefetch_bucket_size)
         )
     return ZeroPlan(per_group, gatherer)
-
-
-def gather_updated_params(flat_groups: list[FlatGroup], dp_group) -> None:
-    """Stages 1-2 (and stage 3's whole parameters): every rank updated its own chunks;
-    all-gather the full buckets. Sharded ZeRO-3 parameters are gathered when used."""
-    works = []
-    for g in flat_groups:
-        if not g.sharded or g.shard_params:
-            continue
-        for b in g.buckets:  # in place: the input is this rank's chunk of the output
-            mine = b.owned(g.param_flat, g.rank)
-            works.append(collectives.all_gather(b.view(g.param_flat), mine, dp_group))
-    for w in works:
-        w.wait()
 
 
 def comm_bytes_theory(

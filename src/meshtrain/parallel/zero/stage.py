@@ -37,8 +37,9 @@ from torch import nn
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
 from meshtrain.errors import TrainingError
+from meshtrain.parallel import collectives
 from meshtrain.parallel.grad_reducer import GradReducer
-from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory, gather_updated_params
+from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory
 from meshtrain.precision import DTYPES
 
 
@@ -72,6 +73,12 @@ class ZeroStage:
             names=names,
             on_reduced=(lambda g, b: gatherer.release_bucket(g, b)) if gatherer else None,
         )
+        self.tp_spans = None  # tensor parallelism: which gradient spans are sharded over tp
+        if topology.tp_size > 1:
+            from meshtrain.parallel.tensor.grad_norm import sharded_spans
+            from meshtrain.parallel.tensor.sharding import sharded_parameter_ids
+
+            self.tp_spans = sharded_spans(self.flat_groups, sharded_parameter_ids(model))
 
     # the lifecycle ---------------------------------------------------------------------------
     def begin_window(self) -> None:
@@ -94,13 +101,22 @@ class ZeroStage:
 
     def grad_norm(self) -> float:
         """L2 norm of the reduced gradients over every rank's owned chunks (inf/NaN if any
-        overflowed); the scalar all-reduce is recorded under ``control``."""
+        overflowed); the scalar all-reduce is recorded under ``control``. Under tensor
+        parallelism replicated parameters count once (``parallel.tensor.grad_norm``)."""
+        device = self.topology.device
+        if self.tp_spans is not None:
+            from meshtrain.parallel.tensor.grad_norm import local_square_sum
+
+            sq = local_square_sum(self.flat_groups, self.tp_spans, self.topology.tp_size, device)
+            comm.all_reduce(sq, self.topology.tp_group, label="control")
+            if any(g.sharded for g in self.flat_groups):
+                comm.all_reduce(sq, self.topology.dp_group, label="control")
+            return float(sq.sqrt())
         parts = [
             torch.linalg.vector_norm(c, dtype=torch.float32)
             for g in self.flat_groups
             for c in g.grad_chunks
         ]
-        device = self.topology.device
         sq = torch.stack(parts).pow(2).sum() if parts else torch.zeros((), device=device)
         if any(g.sharded for g in self.flat_groups):
             comm.all_reduce(sq, self.topology.dp_group, label="control")
@@ -114,7 +130,21 @@ class ZeroStage:
         for g in self.flat_groups:
             g.release_master_grads()
             g.copy_master_to_params()
-        gather_updated_params(self.flat_groups, self.topology.dp_group)
+        self._gather_updated_params()
+
+    def _gather_updated_params(self) -> None:
+        """Stages 1-2 (and stage 3's whole parameters): every rank updated its own chunks;
+        all-gather the full buckets. Sharded ZeRO-3 parameters are gathered when used."""
+        works = []
+        for g in self.flat_groups:
+            if not g.sharded or g.shard_params:
+                continue
+            for b in g.buckets:  # in place: the input is this rank's chunk of the output
+                full = b.view(g.param_flat)
+                mine = b.owned(g.param_flat, g.rank)
+                works.append(collectives.all_gather(full, mine, self.topology.dp_group))
+        for w in works:
+            w.wait()
 
     def after_step(self) -> None:
         for g in self.flat_groups:
@@ -125,7 +155,7 @@ class ZeroStage:
         all-gather, exactly as after an optimizer step, and start a fresh window."""
         for g in self.flat_groups:
             g.copy_master_to_params()
-        gather_updated_params(self.flat_groups, self.topology.dp_group)
+        self._gather_updated_params()
         self.after_step()
         self.reducer.begin_window()
 

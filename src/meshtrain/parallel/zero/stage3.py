@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_flatten
 from meshtrain.distributed.comm import Group
 from meshtrain.parallel import collectives
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
+from meshtrain.parallel.zero.partition import full_numel
 
 
 def assign_units(
@@ -63,7 +64,7 @@ def assign_units(
     owner: dict[nn.Parameter, int] = {}
     for i, unit in enumerate(units):
         for p in unit.parameters():
-            if p.requires_grad and p.numel() >= threshold and p not in owner:
+            if p.requires_grad and full_numel(p) >= threshold and p not in owner:
                 owner[p] = i
     return owner
 

@@ -1,0 +1,283 @@
+"""The hang doctor: from every rank's ledger record to one table and a verdict.
+
+Input: the records :mod:`meshtrain.distributed.ledger` publishes (one per rank, from the
+doctor folder or the rendezvous store) and what the launcher knows about each process
+(exit code, or "stopped"). Output: a :class:`Report` -- one row per rank (last completed
+collective, the one it is waiting in, its sequence number, its state) and verdicts, e.g.::
+
+    rank 1 never entered all_reduce #14 on the dp group (last seen at train.py:31 in step)
+    ranks disagree at #14 on the dp group: rank 0 all_reduce [4096] float32, rank 1 all_gather [2048] float32
+    rank 1 raised ValueError: bad batch (outside any collective); its peers then failed in all_reduce #3 on the dp group
+
+How: collectives on one group are numbered on every member in the same order, so
+
+1. a desync is two ranks whose entries with the same group and number differ in op,
+   shapes or dtype (the lowest such number is reported);
+2. a missing rank is a member whose last number on a group is below the group's highest:
+   it never entered that collective; where it was instead comes from its stack (a stall
+   report), its own exception, or its last ledger entry;
+3. a rank that raised outside any collective, or left the job (``sys.exit``) while its
+   peers waited, is the culprit even when the launcher saw another rank fail first.
+
+The culprit (first verdict's rank) is what ``meshtrain launch`` blames, with its exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshtrain.distributed.ledger import STORE_PREFIX
+
+_PACKAGE_DIRS = (
+    os.sep + os.path.join("meshtrain", "distributed") + os.sep,
+    os.sep + "torch" + os.sep,
+    os.sep + "threading.py",
+)
+
+
+@dataclass
+class Row:
+    """One rank's line of the table."""
+
+    rank: int
+    state: str  # "waiting", "stalled", "raised", "exited", "no report", ...
+    last_completed: str = "-"
+    waiting_in: str = "-"
+    seq: int | None = None
+    note: str = ""
+
+
+@dataclass
+class Report:
+    """The doctor's findings: a row per rank, verdicts (first is the culprit)."""
+
+    rows: list[Row]
+    verdicts: list[str]
+    culprit: int | None = None
+    records: dict[int, dict] = field(default_factory=dict)
+
+    def table(self) -> str:
+        """The table the launcher prints (plain text, one line per rank)."""
+        head = ("rank", "state", "last completed", "waiting in", "seq #", "note")
+        body = [
+            (
+                str(r.rank),
+                r.state,
+                r.last_completed,
+                r.waiting_in,
+                "-" if r.seq is None else str(r.seq),
+                r.note,
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(x[i]) for x in [head, *body]) for i in range(5)]
+        lines = ["meshtrain doctor: the collectives of every rank when the job stopped"]
+        for cells in [head, *body]:
+            lines.append(
+                "  ".join(c.ljust(w) for c, w in zip(cells[:5], widths, strict=True))
+                + "  "
+                + cells[5]
+            )
+        lines += [f"verdict: {v}" for v in self.verdicts] or ["verdict: no rank looks stuck"]
+        return "\n".join(line.rstrip() for line in lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verdicts": self.verdicts,
+            "culprit": self.culprit,
+            "rows": [asdict(r) for r in self.rows],
+            "records": {str(k): v for k, v in sorted(self.records.items())},
+        }
+
+    def write(self, folder: str | os.PathLike) -> Path:
+        """Write ``doctor.json`` into ``folder``; return its path."""
+        path = Path(folder) / "doctor.json"
+        path.write_text(json.dumps(self.to_json(), indent=1))
+        return path
+
+
+def read_folder(folder: str | os.PathLike) -> tuple[dict[int, dict], dict[int, int]]:
+    """The records (``rank<R>.json``) and pids (``hello<R>.json``) in a doctor folder.
+
+    Only the newest elastic attempt's records are kept.
+    """
+    records: dict[int, dict] = {}
+    pids: dict[int, int] = {}
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if path.name.startswith("hello"):
+            pids[int(data["rank"])] = int(data["pid"])
+        elif path.name.startswith("rank"):
+            records[int(data["rank"])] = data
+    if records:
+        newest = max(r.get("attempt", 0) for r in records.values())
+        records = {k: v for k, v in records.items() if v.get("attempt", 0) == newest}
+    return records, pids
+
+
+def read_store(store: Any, world_size: int, wait_s: float = 0.0) -> dict[int, dict]:
+    """The records published to a rendezvous store (``meshtrain/doctor/rank<R>``)."""
+    from datetime import timedelta
+
+    records: dict[int, dict] = {}
+    for rank in range(world_size):
+        key = f"{STORE_PREFIX}rank{rank}"
+        try:
+            if wait_s:
+                store.wait([key], timedelta(seconds=wait_s))
+            if store.check([key]):
+                records[rank] = json.loads(store.get(key))
+        except Exception:  # noqa: BLE001 - a rank that never published
+            continue
+    return records
+
+
+def _entry_text(e: Mapping) -> str:
+    return f"{e['op']} #{e['seq']} on {e['group']}"
+
+
+def _shape_text(e: Mapping) -> str:
+    shapes = ", ".join(str(list(s)) for s in e["shapes"])
+    return f"{e['op']} {shapes} {e['dtype']}"
+
+
+def _last_seen(rec: Mapping) -> str:
+    """Where a rank was: its innermost user frame from the stack, else its last entry."""
+    stack = rec.get("stack") or ""
+    frames = [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File ")]
+    for frame in reversed(frames):
+        if not any(p in frame for p in _PACKAGE_DIRS):
+            # 'File "x.py", line 12, in f' -> x.py:12 in f
+            parts = frame.split('"')
+            if len(parts) >= 3:
+                rest = parts[2].strip(", ").replace("line ", "").split(", in ")
+                if len(rest) == 2:
+                    return f"{parts[1]}:{rest[0]} in {rest[1]}"
+            return frame
+    entries = rec.get("entries") or []
+    if entries:
+        e = entries[-1]
+        return f"{e['where']} in {e['function']} (after {_entry_text(e)})"
+    return "before its first collective"
+
+
+def diagnose(
+    records: Mapping[int, dict],
+    world_size: int,
+    exits: Mapping[int, str] | None = None,
+) -> Report:
+    """Build the table and verdicts from per-rank records (see module docstring).
+
+    ``exits`` maps a rank to what the launcher saw happen to it ("exited with code 3",
+    "was killed by SIGKILL", "stopped (SIGSTOP)", ...).
+    """
+    exits = dict(exits or {})
+    verdicts: list[tuple[int | None, str]] = []
+
+    # every (group, ranks) -> {rank: last seq entered}, and the entries by number
+    entered: dict[tuple, dict[int, int]] = {}
+    by_seq: dict[tuple, dict[int, dict]] = {}
+    for rank, rec in records.items():
+        for g in rec.get("groups", []):
+            entered.setdefault((g["group"], tuple(g["ranks"])), {})[rank] = g["entered"]
+        for e in rec.get("entries", []):
+            by_seq.setdefault((e["group"], tuple(e["ranks"]), e["seq"]), {})[rank] = e
+
+    # 1. desync: same group and number, different collective
+    for (gname, _ranks, seq), per_rank in sorted(by_seq.items(), key=lambda kv: kv[0][2]):
+        kinds = {(e["op"], str(e["shapes"]), e["dtype"]) for e in per_rank.values()}
+        if len(kinds) > 1:
+            parts = ", ".join(f"rank {r} {_shape_text(e)}" for r, e in sorted(per_rank.items()))
+            first = min(per_rank)
+            verdicts.append((first, f"ranks disagree at #{seq} on the {gname} group: {parts}"))
+            break
+
+    # 3. a rank that raised outside a collective, or left, before its peers failed
+    failures = [
+        (rec.get("time", 0), rank, rec)
+        for rank, rec in records.items()
+        if rec.get("reason") in ("exception", "exit")
+    ]
+    for _t, rank, rec in sorted(failures, key=lambda x: x[0]):
+        how = exits.get(rank)
+        if rec["reason"] == "exception":
+            verdicts.append(
+                (
+                    rank,
+                    f"rank {rank} raised {rec.get('error')} (outside any collective, at "
+                    f"{_last_seen(rec)})",
+                )  # fmt: skip
+            )
+        elif how is not None or any(
+            entered.get(k, {}).get(rank, 0) < max(v.values()) for k, v in entered.items()
+        ):
+            verdicts.append(
+                (
+                    rank,
+                    f"rank {rank} left the job ({how or 'exited with code 0'}) at "
+                    f"{_last_seen(rec)} while its peers still needed it",
+                )  # fmt: skip
+            )
+
+    # 2. members that never entered the group's newest collective
+    for (gname, granks), seqs in sorted(entered.items()):
+        top = max(seqs.values())
+        leader = next(r for r, s in sorted(seqs.items()) if s == top)
+        op = by_seq.get((gname, granks, top), {}).get(leader, {}).get("op", "collective")
+        for member in granks:
+            if member in seqs and seqs[member] >= top:
+                continue
+            rec = records.get(member)
+            if rec is None:
+                why = exits.get(member, "it published no report")
+                where = f"no report: {why}"
+            else:
+                where = f"last seen at {_last_seen(rec)}"
+            verdicts.append(
+                (member, f"rank {member} never entered {op} #{top} on the {gname} group ({where})")
+            )
+
+    rows = []
+    for rank in range(world_size):
+        rec = records.get(rank)
+        if rec is None:
+            rows.append(Row(rank, exits.get(rank, "no report"), note="published nothing"))
+            continue
+        entries = rec.get("entries") or []
+        done = [e for e in entries if e["done"]]
+        pending = [e for e in entries if not e["done"]]
+        state = {
+            "error": "failed in collective",
+            "stalled": "stalled",
+            "exception": "raised",
+            "exit": "exited",
+        }.get(rec.get("reason"), rec.get("reason", "?"))
+        note = rec.get("error") or ""
+        if rank in exits:
+            note = f"{exits[rank]}; {note}" if note else exits[rank]
+        if rec.get("reason") == "stalled" and not pending:
+            note = (note + "; " if note else "") + f"in Python at {_last_seen(rec)}"
+        waiting = pending[-1] if pending else None
+        rows.append(
+            Row(
+                rank,
+                state,
+                last_completed=_entry_text(done[-1]) if done else "-",
+                waiting_in=_entry_text(waiting) if waiting else "-",
+                seq=waiting["seq"] if waiting else (done[-1]["seq"] if done else None),
+                note=note[:160],
+            )
+        )
+
+    seen: set[str] = set()
+    unique = [(r, v) for r, v in verdicts if not (v in seen or seen.add(v))]
+    culprit = unique[0][0] if unique else None
+    return Report(rows, [v for _r, v in unique], culprit, dict(records))

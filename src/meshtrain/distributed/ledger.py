@@ -1,0 +1,342 @@
+"""The collective ledger: what this rank last asked its groups to do, for the hang doctor.
+
+Every collective and p2p call made through :mod:`meshtrain.distributed.comm` appends one
+tuple to a small ring buffer (a ``deque`` with ``maxlen``) owned by the ``Topology``'s
+``CommStats``::
+
+    (group, seq, op, shapes, dtype, file, line, function, monotonic time)
+
+``seq`` counts calls per group (the same ``Group`` object), so on every member of a group
+the n-th collective has the same number: comparing the numbers across ranks is how the
+doctor (:mod:`meshtrain.distributed.doctor`) tells "rank 1 never entered all_reduce #14"
+from "ranks disagree at #14" (a desync). The caller's frame is read with
+``sys._getframe`` (file, line and name only: keeping the frame would keep its tensors
+alive). Recording costs one tuple and an append, about a microsecond, next to a collective.
+
+A record of this ledger is *published* (written as JSON) when something goes wrong:
+
+* a collective raises (timeout, a peer's connection closed): reason ``"error"``;
+* the watchdog thread sees no collective activity for 3/4 of the process group's
+  timeout: reason ``"stalled"``, with this rank's Python stack, so a rank stuck in
+  Python code (not in a collective) says where it is before its peers time out;
+* an uncaught exception ends the process: reason ``"exception"``, with the traceback;
+* the interpreter exits (``sys.exit(n)`` mid-job included): reason ``"exit"``.
+
+Where: the rendezvous store under ``meshtrain/doctor/rank<R>`` (a TCP store, which still
+answers when the process group is wedged; written from a helper thread with a short
+deadline so a dead store never blocks the exit), and, when ``MESHTRAIN_DOCTOR_DIR`` is set
+(``meshtrain launch`` and ``notebook_launcher`` set it), ``rank<R>.json`` in that folder,
+which the launcher reads to print the doctor's table. ``MESHTRAIN_LEDGER=0`` turns the
+ledger off (for the overhead benchmark).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from typing import Any
+
+CAPACITY = 64
+STALL_FRACTION = 0.75  # of the collective timeout, before the watchdog reports a stall
+STORE_PREFIX = "meshtrain/doctor/"
+DOCTOR_DIR_ENV = "MESHTRAIN_DOCTOR_DIR"
+RUN_DIR_ENV = "MESHTRAIN_RUN_DIR"
+
+
+def ledger_enabled() -> bool:
+    return os.environ.get("MESHTRAIN_LEDGER", "1") not in ("0", "false", "off")
+
+
+class Ledger:
+    """This rank's recent collectives, with per-group sequence numbers (see module doc)."""
+
+    def __init__(self, capacity: int = CAPACITY, *, watch: bool | None = None) -> None:
+        self.entries: deque[tuple] = deque(maxlen=capacity)
+        self.enabled = ledger_enabled()
+        self._seq: dict[Any, int] = {}  # Group -> last sequence number entered
+        self._done: dict[Any, int] = {}  # Group -> last sequence number completed
+        self.last_activity = time.monotonic()
+        self._stack: str | None = None
+        self._error: str | None = None
+        self._published_reason: str | None = None
+        import torch.distributed as dist
+
+        active = self.enabled and dist.is_available() and dist.is_initialized()
+        if active and dist.get_world_size() > 1:
+            self._rank, self._world = dist.get_rank(), dist.get_world_size()
+            self._timeout = _pg_timeout_seconds()
+            self._hello()
+            if watch is None or watch:
+                _start_watchdog(self)
+            _install_hooks(self)
+        else:
+            self._rank, self._world, self._timeout = 0, 1, None
+
+    # the hot path ----------------------------------------------------------------------
+    def enter(self, group: Any, op: str, tensors: tuple, depth: int = 3) -> int:
+        """Record that this rank enters ``op`` on ``group``; return its sequence number.
+
+        ``depth`` is how many frames up the user of :mod:`comm` sits (comm's ``_call`` is
+        1, the public function 2, its caller 3)."""
+        seq = self._seq.get(group, 0) + 1
+        self._seq[group] = seq
+        f = sys._getframe(depth)
+        t = tensors[0]
+        self.entries.append(
+            (
+                group,
+                seq,
+                op,
+                tuple(tuple(x.shape) for x in tensors),
+                t.dtype,
+                f.f_code.co_filename,
+                f.f_lineno,
+                f.f_code.co_name,
+                time.monotonic(),
+            )
+        )
+        self.last_activity = self.entries[-1][8]
+        return seq
+
+    def done(self, group: Any, seq: int) -> None:
+        if seq > self._done.get(group, 0):
+            self._done[group] = seq
+        self.last_activity = time.monotonic()
+
+    def failed(self, group: Any, seq: int, exc: BaseException) -> None:
+        """A collective raised: publish (store and file) before the error propagates."""
+        self._error = f"{type(exc).__name__}: {exc}".strip()
+        self.publish("error")
+
+    def track(self, work: Any, group: Any, seq: int) -> Any:
+        """Wrap an async work handle so its ``wait()`` marks the entry completed."""
+        return _Tracked(work, self, group, seq)
+
+    # publishing ------------------------------------------------------------------------
+    def record(self, reason: str) -> dict[str, Any]:
+        """This rank's JSON-able report (see :mod:`meshtrain.distributed.doctor`)."""
+        for _ in range(100):  # autograd threads may append while we copy
+            try:
+                entries, seqs, dones = list(self.entries), dict(self._seq), dict(self._done)
+                break
+            except RuntimeError:
+                continue
+        else:
+            entries, seqs, dones = [], {}, {}
+        now_mono, now = time.monotonic(), time.time()
+        rows = [
+            {
+                "group": g.name,
+                "ranks": list(g.ranks),
+                "seq": seq,
+                "op": op,
+                "shapes": [list(s) for s in shapes],
+                "dtype": str(dtype).replace("torch.", ""),
+                "where": f"{file}:{line}",
+                "function": func,
+                "done": seq <= dones.get(g, 0),
+                "seconds_ago": round(now_mono - t, 3),
+            }
+            for (g, seq, op, shapes, dtype, file, line, func, t) in entries
+        ]
+        return {
+            "rank": self._rank,
+            "world_size": self._world,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "time": now,
+            "reason": reason,
+            "error": self._error,
+            "timeout_s": self._timeout,
+            "idle_s": round(now_mono - self.last_activity, 3),
+            "groups": [
+                {"group": g.name, "ranks": list(g.ranks), "entered": s, "done": dones.get(g, 0)}
+                for g, s in seqs.items()
+            ],
+            "entries": rows,
+            "stack": self._stack,
+            "run_dir": os.environ.get(RUN_DIR_ENV),
+        }
+
+    def publish(self, reason: str, *, store: bool = True) -> dict[str, Any]:
+        """Write this rank's record to the rendezvous store and the doctor folder."""
+        self._published_reason = reason
+        rec = self.record(reason)
+        text = json.dumps(rec)
+        folder = os.environ.get(DOCTOR_DIR_ENV)
+        if folder:
+            _write_atomic(os.path.join(folder, f"rank{self._rank}.json"), text)
+        if store:
+            _store_set(f"{STORE_PREFIX}rank{self._rank}", text)
+        return rec
+
+    def capture_stack(self) -> None:
+        """Keep the main thread's Python stack (for a stall report)."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        if frame is not None:
+            self._stack = "".join(traceback.format_stack(frame))
+
+    def _hello(self) -> None:
+        """A first, tiny record so the launcher knows each rank's pid before trouble."""
+        folder = os.environ.get(DOCTOR_DIR_ENV)
+        if folder:
+            hello = {"rank": self._rank, "pid": os.getpid(), "host": socket.gethostname()}
+            _write_atomic(os.path.join(folder, f"hello{self._rank}.json"), json.dumps(hello))
+
+
+class _Tracked:
+    """An async work handle whose ``wait()`` marks its ledger entry done (or published)."""
+
+    __slots__ = ("_work", "_ledger", "_group", "_seq")
+
+    def __init__(self, work: Any, ledger: Ledger, group: Any, seq: int) -> None:
+        self._work, self._ledger, self._group, self._seq = work, ledger, group, seq
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            out = self._work.wait(*args, **kwargs)
+        except Exception as exc:
+            self._ledger.failed(self._group, self._seq, exc)
+            raise
+        self._ledger.done(self._group, self._seq)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _pg_timeout_seconds() -> float | None:
+    """The default process group's collective timeout, in seconds (None if unknown)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        for device in ("cpu", "cuda"):
+            try:
+                return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+            except Exception:  # noqa: BLE001 - backend without that device
+                continue
+    except Exception:  # noqa: BLE001 - private API moved: no watchdog rather than a crash
+        return None
+    return None
+
+
+def _store_set(key: str, value: str, deadline_s: float = 3.0) -> None:
+    """``store.set`` on a helper thread: a store whose host died must not block us."""
+
+    def put() -> None:
+        try:
+            _default_store().set(key, value)
+        except Exception:  # noqa: BLE001 - the report is best effort
+            pass
+
+    t = threading.Thread(target=put, name="meshtrain-doctor-publish", daemon=True)
+    t.start()
+    t.join(deadline_s)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _start_watchdog(ledger: Ledger) -> None:
+    """A daemon thread reporting a stall: no collective activity for 3/4 of the timeout.
+
+    It holds only a weak reference, so it ends when the topology (and ledger) is gone.
+    """
+    if not ledger._timeout:
+        return
+    limit = ledger._timeout * STALL_FRACTION
+    poll = max(0.05, min(1.0, limit / 10))
+    ref = weakref.ref(ledger)
+
+    def watch() -> None:
+        reported_at = None
+        while True:
+            time.sleep(poll)
+            led = ref()
+            if led is None:
+                return
+            last = led.last_activity
+            exiting = led._published_reason == "exit"  # its exit record must stay
+            if not exiting and time.monotonic() - last > limit and reported_at != last:
+                reported_at = last
+                led.capture_stack()
+                led.publish("stalled")
+            del led
+
+    threading.Thread(target=watch, name="meshtrain-ledger-watchdog", daemon=True).start()
+
+
+def _peer_exception(ledger: Ledger) -> dict | None:
+    """The record of a peer that raised outside a collective, from the store, if any."""
+    from meshtrain.distributed.doctor import read_store
+
+    found: list[dict] = []
+
+    def look() -> None:
+        for rank, rec in read_store(_default_store(), ledger._world).items():
+            if rank != ledger._rank and rec.get("reason") == "exception":
+                found.append(rec)
+
+    t = threading.Thread(target=look, name="meshtrain-doctor-read", daemon=True)
+    t.start()
+    t.join(3.0)
+    return min(found, key=lambda r: r.get("time", 0)) if found else None
+
+
+def _default_store():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def _install_hooks(ledger: Ledger) -> None:
+    """Publish on an uncaught exception (with its traceback) and at interpreter exit."""
+    ref = weakref.ref(ledger)
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):  # noqa: ANN001 - sys.excepthook's signature
+        led = ref()
+        if led is None or issubclass(exc_type, KeyboardInterrupt):
+            return previous(exc_type, exc, tb)
+        if led._published_reason != "error":  # not a collective's error (published then)
+            led._error = f"{exc_type.__name__}: {exc}".strip()
+            led._stack = "".join(traceback.format_exception(exc_type, exc, tb))
+            led.publish("exception")
+            return previous(exc_type, exc, tb)
+        first = _peer_exception(led)
+        if first is None:
+            return previous(exc_type, exc, tb)
+        # a collective failed because a peer raised first: its traceback is the one to
+        # read (already printed by that rank); ours would only bury it
+        print(
+            f"[rank{led._rank}]: meshtrain: a collective failed ({led._error.splitlines()[0]}) "
+            f"because rank {first['rank']} raised first: {first['error']}; see its traceback",
+            file=sys.stderr,
+        )
+
+    sys.excepthook = hook
+
+    def at_exit() -> None:
+        led = ref()
+        if led is not None and led._published_reason not in ("exception", "error"):
+            led.publish("exit", store=False)
+
+    atexit.register(at_exit)

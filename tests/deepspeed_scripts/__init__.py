@@ -1,0 +1,1 @@
+"""DeepSpeed scripts as users write them, run by meshtrain (and by DeepSpeed)."""

@@ -1,0 +1,53 @@
+"""A 2-rank job that goes wrong on purpose, for the hang doctor's tests.
+
+    meshtrain launch --nproc_per_node 2 tests/distributed/doctor_worker.py MODE [RUN_DIR]
+
+MODE: ``hang`` (rank 1 sleeps in Python before all_reduce #14 on dp), ``desync`` (at #14
+rank 1 calls all_gather where rank 0 calls all_reduce), ``raise`` (rank 1 raises
+ValueError before #14), ``exit3`` / ``exit0`` (rank 1 calls sys.exit before #14),
+``stop`` (rank 1 sends itself SIGSTOP before #14). The collective timeout is 6 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import meshtrain
+from meshtrain.distributed import comm
+from meshtrain.distributed.topology import Topology
+
+MODE = sys.argv[1]
+if len(sys.argv) > 2:
+    os.environ["MESHTRAIN_RUN_DIR"] = sys.argv[2]
+env = meshtrain.init_distributed(timeout_minutes=0.1)
+topo = Topology(dp=env.world_size)
+grad = torch.ones(4096)
+
+
+def step(i: int) -> None:
+    if env.rank == 1 and i == 14:
+        if MODE == "hang":
+            time.sleep(3600)  # stuck in Python, not in a collective
+        elif MODE == "raise":
+            raise ValueError(f"bad batch at step {i}")
+        elif MODE == "exit3":
+            sys.exit(3)
+        elif MODE == "exit0":
+            sys.exit(0)
+        elif MODE == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif MODE == "desync":
+            out = torch.empty(4096)
+            comm.all_gather(out, torch.ones(2048), topo.dp_group)
+            return
+    comm.all_reduce(grad, topo.dp_group)
+
+
+for i in range(1, 20):
+    step(i)
+print(f"rank {env.rank} finished", flush=True)

@@ -1,0 +1,139 @@
+"""The hang doctor end to end: ``meshtrain launch`` of 2 ranks that go wrong on purpose.
+
+Each case launches ``doctor_worker.py`` (collective timeout 6 s) and asserts that the
+launcher's table and ``doctor.json`` name the right rank, op and sequence number, that the
+job's exit code and blame are the culprit's, and that every process is gone within the
+timeout plus a margin (the subprocess deadline below: 6 s timeout + 84 s for three Python
+processes importing torch on a loaded 2-core machine; no assertion on the exact time).
+The pure verdict logic is tested without processes at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshtrain.distributed.doctor import diagnose
+from tests.launch import REPO, run_launch
+
+WORKER = REPO / "tests" / "distributed" / "doctor_worker.py"
+DEADLINE_S = 90
+
+
+def _launch(mode: str, run_dir: Path):
+    out = run_launch("--nproc_per_node", "2", str(WORKER), mode, str(run_dir), timeout=DEADLINE_S)
+    report = json.loads((run_dir / "doctor.json").read_text())
+    return out, report
+
+
+@pytest.mark.parametrize(
+    "mode, code, verdict",
+    [
+        ("hang", None, "rank 1 never entered all_reduce #14 on the dp group (last seen at "),
+        ("raise", 1, "rank 1 raised ValueError: bad batch at step 14"),
+        ("exit3", 3, "rank 1 left the job (exited with code 3)"),
+        (
+            "desync",
+            None,
+            "ranks disagree at #14 on the dp group: rank 0 all_reduce [4096] float32, "
+            "rank 1 all_gather [4096] float32",
+        ),
+    ],
+)
+def test_doctor_names_rank_op_and_sequence(tmp_path: Path, mode: str, code, verdict: str):
+    out, report = _launch(mode, tmp_path)
+    assert out.returncode != 0
+    if code is not None:
+        assert out.returncode == code, out.stderr[-3000:]
+    assert report["verdicts"][0].startswith(verdict), report["verdicts"]
+    assert f"verdict: {verdict}" in out.stderr
+    assert "meshtrain doctor: the collectives of every rank" in out.stderr
+    rows = {r["rank"]: r for r in report["rows"]}
+    # rank 0 waits in all_reduce #14 (or failed there); rank 1 completed #13
+    assert rows[0]["waiting_in"] == "all_reduce #14 on dp" and rows[0]["seq"] == 14
+    assert rows[1]["last_completed"] == "all_reduce #13 on dp"
+    if mode == "hang":
+        assert report["culprit"] == 1
+        assert "doctor_worker.py:" in report["verdicts"][0] and "in step" in report["verdicts"][0]
+        assert "time.sleep" in (report["records"]["1"]["stack"] or "")  # its stack was dumped
+        assert "failed: rank 1" in out.stderr  # blamed, not rank 0 whose collective timed out
+    if mode == "raise":
+        # the real traceback once, first; rank 0's collateral error is one line
+        assert out.stderr.count("ValueError: bad batch at step 14") >= 1
+        first_tb = out.stderr.index("Traceback")
+        assert "[rank1]" in out.stderr[first_tb - 10 : first_tb]
+        assert "because rank 1 raised first: ValueError: bad batch at step 14" in out.stderr
+        assert "[rank0]: Traceback" not in out.stderr
+    if mode == "desync":
+        assert rows[1]["waiting_in"] == "all_gather #14 on dp"
+
+
+def _rec(rank, reason, seqs, pending=None, error=None, stack=None, t=0.0):
+    entries = [
+        {
+            "group": "dp", "ranks": [0, 1], "seq": s, "op": "all_reduce", "shapes": [[8]],
+            "dtype": "float32", "where": "train.py:10", "function": "step", "done": True,
+        }
+        for s in range(1, seqs + 1)
+    ]  # fmt: skip
+    if pending:
+        entries.append({**entries[-1], "seq": seqs + 1, "op": pending, "done": False})
+    entered = seqs + (1 if pending else 0)
+    return {
+        "rank": rank, "world_size": 2, "reason": reason, "error": error, "stack": stack,
+        "time": t, "entries": entries,
+        "groups": [{"group": "dp", "ranks": [0, 1], "entered": entered, "done": seqs}],
+    }  # fmt: skip
+
+
+def test_verdicts_without_processes():
+    stack = '  File "train.py", line 40, in main\n    step()\n  File "model.py", line 7, in fwd\n'
+    records = {
+        0: _rec(0, "error", 13, "all_reduce", "timeout"),
+        1: _rec(1, "stalled", 13, stack=stack),
+    }
+    rep = diagnose(records, 2)
+    assert rep.verdicts == [
+        "rank 1 never entered all_reduce #14 on the dp group (last seen at model.py:7 in fwd)"
+    ]
+    assert rep.culprit == 1
+    # no report from a killed rank: the launcher's words are used
+    rep = diagnose({0: records[0]}, 2, {1: "was killed by SIGKILL"})
+    assert (
+        "rank 1 never entered all_reduce #14 on the dp group (no report: was killed by SIGKILL)"
+        in rep.verdicts
+    )
+    assert "published nothing" in rep.table()
+    # three groups in flight but agreeing: nobody is blamed
+    rep = diagnose({0: _rec(0, "exit", 5), 1: _rec(1, "exit", 5)}, 2)
+    assert rep.verdicts == [] and rep.culprit is None and "no rank looks stuck" in rep.table()
+
+
+def _rank1_skips_third_all_reduce() -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from meshtrain.distributed import comm
+    from meshtrain.distributed.topology import Topology
+
+    topo = Topology()
+    t = torch.ones(8)
+    for i in range(1, 4):
+        if dist.get_rank() == 1 and i == 3:
+            time.sleep(30)  # stuck in Python; rank 0 times out in all_reduce #3
+        comm.all_reduce(t, topo.dp_group)
+
+
+def test_notebook_launcher_failure_carries_the_doctors_table():
+    from meshtrain.launch.processes import RankFailedError, run_on_ranks
+
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_rank1_skips_third_all_reduce, 2, timeout=120, collective_timeout_minutes=0.1)
+    msg = str(info.value)
+    assert "rank 0 raised" in msg and "meshtrain doctor:" in msg
+    assert "verdict: rank 1 never entered all_reduce #3 on the dp group (last seen at" in msg
+    assert "test_doctor.py:" in msg  # rank 1's stall report points at the sleep

@@ -1,0 +1,49 @@
+"""No load path in meshtrain unpickles: checkpoints are safetensors + JSON (issue 18).
+
+A pickle (``pickle.load``, ``torch.load`` without ``weights_only=True``, ``np.load`` with
+``allow_pickle=True``) runs code from the file it reads; a checkpoint or data file from
+elsewhere must never be able to do that. The one allowed use is ``launch/processes.py``:
+``pickle.loads`` of results that its own child processes send back over a pipe (no file).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "meshtrain"
+ALLOWED = {("launch/processes.py", "pickle.loads")}
+PATTERNS = {
+    "pickle.load": re.compile(r"\bpickle\.loads?\("),
+    "pickle.loads": re.compile(r"\bpickle\.loads\("),
+    "cPickle/dill/joblib": re.compile(r"\b(cPickle|dill|joblib)\.load"),
+    "torch.load": re.compile(r"\btorch\.load\((?![^)]*weights_only\s*=\s*True)"),
+    "np.load pickle": re.compile(r"allow_pickle\s*=\s*True"),
+    "Unpickler": re.compile(r"\bUnpickler\b"),
+}
+
+
+def test_no_load_path_unpickles():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for name, pattern in PATTERNS.items():
+                if pattern.search(code):
+                    kind = "pickle.loads" if "pickle.loads(" in code else name
+                    if (rel, kind) not in ALLOWED:
+                        found.append(f"{rel}:{n}: {name}: {line.strip()}")
+    assert not found, "unsafe loads:\n" + "\n".join(found)
+
+
+def test_the_grep_catches_what_it_should():
+    bad = [
+        "x = pickle.load(f)",
+        "state = torch.load(path)",
+        "state = torch.load(path, weights_only=False)",
+        "a = np.load(p, allow_pickle=True)",
+    ]
+    ok = ["state = torch.load(path, weights_only=True)", "pickle.dumps(x)"]
+    hits = lambda s: any(p.search(s) for p in PATTERNS.values())  # noqa: E731
+    assert all(hits(s) for s in bad) and not any(hits(s) for s in ok)
