@@ -6,7 +6,7 @@ losses agree. Target: meshtrain at least as fast as torch DistributedDataParalle
 
 Usage (from the repository root)::
 
-    python benchmarks/bench_data_parallel.py [--nproc 2] [--steps 20] [--repeats 3]
+    python -m benchmarks.bench_data_parallel [--nproc 2] [--steps 20] [--repeats 3]
 
 The script is both the driver and the worker. The driver launches, for each repeat and
 each peer in turn (peers interleaved so that background load hits all of them alike)::
@@ -61,6 +61,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.peers import BETAS, EPS, LR, WEIGHT_DECAY, setup
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 RESULTS = HERE.parent / "results"
@@ -69,10 +71,6 @@ ALL_PEERS = ("meshtrain", "ddp", "deepspeed-z0", "meshtrain-noledger")
 GLOBAL_BATCH = 16
 SEQ_LEN = 32
 SEED = 1234
-LR = 1e-3
-BETAS = (0.9, 0.999)
-EPS = 1e-8
-WEIGHT_DECAY = 0.01
 MODEL = dict(
     vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=64, seed=SEED
 )
@@ -112,100 +110,13 @@ def _worker(args: argparse.Namespace) -> None:
     torch.manual_seed(SEED)
     model = Decoder(DecoderConfig(**MODEL))
     n_params = sum(p.numel() for p in model.parameters())
-    adamw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-
-    if args.worker in ("meshtrain", "meshtrain-noledger"):
-        if args.worker == "meshtrain-noledger":  # the hang doctor's ledger off (its overhead)
-            os.environ["MESHTRAIN_LEDGER"] = "0"
-        import meshtrain
-
-        config = {
-            "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.0,
-            "optimizer": {
-                "type": "AdamW",
-                "params": {**adamw, "betas": list(BETAS)},
-            },
-            "steps_per_print": 1000,
-        }
-        if args.reduce_bucket_size:
-            config["zero_optimization"] = {
-                "stage": 0,
-                "reduce_bucket_size": args.reduce_bucket_size,
-            }
-        engine, _, _, _ = meshtrain.initialize(
-            model=model, model_parameters=model.parameters(), config=config
-        )
-
-        def forward(x):
-            return engine(x, x)
-
-        def backward(loss):
-            engine.backward(loss)
-
-        def step():
-            engine.step()
-
-        def shutdown():
-            meshtrain.shutdown_distributed()
-
-    elif args.worker == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        dist.init_process_group("gloo")
-        ddp = DDP(model)
-        opt = torch.optim.AdamW(ddp.parameters(), **adamw)
-
-        def forward(x):
-            return ddp(x, x)
-
-        def backward(loss):
-            loss.backward()
-
-        def step():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        def shutdown():
-            dist.barrier()
-            dist.destroy_process_group()
-
-    elif args.worker == "deepspeed-z0":
-        import deepspeed
-
-        opt = torch.optim.AdamW(model.parameters(), **adamw)
-        ds_engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=opt,
-            config={
-                "train_micro_batch_size_per_gpu": micro,
-                "gradient_accumulation_steps": 1,
-                "zero_optimization": {"stage": 0},
-                # DeepSpeed 0.19.8 defaults to clipping at 1.0 (GRADIENT_CLIPPING_DEFAULT);
-                # the other peers do not clip, so turn it off for the same workload.
-                "gradient_clipping": 0.0,
-                "steps_per_print": 10**9,
-                "wall_clock_breakdown": False,
-            },
-        )
-        torch.set_num_threads(args.threads)  # in case DeepSpeed's CPU accelerator changed it
-
-        def forward(x):
-            return ds_engine(x, x)
-
-        def backward(loss):
-            ds_engine.backward(loss)
-
-        def step():
-            ds_engine.step()
-
-        def shutdown():
-            dist.barrier()
-            dist.destroy_process_group()
-
-    else:
-        raise SystemExit(f"unknown peer {args.worker!r}")
+    if args.worker == "meshtrain-noledger":  # the hang doctor's ledger off (its overhead)
+        os.environ["MESHTRAIN_LEDGER"] = "0"
+    aliases = {"meshtrain": "mt-z0", "meshtrain-noledger": "mt-z0", "deepspeed-z0": "ds-z0"}
+    name = aliases.get(args.worker, args.worker)
+    zero = {"reduce_bucket_size": args.reduce_bucket_size} if args.reduce_bucket_size else {}
+    run = setup(name, model, micro=micro, world=world, zero=zero, threads=args.threads)
+    forward, backward, step, shutdown = run.forward, run.backward, run.step, run.shutdown
 
     losses, phases, cpu, ends = [], [], [], []
     clock, cpu_clock = time.perf_counter, time.thread_time  # wall; this thread's CPU time
@@ -310,7 +221,7 @@ def _machine() -> dict:
 
 def _worker_env() -> dict:
     env = dict(os.environ)
-    src = str(REPO / "src")
+    src = str(REPO / "src") + os.pathsep + str(REPO)  # meshtrain, and the benchmarks package
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -335,7 +246,7 @@ def run_worker(
     log_path = os.path.join(tmpdir, f"{name}-{tag}.log")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(nproc), str(script),
+        "--nproc_per_node", str(nproc), "-m", f"benchmarks.{Path(script).stem}",
         "--worker", name, "--result", result_path, *worker_args,
     ]  # fmt: skip
     load_before = os.getloadavg()[0]

@@ -7,10 +7,10 @@ Target: meshtrain at least as fast as each peer and using no more memory.
 
 Usage (from the repository root)::
 
-    python benchmarks/bench_zero.py [--nproc 2] [--steps 12] [--warmup 2] [--repeats 2]
-    python benchmarks/bench_zero.py --combine results/zero-A.json results/zero-B.json
-    python benchmarks/bench_zero.py --frameworks mt-z3,fsdp2 --repeats 1 --profile-memory
-    python benchmarks/bench_zero.py --repeats 1 --malloc-mmap-threshold 1048576
+    python -m benchmarks.bench_zero [--nproc 2] [--steps 12] [--warmup 2] [--repeats 2]
+    python -m benchmarks.bench_zero --combine results/zero-A.json results/zero-B.json
+    python -m benchmarks.bench_zero --frameworks mt-z3,fsdp2 --repeats 1 --profile-memory
+    python -m benchmarks.bench_zero --repeats 1 --malloc-mmap-threshold 1048576
 
 ``--combine`` runs nothing and reports the medians over the repeats of several result
 files (the machine is noisy: run the benchmark more than once). ``--profile-memory``
@@ -92,9 +92,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
-from bench_data_parallel import (  # noqa: E402  (house helpers, shared with issue 3's bench)
+from benchmarks.bench_data_parallel import (  # house helpers, shared with issue 3's bench
     REPO,
     RESULTS,
     _git,
@@ -104,14 +102,12 @@ from bench_data_parallel import (  # noqa: E402  (house helpers, shared with iss
     run_with_retry,
     run_worker,
 )
+from benchmarks.peers import BETAS, EPS, LR, WEIGHT_DECAY, setup
 
 GLOBAL_BATCH = 8
 SEQ_LEN = 64
 SEED = 1234
-LR = 1e-3
-BETAS = (0.9, 0.999)
-EPS = 1e-8
-WEIGHT_DECAY = 0.01
+HERE = Path(__file__).resolve()
 MODEL = dict(
     vocab_size=8192, dim=768, n_layers=8, n_heads=12, ffn_dim=2048, max_seq_len=64, seed=SEED
 )
@@ -268,31 +264,6 @@ def _analyse_allocations(prof, top: int = 12) -> dict:
     }
 
 
-def _local_bytes(t) -> int:
-    """Bytes this rank stores for ``t`` (a DTensor's local shard, else the tensor)."""
-    local = getattr(t, "_local_tensor", t)
-    return local.numel() * local.element_size()
-
-
-def _state_bytes(params, optimizer) -> dict[str, int]:
-    """Parameter, gradient and optimizer-state bytes held by this rank's tensors."""
-    seen: set[int] = set()
-    p_bytes = g_bytes = 0
-    for p in params:
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        p_bytes += _local_bytes(p)
-        if p.grad is not None:
-            g_bytes += _local_bytes(p.grad)
-    o_bytes = 0
-    for st in optimizer.state.values():
-        for v in st.values():
-            if hasattr(v, "numel") and v.numel() > 1:
-                o_bytes += _local_bytes(v)
-    return {"params": p_bytes, "grads": g_bytes, "optimizer": o_bytes}
-
-
 def _worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -321,153 +292,22 @@ def _worker(args: argparse.Namespace) -> None:
     model = Decoder(DecoderConfig(**model_cfg))
     n_params = sum(p.numel() for p in model.parameters())
     milestones["model built"] = _rss_mib()
-    adamw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     zero_common = {
         "reduce_bucket_size": args.reduce_bucket_size,
         "allgather_bucket_size": args.reduce_bucket_size,
         "stage3_prefetch_bucket_size": args.prefetch_bucket_size,
         "stage3_param_persistence_threshold": args.persistence_threshold,
     }
-    engine = None
+    run = setup(name, model, micro=micro, world=world, zero=zero_common, threads=args.threads)
+    del model
+    engine = run.engine
     comm_bytes: list[dict] = []
+    forward, backward, state, shutdown = run.forward, run.backward, run.state, run.shutdown
 
-    if name in MESHTRAIN:
-        import meshtrain
-
-        stage = int(name[-1])
-        config = {
-            "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {**adamw, "betas": list(BETAS)}},
-            "zero_optimization": {"stage": stage, **zero_common},
-            "steps_per_print": 10**9,
-        }
-        engine, _, _, _ = meshtrain.initialize(
-            model=model, model_parameters=model.parameters(), config=config
-        )
-        del model
-
-        def forward(x):
-            return engine(x, x)
-
-        def backward(loss):
-            engine.backward(loss)
-
-        def step():
-            engine.step()
+    def step():
+        run.step()
+        if engine is not None:
             comm_bytes.append(engine.last_step_comm_bytes())
-
-        def state():
-            rep = engine.memory_report()
-            m = rep.measured
-            return {"params": m.params, "grads": m.grads, "optimizer": m.optimizer}
-
-        shutdown = meshtrain.shutdown_distributed
-
-    elif name == "torch-zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        dist.init_process_group("gloo")
-        ddp = DDP(model)
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
-
-        def forward(x):
-            return ddp(x, x)
-
-        def backward(loss):
-            loss.backward()
-
-        def step():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        def state():
-            # ZeroRedundancyOptimizer.state holds only this rank's partition
-            return _state_bytes(ddp.parameters(), opt.optim)
-
-    elif name in ("fsdp2", "fsdp2-nrf"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", (world,))
-        reshard = name == "fsdp2"
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        opt = torch.optim.AdamW(model.parameters(), **adamw)
-
-        def forward(x):
-            return model(x, x)
-
-        def backward(loss):
-            loss.backward()
-
-        def step():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        def state():
-            return _state_bytes(model.parameters(), opt)
-
-    elif name.startswith("ds-z"):
-        import deepspeed
-
-        stage = int(name[-1])
-        opt = torch.optim.AdamW(model.parameters(), **adamw)
-        ds_engine, ds_opt, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=opt,
-            config={
-                "train_micro_batch_size_per_gpu": micro,
-                "gradient_accumulation_steps": 1,
-                "zero_optimization": {"stage": stage, **zero_common},
-                # DeepSpeed 0.19.8 defaults to clipping at 1.0 (GRADIENT_CLIPPING_DEFAULT);
-                # the other frameworks do not clip, so turn it off for the same workload.
-                "gradient_clipping": 0.0,
-                "steps_per_print": 10**9,
-                "wall_clock_breakdown": False,
-            },
-        )
-        torch.set_num_threads(args.threads)  # in case DeepSpeed's CPU accelerator changed it
-
-        def forward(x):
-            return ds_engine(x, x)
-
-        def backward(loss):
-            ds_engine.backward(loss)
-
-        def step():
-            ds_engine.step()
-
-        def state():
-            # module parameters (under ZeRO-3 their ``ds_tensor`` shards), ``.grad``s, the
-            # wrapped AdamW's state, and its parameters when they are separate fp32 copies
-            # ("master"). DeepSpeed's gradient buffers are not counted (see peak RSS).
-            inner = getattr(ds_opt, "optimizer", ds_opt)
-            params = list(ds_engine.module.parameters())
-            out = _state_bytes(params, inner)
-            if stage == 3:
-                out["params"] = sum(_local_bytes(p.ds_tensor) for p in params)
-            mine = {p.untyped_storage().data_ptr() for p in params}
-            out["master"] = sum(
-                _local_bytes(q)
-                for g in inner.param_groups
-                for q in g["params"]
-                if q.untyped_storage().data_ptr() not in mine
-            )
-            return out
-
-    else:
-        raise SystemExit(f"unknown framework {name!r}")
-
-    if name not in MESHTRAIN:
-
-        def shutdown():
-            dist.barrier()
-            dist.destroy_process_group()
 
     milestones["wrapped"] = _rss_mib()
     losses, phases, cpu, ends, peaks = [], [], [], [], []

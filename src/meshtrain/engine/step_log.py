@@ -14,6 +14,11 @@ micro-batches of the step; samples and tokens are counted from the batches seen 
 size; throughput is over the wall time since the previous step ended; ``comm`` is the
 bytes the step recorded (see ``meshtrain.distributed.comm`` for the convention).
 
+MFU (``mfu`` in ``last``, ``| MFU x%`` in the line) appears once the engine called
+``set_mfu`` (see ``meshtrain.engine.flops``): model FLOPs per token x tokens/s over all
+ranks / (peak FLOP/s per device x data-parallel size). The peak is a data-sheet figure for
+known GPUs and a measured matmul peak elsewhere; ``mfu_peak_source`` says which.
+
 Silence or redirect the lines with the standard logging API, e.g.
 ``logging.getLogger("meshtrain").setLevel(logging.WARNING)``.
 """
@@ -77,11 +82,31 @@ class StepLog:
         self._phase = dict.fromkeys(PHASES, 0.0)
         self._t0 = time.perf_counter()
         self.last: dict[str, Any] = {}
+        self._dense = self._per_seq = self._peak = 0.0
+        self._seq = 0
+        self._peak_source = ""
         if every and is_logging_rank:
             ensure_visible()
 
+    def set_mfu(self, dense: float, per_seq: float, peak_flops: float, source: str) -> None:
+        """Report MFU from now on: a token costs ``dense + per_seq x T`` FLOPs at sequence
+        length ``T`` (``6 N`` and ``12 L d``); ``peak_flops`` is per device, ``source``
+        says where it comes from."""
+        self._dense, self._per_seq = dense, per_seq
+        self._peak, self._peak_source = peak_flops, source
+
+    def mfu(self, tokens_per_s: float) -> tuple[float, str] | None:
+        """(MFU at ``tokens_per_s`` over all ranks, the peak's source), or None when the
+        model's FLOPs or the sequence length are unknown."""
+        if not (self._peak and self._seq):
+            return None
+        achieved = (self._dense + self._per_seq * self._seq) * tokens_per_s
+        return achieved / (self._peak * self.dp_size), self._peak_source
+
     def count_batch(self, args: tuple, kwargs: dict) -> None:
         samples, tokens = _batch_size_and_tokens(args, kwargs)
+        if tokens and samples:
+            self._seq = tokens // samples
         self._samples += samples
         self._tokens += tokens
 
@@ -130,6 +155,9 @@ class StepLog:
             "skipped": skipped,
             "seconds": seconds,
         }
+        mfu = self.mfu(self.last["tokens_per_s"]) if self._tokens else None
+        if mfu is not None:
+            self.last["mfu"], self.last["mfu_peak_source"] = mfu
         if self.breakdown:
             self.last.update({f"{k}_ms": v * 1e3 for k, v in self._phase.items()})
             self._phase = dict.fromkeys(PHASES, 0.0)
@@ -148,6 +176,8 @@ class StepLog:
             f"{s['samples_per_s']:.1f} samples/s | {s['tokens_per_s']:.0f} tokens/s | "
             f"comm {s['comm_bytes'] / 1e6:.1f} MB"
         )
+        if "mfu" in s:
+            line += f" | MFU {100 * s['mfu']:.1f}%"
         if self.breakdown:
             line += "".join(f" | {k} {s[f'{k}_ms']:.1f} ms" for k in PHASES)
         return line + (" | skipped (non-finite gradients)" if s["skipped"] else "")

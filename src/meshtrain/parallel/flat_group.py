@@ -253,15 +253,25 @@ class FlatGroup:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
 
-    def take_bucket_grads(self, bucket: Bucket, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def take_bucket_grads(
+        self, bucket: Bucket, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Sharded gradients: pack the bucket's fresh ``.grad`` tensors (zero for a
-        parameter that got none) into one padded buffer of ``dtype`` and drop them."""
-        buf = torch.zeros(bucket.numel, dtype=dtype or self.dtype, device=self.device)
-        for p, view in self.views(bucket, buf, base=bucket.start):
+        parameter that got none) into one padded buffer of ``dtype`` and drop them.
+
+        ``out`` (``bucket.numel`` elements, any contents) is filled and returned instead of
+        a new buffer: every element is written, so a reused, uninitialised one is fine."""
+        if out is None:
+            out = torch.empty(bucket.numel, dtype=dtype or self.dtype, device=self.device)
+        for p, view in self.views(bucket, out, base=bucket.start):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None
-        return buf
+            else:
+                view.zero_()
+        used = sum(self.shapes[p].numel() for p in bucket.params)  # packed from offset 0
+        out.narrow(0, used, bucket.numel - used).zero_()  # padding to a multiple of P
+        return out
 
     # the optimizer step --------------------------------------------------------------------
     def load_master_grads(self, factor: float) -> None:

@@ -16,6 +16,25 @@ unused in this forward) in a fixed order, waits for all of them and lands the re
   rank's chunk of ``grad_shard`` (the first reduction of an accumulation window writes
   the chunk, later ones add to it).
 
+At most ``max_in_flight`` (default 2) reductions are outstanding: launching one more first
+waits for the oldest and lands it. Unbounded, every bucket of a backward can be in flight
+at its end (on 2 CPU cores gloo's thread falls behind compute), and each holds its
+packed buffer (stages 2-3) and gloo's clone of the input (reduce-scatter), i.e. up to two
+extra copies of all gradients. Two in flight keep one reduction running while the next
+bucket fills, which is all the overlap a single communication thread can use.
+
+The reduce-scatters go through ``meshtrain.parallel.collectives``: on CPU (gloo) an
+in-place all-reduce of the bucket is used instead (about half the time; the bytes are
+still recorded as a reduce-scatter of the bucket). Stage 1's full-gradient buffer then
+holds the summed gradient in every chunk, not only the owned one; nothing reads the others
+before ``zero_grads``.
+
+Stages 2-3 pack each bucket's gradients into a buffer taken from a small pool (at most
+``max_in_flight + 1`` buffers of the largest bucket, filled without zeroing first): a
+fresh buffer of 32 MiB or more is a fresh ``mmap`` in glibc and pays a page fault per 4 KiB
+on first touch (about 17 ms for 38 MiB here) every time. The pool is dropped at the end of
+``finish()``, so it adds nothing to the memory held during the optimizer step.
+
 Which backward synchronises is the caller's decision (``begin_backward(sync)``): the ZeRO
 stage plan makes it every backward for sharded gradients and the accumulation boundary
 otherwise. ``communication_data_type`` reduces in another dtype (e.g. fp32 sums of bf16
@@ -42,6 +61,7 @@ import torch
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
 from meshtrain.errors import TrainingError
+from meshtrain.parallel import collectives
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
 
 
@@ -63,6 +83,7 @@ class GradReducer:
         ignore_unused: bool = True,
         names: dict[torch.Tensor, str] | None = None,
         on_reduced: Callable[[FlatGroup, Bucket], None] | None = None,
+        max_in_flight: int = 2,
     ) -> None:
         self.groups = groups
         self.dp_group = dp_group
@@ -71,6 +92,7 @@ class GradReducer:
         self.ignore_unused = ignore_unused
         self.names = names or {}
         self.on_reduced = on_reduced
+        self.max_in_flight = max(1, max_in_flight)
         self._sync = True  # reduce on this backward?
         self._local = False  # inside no_sync()
         self._ready = {id(b): 0 for g in groups for b in g.buckets}
@@ -78,6 +100,7 @@ class GradReducer:
         self._seen: set[int] = set()  # params with a gradient (only when checking unused)
         self._pending: list[tuple] = []
         self._launched: set[int] = set()
+        self._spare: list[torch.Tensor] = []  # pooled packing buffers (stages 2-3)
         self._handles = []
         for group in groups:
             for p in group.params:
@@ -139,19 +162,42 @@ class GradReducer:
                 source = source.to(self.comm_dtype)
                 landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
             out = target if landing is None else landing
-            work = comm.reduce_scatter(out, source, self.dp_group, async_op=True)
+            work = collectives.reduce_scatter(out, source, self.dp_group)
         else:
-            source = group.take_bucket_grads(bucket, self.comm_dtype)
+            source = group.take_bucket_grads(bucket, out=self._buffer(group, bucket))
             # the first reduction of a window writes the shard; later ones reduce into
             # their own packed buffer's chunk and add it in finish()
             if cast or not self._fresh[id(group)]:
                 landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
             out = target if landing is None else landing
-            work = comm.reduce_scatter(out, source, self.dp_group, async_op=True)
+            work = collectives.reduce_scatter(out, source, self.dp_group)
         # ``source`` rides along so the buffer outlives the async collective
         self._pending.append((group, bucket, work, landing, source))
         if self.on_reduced is not None:
             self.on_reduced(group, bucket)
+        while len(self._pending) > self.max_in_flight:
+            self._land(*self._pending.pop(0))
+
+    def _buffer(self, group: FlatGroup, bucket: Bucket) -> torch.Tensor:
+        """A packing buffer of ``bucket.numel`` elements in the communication dtype."""
+        dtype = self.comm_dtype or group.dtype
+        for i, buf in enumerate(self._spare):
+            if buf.dtype == dtype and buf.device == group.device and buf.numel() >= bucket.numel:
+                return self._spare.pop(i).narrow(0, 0, bucket.numel)
+        largest = max(b.numel for g in self.groups if g.grad_flat is None for b in g.buckets)
+        return torch.empty(largest, dtype=dtype, device=group.device).narrow(0, 0, bucket.numel)
+
+    def _land(self, group: FlatGroup, bucket: Bucket, work, landing, source) -> None:
+        """Wait for one reduction and put its result where it belongs."""
+        work.wait()
+        if landing is not None:
+            target = group.grad_chunks[bucket.index]
+            if group.grad_flat is None and not self._fresh[id(group)]:
+                target.add_(landing)
+            else:
+                target.copy_(landing)
+        if group.grad_flat is None and len(self._spare) <= self.max_in_flight:
+            self._spare.append(source._base)  # the pooled buffer (source is a narrow of it)
 
     def finish(self) -> None:
         """Launch unfilled buckets in a fixed order, wait for all, land the results. After a
@@ -161,16 +207,10 @@ class GradReducer:
         for group in self.groups:
             for bucket in group.buckets:
                 self._launch(group, bucket)
-        for group, bucket, work, landing, _source in self._pending:
-            work.wait()
-            if landing is None:
-                continue
-            target = group.grad_chunks[bucket.index]
-            if group.grad_flat is None and not self._fresh[id(group)]:
-                target.add_(landing)
-            else:
-                target.copy_(landing)
+        for entry in self._pending:
+            self._land(*entry)
         self._pending.clear()
+        self._spare.clear()  # not held through the optimizer step (module docstring)
         self._launched.clear()
         for group in self.groups:
             self._fresh[id(group)] = False

@@ -122,6 +122,9 @@ def build_summary(
             f"  throughput  {tok_s:,.0f} tokens/s, {smp_s:,.1f} samples/s over "
             f"{len(timed)} steps of this run (all ranks; the first step is left out)"
         )
+    mfu = engine.log.mfu(tok_s) if timed and hasattr(engine.log, "mfu") else None
+    if mfu is not None:
+        lines.append(f"  MFU         {100 * mfu[0]:.1f}% (peak: {mfu[1]})")
     if report is not None:
         lines.append("  memory      " + str(report).replace("\n", "\n              "))
     ratio = f", measured / theory = {measured / theory:.3f}" if theory else ""
@@ -144,6 +147,8 @@ def build_summary(
         "loss_last": last,
         "tokens_per_s": tok_s,
         "samples_per_s": smp_s,
+        "mfu": None if mfu is None else mfu[0],
+        "mfu_peak_source": None if mfu is None else mfu[1],
         "parameters": n_params,
         "zero_stage": engine.zero_stage,
         "dp_size": engine.topology.dp_size,

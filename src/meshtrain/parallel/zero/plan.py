@@ -24,7 +24,10 @@ Counting convention: ``meshtrain.distributed.comm`` records an all-reduce of ``b
 ``2b`` and a reduce-scatter / all-gather as the bytes of the full buffer, the ZeRO paper's
 communication volume; ``Psi`` above is the *padded* flat size (each bucket rounded up to
 a multiple of ``N``; stage 0 pads nothing). The scalar all-reduce of the gradient norm
-is recorded under ``control`` and is not part of these figures.
+is recorded under ``control`` and is not part of these figures. The figures count the
+*logical* reduce-scatters and all-gathers: on CPU (gloo) ``meshtrain.parallel.collectives``
+runs them as an in-place all-reduce and per-rank broadcasts, which are faster there, and
+records them under the same names and bytes, so this table holds on every backend.
 
 Offload: ``offload_optimizer.device = "cpu"`` keeps the fp32 masters and optimizer states
 of this rank's shard in (pinned, on CUDA) host memory and steps there; gradients travel

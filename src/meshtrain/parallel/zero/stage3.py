@@ -12,7 +12,8 @@ Life of a unit's parameters in one training micro-step::
     forward pre-hook   gather (wait for the prefetch, or all-gather now) and start the
                        all-gather of the next units in last forward's order, up to
                        stage3_prefetch_bucket_size elements
-    forward post-hook  free (parameters become empty placeholders); hook the outputs
+    forward post-hook  free: the gathered buffer's storage is resized to 0 bytes and the
+                       parameters become empty placeholders; hook the outputs
     output grad hook   the gradient reached this unit's outputs: gather again, prefetch
                        the unit that ran before it
     grads reduced      the GradReducer hands the bucket's gradients to the reduce-scatter
@@ -24,6 +25,15 @@ once: 3 Psi of the ZeRO paper's volume against data parallelism's 2 Psi. Tied we
 used by two units are gathered by each (once more per extra use). Parameters smaller
 than stage3_param_persistence_threshold, parameters outside every unit, and frozen
 parameters stay whole on every rank (stage-2 treatment).
+
+Freeing. Autograd saves views of the weights it needs for backward (``F.linear`` on a 3-D
+input saves ``weight.t()``), and those views share the gathered buffer's storage. Dropping
+the Python reference to the buffer would therefore keep every unit alive until its
+backward. Instead each bucket has one buffer for its whole life, and freeing it resizes its
+*storage* to 0 bytes (``untyped_storage().resize_(0)``, as FSDP2 does): the saved views
+stay valid objects without memory, and the gather before backward resizes the same storage
+back and all-gathers into it, so the saved views see the values again. A rank therefore
+holds only the units being used (plus the prefetched ones) at any time.
 
 Activation checkpointing: the recomputation inside backward calls the block's forward
 directly, after the output grad hook has gathered the unit, and the post-hook does not
@@ -39,8 +49,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
+from meshtrain.parallel import collectives
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
 from meshtrain.parallel.zero.partition import full_numel
 
@@ -85,7 +95,8 @@ class ParamGatherer:
         self.dp_group = dp_group
         self.prefetch_numel = prefetch_numel
         self.groups = groups
-        self._full: dict[int, torch.Tensor] = {}  # bucket id -> gathered buffer in use
+        self._buf: dict[int, torch.Tensor] = {}  # bucket id -> its buffer (storage may be 0 B)
+        self._live: set[int] = set()  # bucket ids whose buffer holds gathered values now
         self._work: dict[int, object] = {}  # bucket id -> pending all-gather
         where = {p: (g, g.bucket_of[p]) for g in groups for p in g.params}
         self.units: list[Unit] = []
@@ -110,15 +121,19 @@ class ParamGatherer:
 
     # one bucket ------------------------------------------------------------------------------
     def _start_bucket(self, g: FlatGroup, b: Bucket) -> None:
-        """Launch the all-gather of ``b`` into a fresh full buffer (async)."""
-        if id(b) in self._full:
+        """Launch the all-gather of ``b`` into its buffer, re-allocating its storage (async)."""
+        if id(b) in self._live:
             return
         src = b.in_shard(g.param_shard)
         if src.device != g.device:  # parameters offloaded to the CPU
             src = src.to(g.device, non_blocking=True)
-        full = torch.empty(b.numel, dtype=g.dtype, device=g.device)
-        self._full[id(b)] = full
-        self._work[id(b)] = comm.all_gather(full, src, self.dp_group, async_op=True)
+        full = self._buf.get(id(b))
+        if full is None:
+            full = self._buf[id(b)] = torch.empty(b.numel, dtype=g.dtype, device=g.device)
+        else:  # the same storage object the saved views of the last forward point at
+            full.untyped_storage().resize_(b.numel * g.itemsize)
+        self._live.add(id(b))
+        self._work[id(b)] = collectives.all_gather(full, src, self.dp_group)
 
     def _finish_bucket(self, g: FlatGroup, b: Bucket) -> None:
         """Wait for ``b``'s gather and point its parameters at the full buffer."""
@@ -126,22 +141,25 @@ class ParamGatherer:
         if work is None:
             return
         work.wait()
-        for p, view in g.views(b, self._full[id(b)], base=b.start):
+        for p, view in g.views(b, self._buf[id(b)], base=b.start):
             p.data = view
 
     def release_bucket(self, g: FlatGroup, b: Bucket) -> None:
-        """Drop ``b``'s gathered buffer; its parameters become empty placeholders."""
-        if self._full.pop(id(b), None) is None:
+        """Free ``b``'s gathered values (storage resized to 0 bytes, so autograd's saved
+        views hold nothing either); its parameters become empty placeholders."""
+        if id(b) not in self._live:
             return
+        self._live.discard(id(b))
         work = self._work.pop(id(b), None)
         if work is not None:
             work.wait()
+        self._buf[id(b)].untyped_storage().resize_(0)
         for p in b.params:
             p.data = torch.empty(0, dtype=g.dtype, device=g.device)
 
     def gathered_bytes(self) -> int:
         """Bytes of the full buckets alive right now."""
-        return sum(t.numel() * t.element_size() for t in self._full.values())
+        return sum(self._buf[i].untyped_storage().nbytes() for i in self._live)
 
     # units -------------------------------------------------------------------------------------
     def _start(self, unit: Unit) -> None:

@@ -1,0 +1,1 @@
+"""meshtrain's benchmarks against its peers (run ``python -m benchmarks --help``)."""

@@ -1,0 +1,282 @@
+"""``python -m benchmarks``: every meshtrain role against its peers, in one invocation.
+
+For each role of ``benchmarks.peers.ROLES`` (DP vs torch DDP and DeepSpeed ZeRO-0, ZeRO-1
+vs ZeroRedundancyOptimizer and DeepSpeed Z1, ZeRO-2 vs FSDP2 without resharding and
+DeepSpeed Z2, ZeRO-3 vs FSDP2 and DeepSpeed Z3) it launches each framework in fresh
+processes (``torch.distributed.run --standalone``, gloo, one thread per rank), interleaved
+and in reversed order on odd repeats so background load hits all alike. It writes
+``benchmarks/results/suite-<time>.json`` (every run, the machine load before it), a
+markdown table and a PNG chart of samples/s and peak RSS per role, prints the scaling
+efficiency of meshtrain data parallelism (samples/s at N ranks / (N x one rank at one
+thread), same global batch, the 3.7M model), and ends with one line per pair::
+
+    pair <role> vs <peer>: speed <r>x rss <r>x
+
+(medians over repeats of the same-round ratio meshtrain/peer; rss is the larger rank's
+peak RSS). ``--quick`` (3.7M model everywhere, 1 repeat, 6 steps) aims at < 5 minutes on
+an idle 2-core machine; the default uses the 69.2M decoder for the ZeRO roles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import peers
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+SEED, SEQ_LEN = 1234, 32
+SMALL = dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=64)
+LARGE = dict(vocab_size=8192, dim=768, n_layers=8, n_heads=12, ffn_dim=2048, max_seq_len=64)
+ZERO = {
+    "reduce_bucket_size": 10_000_000,
+    "allgather_bucket_size": 10_000_000,
+    "stage3_prefetch_bucket_size": 5_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
+
+
+# ------------------------------------------------------------------------------- worker
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from meshtrain.models import Decoder, DecoderConfig
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    micro = args.batch // world
+    cfg = dict(LARGE if args.model == "large" else SMALL, seed=SEED)
+    gen = torch.Generator().manual_seed(SEED)
+    data = torch.randint(0, cfg["vocab_size"], (args.steps, args.batch, SEQ_LEN), generator=gen)
+    shards = data[:, rank * micro : (rank + 1) * micro].contiguous()
+    torch.manual_seed(SEED)
+    model = Decoder(DecoderConfig(**cfg))
+    n_params = sum(p.numel() for p in model.parameters())
+    run = peers.setup(args.worker, model, micro=micro, world=world, zero=ZERO)
+    del model
+    if not dist.is_initialized():
+        raise SystemExit("no process group")
+    dist.barrier()
+    ends, losses = [], []
+    for i in range(args.steps):
+        loss = run.forward(shards[i])
+        run.backward(loss)
+        run.step()
+        losses.append(float(loss))
+        ends.append(time.perf_counter())
+    elapsed = torch.tensor([ends[-1] - ends[0]], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's clock
+    peak = [None] * world
+    dist.all_gather_object(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    loss_t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(loss_t)
+    if rank == 0:
+        timed = args.steps - 1
+        out = {
+            "framework": args.worker,
+            "world": world,
+            "n_params": n_params,
+            "samples_per_s": timed * args.batch / float(elapsed),
+            "steps_per_s": timed / float(elapsed),
+            "peak_rss_mib": max(peak),
+            "peak_rss_mib_per_rank": peak,
+            "losses": (loss_t / world).tolist(),
+        }
+        Path(args.result).write_text(json.dumps(out))
+    run.shutdown()
+
+
+# ------------------------------------------------------------------------------- driver
+def _launch(name: str, nproc: int, model: str, steps: int, batch: int, tmp: str) -> dict:
+    result = os.path.join(tmp, f"{name}-{nproc}-{time.monotonic_ns()}.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO / "src"), str(REPO), env.get("PYTHONPATH")])
+    )
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(nproc), "-m", "benchmarks", "--worker", name, "--result", result,
+        "--model", model, "--steps", str(steps), "--batch", str(batch),
+    ]  # fmt: skip
+    load = os.getloadavg()[0]
+    for attempt in (1, 2):  # judged by the result file; a run without one is retried once
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if os.path.exists(result):
+            out = json.loads(Path(result).read_text())
+            out.update(load1_before=round(load, 2), rc=proc.returncode, attempt=attempt)
+            return out
+    return {"framework": name, "error": (proc.stdout + proc.stderr)[-2000:], "load1_before": load}
+
+
+def _chart(summary: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, key, label in (
+        (axes[0], "samples_per_s", "samples/s"),
+        (axes[1], "peak_rss_mib", "peak RSS / rank (MiB)"),
+    ):
+        names, vals, colors = [], [], []
+        for role, (mine, others) in peers.ROLES.items():
+            for fw in (mine, *others):
+                if fw in summary:
+                    names.append(f"{role}\n{fw}")
+                    vals.append(summary[fw][key])
+                    colors.append("tab:blue" if fw == mine else "tab:gray")
+        ax.bar(range(len(vals)), vals, color=colors)
+        ax.set_xticks(range(len(vals)), names, rotation=60, fontsize=7)
+        ax.set_title(label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def driver(args) -> int:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    roles = [r for r in peers.ROLES if not args.roles or r in args.roles.split(",")]
+    names = []
+    for r in roles:
+        mine, others = peers.ROLES[r]
+        names += [n for n in (mine, *others) if n not in names]
+    if args.no_deepspeed:
+        names = [n for n in names if not n.startswith("ds-")]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            order = names if rep % 2 == 0 else names[::-1]
+            for n in order:
+                model = "small" if args.quick or n in ("mt-z0", "ddp", "ds-z0") else "large"
+                batch = 16 if model == "small" else 8
+                r = _launch(n, args.nproc, model, args.steps, batch, tmp)
+                r["round"] = rep
+                runs[n].append(r)
+                ok = "error" not in r
+                print(
+                    f"  [{rep}] {n:12s} "
+                    + (
+                        f"{r['samples_per_s']:7.1f} samples/s  {r['peak_rss_mib']:6.0f} MiB"
+                        if ok
+                        else "FAILED"
+                    )
+                    + f"  (load {r['load1_before']:.1f})",
+                    flush=True,
+                )
+        scaling = None
+        if "mt-z0" in names and not args.no_scaling:
+            one = _launch("mt-z0", 1, "small", args.steps, 16, tmp)
+            two = [r for r in runs["mt-z0"] if "error" not in r]
+            if "error" not in one and two:
+                sps2 = statistics.median(r["samples_per_s"] for r in two)
+                scaling = {"one_rank_samples_per_s": one["samples_per_s"], "n": args.nproc,
+                           "n_rank_samples_per_s": sps2,
+                           "efficiency": sps2 / (args.nproc * one["samples_per_s"]),
+                           "load1_before": one["load1_before"]}  # fmt: skip
+
+    summary = {}
+    for n, rs in runs.items():
+        good = [r for r in rs if "error" not in r]
+        if good:
+            summary[n] = {
+                "samples_per_s": statistics.median(r["samples_per_s"] for r in good),
+                "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in good),
+                "n_params": good[0]["n_params"],
+                "load1": [r["load1_before"] for r in good],
+            }
+    pairs = []
+    for role in roles:
+        mine, others = peers.ROLES[role]
+        for peer in others:
+            if mine not in summary or peer not in summary:
+                continue
+            by_round = {r["round"]: r for r in runs[mine] if "error" not in r}
+            speed, rss = [], []
+            for r in runs[peer]:
+                m = by_round.get(r["round"])
+                if m is not None and "error" not in r:
+                    speed.append(m["samples_per_s"] / r["samples_per_s"])
+                    rss.append(m["peak_rss_mib"] / r["peak_rss_mib"])
+            if speed:
+                pairs.append((role, mine, peer, statistics.median(speed), statistics.median(rss)))
+
+    stamp = _dt.datetime.now().strftime("%Y-%m-%d-%H%M")
+    base = RESULTS / f"suite-{stamp}-np{args.nproc}{'-quick' if args.quick else ''}"
+    lines = [
+        "| role | framework | params | samples/s | peak RSS MiB | speed vs peer | RSS vs peer | load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for role in roles:
+        mine, others = peers.ROLES[role]
+        for fw in (mine, *others):
+            if fw not in summary:
+                continue
+            s = summary[fw]
+            pr = next((p for p in pairs if p[2] == fw), None)
+            lines.append(
+                f"| {role} | {fw} | {s['n_params'] / 1e6:.1f}M | {s['samples_per_s']:.2f} | "
+                f"{s['peak_rss_mib']:.0f} | {f'{pr[3]:.2f}x' if pr else ''} | "
+                f"{f'{pr[4]:.2f}x' if pr else ''} | {', '.join(f'{x:.1f}' for x in s['load1'])} |"
+            )
+    if scaling:
+        lines.append(
+            f"\nScaling efficiency (mt-z0, 3.7M model): {scaling['efficiency']:.2f} "
+            f"({scaling['n_rank_samples_per_s']:.1f} samples/s at N={scaling['n']} vs "
+            f"{scaling['one_rank_samples_per_s']:.1f} at 1 rank, load {scaling['load1_before']:.1f})"
+        )
+    table = "\n".join(lines)
+    Path(f"{base}.md").write_text(table + "\n")
+    charted = _chart(summary, Path(f"{base}.png"))
+    Path(f"{base}.json").write_text(json.dumps(
+        {"args": vars(args), "machine_load_end": os.getloadavg(), "runs": runs, "summary": summary,
+         "pairs": pairs, "scaling": scaling}, indent=1))  # fmt: skip
+    print("\n" + table)
+    print(f"\nwrote {base}.json, {base}.md" + (f", {base}.png" if charted else ""))
+    for role, _mine, peer, sp, rs in pairs:
+        print(f"pair {role} vs {peer}: speed {sp:.2f}x rss {rs:.2f}x")
+    return 0 if pairs else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3.7M model, 1 repeat, 6 steps")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument(
+        "--roles", default="", help="comma-separated subset of " + ",".join(peers.ROLES)
+    )
+    ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="small", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 2
+    if args.steps is None:
+        args.steps = 6 if args.quick else 12
+    if args.worker:
+        worker(args)
+        return 0
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
