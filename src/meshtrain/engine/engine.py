@@ -91,25 +91,11 @@ class Engine:
             breakdown=bool(config.wall_clock_breakdown),
             device=self.device,
         )
-        self._setup_mfu(model)
+        from meshtrain.engine.flops import attach_mfu
+
+        attach_mfu(self.log, model, self.zero, self.device, self.dtype)
         self._step_comm: dict[tuple[str, str], int] = {}
         self._comm_mark = topology.stats.snapshot()
-
-    def _setup_mfu(self, model: nn.Module) -> None:
-        """MFU in the step log for models whose shape is known (``engine.flops``)."""
-        from meshtrain.engine import flops
-
-        shape = flops.model_shape(model)
-        if shape is None:
-            return
-        n = sum(p.numel() for p in model.parameters())
-        if self.zero_stage == 3:
-            n = self.zero.trainable_numel + sum(
-                p.numel() for p in model.parameters() if not p.requires_grad
-            )
-        peak, source = flops.peak_flops(self.device, self.dtype)
-        # FLOPs per token = 6N + 12 L d T, T read from each batch's input_ids
-        self.log.set_mfu(6.0 * n, flops.flops_per_token(0, *shape, 1), peak, source)
 
     # the training step ----------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

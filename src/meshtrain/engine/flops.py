@@ -69,3 +69,16 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
             if fragment in name:
                 return table[key] * 1e12, f"{name} {key} data sheet"
     return measure_cpu_peak(), f"measured fp32 matmul peak ({torch.get_num_threads()} threads)"
+
+
+def attach_mfu(log, model: torch.nn.Module, zero, device: torch.device, dtype) -> None:
+    """Give the step log what MFU needs, for models whose shape is known (else nothing)."""
+    shape = model_shape(model)
+    if shape is None:
+        return
+    n = sum(p.numel() for p in model.parameters())
+    if zero.stage == 3:  # sharded parameters are empty placeholders between uses
+        n = zero.trainable_numel + sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    peak, source = peak_flops(device, dtype)
+    # FLOPs per token = 6N + 12 L d T, T read from each batch's input_ids
+    log.set_mfu(6.0 * n, flops_per_token(0, *shape, 1), peak, source)
