@@ -37,7 +37,6 @@ from torch import nn
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
 from meshtrain.errors import TrainingError
-from meshtrain.parallel import collectives
 from meshtrain.parallel.grad_reducer import GradReducer
 from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory
 from meshtrain.precision import DTYPES
@@ -142,7 +141,7 @@ class ZeroStage:
             for b in g.buckets:  # in place: the input is this rank's chunk of the output
                 full = b.view(g.param_flat)
                 mine = b.owned(g.param_flat, g.rank)
-                works.append(collectives.all_gather(full, mine, self.topology.dp_group))
+                works.append(comm.all_gather_bucket(full, mine, self.topology.dp_group))
         for w in works:
             w.wait()
 
