@@ -29,8 +29,8 @@ deadline so a dead store never blocks the exit), and, when ``MESHTRAIN_DOCTOR_DI
 The key is written at the *root* of the store (below any ``PrefixStore``), whose address
 each rank notes in its ``hello<R>.json``, so that a launcher on any node can connect to
 the store and read every rank's record, its remote peers' included
-(:func:`meshtrain.distributed.doctor.read_job`); the folder holds only this node's. ``MESHTRAIN_LEDGER=0`` turns the
-ledger off (for the overhead benchmark).
+(:func:`meshtrain.distributed.doctor.read_job`); the folder holds only this node's.
+``MESHTRAIN_LEDGER=0`` turns the ledger off (for the overhead benchmark).
 """
 
 from __future__ import annotations
