@@ -447,3 +447,23 @@ def test_launcher_missing_script_and_port_in_use(tmp_path):
     assert f"meshtrain launch: error: port {port} is already in use" in out.stderr
     assert "pick a free port with --master_port" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_serve_port_in_use(tmp_path, capsys):
+    """Issue 18: ``meshtrain serve`` on a port in use loaded the model, printed the address
+    it would serve on, then uvicorn's "[Errno 98] ... address already in use", exit 3.
+    Now one ``meshtrain serve: error`` line, exit 2, before anything is loaded."""
+    from meshtrain import cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc = cli.main(["serve", str(tmp_path / "model"), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert re.fullmatch(
+        rf"meshtrain serve: error: cannot listen on 127\.0\.0\.1:{port} \(Address already in "
+        r"use\); another server may hold the port: pick another with --port, or check --host\n",
+        err,
+    ), err
