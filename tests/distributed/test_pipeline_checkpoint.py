@@ -148,6 +148,7 @@ def _four_ranks(tmp: str) -> dict:
     cont = _steps(a, 2, 2)
     final = a.module_state_dict()
     out["order"] = list(saved) == list(_decoder().state_dict())
+    out["mem_a"] = _memory(a)
     if dist.get_rank() == 0:
         from safetensors.torch import load_file
 
@@ -170,6 +171,8 @@ def _four_ranks(tmp: str) -> dict:
         e = _engine(pp, schedule, v)
         e.load_checkpoint(tmp, tag="dec")
         out[name] = _compare(e, 2, cont, final)
+        if pp == 4:
+            out["mem_pp4"] = _memory(e)
     same = _engine(2, "interleaved_1f1b", 2)
     same.load_checkpoint(tmp, tag="dec")
     out["same"] = _compare(same, 2, cont, final)
@@ -186,6 +189,28 @@ def _four_ranks(tmp: str) -> dict:
     out["pipe_keys"] = list(pm_final)
     out["pipe_pp4"] = _compare(_loaded(_pipe_engine(4), tmp), 2, pm_cont, pm_final, vocab=32)
     return {"out": out, "cont": cont, "final": final, "pm_cont": pm_cont, "pm_final": pm_final}
+
+
+def _memory(engine) -> dict:
+    """memory_report's numbers, this rank's parameter count and scalar ``step`` tensors."""
+    rep = engine.memory_report()
+    m, f, pipe = rep.measured, rep.formula, rep.pipeline
+    steps = sum(
+        t.numel() * t.element_size()
+        for st in engine.optimizer.state.values()
+        for k, t in st.items()
+        if k == "step" and isinstance(t, torch.Tensor)
+    )
+    psi = sum(p.numel() for p in {id(p): p for p in engine.module.parameters()}.values())
+    return {
+        "measured": (m.params, m.grads, m.optimizer),
+        "formula": (f.params, f.grads, f.optimizer),
+        "steps": steps,
+        "psi": psi,
+        "pp_rank": engine.topology.pp_rank,
+        "pipeline": (pipe.stages, pipe.peak_micro_batches, pipe.activations, pipe.seq_len),
+        "text": str(rep),
+    }
 
 
 def _loaded(engine, tmp: str):
@@ -228,6 +253,45 @@ def test_pipeline_checkpoint_reshards(tmp_path):
         _check_close(out["pipe_pp4"], "PipelineModule pp2xdp2 -> pp4")
         assert out["same"]["exact"], out["same"]
         assert "shape mismatches" in out["bad"] and "layers.0.mlp" in out["bad"], out["bad"]
+    _check_memory([r["out"] for r in results])
     single = run_ranks(_one_process, 1, str(tmp_path), results[0], timeout=300)[0]
     _check_close(single["dec"], "pp2xdp2 -> one process")
     _check_close(single["pipe"], "PipelineModule pp2xdp2 -> one process")
+
+
+def _check_memory(outs: list[dict]) -> None:
+    """memory_report at pp 2 x dp 2 (ZeRO 1, fp32 AdamW, 4 stages of one block): model
+    states exactly the formula over this pp rank's parameters (the optimizer's scalar
+    ``step`` tensors are the only extra bytes), the same as ``meshtrain estimate``'s
+    per-rank rows; peak micro-batches from the schedule; activations by the formula."""
+    from meshtrain.estimate.pipeline import pipeline_memory
+    from meshtrain.parallel.pipeline.schedules import build_schedule
+    from meshtrain.parallel.pipeline.validate import peak_alive
+
+    with torch.device("meta"):
+        rows = pipeline_memory(
+            _decoder(), pp=2, m=M, schedule="interleaved_1f1b", virtual_stages=2, dp=2,
+            stage=1, precision="fp32", optimizer="AdamW", micro_batch_size=ROWS // 2,
+        )  # fmt: skip
+    block = 2 * 32 + 4 * 32 * 32 + 3 * 32 * 48  # two norms, q k v o, gate up down
+    peaks = peak_alive(build_schedule("interleaved_1f1b", 2, M, 2), per="rank")
+    for out in outs:
+        mem, r = out["mem_a"], out["mem_a"]["pp_rank"]
+        psi = mem["psi"]
+        assert psi == 2 * block + 64 * 32 + (32 if r else 0), mem  # embed / norm + tied head
+        assert mem["formula"] == (4 * psi, 4 * psi, 8 * psi // 2), mem
+        assert mem["measured"][:2] == mem["formula"][:2], mem
+        assert mem["measured"][2] == mem["formula"][2] + mem["steps"] and mem["steps"] > 0, mem
+        assert (rows[r].trainable, rows[r].states.total) == (psi, sum(mem["formula"])), rows[r]
+        stages, peak, _, _ = mem["pipeline"]
+        assert stages == (r, r + 2) and peak == peaks[r] == 2 + 2 * (1 - r) + 1, mem
+        assert "pipeline: pp rank" in mem["text"] and "measured / formula" in mem["text"]
+        # pp 4, 1F1B, micro-batches of 4 x 16 tokens (max_seq_len), fp32 (w = 4 bytes)
+        mem = out["mem_pp4"]
+        r = mem["pp_rank"]
+        stages, peak, acts, seq = mem["pipeline"]
+        b, s, h, a, w = 4, 16, 32, 2, 4
+        per_block = s * b * h * (16 * w + 2) + a * s * s * b * (2 * w + 1)
+        head = b * s * 64 * (w + 4) if r == 3 else 0
+        assert (stages, peak, seq) == ((r,), 4 - r, 16), mem
+        assert acts == (4 - r) * (per_block + head), mem

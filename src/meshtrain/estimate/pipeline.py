@@ -131,8 +131,6 @@ def pipeline_memory(
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
     stages = split_model(model, pp * v, method=partition_method, cut_points=cut_points)
     dims = TransformerDims.of(model)
-    s = seq_len or (dims.max_seq_len if dims else None)
-    width = 4 if str(precision).lower() == "fp32" else 2
     out = []
     for r in range(pp):
         mine = {k: st for k, st in enumerate(stages) if k % pp == r}
@@ -147,20 +145,47 @@ def pipeline_memory(
             optimizer=optimizer,
             frozen_params=frozen,
         )
-        per_stage = {k: 0 for k in mine}
-        if dims is not None and s:
-            for k, st in mine.items():
-                per = block_activation_bytes(dims, micro_batch_size, s, width, checkpointing)
-                per_stage[k] = len(st.block_ids) * per
-                if st.is_last:
-                    per_stage[k] += micro_batch_size * s * dims.vocab * (width + 4)
-        peak_n, peak_b = peak_activations(schedule, pp, m, v, r, per_stage)
-        if dims is not None and s and checkpointing:  # one block recomputed at a time
-            peak_b += block_activation_bytes(dims, micro_batch_size, s, width)
-        blocks = sum(len(st.block_ids) for st in mine.values())
-        activations = peak_b if dims is not None and s else None
-        out.append(StageMemory(r, tuple(mine), blocks, trainable, states, peak_n, activations))
+        peak_n, acts = rank_activations(
+            mine, dims, schedule=schedule, pp=pp, m=m, v=v, rank=r, b=micro_batch_size,
+            seq_len=seq_len, precision=precision, checkpointing=checkpointing,
+        )  # fmt: skip
+        blocks = sum(len(getattr(st, "block_ids", ())) for st in mine.values())
+        out.append(StageMemory(r, tuple(mine), blocks, trainable, states, peak_n, acts))
     return out
+
+
+def rank_activations(
+    mine: dict,
+    dims: TransformerDims | None,
+    *,
+    schedule: str,
+    pp: int,
+    m: int,
+    v: int,
+    rank: int,
+    b: int,
+    seq_len: int | None,
+    precision: str,
+    checkpointing: bool,
+) -> tuple[int, int | None]:
+    """(peak alive micro-batches, peak activation bytes or None) of pp rank ``rank``
+    holding stages ``mine`` ({index: stage}; a split stage knows its ``block_ids``)."""
+    s = seq_len or (dims.max_seq_len if dims else None)
+    known = dims is not None and bool(s) and all(hasattr(st, "block_ids") for st in mine.values())
+    width = 4 if str(precision).lower() == "fp32" else 2
+    per_stage = {k: 0 for k in mine}
+    if known:
+        block = block_activation_bytes(dims, b, s, width, checkpointing)
+        for k, st in mine.items():
+            per_stage[k] = len(st.block_ids) * block
+            if st.is_last:
+                per_stage[k] += b * s * dims.vocab * (width + 4)
+    peak_n, peak_b = peak_activations(schedule, pp, m, v, rank, per_stage)
+    if not known:
+        return peak_n, None
+    if checkpointing:  # one block's full activations while it is recomputed
+        peak_b += block_activation_bytes(dims, b, s, width)
+    return peak_n, peak_b
 
 
 def pipeline_table(rows: list[StageMemory], *, schedule: str, m: int, seq_len, b: int) -> str:
