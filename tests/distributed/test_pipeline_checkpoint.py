@@ -12,9 +12,11 @@ same layout it continues bit-identically. A ``PipelineModule`` (tied ``TiedLayer
 embedding, names ``layers.<i>`` / ``tied_modules.<key>``) saved at pp 2 x dp 2 loads at
 pp 4 and whole in one process, same tolerances. ``module_state_dict()`` under pp is the
 unsplit model's state dict (keys and order of ``Decoder.state_dict()``) on every rank,
-and ``meshtrain consolidate`` of the pp checkpoint equals it exactly. The tied embedding
+and ``meshtrain consolidate`` of the pp checkpoint equals it exactly (for a tied tiny
+Llama too, through a folder ``from_pretrained`` loads). The tied embedding
 is written once (by the first stage's ranks only). Loading into a different model
-raises CheckpointError naming the mismatched tensors.
+raises CheckpointError naming the mismatched tensors. ``memory_report`` at pp 2 x dp 2
+and pp 4: see ``_check_memory`` (exact bytes).
 """
 
 from __future__ import annotations
@@ -180,6 +182,7 @@ def _four_ranks(tmp: str) -> dict:
     with pytest.raises(CheckpointError, match="does not match the model") as err:
         bad.load_checkpoint(tmp, tag="dec")
     out["bad"] = str(err.value)
+    out["hf"] = _llama_round_trip(tmp)
     # --- PipelineModule: pp 2 x dp 2 -> pp 4 ---------------------------------------------
     pm = _pipe_engine(2)
     _steps(pm, 0, 2, vocab=32)
@@ -213,6 +216,32 @@ def _memory(engine) -> dict:
     }
 
 
+def _llama_round_trip(tmp: str) -> bool | None:
+    """A tied tiny Llama saved at pp 2 x dp 2 consolidates (rank 0) into a folder that
+    ``from_pretrained`` loads, equal to ``module_state_dict()`` exactly."""
+    import torch.distributed as dist
+    import transformers
+
+    import meshtrain
+    from meshtrain.checkpoint.consolidate import consolidate
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama(tie_word_embeddings=True)
+    engine = meshtrain.initialize(model=model, config=_config(2, 2, "1f1b", 1))[0]
+    _steps(engine, 0, 1)
+    path = engine.save_checkpoint(tmp, tag="llama")
+    state = engine.module_state_dict()
+    ok = None
+    if dist.get_rank() == 0:
+        folder = consolidate(path, f"{tmp}/llama_hf")
+        loaded = transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
+        ok = sorted(loaded) == sorted(state) and all(
+            torch.equal(loaded[k], state[k]) for k in state
+        )
+    dist.barrier()
+    return ok
+
+
 def _loaded(engine, tmp: str):
     engine.load_checkpoint(tmp, tag="pipe")
     return engine
@@ -238,6 +267,7 @@ def test_pipeline_checkpoint_reshards(tmp_path):
     results = run_ranks(_four_ranks, 4, str(tmp_path), timeout=600)
     first = results[0]["out"]
     assert first["consolidated"]
+    assert first["hf"], "a pp checkpoint of a tied Llama -> consolidate -> from_pretrained"
     # written once: by pp rank 0's ranks (0, 1) only, in their ZeRO-1 ranges; never by the
     # last stage's ranks (2, 3), which hold it too
     assert first["embed_writers"] and set(first["embed_writers"]) <= {0, 1}
@@ -255,6 +285,8 @@ def test_pipeline_checkpoint_reshards(tmp_path):
         assert "shape mismatches" in out["bad"] and "layers.0.mlp" in out["bad"], out["bad"]
     _check_memory([r["out"] for r in results])
     single = run_ranks(_one_process, 1, str(tmp_path), results[0], timeout=300)[0]
+    for what, o in (*((k, first[k]) for k in ("pp1", "pp4", "pipe_pp4")), *single.items()):
+        print(f"reshard {what}: loss {o['loss']:.2e} params {o['params']:.2e}")
     _check_close(single["dec"], "pp2xdp2 -> one process")
     _check_close(single["pipe"], "PipelineModule pp2xdp2 -> one process")
 
