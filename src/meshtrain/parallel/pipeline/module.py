@@ -96,7 +96,10 @@ class _Stage(nn.Module):
         """The PipelineModule's state-dict key of this stage's ``key`` (``run.j.w`` ->
         ``layers.<i>.w``, ``i`` the layer's index in ``layers``, or ``tied_modules.<key>.w``):
         the same at every pipeline size, so checkpoints reshard."""
-        _, j, rest = key.split(".", 2)
+        head, _, tail = key.partition(".")
+        if head != "run":  # e.g. an nn.Module loss_fn's buffers: the PipelineModule's key
+            return key
+        j, _, rest = tail.partition(".")
         return f"{self.paths[int(j)]}.{rest}"
 
     def forward(self, x, batch):
