@@ -96,3 +96,13 @@ def test_cli_pipeline_table(capsys):
     rc = main(["estimate", "--params", "1B", "--pp", "2"])
     out, _ = capsys.readouterr()
     assert rc == 0 and "give --model" in out
+
+
+def test_bad_pipeline_arguments_name_the_field():
+    from meshtrain.errors import ConfigError
+
+    model = _meta_decoder()
+    with pytest.raises(ConfigError, match="micro_batch_size: must be an integer >= 1"):
+        pipeline_memory(model, pp=2, m=4, micro_batch_size=0)
+    with pytest.raises(ConfigError, match="cannot cut 4 layers into 8 pipeline stages"):
+        pipeline_memory(model, pp=4, m=4, schedule="interleaved_1f1b", virtual_stages=2)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshtrain.estimate.model import ModelStates, model_states_bytes
+from meshtrain.estimate.model import ModelStates, _positive_int, model_states_bytes
 
 __all__ = ["StageMemory", "TransformerDims", "block_activation_bytes", "pipeline_memory"]
 
@@ -128,6 +128,9 @@ def pipeline_memory(
     model's longest sequence (``max_seq_len`` / ``max_position_embeddings``)."""
     from meshtrain.parallel.pipeline.split import split_model
 
+    _positive_int("micro_batch_size", micro_batch_size)
+    if seq_len is not None:
+        _positive_int("seq_len", seq_len)
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
     stages = split_model(model, pp * v, method=partition_method, cut_points=cut_points)
     dims = TransformerDims.of(model)
