@@ -162,10 +162,12 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     frozen_specs = _frozen_specs(engine)
     # frozen tensors and buffers: split over the ranks holding this stage (the world at pp 1)
     share, part = topo.dp_size * topo.tp_size, topo.dp_rank * topo.tp_size + topo.tp_rank
+    done: set[str] = set()  # a module two stages of this rank share is listed twice
     for key, t in engine.module.state_dict(keep_vars=True).items():
         name = canon[id(t)]
-        if names.keys[key] in aliases or meta_tensors[name]["kind"] == "param":
+        if names.keys[key] in aliases or meta_tensors[name]["kind"] == "param" or name in done:
             continue
+        done.add(name)
         if not names.writes(name, topo.pp_rank):
             continue
         t = t.detach()
