@@ -36,3 +36,35 @@ def tiny_llama(seed: int = 0, **overrides: Any):
 
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(tiny_llama_config(**overrides))
+
+
+def tiny_pipe_layers(blocks: int = 4, vocab: int = 32, dim: int = 16) -> tuple[list, Any]:
+    """``(layers, loss_fn)`` for ``meshtrain.pipe.PipelineModule``: a tied input embedding
+    / output head (``TiedLayerSpec("embed")``), ``blocks`` residual tanh blocks, a
+    LayerNorm; batches are ``(input_ids, labels)``."""
+    import torch
+    from torch import nn
+
+    from meshtrain.pipe import LayerSpec, TiedLayerSpec
+
+    class Block(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x))
+
+    def head(embed: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+        return x @ embed.weight.T
+
+    def loss_fn(logits, labels):
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    layers = [
+        TiedLayerSpec("embed", nn.Embedding, vocab, dim),
+        *[LayerSpec(Block, dim) for _ in range(blocks)],
+        LayerSpec(nn.LayerNorm, dim),
+        TiedLayerSpec("embed", nn.Embedding, vocab, dim, forward_fn=head),
+    ]
+    return layers, loss_fn
