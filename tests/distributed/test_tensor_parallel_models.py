@@ -19,6 +19,8 @@ loss, its decoder tied to the word embeddings):
   sequence parallelism the dropouts that run on a sequence shard (GPT-2's embedding and
   residual dropout) draw different masks on each tp rank too, while the default random
   stream stays identical on every rank (so replicated dropout stays in sync);
+* greedy ``generate()`` on Llama and GPT-2 gives the tokens one process gives (the LM head gathers
+  its vocabulary shards while it runs); under sequence parallelism it is refused;
 * the errors: no plan, sequence parallel on a plan that does not support it.
 """
 
@@ -83,6 +85,36 @@ def _parity(world: int) -> dict:
     out["block"] = _block_counts(topo)
     out["dropout"] = _dropout(topo)
     out["errors"] = _errors(topo)
+    out["generate"] = _generate(topo)
+    return out
+
+
+def _generate(topo) -> dict:
+    """Greedy ``generate()`` under tp equals one process; sequence parallel refuses it."""
+    import torch
+
+    from meshtrain.parallel.tensor import apply_tensor_parallel
+    from tests.distributed.tp_models import batch, build
+
+    ids = batch("llama")["input_ids"][:, :5]
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    out = {}
+    with torch.no_grad():
+        for kind in ("llama", "gpt2"):
+            ref = build(kind).generate(ids, **kw)
+            model = apply_tensor_parallel(build(kind), topo)
+            tokens = model.generate(ids, **kw)
+            out[kind] = {
+                "equal": torch.equal(ref, tokens),
+                "new": tokens.shape[1] - 5,
+                "sharded": model(ids).logits.shape[-1],  # vocabulary shards again after it
+            }
+        sp = apply_tensor_parallel(build("llama"), topo, sequence_parallel=True)
+        try:
+            sp.generate(ids, **kw)
+            out["refusal"] = None
+        except Exception as exc:  # noqa: BLE001
+            out["refusal"] = (type(exc).__name__, str(exc))
     return out
 
 
@@ -270,6 +302,11 @@ def test_models_match_one_process(world):
             assert d["sp_shapes"][name][1] == 8 // world, d  # ran on 1/T of the tokens
         assert d["sp_logits"] == (2, 8, -(-250 // world)), d  # full sequence, vocab shard
         assert all(d["sp_default_stream_same"]), d
+        gen = out["generate"]
+        for kind in ("llama", "gpt2"):
+            assert gen[kind]["equal"] and gen[kind]["new"] == 6, gen
+            assert gen[kind]["sharded"] == -(-250 // world), gen
+        assert gen["refusal"][0] == "ConfigError" and "sequence_parallel" in gen["refusal"][1]
         e = out["errors"]
         assert e["no_plan"][0] == "ConfigError" and "proj" in e["no_plan"][1]
         assert "TPPlan(" in e["no_plan"][1]

@@ -144,6 +144,7 @@ def apply_tensor_parallel(
                 setattr(mod, attr, getattr(mod, attr) * local // n)
     _repoint_aliases(model, shared)
     _set_loss(model, plan, group, sizes)
+    _full_logits_in_generate(model, plan, sequence_parallel)
     model.meshtrain_tp = {"plan": plan.name, "size": t, "sequence_parallel": sequence_parallel}
     # parameters a caller collected before (an optimizer's groups) -> their shards
     model.meshtrain_tp_replaced = shared
@@ -271,6 +272,38 @@ def _set_loss(model: nn.Module, plan: TPPlan, group, sizes: dict[str, int]) -> N
         recompute_masked_lm_loss(model, group, vocab)
     else:
         raise ConfigError(f"plan {plan.name!r}: unknown loss {plan.loss!r}")
+
+
+def _full_logits_in_generate(model: nn.Module, plan: TPPlan, sp: bool) -> None:
+    """``model.generate`` reads ``logits[:, -1]`` over the whole vocabulary: while it runs
+    the LM head all-gathers its vocabulary shards (every tp rank must call it alike)."""
+    original = getattr(model, "generate", None)
+    heads = [
+        m
+        for n, m in model.named_modules()
+        for row in plan.rows
+        if row[1] == "lm_head" and fnmatch.fnmatchcase(n, row[0])
+    ]
+    if original is None or not heads:
+        return
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if sp:
+            raise ConfigError(
+                "generate() under tensor_parallel.sequence_parallel: decoding one token at a "
+                "time cannot split the sequence over the tp ranks; apply tensor parallelism "
+                "with sequence_parallel false for generation (checkpoints load either way)"
+            )
+        for head in heads:
+            head.gather_output = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for head in heads:
+                head.gather_output = False
+
+    model.generate = generate
 
 
 # ----------------------------------------------------------------------------- checks
