@@ -16,7 +16,10 @@ over the tp group) decides the update.
 Tolerances: per-step loss within 1e-6 relative, and the final parameters
 (``engine.module_state_dict()``: unsharded, unpadded) within 1e-6 normwise over the
 whole model: fp32 sums in another order (~1e-7 per step) that AdamW's normalised update
-does not amplify over 20 steps. The gradient norm the engine reports (the global norm:
+does not amplify over 20 steps. Per tensor, within 1e-5 relative normwise: a small
+tensor (a bias, one layer's down projection) averages fewer roundings than the whole
+model, so its relative error is noisier (measured: up to 3.3e-6, the decoder's
+``layers.0.mlp.down_proj.weight``). The gradient norm the engine reports (the global norm:
 replicated parameters once, shards summed over tp) within 1e-6 relative of
 ``clip_grad_norm_``'s at step 0, where both see identical weights, and within 1e-5 over
 all 20 steps: from step 1 on the two runs differentiate weights that already differ by
@@ -117,7 +120,7 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int, extra: st
         k: float((state[k] - ref_state[k]).norm() / ref_state[k].norm().clamp_min(1e-12))
         for k in ref_state
     }
-    worst = max(rel, key=rel.get)
+    worst = max(rel, key=rel.get)  # (key biases are left out above)
     den = sum(float(ref_state[k].pow(2).sum()) for k in ref_state)
     return {
         "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -126,6 +129,7 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int, extra: st
         "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
         "clipped": clip > 0 and min(ref_norms) > clip,
         "worst": (worst, f"{rel[worst]:.1e}"),
+        "per_tensor": rel[worst],
         "keys": keys and shapes,
         "moved": max(float((state[k] - v).abs().max()) for k, v in _initial_kept(kind).items()),
         "key_bias_diff": max(
@@ -221,6 +225,7 @@ def test_engine_matches_one_process(world, cases):
                 assert o["loss"] < BF16_TOL and o["params"] < BF16_TOL, (case, o)
                 continue
             assert o["loss"] < 1e-6 and o["params"] < 1e-6, (case, o)
+            assert o["per_tensor"] < 1e-5, (case, o)
             assert o["norm0"] < 1e-6 and o["norm"] < 1e-5, (case, o)
             assert o["moved"] > 1e-4, (case, o)  # training changed the weights
             assert o["key_bias_diff"] <= 2 * ADAMW["lr"] * STEPS, (case, o)
