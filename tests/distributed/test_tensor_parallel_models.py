@@ -21,7 +21,8 @@ loss, its decoder tied to the word embeddings):
   stream stays identical on every rank (so replicated dropout stays in sync);
 * greedy ``generate()`` on Llama and GPT-2 gives the tokens one process gives (the LM head gathers
   its vocabulary shards while it runs); under sequence parallelism it is refused;
-* the errors: no plan, sequence parallel on a plan that does not support it.
+* the errors: no plan, two rows replacing one module, sequence parallel on a plan that
+  does not support it.
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def _errors(topo) -> dict:
 
     from torch import nn
 
-    from meshtrain.parallel.tensor import apply_tensor_parallel
+    from meshtrain.parallel.tensor import TPPlan, apply_tensor_parallel
     from meshtrain.parallel.tensor.plans import GPT2
     from tests.distributed.tp_models import build
 
@@ -254,6 +255,17 @@ def _errors(topo) -> dict:
 
     for key, fn in {
         "no_plan": lambda: apply_tensor_parallel(Unknown(), topo),
+        "overlap": lambda: apply_tensor_parallel(  # '*.output.dense' is both rows
+            build("bert"),
+            topo,
+            plan=TPPlan(
+                name="loose",
+                rows=(
+                    ("*attention.output.dense", "row"),
+                    ("*.output.dense", "row"),
+                ),
+            ),
+        ),
         "sp_refused": lambda: apply_tensor_parallel(
             build("gpt2"), topo, plan=replace(GPT2, sequence_parallel=False), sequence_parallel=True
         ),
@@ -310,5 +322,7 @@ def test_models_match_one_process(world):
         e = out["errors"]
         assert e["no_plan"][0] == "ConfigError" and "proj" in e["no_plan"][1]
         assert "TPPlan(" in e["no_plan"][1]
+        assert e["overlap"][0] == "ConfigError" and "both match" in e["overlap"][1], e
+        assert "attention.output.dense" in e["overlap"][1], e
         assert e["sp_refused"][0] == "ConfigError"
         assert "sequence_parallel" in e["sp_refused"][1]
