@@ -42,6 +42,8 @@ and checked against that bound instead: ``|diff| <= 2 x lr x steps``.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests.harness import run_ranks
@@ -55,6 +57,7 @@ def _seq(tp: int) -> int:
     return 9 if tp == 3 else 8  # sequence parallelism splits the sequence over tp
 
 
+@functools.cache  # cases that share a reference run train it once
 def _reference(kind: str, global_bs: int, clip: float, seq: int):
     import torch
 
