@@ -1,7 +1,9 @@
 """Tensor-parallel plans: one table per model family, mapping module paths to styles.
 
 A row is ``(path, style)`` or ``(path, style, units)`` or ``(path, style, units, blocks)``;
-``*`` in a path matches one name (a layer index). Styles:
+``*`` in a path matches any characters, dots included (``fnmatch``): ``*.output.dense``
+matches ``attention.output.dense`` too, where ``*[0-9].output.dense`` does not; two rows
+that replace one module are refused. Styles:
 
 ============  ===============================================================================
 style         what ``apply_tensor_parallel`` does to the module at ``path``
@@ -35,11 +37,10 @@ gather_sequence
 ============  ===============================================================================
 
 ``units`` names the indivisible unit of the sharded dimension (``"heads"``,
-``"kv_heads"``, ``"vocab"``; default: single features), looked up in ``sizes``
-(grouped-query attention shards its query and output projections by ``"kv_heads"``: a
-unit is then one key/value head's group of query heads, so padding adds whole groups and
-every query head stays with its key/value head) (attribute
-paths on the model); ``blocks`` counts fused projections (GPT-2's ``c_attn``: 3). ``attrs``
+``"kv_heads"``, ``"vocab"``; default: single features), looked up in ``sizes`` (attribute
+paths on the model). Grouped-query attention shards its query and output projections by
+``"kv_heads"`` too: a unit is then one key/value head's group of query heads, so padding
+adds whole groups and every query head stays with its key/value head. ``blocks`` counts fused projections (GPT-2's ``c_attn``: 3). ``attrs``
 lists module attributes the forward reads that scale with the local share of a unit
 (``num_heads``, GPT-2's ``split_size``): each becomes ``value x local units / units``.
 
