@@ -47,7 +47,8 @@ def _parity(world: int) -> dict:
     topo = Topology(tp=world)
     g = topo.tp_group
     out: dict = {}
-    for kind, sp in CASES:
+    # tp 3 is about padding: Llama's grouped-query heads, the decoder's vocabulary
+    for kind, sp in CASES if world != 3 else [c for c in CASES if c[0] in ("llama", "decoder")]:
         ref = build(kind)
         inputs = batch(kind, seq=9 if world == 3 else 8)  # sequence parallel: T | seq
         ref_loss = loss_of(ref, kind, inputs)
@@ -285,7 +286,7 @@ def test_models_match_one_process(world):
     b = B * S * H * 4  # one fp32 activation [B, S, H]
     w = H * 4  # one norm weight's fp32 gradient
     for out in results:
-        for case in CASES:
+        for case in CASES if world != 3 else [c for c in CASES if c in out]:
             o = out[case]
             assert o["loss"] < 1e-6 and o["grad"] < 1e-6, (case, o)
             assert o["sizes"] and o["n_sharded"] > 0, (case, o)
