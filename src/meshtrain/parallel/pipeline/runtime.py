@@ -26,7 +26,7 @@ the whole batch with gradient accumulation).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -92,6 +92,7 @@ class PipelineRuntime:
         self.tied = list(tied)
         self.device = torch.device(device)
         self._cache: dict[tuple, Any] = {}
+        self._after_backward: Callable[[], None] | None = None
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
         # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
         self.trace: list | None = None
@@ -131,15 +132,30 @@ class PipelineRuntime:
             w.wait()
 
     # ---- steps -----------------------------------------------------------------------
-    def train_step(self, batches: Sequence[Any], loss_scale: float = 1.0) -> torch.Tensor:
+    def train_step(
+        self,
+        batches: Sequence[Any],
+        loss_scale: float = 1.0,
+        after_backward: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss (every rank).
 
         Gradients accumulate into the parameters' ``.grad`` as ``loss_scale x`` those of
         the mean loss; tied parameters' gradients are summed over their ranks.
+        ``after_backward``: called after each micro-batch's weight-gradient backward on a
+        stage (ZeRO 2 reduce-scatters and drops ``.grad`` there; tied weights are then
+        summed by the caller, ``grads.sum_tied_shards``).
         """
         for st in self.stages.values():
             st.train()
-        loss = self._run(self._actions(self.schedule, len(batches)), batches, True, loss_scale)
+        self._after_backward = after_backward
+        try:
+            actions = self._actions(self.schedule, len(batches))
+            loss = self._run(actions, batches, True, loss_scale)
+        finally:
+            self._after_backward = None
+        if after_backward is not None:
+            return loss
         for param, group in self.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -219,5 +235,7 @@ class PipelineRuntime:
             torch.autograd.backward(y, grad, inputs=params)
         else:
             torch.autograd.backward(y, grad)
+        if self._after_backward is not None:
+            self._after_backward()
         if stage > 0 and self._peer(stage - 1) == self.group.rank:  # p == 1 hand-over
             out_grads[(stage - 1, mb)] = inputs.pop(key).grad
