@@ -103,7 +103,9 @@ def _train(kind: str, pp: int, tp: int, dp: int, zero: int, schedule: str, v: in
     for name in sorted(params):  # the same order on every tp rank of a stage
         p = params[name].detach()
         spec = specs.get(id(params[name]))
-        full[name] = p.clone() if spec is None else unshard_tensor(p, spec, engine.topology.tp_group)
+        full[name] = (
+            p.clone() if spec is None else unshard_tensor(p, spec, engine.topology.tp_group)
+        )
     return losses, norms, full
 
 
@@ -128,7 +130,9 @@ def _fp16_trace():
     engine, *_ = meshtrain.initialize(model=_model("decoder"), config=config)
     topo = engine.topology
     stage = next(iter(engine.module.stages.values()))
-    target = next(p for n, p in stage.names.items() if "layers" in n and n.endswith("down_proj.weight"))
+    target = next(
+        p for n, p in stage.names.items() if "layers" in n and n.endswith("down_proj.weight")
+    )
     plant = {"on": topo.pp_rank == 1 and topo.tp_rank == 1 and topo.dp_rank == 0}
 
     def hook(grad):
