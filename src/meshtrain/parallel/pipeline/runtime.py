@@ -34,6 +34,7 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline import zero_bubble
 from meshtrain.parallel.pipeline.schedules import (
     RECV_B,
     RECV_F,
@@ -100,6 +101,7 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self._cache: dict[tuple, Any] = {}
         self._after_backward: Callable[[], None] | None = None
+        self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # ZB-H1: B -> W
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
         # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
         self.trace: list | None = None
@@ -228,7 +230,8 @@ class PipelineRuntime:
 
     def _backward(self, key, inputs, outputs, out_grads, split: bool) -> None:
         """``B`` (and ``W`` for ZB-H1): ``B`` alone runs the whole backward; under ZB-H1
-        ``B`` computes the input gradient keeping the graph, ``W`` the weight gradients."""
+        ``B`` computes the input gradient and ``W`` the weight gradients, each walking its
+        own part of the graph once (``zero_bubble``)."""
         stage, mb = key
         zb = self.schedule == "zb_h1"
         y = outputs[key]
@@ -236,11 +239,15 @@ class PipelineRuntime:
         x = inputs.get(key)
         if zb and not split:  # input gradient only (nothing to do on stage 0)
             if x is not None:
-                (x.grad,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+                params = self.stages[stage].parameters()
+                self._weight_work[key] = zero_bubble.backward_input(y, grad, x, params)
             return
         outputs.pop(key)
         out_grads.pop(key, None)
-        if zb:  # weight gradients: the graph again, towards the parameters only
+        work = self._weight_work.pop(key, None) if zb else None
+        if work is not None:  # weight gradients from what B saved (``zero_bubble``)
+            zero_bubble.backward_weight(work)
+        elif zb:  # stage 0: the whole backward, towards the parameters
             params = [p for p in self.stages[stage].parameters() if p.requires_grad]
             torch.autograd.backward(y, grad, inputs=params)
         else:
