@@ -6,9 +6,9 @@ backward. So every stage costs exactly ``f`` forward and ``b + w`` backward what
 runs on the machine (sleeping needs no core: the figures hold on a loaded 2-core
 machine, unlike compute timings, see ``bench_pipeline.py``). With ``v`` chunks per rank
 each chunk sleeps ``1/v`` of that, so every rank does the same work at every ``v``.
-ZB-H1 as ``runtime`` runs it today: ``B`` (input gradient) walks the outer node (``b``),
-``W`` walks the graph again towards the weights (``b + w``: the re-walk), and on stage 0
-``B`` is a no-op and ``W`` the whole backward.
+ZB-H1: ``B`` (input gradient) walks the outer node (``b``), ``W`` starts from what ``B``
+saved and walks towards the weights only (``w``; ``parallel/pipeline/zero_bubble.py``);
+on stage 0 ``B`` is a no-op and ``W`` the whole backward (``b + w``).
 
 Each rank runs the schedule through ``PipelineRuntime`` (real processes, gloo, real p2p)
 and records its compute actions' wall times (``runtime.trace``); idle = 1 - busy / step
@@ -71,7 +71,7 @@ class SleepLayer(nn.Module):
         return _Sleep.apply(torch.tanh(x @ weight.T), self.f, self.b)
 
 
-def _rank(unit: float, ms: tuple[int, ...], steps: int, d: int = 16, rows: int = 4):
+def _rank(unit: float, ms: tuple[int, ...], steps: int, cases, d: int = 16, rows: int = 4):
     import torch.distributed as dist
 
     from meshtrain.distributed.topology import Topology
@@ -82,7 +82,7 @@ def _rank(unit: float, ms: tuple[int, ...], steps: int, d: int = 16, rows: int =
     topo = Topology(pp=dist.get_world_size())
     p = topo.pp_size
     out = {}
-    for schedule, v in CASES:
+    for schedule, v in cases:
         c = unit / v
         pm = PipelineModule(
             [LayerSpec(SleepLayer, d, c, c, c) for _ in range(p * v)],
@@ -114,13 +114,14 @@ def _rank(unit: float, ms: tuple[int, ...], steps: int, d: int = 16, rows: int =
 def replayed_idle(schedule: str, p: int, m: int, v: int) -> float:
     """Idle fraction of ``schedule``'s per-rank orders replayed as soon as possible with the
     sleep model's costs (one unit = ``f`` = ``b`` = ``w``): ``F`` 1, ``B`` 2 (``b + w``);
-    ZB-H1 ``B`` 1 and ``W`` 2 (the re-walk), stage 0's ``B`` 0 (a no-op there)."""
+    ZB-H1 ``B`` 1 and ``W`` 1, but on stage 0 ``B`` 0 (a no-op) and ``W`` 2."""
     from meshtrain.parallel.pipeline.schedules import _ORDERS, _deps
 
     def cost(a) -> int:
         if schedule != "zb_h1":
             return {"F": 1, "B": 2}[a.kind]
-        return {"F": 1, "B": 0 if a.stage == 0 else 1, "W": 2}[a.kind]
+        first = a.stage == 0
+        return {"F": 1, "B": 0 if first else 1, "W": 2 if first else 1}[a.kind]
 
     orders = [_ORDERS[schedule](p, v, m, r) for r in range(p)]
     start, free, pos = {}, [0] * p, [0] * p
@@ -141,11 +142,12 @@ def run(args) -> list[dict]:
     from meshtrain.parallel.pipeline.validate import expected_idle_fraction
 
     rows = []
+    cases = [(s, v) for s, v in CASES if s in args.schedules]
     for p in args.pp:
         per_rank = run_on_ranks(
-            _rank, p, (args.unit_ms / 1000, tuple(args.m), args.steps), timeout=1800
+            _rank, p, (args.unit_ms / 1000, tuple(args.m), args.steps, cases), timeout=1800
         )
-        for schedule, v in CASES:
+        for schedule, v in cases:
             for m in args.m:
                 measured = sum(r[(schedule, m)] for r in per_rank) / p
                 formula = float(expected_idle_fraction(schedule, p, m, v))
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--m", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--unit-ms", type=float, default=40.0)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--schedules", nargs="+", default=[s for s, _ in CASES])
     args = ap.parse_args(argv)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
