@@ -4,10 +4,11 @@
 * 3D, pp 2 x dp 2 x tp 2 on 8 processes, one process group with four runs:
   - the reference decoder with its LM head tied to the vocab-sharded embedding (stage 0
     and the last stage hold the same tp shard; its gradient is summed per tp rank over
-    the two stages), 1F1B, ZeRO 1;
+    the two stages), ZB-H1 (its weight-gradient step starts from what the input-gradient
+    step saved, through the tensor-parallel layers), ZeRO 1;
   - the same decoder with sequence parallelism (activations travel between stages as
     each tp rank's sequence shard), interleaved 1F1B with 2 chunks per rank, ZeRO 2;
-  - tiny transformers Llama (grouped-query attention, HF loss made vocab-parallel), GPipe;
+  - tiny transformers Llama (grouped-query attention, HF loss made vocab-parallel), 1F1B;
   - fp16 with a dynamic loss scale: an inf planted in one gradient on one rank of the
     last stage must skip that step, and halve the loss scale, on all 8 ranks.
 * pp 2 x dp 2 with ZeRO 2 on 4 processes (tied decoder, 1F1B and ZB-H1).
@@ -152,7 +153,7 @@ def _fp16_trace():
 
 def _three_d():
     runs = {
-        "decoder": _train("decoder", 2, 2, 2, 1, "1f1b", 1),
+        "decoder": _train("decoder", 2, 2, 2, 1, "zb_h1", 1),
         "decoder_sp": _train(
             "decoder",
             2,
@@ -163,7 +164,7 @@ def _three_d():
             2,
             tensor_parallel={"sequence_parallel": True},
         ),
-        "llama": _train("llama", 2, 2, 2, 1, "gpipe", 1),
+        "llama": _train("llama", 2, 2, 2, 1, "1f1b", 1),
     }
     return runs, _fp16_trace()
 
