@@ -18,7 +18,7 @@ sleep model's costs (``replayed_idle``; ``f = b = w`` = one unit), which equals 
 form for GPipe, 1F1B and interleaved 1F1B; for ZB-H1 it charges the re-walk. Communication, the loss broadcast and
 Python overhead count as idle, so measured >= formula; the ratio is the figure.
 
-    python benchmarks/bench_pipeline_bubble.py [--unit-ms 40] [--steps 3]
+    python benchmarks/bench_pipeline_bubble.py [--unit-ms 300] [--steps 4] [--schedules zb_h1]
 
 Results go to ``benchmarks/results/pipeline-bubble-<date>.json``.
 """
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--m", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--unit-ms", type=float, default=40.0)
+    ap.add_argument("--unit-ms", type=float, default=300.0)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--schedules", nargs="+", default=[s for s, _ in CASES])
     args = ap.parse_args(argv)
