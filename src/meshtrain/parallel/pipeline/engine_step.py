@@ -164,15 +164,16 @@ def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach().float())
-        return torch.stack(losses).mean()
+        return _dp_mean(engine, torch.stack(losses).mean())
     for b in batches:  # samples/s and tokens/s of the step log
         args, kwargs = ((), b) if isinstance(b, dict) else (tuple(b), {})
         engine.log.count_batch(args, kwargs)
     zero = engine.zero
+    engine.shorten_window(1)  # the schedule runs the whole window; step() below ends it
     zero.begin_window()
     # ZeRO 0-1: reduce once, after the schedule; ZeRO 2: after every micro-batch's
     # backward (no rank keeps a full gradient to accumulate into)
-    zero.reducer.begin_backward(zero.every_backward)
+    zero.before_backward(False)
     with engine.log.timed("forward"):  # forward and backward interleave
         loss = pipe.train_step(
             batches,
@@ -182,7 +183,6 @@ def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
     if zero.every_backward:
         sum_tied_shards(pipe.tied, zero, engine.topology.dp_group)
     engine.log.add_loss(loss)
-    engine.micro_steps += engine.gas - 1  # step() counts the last one and steps
     engine.step()
     return _dp_mean(engine, loss)
 
