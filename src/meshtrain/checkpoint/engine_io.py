@@ -10,7 +10,8 @@ them. For a ``FlatGroup`` bucket of ``n`` padded elements a rank writes
   ``c = ceil(n / dp)``, so the ranks still share the writing.
 
 Frozen parameters and persistent buffers (whole on every rank) are split the same way
-over the world. Scalars (optimizer ``step``, counters, loss scale, scheduler, data-loader
+over the world; under ZeRO-3 sharded frozen parameters are gathered for it one unit
+bucket at a time, and on load each rank writes its own chunk of them. Scalars (optimizer ``step``, counters, loss scale, scheduler, data-loader
 position, python/numpy RNG) go in the JSON rank state; the torch RNG state tensors in
 the rank's file.
 
@@ -135,14 +136,19 @@ def _set_rng(state: dict, reader: CheckpointReader, rank: int) -> None:
 
 
 def _model_meta(engine, canon: dict[int, str], aliases: dict[str, str]) -> dict[str, Any]:
-    shapes = {p: s for g in engine.zero.flat_groups for p, s in g.shapes.items()}
+    trainable = {p: s for g in engine.zero.flat_groups for p, s in g.shapes.items()}
+    shapes = {**trainable, **{p: s for g in engine.zero.frozen_groups for p, s in g.shapes.items()}}
     specs = specs_by_param(engine.module) if engine.topology.tp_size > 1 else {}
     tensors = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if key in aliases:
             continue
         kind = (
-            "param" if t in shapes else "frozen" if isinstance(t, torch.nn.Parameter) else "buffer"
+            "param"
+            if t in trainable
+            else "frozen"
+            if isinstance(t, torch.nn.Parameter)
+            else "buffer"
         )
         shape = shapes.get(t, t.shape)
         if id(t) in specs:  # a tensor-parallel shard: the checkpoint holds the full tensor
@@ -181,9 +187,8 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
                     pieces.append(Piece(name, state, key, local - lo, start, n))
     meta_tensors = _model_meta(engine, canon, aliases)
     frozen_specs = _frozen_specs(engine)
-    for key, t in engine.module.state_dict().items():
-        if key in aliases or meta_tensors[key]["kind"] == "param":
-            continue
+    skip = set(aliases) | {k for k, v in meta_tensors.items() if v["kind"] == "param"}
+    for key, t in _whole_states(engine, skip):
         if key in frozen_specs:  # a frozen tensor-parallel shard: write the full tensor
             t = unshard_tensor(t, frozen_specs[key], topo.tp_group)
         flat = t.detach().reshape(-1)
@@ -234,6 +239,39 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
         meta=meta,
         keep_last=keep or None,
     )
+
+
+class _Params:
+    """What ``ZeroStage.gathered`` reads of a module: ``parameters()``."""
+
+    def __init__(self, params) -> None:
+        self._params = list(params)
+
+    def parameters(self):
+        return iter(self._params)
+
+
+def _whole_states(engine, skip: set[str]):
+    """``(key, whole tensor)`` for the module's state dict minus ``skip``. ZeRO-3's sharded
+    frozen parameters are gathered one unit bucket at a time and copied (the gathered
+    buffer is freed with the next bucket); every rank must iterate to the end."""
+    from contextlib import ExitStack
+
+    sharded = {id(p): b for g in engine.zero.frozen_groups for p, b in g.bucket_of.items()}
+    current, stack = None, ExitStack()
+    with stack:
+        for key, t in engine.module.state_dict(keep_vars=True).items():
+            if key in skip:
+                continue
+            b = sharded.get(id(t))
+            if b is None:
+                yield key, t.detach()
+                continue
+            if b is not current:
+                stack.close()
+                stack.enter_context(engine.zero.gathered(_Params(b.params)))
+                current = b
+            yield key, t.detach().clone()
 
 
 def _frozen_specs(engine) -> dict[str, ShardSpec]:
@@ -357,13 +395,17 @@ def _load(
                     engine.optimizer.state[master] = {"step": step, **fresh}
         engine.zero.reload_params()
         frozen_specs = _frozen_specs(engine)
-        for key, t in engine.module.state_dict().items():
+        sharded = {id(p): g for g in engine.zero.frozen_groups for p in g.params}
+        for key, t in engine.module.state_dict(keep_vars=True).items():
             if key in aliases or meta_tensors[key]["kind"] == "param":
                 continue
             full = reader.read_full(key)
             if key in frozen_specs:
                 full = shard_tensor(full, frozen_specs[key], topo.tp_rank)
-            t.copy_(full.to(t.dtype))
+            if id(t) in sharded:  # ZeRO-3 frozen: write this rank's chunk of the shard
+                sharded[id(t)].load_full(t, full)
+            else:
+                t.copy_(full.to(t.dtype))
     if load_module_only:
         return reader.path, meta.get("client_state", {})
     if load_optimizer_states:
