@@ -245,8 +245,9 @@ class Accelerator:
         which the last batch of the prepared dataloader being iterated forces."""
         engine = self._need_engine()
         loader = self._active_loader
-        if loader is not None and loader.end_of_dataloader:
-            engine.end_window_early()  # a no-op on a window's last micro-step
+        left = 0 if loader is None else loader.batches_left  # this batch included
+        if 0 < left < engine.gas and engine.micro_steps % engine.gas == 0:
+            engine.shorten_window(left)  # the loader's short last window steps too
         self._sync_gradients = engine.is_gradient_accumulation_boundary()
         try:
             yield

@@ -104,14 +104,6 @@ class Engine(EngineQueries):
         """True when the current micro-step is the last of its accumulation window."""
         return (self.micro_steps + 1) % self.gas == 0
 
-    def end_window_early(self) -> None:
-        """Make the coming micro-step its window's last (accelerate steps a data loader's
-        partial last window); ``micro_steps`` skips to that slot, so windows stay aligned."""
-        slot = self.micro_steps % self.gas
-        if slot == 0 and self.gas > 1:
-            self.zero.begin_window()  # a window of one: backward will see it under way
-        self.micro_steps += self.gas - 1 - slot
-
     def _to_device(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             x = x.to(self.device, non_blocking=True)
