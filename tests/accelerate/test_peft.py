@@ -23,7 +23,8 @@ For each stage, on a tiny random BERT with LoRA on ``query``/``value`` (dropout 
   (``BertForSequenceClassification.from_pretrained``) with logits within 1e-5 of the peft
   model's (merging adds ``scaling x B @ A`` into ``W``: a reassociation of the same sum),
   and so does ``meshtrain consolidate CKPT OUT --merge-lora ADAPTER`` of an engine checkpoint;
-  ``save_state`` / ``load_state`` resumes bit-exactly.
+  ``save_state`` / ``load_state`` resumes bit-exactly; ``ZeroStage.release_module`` (the
+  Trainer's end of training) leaves the module whole, frozen base included.
 """
 
 from __future__ import annotations
@@ -183,6 +184,13 @@ def _stage(stage: int, world: int, tmp: str) -> dict:
         acc.load_state(state_dir)
         _train(acc, model, opt, loader)
         out["resumed"] = _lora_sd(acc.get_state_dict(model))
+        # the end of training (the Trainer's): the user's module whole again, frozen base
+        # included, with the same values the gathered state dict has
+        whole = acc.get_state_dict(model)
+        engine = acc.engine
+        engine.zero.release_module(engine.module)
+        released = engine.module.state_dict()
+        out["released_equal"] = all(torch.equal(released[k], v) for k, v in whole.items())
     return out
 
 
@@ -244,3 +252,4 @@ def test_stage3_adapter_save_load_merge_and_resume(runs):
     for r in (0, 1):
         for k, v in two[r][3]["adapter"].items():
             assert torch.equal(two[r][3]["resumed"][k], v), f"rank {r}: resume differs at {k}"
+        assert two[r][3]["released_equal"], f"rank {r}: release_module lost values"

@@ -162,7 +162,7 @@ class ZeroStage:
         must work on its own. The engine cannot step this module afterwards."""
         if self.gatherer is None:
             return
-        sharded = {id(p) for g in self.flat_groups for p in g.params}
+        sharded = {id(p) for g in [*self.flat_groups, *self.frozen_groups] for p in g.params}
         with torch.no_grad(), self.gatherer.gathered():
             whole = [(p, p.data.clone()) for p in module.parameters() if id(p) in sharded]
         self.gatherer.remove()

@@ -122,6 +122,7 @@ class ParamGatherer:
         self._last_order: list[Unit] = []
         self._pass = 0
         self._backward_units: set[int] = set()  # this pass's units with outputs needing grad
+        self._input_hooks: list = []  # last pass's frozen-release hooks (a leaf input keeps its own)
         self._handles = [model.register_forward_pre_hook(self._root_pre)]
         for unit in self.units:
             pre = unit.module.register_forward_pre_hook(self._pre(unit), with_kwargs=True)
@@ -228,6 +229,9 @@ class ParamGatherer:
             self._last_order = self._order
         self._order = []
         self._backward_units = set()
+        for h in self._input_hooks:
+            h.remove()
+        self._input_hooks.clear()
         self._pass += 1
 
     def _pre(self, unit: Unit):
@@ -279,7 +283,7 @@ class ParamGatherer:
             return None
 
         for t in needing.values():
-            t.register_hook(hook)
+            self._input_hooks.append(t.register_hook(hook))
 
     def _grad_hook(self, unit: Unit, pass_id: int, position: int):
         def hook(grad):
@@ -293,6 +297,7 @@ class ParamGatherer:
         return hook
 
     def remove(self) -> None:
-        for h in self._handles:
+        for h in [*self._handles, *self._input_hooks]:
             h.remove()
         self._handles.clear()
+        self._input_hooks.clear()
