@@ -60,6 +60,7 @@ from meshtrain.parallel.tensor.sharding import (
     specs_by_param,
     unshard_tensor,
 )
+from meshtrain.parallel.zero.frozen import whole_state_items
 
 log = logging.getLogger("meshtrain")
 
@@ -165,7 +166,7 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     share, part = topo.dp_size * topo.tp_size, topo.dp_rank * topo.tp_size + topo.tp_rank
     done: set[str] = set()  # a module two stages of this rank share is listed twice
     frozen_ids = {id(p) for g in engine.zero.frozen_groups for p in g.params}
-    for key, t in _whole_states(engine):
+    for key, t in whole_state_items(engine.module, engine.zero):
         name = canon[id(t)]
         if names.keys[key] in aliases or meta_tensors[name]["kind"] == "param" or name in done:
             continue
@@ -226,34 +227,6 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
         meta=meta,
         keep_last=keep or None,
     )
-
-
-class _Params:
-    """What ``ZeroStage.gathered`` reads of a module: ``parameters()``."""
-
-    def __init__(self, params) -> None:
-        self._params = list(params)
-
-    def parameters(self):
-        return iter(self._params)
-
-
-def _whole_states(engine):
-    """``(key, tensor)`` of ``module.state_dict(keep_vars=True)``, with ZeRO-3's sharded
-    frozen parameters gathered one unit bucket at a time: such a tensor is whole only
-    until the next item (copy it); every rank must iterate to the end."""
-    from contextlib import ExitStack
-
-    sharded = {id(p): b for g in engine.zero.frozen_groups for p, b in g.bucket_of.items()}
-    current, stack = None, ExitStack()
-    with stack:
-        for key, t in engine.module.state_dict(keep_vars=True).items():
-            b = sharded.get(id(t))
-            if b is not None and b is not current:
-                stack.close()
-                stack.enter_context(engine.zero.gathered(_Params(b.params)))
-                current = b
-            yield key, t
 
 
 def _unsplit_view(engine) -> torch.nn.Module:

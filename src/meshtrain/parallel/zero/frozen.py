@@ -21,9 +21,14 @@ every input of its unit that requires one has been computed (tensor hooks on the
 inputs, ``ParamGatherer``): every autograd node that reads the frozen weight then has
 run. A unit whose inputs need no gradient (the first one) keeps its frozen bucket until
 the end of backward (``ZeroStage.after_backward``).
+
+Checkpoints read the frozen values through :func:`whole_state_items`, which gathers one
+unit bucket at a time, so a save never holds the whole frozen model on a rank.
 """
 
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 import torch
 from torch import nn
@@ -101,4 +106,30 @@ def frozen_groups(
     ]
 
 
-__all__ = ["FrozenGroup", "frozen_groups"]
+class _Params:
+    """What ``ZeroStage.gathered`` reads of a module: ``parameters()``."""
+
+    def __init__(self, params) -> None:
+        self._params = list(params)
+
+    def parameters(self):
+        return iter(self._params)
+
+
+def whole_state_items(module: nn.Module, zero):
+    """``(key, tensor)`` of ``module.state_dict(keep_vars=True)``, with ``zero``'s sharded
+    frozen parameters gathered one unit bucket at a time: such a tensor is whole only
+    until the next item (copy it); every rank must iterate to the end."""
+    sharded = {id(p): b for g in zero.frozen_groups for p, b in g.bucket_of.items()}
+    current, stack = None, ExitStack()
+    with stack:
+        for key, t in module.state_dict(keep_vars=True).items():
+            b = sharded.get(id(t))
+            if b is not None and b is not current:
+                stack.close()
+                stack.enter_context(zero.gathered(_Params(b.params)))
+                current = b
+            yield key, t
+
+
+__all__ = ["FrozenGroup", "frozen_groups", "whole_state_items"]
