@@ -75,17 +75,22 @@ GPT2_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def tiny_gpt2(seed: int = 0, dropout: float = 0.0, **overrides: Any):
-    """A ``GPT2LMHeadModel`` (tied LM head, fused q|k|v ``Conv1D``), seeded weights;
-    ``dropout`` sets the residual, embedding and attention dropout alike."""
-    import torch
+def tiny_gpt2_config(dropout: float = 0.0, **overrides: Any):
+    """A ``transformers.GPT2Config`` (``GPT2_DEFAULTS`` + overrides); ``dropout`` sets the
+    residual, embedding and attention dropout alike."""
     import transformers
 
     drops = dict(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return transformers.GPT2Config(**{**GPT2_DEFAULTS, **drops, **overrides})
+
+
+def tiny_gpt2(seed: int = 0, dropout: float = 0.0, **overrides: Any):
+    """A ``GPT2LMHeadModel`` (tied LM head, fused q|k|v ``Conv1D``), seeded weights."""
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(**{**GPT2_DEFAULTS, **drops, **overrides})
-    )
+    return transformers.GPT2LMHeadModel(tiny_gpt2_config(dropout, **overrides))
 
 
 BERT_DEFAULTS: dict[str, Any] = dict(
@@ -109,7 +114,14 @@ def tiny_bert(
     import torch
     import transformers
 
-    drops = dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(**{**BERT_DEFAULTS, **drops, **overrides})
-    return getattr(transformers, f"Bert{head}")(cfg)
+    return getattr(transformers, f"Bert{head}")(tiny_bert_config(dropout, **overrides))
+
+
+def tiny_bert_config(dropout: float = 0.0, **overrides: Any):
+    """A ``transformers.BertConfig`` (``BERT_DEFAULTS`` + overrides); ``dropout`` sets the
+    hidden and attention dropout alike."""
+    import transformers
+
+    drops = dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return transformers.BertConfig(**{**BERT_DEFAULTS, **drops, **overrides})

@@ -38,34 +38,32 @@ def build(kind: str, n_layers: int):
         )
         return Decoder(cfg)
     if kind == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
+
+        from tests.tiny_models import tiny_llama_config
 
         return LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=64,
-                hidden_size=32,
+            tiny_llama_config(
                 intermediate_size=48,
                 num_hidden_layers=n_layers,
                 num_attention_heads=2,
-                num_key_value_heads=2,
                 max_position_embeddings=16,
-                tie_word_embeddings=False,
             )
         )
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
+
+    from tests.tiny_models import tiny_gpt2_config
 
     return GPT2LMHeadModel(
-        GPT2Config(
+        tiny_gpt2_config(
             vocab_size=64,
             n_embd=32,
             n_layer=n_layers,
             n_head=2,
             n_positions=16,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
             bos_token_id=0,
             eos_token_id=0,
+            attn_implementation=None,
         )
     )
 

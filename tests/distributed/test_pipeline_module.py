@@ -175,19 +175,19 @@ def test_split_stages_chain_to_the_whole_model(family):
     model's loss and gradients (the same modules run the same ops: 1e-6 relative)."""
     import transformers as tf
 
+    from tests.tiny_models import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
+
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (3, 7))
     if family.startswith("bert"):
-        cfg = tf.BertConfig(
+        cfg = tiny_bert_config(
             vocab_size=64,
             hidden_size=32,
             num_hidden_layers=4,
             num_attention_heads=2,
             intermediate_size=48,
             max_position_embeddings=16,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            num_labels=3,
+            attn_implementation=None,
         )
         if family == "bert-mlm":
             model, labels = tf.BertForMaskedLM(cfg), ids
@@ -196,9 +196,7 @@ def test_split_stages_chain_to_the_whole_model(family):
     elif family == "llama":
         model, labels = (
             tf.LlamaForCausalLM(
-                tf.LlamaConfig(
-                    vocab_size=64,
-                    hidden_size=32,
+                tiny_llama_config(
                     intermediate_size=48,
                     num_hidden_layers=4,
                     num_attention_heads=2,
@@ -211,15 +209,13 @@ def test_split_stages_chain_to_the_whole_model(family):
     else:
         model, labels = (
             tf.GPT2LMHeadModel(
-                tf.GPT2Config(
+                tiny_gpt2_config(
                     vocab_size=64,
                     n_embd=32,
                     n_layer=4,
                     n_head=2,
                     n_positions=16,
-                    resid_pdrop=0.0,
-                    embd_pdrop=0.0,
-                    attn_pdrop=0.0,
+                    attn_implementation=None,
                 )
             ),
             ids,
