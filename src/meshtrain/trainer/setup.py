@@ -82,7 +82,7 @@ def build_engine(trainer) -> None:
     else:
         trainer.max_steps = max(1, math.ceil(args.num_train_epochs * trainer.steps_per_epoch))
     trainer.num_epochs = math.ceil(trainer.max_steps / trainer.steps_per_epoch)
-    config = args.to_engine_config(total_steps=trainer.max_steps)
+    config = args.to_engine_config(total_steps=trainer.max_steps, world_size=topology.world_size)
     scheduler = trainer.lr_scheduler
     if scheduler is None and "scheduler" not in config:
         from meshtrain.trainer.schedules import scheduler_factory
