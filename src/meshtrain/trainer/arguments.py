@@ -190,6 +190,16 @@ class TrainingArguments:
                 MeshConfig.model_validate(self.mesh)
             except Exception as exc:  # pydantic's message, prefixed with the field
                 raise ConfigError(f"TrainingArguments.mesh: {exc}") from None
+            pp = self.mesh.get("pipeline_parallel_size", 1)
+            if pp != 1:
+                raise ConfigError(
+                    f"TrainingArguments.mesh.pipeline_parallel_size={pp!r}: the Trainer does "
+                    "not run pipeline parallelism yet (its evaluation, predictions and "
+                    "checkpoints need whole-model forwards); set it to 1 and use "
+                    "tensor_parallel_size and/or ZeRO (deepspeed=) to fit the model, or "
+                    "train the pipeline with meshtrain.initialize + engine.train_batch / "
+                    "engine.eval_batch (docs/pipeline.md)"
+                )
 
     def _reporters(self, value: Any) -> list[str]:
         items = [value] if value is None or isinstance(value, str) else list(value)

@@ -104,6 +104,9 @@ def build_engine(trainer) -> None:
     )
     trainer.engine.training_dataloader = loader  # its position goes into checkpoints
     trainer.train_dataloader = loader
+    from meshtrain.trainer.evaluation import vocab_gatherer
+
+    trainer._gather_vocab = vocab_gatherer(trainer)
     trainer.optimizer = trainer.engine.optimizer
     trainer.lr_scheduler = trainer.engine.lr_scheduler
 

@@ -105,6 +105,7 @@ class Trainer(TrainingLoop):
         self._forward_names = names
         self._shift = loss_shifts_labels(model)
         self.engine = None
+        self._gather_vocab = None  # set by setup.build_engine under tensor parallelism
         # where checkpoints go and how they are named (``meshtrain train`` uses its own)
         self.checkpoint_dir = self.args.output_dir
         self.checkpoint_prefix = ckpt.PREFIX
@@ -329,6 +330,8 @@ class Trainer(TrainingLoop):
                 loss, outputs = None, model(**inputs)
         if prediction_loss_only:
             return loss, None, None
+        if self._gather_vocab is not None:  # tensor parallelism: whole-vocabulary logits
+            outputs = self._gather_vocab(outputs)
         logits = ev.logits_of(outputs, ignore_keys or [])
         labels = None
         if has_labels:
