@@ -106,6 +106,7 @@ class Trainer(TrainingLoop):
         self._shift = loss_shifts_labels(model)
         self.engine = None
         self._gather_vocab = None  # set by setup.build_engine under tensor parallelism
+        self._new_signature: tuple[Any, bool] = (None, False)  # compute_loss's signature
         # where checkpoints go and how they are named (``meshtrain train`` uses its own)
         self.checkpoint_dir = self.args.output_dir
         self.checkpoint_prefix = ckpt.PREFIX
@@ -213,7 +214,10 @@ class Trainer(TrainingLoop):
         """Call ``compute_loss`` with the new signature, or the old one (no
         ``num_items_in_batch``) that seed scripts override it with."""
         fn = self.compute_loss
-        if takes_argument(fn, "num_items_in_batch"):
+        key = getattr(fn, "__func__", fn)
+        if self._new_signature[0] is not key:  # inspect once per override, not per step
+            self._new_signature = (key, takes_argument(fn, "num_items_in_batch"))
+        if self._new_signature[1]:
             return fn(
                 self.model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items
             )
@@ -240,7 +244,8 @@ class Trainer(TrainingLoop):
             engine.micro_steps += gas - len(window)
         share = torch.zeros((), device=engine.device)
         local_sum = 0.0
-        self.model.train()
+        if not self.model.training:  # after an evaluation (train() walks every module)
+            self.model.train()
         for i, (batch, n) in enumerate(zip(window, counts, strict=True)):
             inputs = self._prepare_inputs(batch)
             if isinstance(inputs, Mapping):  # samples/s and tokens/s of the engine's step log
