@@ -23,7 +23,7 @@ packed buffer (stages 2-3) and gloo's clone of the input (reduce-scatter), i.e. 
 extra copies of all gradients. Two in flight keep one reduction running while the next
 bucket fills, which is all the overlap a single communication thread can use.
 
-The reduce-scatters go through ``meshtrain.parallel.collectives``: on CPU (gloo) an
+The reduce-scatters go through ``comm.reduce_scatter_bucket``: on CPU (gloo) an
 in-place all-reduce of the bucket is used instead (about half the time; the bytes are
 still recorded as a reduce-scatter of the bucket). Stage 1's full-gradient buffer then
 holds the summed gradient in every chunk, not only the owned one; nothing reads the others
@@ -61,7 +61,6 @@ import torch
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
 from meshtrain.errors import TrainingError
-from meshtrain.parallel import collectives
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
 
 
@@ -162,7 +161,7 @@ class GradReducer:
                 source = source.to(self.comm_dtype)
                 landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
             out = target if landing is None else landing
-            work = collectives.reduce_scatter(out, source, self.dp_group)
+            work = comm.reduce_scatter_bucket(out, source, self.dp_group)
         else:
             source = group.take_bucket_grads(bucket, out=self._buffer(group, bucket))
             # the first reduction of a window writes the shard; later ones reduce into
@@ -170,7 +169,7 @@ class GradReducer:
             if cast or not self._fresh[id(group)]:
                 landing = source.narrow(0, group.rank * bucket.chunk, bucket.chunk)
             out = target if landing is None else landing
-            work = collectives.reduce_scatter(out, source, self.dp_group)
+            work = comm.reduce_scatter_bucket(out, source, self.dp_group)
         # ``source`` rides along so the buffer outlives the async collective
         self._pending.append((group, bucket, work, landing, source))
         if self.on_reduced is not None:

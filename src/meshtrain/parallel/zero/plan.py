@@ -25,7 +25,7 @@ Counting convention: ``meshtrain.distributed.comm`` records an all-reduce of ``b
 communication volume; ``Psi`` above is the *padded* flat size (each bucket rounded up to
 a multiple of ``N``; stage 0 pads nothing). The scalar all-reduce of the gradient norm
 is recorded under ``control`` and is not part of these figures. The figures count the
-*logical* reduce-scatters and all-gathers: on CPU (gloo) ``meshtrain.parallel.collectives``
+*logical* reduce-scatters and all-gathers: on CPU (gloo) ``distributed/comm.py``
 runs them as an in-place all-reduce and per-rank broadcasts, which are faster there, and
 records them under the same names and bytes, so this table holds on every backend.
 

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
-from meshtrain.parallel import collectives
 from meshtrain.parallel.flat_group import Bucket, FlatGroup
 from meshtrain.parallel.zero.partition import full_numel
 
@@ -133,7 +133,7 @@ class ParamGatherer:
         else:  # the same storage object the saved views of the last forward point at
             full.untyped_storage().resize_(b.numel * g.itemsize)
         self._live.add(id(b))
-        self._work[id(b)] = collectives.all_gather(full, src, self.dp_group)
+        self._work[id(b)] = comm.all_gather_bucket(full, src, self.dp_group)
 
     def _finish_bucket(self, g: FlatGroup, b: Bucket) -> None:
         """Wait for ``b``'s gather and point its parameters at the full buffer."""
