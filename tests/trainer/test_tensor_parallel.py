@@ -11,7 +11,8 @@ the one-process run. Compared with it:
   near-zero entries (as in test_parity);
 * ``predict()`` logits of a Llama without labels within 1e-5 of the one-process model's
   (a prediction of the whole vocabulary, gathered from the two vocab shards; the same
-  1e-7 relative differences on logits of magnitude ~10);
+  1e-7 relative differences on logits of magnitude ~10), and the ``save_pretrained``
+  export in its checkpoint holds the whole tensors, equal within 1e-5 (Adam, as above);
 * pipeline parallelism is refused with a ConfigError naming the field and what to do.
 """
 
@@ -50,13 +51,16 @@ def _train(out: str, mesh: dict | None):
     # a transformers decoder: predictions over the whole vocabulary (64 over 2 shards)
     llama_args = TrainingArguments(
         f"{out}/llama", per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
-        save_strategy="no", disable_tqdm=True, mesh=mesh,
+        save_strategy="steps", save_steps=2, disable_tqdm=True, mesh=mesh,
     )  # fmt: skip
     rows = [{"input_ids": r["input_ids"] % 64} for r in lm_rows(16, seed=4)]
     llama = Trainer(tiny_llama(), llama_args, train_dataset=rows, data_collator=pad_collate)
     llama_loss = llama.train().training_loss
     logits = llama.predict(rows[:6], ignore_keys=["past_key_values"]).predictions
-    return losses, evals, weights, llama_loss, logits
+    from safetensors.torch import load_file
+
+    exported = load_file(f"{out}/llama/checkpoint-2/model.safetensors")  # save_pretrained
+    return losses, evals, weights, llama_loss, logits, exported
 
 
 def _pipeline_refused():
@@ -69,12 +73,12 @@ def _pipeline_refused():
 
 
 def test_tensor_parallel_equals_one_process(tmp_path):
-    ((ref_losses, ref_evals, ref_w, ref_llama, ref_logits),) = run_ranks(
+    ((ref_losses, ref_evals, ref_w, ref_llama, ref_logits, ref_export),) = run_ranks(
         _train, 1, str(tmp_path / "one"), None
     )
     results = run_ranks(_train, 2, str(tmp_path / "tp"), {"tensor_parallel_size": 2})
     assert len(ref_losses) == 8 and len(ref_evals) == 2
-    for losses, evals, weights, llama_loss, logits in results:
+    for losses, evals, weights, llama_loss, logits, export in results:
         assert max(abs(a - b) for a, b in zip(ref_losses, losses, strict=True)) <= 1e-6
         assert max(abs(a - b) for a, b in zip(ref_evals, evals, strict=True)) <= 1e-6
         assert abs(ref_llama - llama_loss) <= 1e-6
@@ -83,6 +87,9 @@ def test_tensor_parallel_equals_one_process(tmp_path):
             assert torch.allclose(weights[k], v, atol=1e-5, rtol=0), k
         assert logits.shape == ref_logits.shape == (6, 12, 64)
         assert abs(logits - ref_logits).max() <= 1e-5
+        assert sorted(export) == sorted(ref_export)  # whole, unpadded tensors
+        for k, v in ref_export.items():
+            assert torch.allclose(export[k], v, atol=1e-5, rtol=0), k
 
 
 def test_pipeline_parallel_is_refused():
