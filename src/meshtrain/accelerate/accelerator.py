@@ -43,7 +43,13 @@ from meshtrain.accelerate.prepared import (
     PreparedOptimizer,
     PreparedScheduler,
 )
-from meshtrain.accelerate.setup import config_dict, engine_config, load_rng_state, save_rng_state
+from meshtrain.accelerate.setup import (
+    config_dict,
+    engine_config,
+    int_argument,
+    load_rng_state,
+    save_rng_state,
+)
 from meshtrain.errors import ConfigError
 
 
@@ -70,10 +76,11 @@ class Accelerator:
         from meshtrain.distributed.env import init_distributed
         from meshtrain.distributed.topology import Topology
 
-        self._config = config_dict(config, mixed_precision, int(gradient_accumulation_steps))
+        gas = int_argument("gradient_accumulation_steps", gradient_accumulation_steps, 1)
+        self._config = config_dict(config, mixed_precision, gas)
         self.mixed_precision = mixed_precision or "no"
         self.gradient_accumulation_steps = int(self._config["gradient_accumulation_steps"])
-        self.seed = int(seed)
+        self.seed = int_argument("seed", seed, 0)
         self._env = init_distributed()
         mesh = self._config.get("mesh") or {}
         self.topology = Topology(

@@ -31,7 +31,7 @@ from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
 from meshtrain.engine.queries import EngineQueries
 from meshtrain.engine.step_log import StepLog
-from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.errors import TrainingError
 from meshtrain.optim.setup import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.zero.partition import adopt
@@ -282,7 +282,12 @@ class Engine(EngineQueries):
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state dict (every parameter whole: gathered under ZeRO-3,
-        unsharded and unpadded under tensor parallelism)."""
+        unsharded and unpadded under tensor parallelism, every stage's under pipeline
+        parallelism, in the unsplit model's names). Every rank must call it."""
+        if self.pipeline is not None:
+            from meshtrain.checkpoint.model_names import full_state_dict as whole_model
+
+            return whole_model(self)
         with self.gathered_parameters():
             if self.topology.tp_size > 1:
                 from meshtrain.parallel.tensor.sharding import full_state_dict
@@ -305,7 +310,6 @@ class Engine(EngineQueries):
         ``load_checkpoint``. Returns the checkpoint directory (DeepSpeed returns True)."""
         from meshtrain.checkpoint.engine_io import save
 
-        self._no_pipeline_checkpoints()
         return save(self, save_dir, tag, {} if client_state is None else client_state)
 
     def load_checkpoint(
@@ -317,22 +321,15 @@ class Engine(EngineQueries):
         load_module_only: bool = False,
     ):
         """Load ``load_dir/tag`` (default: the tag ``latest`` names), written under any
-        data-parallel size or ZeRO stage. Returns ``(load_path, client_state)``, or
-        ``(None, None)`` with a logged warning when there is nothing to load (no such
-        directory, an empty one, or no such tag), as DeepSpeed does."""
+        data-parallel, tensor- or pipeline-parallel size or ZeRO stage. Returns
+        ``(load_path, client_state)``, or ``(None, None)`` with a logged warning when there
+        is nothing to load (no such directory, an empty one, or no such tag), as DeepSpeed
+        does."""
         from meshtrain.checkpoint.engine_io import load
 
-        self._no_pipeline_checkpoints()
         return load(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
-
-    def _no_pipeline_checkpoints(self) -> None:
-        if self.pipeline is not None:
-            raise ConfigError(
-                "save_checkpoint/load_checkpoint with mesh.pipeline_parallel_size > 1 are "
-                "not implemented yet; export the stages' state_dicts yourself or train with pp 1"
-            )
 
     def memory_report(self):
         """This rank's bytes of parameters, gradients and optimizer states beside the
