@@ -10,7 +10,8 @@ each in its own processes (torchrun's environment; one thread per rank):
 * ``meshtrain``: ``meshtrain.Trainer`` (ZeRO stage 0);
 * ``transformers``: ``transformers.Trainer`` (DDP over gloo when N > 1);
 * ``engine-loop``: ``meshtrain.initialize`` + ``engine(batch)`` / ``backward`` / ``step``
-  by hand on the same loader, collator and config: what the Trainer adds on top.
+  by hand on the same loader, collator, config, weight-decay groups and linear schedule:
+  what the Trainer's loop adds on top.
 
 samples/s counts steps after the first ``--warmup`` (a callback timestamps every
 ``on_step_end``; the hand loop timestamps its steps the same way), on rank 0. Each stamp
@@ -18,7 +19,8 @@ also records the process's CPU time (``time.process_time``, one thread): on a sh
 loaded machine wall time mostly measures the other jobs, while CPU seconds per step are
 what the Trainer itself costs, so the Trainer's overhead is reported both ways
 (``overhead_cpu`` is the one to trust when the load average exceeds the core count).
-Peers are interleaved over ``--repeats`` rounds and the median is reported.
+Peers are interleaved over ``--repeats`` rounds (in reversed order on odd rounds) and
+the median is reported.
 Results: ``benchmarks/results/trainer-<date>-np<N>.json``.
 
     python benchmarks/bench_trainer.py --nproc 1 --nproc 2 [--steps 40] [--repeats 3]
@@ -102,9 +104,15 @@ def _worker(peer: str, steps: int, out: str) -> dict:
         import meshtrain
         from meshtrain.data.loader import ResumableDataLoader
         from meshtrain.trainer import TrainingArguments
+        from meshtrain.trainer.schedules import scheduler_factory
+        from meshtrain.trainer.setup import param_groups
 
         args = _args(TrainingArguments, out, steps)
-        engine, _, _, _ = meshtrain.initialize(model=_model(), config=args.to_engine_config(steps))
+        model = _model()  # the Trainer's weight-decay groups and linear schedule, by hand
+        engine, _, _, _ = meshtrain.initialize(
+            model=model, model_parameters=param_groups(model), config=args.to_engine_config(steps),
+            lr_scheduler=scheduler_factory("linear", 0, steps),
+        )  # fmt: skip
         from transformers import default_data_collator
 
         loader = ResumableDataLoader(
@@ -187,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         for nproc in a.nproc or [1, 2]:
             by_peer: dict[str, list[float]] = {p: [] for p in peers}
             cpu: dict[str, list[float]] = {p: [] for p in peers}
-            for _ in range(a.repeats):
-                for peer in peers:
+            for i in range(a.repeats):
+                # reversed on odd rounds: a load that rises or falls over the run would
+                # otherwise always favour the peer that runs second
+                for peer in peers if i % 2 == 0 else peers[::-1]:
                     r = _run(peer, nproc, a.steps, a.warmup, tmp)
                     runs.append(r)
                     by_peer[peer].append(r["samples_per_s"])
