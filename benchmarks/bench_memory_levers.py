@@ -7,7 +7,8 @@ lever runs in a fresh process (``torchrun`` for the ZeRO levers at 2 ranks), one
 
 Measured: peak memory = ``VmHWM`` minus the RSS just before the model is built (so the
 torch/python baseline is left out), the largest rank; samples/s over the timed steps
-(after one warm-up step). This machine has no GPU: memory is host RSS, so offload moves
+(after one warm-up step; two for torch.compile, whose first step compiles, so its peak
+includes the compiler's own memory). This machine has no GPU: memory is host RSS, so offload moves
 nothing "off the device" here, and speed is CPU speed on a shared, loaded host: the
 ``os.getloadavg()`` before and after is printed with the table. Predicted: the model
 states of ``meshtrain.estimate.model_states_bytes`` (parameters + gradients + optimizer
@@ -51,7 +52,9 @@ LEVERS: dict[str, tuple[int, int, dict, bool]] = {
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
         False,
     ),
+    "torch.compile": (1, 8, {"compile": {"enabled": True}}, False),
     "LoRA r=8 on q/v": (1, 8, {}, True),
+    "LoRA r=8 on q/v, ZeRO 3 (2 ranks)": (2, 8, {"zero_optimization": {"stage": 3}}, True),
 }
 
 
@@ -92,6 +95,7 @@ def worker(name: str, steps: int, out: str) -> None:
     dp = int(os.environ.get("WORLD_SIZE", "1"))
     z = cfg.zero_optimization
     opt = cfg.optimizer.type
+    compiled = bool(overrides.get("compile", {}).get("enabled"))
     predicted = model_states_bytes(
         model if not lora else sum(p.numel() for p in model.parameters() if p.requires_grad),
         dp=dp,
@@ -106,8 +110,9 @@ def worker(name: str, steps: int, out: str) -> None:
     engine, *_ = meshtrain.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(engine.topology.rank)
     t0 = None
-    for step in range(steps + 1):
-        if step == 1:
+    warmup = 2 if compiled else 1  # torch.compile: the first steps compile (fwd, then bwd)
+    for step in range(steps + warmup):
+        if step == warmup:
             t0 = time.perf_counter()
         for _ in range(engine.gas):
             ids = torch.randint(0, 4096, (batch, 64), generator=g)

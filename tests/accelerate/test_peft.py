@@ -7,8 +7,15 @@ For each stage, on a tiny random BERT with LoRA on ``query``/``value`` (dropout 
 * base weights bit-unchanged; the flat groups and the optimizer hold the adapter only;
 * bytes per optimizer step count only the adapter's parameters, asserted exactly: the
   engine's recorded bytes (minus the gradient-norm scalar) equal both the plan's theory
-  and the closed form from the adapter's element count (2 x 4 Psi for stages 0-2, 3 x 4
-  Psi for stage 3; no padding: every LoRA matrix has an even element count);
+  and the closed form from the adapter's element count (2 x 4 Psi for stages 0-2; no
+  padding: every LoRA matrix, and every frozen unit bucket, has an even element count);
+* stage 3 shards the frozen base too: gradient traffic is the adapter's alone (a
+  reduce-scatter of 4 Psi), the all-gathers are the adapter's 2 x 4 Psi plus the frozen
+  weights' 4 (Phi + Phi - Phi_emb) (every unit gathered for forward, and again for
+  backward except the embeddings, whose output needs no gradient); each rank holds
+  exactly 4 Phi / 2 bytes of frozen shards, the estimator's
+  ``model_states_bytes(..., frozen_params=Phi)`` difference, and the memory report's
+  measured parameter bytes equal the estimator's at every stage (exact: no padding);
 * stage 3 (adapters sharded: persistence threshold 0): the saved adapter is non-empty and
   equals the gathered one bit for bit; plain ``PeftModel.from_pretrained`` loads it and
   gives the trained model's logits (within 1e-5: same weights, same kernels; the bound
@@ -16,7 +23,8 @@ For each stage, on a tiny random BERT with LoRA on ``query``/``value`` (dropout 
   (``BertForSequenceClassification.from_pretrained``) with logits within 1e-5 of the peft
   model's (merging adds ``scaling x B @ A`` into ``W``: a reassociation of the same sum),
   and so does ``meshtrain consolidate CKPT OUT --merge-lora ADAPTER`` of an engine checkpoint;
-  ``save_state`` / ``load_state`` resumes bit-exactly.
+  ``save_state`` / ``load_state`` resumes bit-exactly; ``ZeroStage.release_module`` (the
+  Trainer's end of training) leaves the module whole, frozen base included.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ def _bert():
     return BertForSequenceClassification(cfg)
 
 
+def _frozen_numel(model, under: str = "") -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if not p.requires_grad and under in n)
+
+
 def _lora(model):
     from peft import LoraConfig, get_peft_model
 
@@ -77,6 +89,7 @@ def _setup(stage: int, world: int):
     acc = Accelerator(config={"zero_optimization": zero})
     model = _lora(_bert())
     base0 = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    base0["frozen_numel"] = (_frozen_numel(model), _frozen_numel(model, ".embeddings."))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     loader = DataLoader(_data(), batch_size=GLOBAL_BATCH // world, shuffle=True)
     model, opt, loader = acc.prepare(model, opt, loader)
@@ -102,8 +115,12 @@ def _stage(stage: int, world: int, tmp: str) -> dict:
 
     from safetensors.torch import load_file
 
+    from meshtrain.estimate.model import model_states_bytes
+
     acc, model, opt, loader, base0 = _setup(stage, world)
+    phi, phi_emb = base0.pop("frozen_numel")
     engine = acc.engine
+    report = engine.memory_report()
     _train(acc, model, opt, loader)
     b = engine.last_step_comm_bytes()
     state = acc.get_state_dict(model)
@@ -118,6 +135,16 @@ def _stage(stage: int, world: int, tmp: str) -> dict:
             s["exp_avg"].numel() for s in engine.optimizer.state.values() if "exp_avg" in s
         ),
         "bytes": (b["total"] - b.get("control", 0), engine.zero.comm_bytes_theory(1)),
+        "by_op": b,
+        "phi": (phi, phi_emb),
+        "frozen_shard_bytes": sum(g.state_bytes()["params"] for g in engine.zero.frozen_groups),
+        "params_bytes": (report.measured.params, report.formula.params),
+        "estimator_frozen_bytes": [
+            model_states_bytes(
+                psi, dp=world, stage=stage, precision="fp32", optimizer="AdamW", frozen_params=f
+            ).params
+            for f in (phi, 0)
+        ],
     }
     if stage == 3:
         ids = torch.arange(1, 1 + 2 * SEQ).reshape(2, SEQ)
@@ -157,6 +184,13 @@ def _stage(stage: int, world: int, tmp: str) -> dict:
         acc.load_state(state_dir)
         _train(acc, model, opt, loader)
         out["resumed"] = _lora_sd(acc.get_state_dict(model))
+        # the end of training (the Trainer's): the user's module whole again, frozen base
+        # included, with the same values the gathered state dict has
+        whole = acc.get_state_dict(model)
+        engine = acc.engine
+        engine.zero.release_module(engine.module)
+        released = engine.module.state_dict()
+        out["released_equal"] = all(torch.equal(released[k], v) for k, v in whole.items())
     return out
 
 
@@ -186,7 +220,22 @@ def test_lora_every_stage_matches_one_process_and_moves_adapter_bytes_only(runs)
             assert got["trainable_numel"] == psi
             assert got["opt_state_numel"] == (psi if stage == 0 else psi // 2)
             moved, theory = got["bytes"]
-            assert moved == theory == (3 if stage == 3 else 2) * 4 * psi, (stage, moved, theory)
+            measured, formula = got["params_bytes"]
+            assert measured == formula, (stage, measured, formula)  # memory report: exact
+            with_frozen, without = got["estimator_frozen_bytes"]
+            phi, phi_emb = got["phi"]
+            if stage < 3:
+                assert moved == theory == 2 * 4 * psi, (stage, moved, theory)
+                assert got["frozen_shard_bytes"] == 0  # frozen weights whole: 4 Phi
+                assert with_frozen - without == 4 * phi
+                continue
+            by_op = got["by_op"]
+            assert theory == 3 * 4 * psi  # the plan's theory: the adapter's buckets
+            assert by_op["reduce_scatter"] == 4 * psi  # gradient traffic: adapter only
+            assert by_op["all_gather"] == 2 * 4 * psi + 4 * (2 * phi - phi_emb), by_op
+            assert moved == by_op["all_gather"] + by_op["reduce_scatter"]
+            # frozen base sharded: exactly half of it per rank, as the estimator says
+            assert got["frozen_shard_bytes"] == with_frozen - without == 4 * phi // 2
 
 
 def test_stage3_adapter_save_load_merge_and_resume(runs):
@@ -203,3 +252,4 @@ def test_stage3_adapter_save_load_merge_and_resume(runs):
     for r in (0, 1):
         for k, v in two[r][3]["adapter"].items():
             assert torch.equal(two[r][3]["resumed"][k], v), f"rank {r}: resume differs at {k}"
+        assert two[r][3]["released_equal"], f"rank {r}: release_module lost values"

@@ -85,7 +85,6 @@ def _pipe_engine(pp: int, v: int = 1):
 
 
 def _steps(engine, first: int, n: int, vocab: int = 64) -> list[float]:
-    import torch.distributed as dist
 
     from meshtrain.pipe import PipelineModule
 
@@ -97,12 +96,7 @@ def _steps(engine, first: int, n: int, vocab: int = 64) -> list[float]:
         if isinstance(engine.module, PipelineModule):
             out.append(_whole_pipeline_module_step(engine, batches))
             continue
-        loss = engine.train_batch(iter(batches))
-        if engine.pipeline is None and dp > 1:  # pp 1: train_batch gives this replica's mean
-            loss = loss.clone()
-            dist.all_reduce(loss)
-            loss /= dp
-        out.append(loss.item())
+        out.append(engine.train_batch(iter(batches)).item())  # the mean over dp replicas
     return out
 
 

@@ -19,9 +19,10 @@ A plain PyTorch loop moves to many processes with three changes (seed 003)::
 accelerate's DeepSpeed plugin). What each prepared object does is ``prepared``'s table.
 
 Gradient accumulation: ``gradient_accumulation_steps = k`` makes the engine reduce and
-step every ``k``-th ``optimizer.step()``, with the loss divided by ``k``; ``accumulate``
-only reports ``sync_gradients``. Unlike accelerate, a dataloader whose length is not a
-multiple of ``k`` does not force a step at its end: the partial window carries over.
+step every ``k``-th ``optimizer.step()``, with the loss divided by ``k``. As in accelerate,
+inside ``accumulate`` the last batch of a prepared dataloader ends the window
+(``sync_gradients`` is True, the optimizer steps on the partial window's gradients, still
+divided by ``k``), and the next epoch starts a fresh window.
 """
 
 from __future__ import annotations
@@ -247,8 +248,14 @@ class Accelerator:
 
     @contextmanager
     def accumulate(self, *models: Any) -> Iterator[None]:
-        """One micro-step of gradient accumulation; the engine reduces at the boundary."""
-        self._sync_gradients = self._need_engine().is_gradient_accumulation_boundary()
+        """One micro-step of gradient accumulation; the engine reduces at the boundary,
+        which the last batch of the prepared dataloader being iterated forces."""
+        engine = self._need_engine()
+        loader = self._active_loader
+        left = 0 if loader is None else loader.batches_left  # this batch included
+        if 0 < left < engine.gas and engine.micro_steps % engine.gas == 0:
+            engine.shorten_window(left)  # the loader's short last window steps too
+        self._sync_gradients = engine.is_gradient_accumulation_boundary()
         try:
             yield
         finally:

@@ -154,6 +154,7 @@ class PreparedDataLoader(ResumableDataLoader):
         self._local_start = 0  # this rank's position in the pass before the last batch
         self._last_rows = 0  # rows in the last batch
         self.end_of_dataloader = False
+        self.batches_left = 0  # batches of this pass not yet consumed, the last one included
         self.on_batch = None  # the Accelerator's: which loader gather_for_metrics follows
 
     def __iter__(self) -> Iterator[Any]:
@@ -167,10 +168,12 @@ class PreparedDataLoader(ResumableDataLoader):
             self._local_start += self._last_rows
             self._last_rows = _rows(batch)
             self.end_of_dataloader = i + 1 == n_batches
+            self.batches_left = n_batches - i
             if self.on_batch is not None:
                 self.on_batch(self)
             yield _to_device(batch, self.device)
         # a pass that ran to its end: the next one is the next epoch
+        self.batches_left = 0
         sampler.set_epoch(sampler.epoch + 1)
 
     def batch_rows(self) -> tuple[int, int, int, int]:

@@ -10,7 +10,8 @@ them. For a ``FlatGroup`` bucket of ``n`` padded elements a rank writes
   ``c = ceil(n / dp)``, so the ranks still share the writing.
 
 Frozen parameters and persistent buffers (whole on every rank) are split the same way
-over the world. Scalars (optimizer ``step``, counters, loss scale, scheduler, data-loader
+over the world; under ZeRO-3 sharded frozen parameters are gathered for it one unit
+bucket at a time, and on load each rank writes its own chunk of them. Scalars (optimizer ``step``, counters, loss scale, scheduler, data-loader
 position, python/numpy RNG) go in the JSON rank state; the torch RNG state tensors in
 the rank's file.
 
@@ -59,6 +60,7 @@ from meshtrain.parallel.tensor.sharding import (
     specs_by_param,
     unshard_tensor,
 )
+from meshtrain.parallel.zero.frozen import whole_state_items
 
 log = logging.getLogger("meshtrain")
 
@@ -163,13 +165,15 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     # frozen tensors and buffers: split over the ranks holding this stage (the world at pp 1)
     share, part = topo.dp_size * topo.tp_size, topo.dp_rank * topo.tp_size + topo.tp_rank
     done: set[str] = set()  # a module two stages of this rank share is listed twice
-    for key, t in engine.module.state_dict(keep_vars=True).items():
+    frozen_ids = {id(p) for g in engine.zero.frozen_groups for p in g.params}
+    for key, t in whole_state_items(engine.module, engine.zero):
         name = canon[id(t)]
         if names.keys[key] in aliases or meta_tensors[name]["kind"] == "param" or name in done:
             continue
         done.add(name)
         if not names.writes(name, topo.pp_rank):
             continue
+        gathered = id(t) in frozen_ids  # ZeRO-3 frozen: freed with the next bucket
         t = t.detach()
         if key in frozen_specs:  # a frozen tensor-parallel shard: write the full tensor
             t = unshard_tensor(t, frozen_specs[key], topo.tp_group)
@@ -177,7 +181,8 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
         c = -(-flat.numel() // share)
         lo, hi = min(part * c, flat.numel()), min((part + 1) * c, flat.numel())
         if hi > lo:
-            tensors[f"x.{name}"] = flat[lo:hi].cpu().contiguous()
+            chunk = flat[lo:hi].cpu().contiguous()
+            tensors[f"x.{name}"] = chunk.clone() if gathered else chunk
             pieces.append(Piece(name, "param", f"x.{name}", 0, lo, hi - lo))
 
     rng, rng_tensors = _rng_state()
@@ -351,6 +356,7 @@ def _load(
                     engine.optimizer.state[master] = {"step": step, **fresh}
         engine.zero.reload_params()
         frozen_specs = _frozen_specs(engine)
+        sharded = {id(p): g for g in engine.zero.frozen_groups for p in g.params}
         for key, t in engine.module.state_dict(keep_vars=True).items():
             name = canon[id(t)]
             if names.keys[key] in aliases or meta_tensors[name]["kind"] == "param":
@@ -358,7 +364,10 @@ def _load(
             full = reader.read_full(name)
             if key in frozen_specs:
                 full = shard_tensor(full, frozen_specs[key], topo.tp_rank)
-            t.copy_(full.to(t.dtype))
+            if id(t) in sharded:  # ZeRO-3 frozen: write this rank's chunk of the shard
+                sharded[id(t)].load_full(t, full)
+            else:
+                t.copy_(full.to(t.dtype))
     if load_module_only:
         return reader.path, meta.get("client_state", {})
     if load_optimizer_states:

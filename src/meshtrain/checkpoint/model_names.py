@@ -83,7 +83,9 @@ def _local(engine) -> ModelNames:
     state = module.state_dict(keep_vars=True)
     for key, t in state.items():
         canon.setdefault(id(t), keys[key])
-    shapes = {p: s for g in engine.zero.flat_groups for p, s in g.shapes.items()}
+    trainable = {p: s for g in engine.zero.flat_groups for p, s in g.shapes.items()}
+    frozen = {p: s for g in engine.zero.frozen_groups for p, s in g.shapes.items()}
+    shapes = {**trainable, **frozen}  # ZeRO-3 frozen shards: placeholders hold no shape
     specs = specs_by_param(module) if engine.topology.tp_size > 1 else {}
     tensors: dict[str, dict[str, Any]] = {}
     aliases: dict[str, str] = {}
@@ -97,7 +99,11 @@ def _local(engine) -> ModelNames:
         if name in tensors:
             continue
         kind = (
-            "param" if t in shapes else "frozen" if isinstance(t, torch.nn.Parameter) else "buffer"
+            "param"
+            if t in trainable
+            else "frozen"
+            if isinstance(t, torch.nn.Parameter)
+            else "buffer"
         )
         shape = shapes.get(t, t.shape)
         if id(t) in specs:  # a tensor-parallel shard: the checkpoint holds the full tensor

@@ -78,7 +78,8 @@ def attach_mfu(log, model: torch.nn.Module, zero, device: torch.device, dtype) -
         return
     n = sum(p.numel() for p in model.parameters())
     if zero.stage == 3:  # sharded parameters are empty placeholders between uses
-        n = zero.trainable_numel + sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        whole = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        n = zero.trainable_numel + zero.frozen_sharded_numel + whole
     peak, source = peak_flops(device, dtype)
     # FLOPs per token = 6N + 12 L d T, T read from each batch's input_ids
     log.set_mfu(6.0 * n, flops_per_token(0, *shape, 1), peak, source)

@@ -1,14 +1,15 @@
 """``engine.memory_report()``: the model-state bytes this rank holds, beside the formula.
 
 Measured, from the tensors the engine owns: ``params`` (the flat parameter buffer, or the
-ZeRO-3 shard plus any unit gathered right now, plus frozen parameters), ``grads`` (the
+ZeRO-3 shards of trainable and frozen parameters plus any unit gathered right now, plus
+frozen parameters kept whole), ``grads`` (the
 flat gradient buffer or shard), ``optimizer`` (separate fp32 masters plus every tensor in
 the optimizer's state), with what offload put in host memory moved to ``host``. The
 formula is ``meshtrain.estimate.model_states_bytes`` for the same trainable/frozen
 counts, stage, data-parallel size, precision and optimizer: the ZeRO paper's per-rank
 model states. They differ by padding (each bucket rounded up to a multiple of ``N``), by
-the optimizer's scalar ``step`` tensors, by stage 3's gathered units, and by frozen
-parameters under stage 3, which meshtrain keeps whole.
+the optimizer's scalar ``step`` tensors, by stage 3's gathered units, and, under stage 3,
+by frozen parameters kept whole (under the persistence threshold or outside every unit).
 
 With pipeline parallelism the flat groups hold this rank's stages only, so measured and
 formula are this pp rank's (its ``Psi_r``), and ``pipeline`` adds its stages, the
@@ -113,8 +114,9 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 def memory_report(engine) -> MemoryReport:
     """Build the report for ``engine`` (see module docstring)."""
     zero = engine.zero
-    in_groups = {id(p) for g in zero.flat_groups for p in g.params}
+    in_groups = {id(p) for g in [*zero.flat_groups, *zero.frozen_groups] for p in g.params}
     frozen = {id(p): p for p in engine.module.parameters() if id(p) not in in_groups}
+    frozen_numel = zero.frozen_sharded_numel + sum(p.numel() for p in frozen.values())
     trainable = zero.trainable_numel
     z = engine.config.zero_optimization
     offload_opt = z.offload_optimizer is not None and z.offload_optimizer.device == "cpu"
@@ -144,7 +146,7 @@ def memory_report(engine) -> MemoryReport:
             optimizer=name,
             offload_optimizer=offload_opt,
             offload_param=offload_par,
-            frozen_params=sum(p.numel() for p in frozen.values()),
+            frozen_params=frozen_numel,
         )
     # Under tensor parallelism the flat groups hold this rank's shards (sharded weights
     # / tp, replicated norms whole), so the formula over the same local counts is exact.

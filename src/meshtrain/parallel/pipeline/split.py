@@ -215,7 +215,9 @@ class SplitStage(nn.Module):
             args = ()
         if not self.is_first:
             self._input.value = x
-            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+            # the batch's shape, not x's: under sequence parallelism x holds 1/T of the
+            # sequence, while positions (rotary tables, masks) follow the full length
+            ids = torch.zeros(ids.shape, dtype=torch.long, device=x.device)
         if self.is_last and labels is not None:
             kwargs["labels"] = labels
         try:

@@ -21,8 +21,8 @@ engine's ZeRO-3 units and buckets. When the Engine lays the parameters out in it
 flat buckets (``FlatGroup``), it asks :func:`full_value` for one parameter at a time: one
 all-gather of ``P c`` elements, used to fill that bucket and freed, so a rank still never
 holds more than one gather unit whole (:func:`release` then drops the construction
-shard). Parameters the engine does not shard (frozen ones, for instance) are made whole
-by :func:`materialize` after the layout is built.
+shard). Parameters the engine does not shard (frozen ones below stage 3, for instance)
+are made whole by :func:`materialize` after the layout is built.
 """
 
 from __future__ import annotations
@@ -161,11 +161,11 @@ def owner(p: torch.Tensor):
 
 
 def adopt(module: nn.Module, zero) -> None:
-    """After the Engine laid out ``module``: make leftover partitioned parameters (frozen,
-    or in no optimizer group) whole, and mark every parameter in a flat buffer with the
+    """After the Engine laid out ``module``: make leftover partitioned parameters (frozen
+    below stage 3, or in no optimizer group) whole, and mark every parameter in a flat buffer with the
     ``ZeroStage`` that owns it, so ``GatheredParameters`` finds where its values live."""
     materialize(module.parameters())
-    for g in zero.flat_groups:
+    for g in [*zero.flat_groups, *zero.frozen_groups]:
         for p in g.params:
             setattr(p, OWNER, Ref(zero))
 

@@ -20,6 +20,11 @@ stage    model states per rank            what moves per optimizer step (comm co
                                          (per micro-step: 3 k s Psi with accumulation k)
 =======  ==============================  =================================================
 
+Frozen parameters (``Phi`` elements, e.g. a LoRA base model) add ``s Phi`` per rank at
+stages 0-2 and no traffic; at stage 3 they are sharded too (``zero.frozen``): ``s Phi / N``
+per rank, gathered for forward (and backward, where the unit's outputs need a
+gradient) like trainable units, never reduced and never stepped.
+
 Counting convention: ``meshtrain.distributed.comm`` records an all-reduce of ``b`` bytes as
 ``2b`` and a reduce-scatter / all-gather as the bytes of the full buffer, the ZeRO paper's
 communication volume; ``Psi`` above is the *padded* flat size (each bucket rounded up to
@@ -46,6 +51,7 @@ from torch import nn
 from meshtrain.distributed.topology import Topology
 from meshtrain.parallel.blocks import gather_units
 from meshtrain.parallel.flat_group import FlatGroup
+from meshtrain.parallel.zero.frozen import FrozenGroup, frozen_groups
 from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
 
 _UNBOUNDED = 1 << 62
@@ -53,10 +59,12 @@ _UNBOUNDED = 1 << 62
 
 @dataclass
 class ZeroPlan:
-    """The flat groups of each optimizer param group, plus the stage-3 gatherer."""
+    """The flat groups of each optimizer param group, plus the stage-3 gatherer and the
+    stage-3 shards of frozen parameters (``zero.frozen``; empty below stage 3)."""
 
     per_group: list[list[FlatGroup]]
     gatherer: ParamGatherer | None
+    frozen_groups: list[FrozenGroup]
 
     @property
     def flat_groups(self) -> list[FlatGroup]:
@@ -84,7 +92,7 @@ def build_plan(
     bucket = int(z.reduce_bucket_size)
     if stage < 3:
         per_group = [[FlatGroup(g["params"], bucket_numel=bucket, **common)] for g in groups]
-        return ZeroPlan(per_group, None)
+        return ZeroPlan(per_group, None, [])
 
     units = gather_units(model, list(z.stage3_module_classes))
     owner = assign_units(model, units, int(z.stage3_param_persistence_threshold))
@@ -108,12 +116,24 @@ def build_plan(
         if whole:  # persistent: small or outside every unit; stage-2 treatment
             fgs.append(FlatGroup(whole, bucket_numel=bucket, **common))
         per_group.append(fgs)
+    frozen = frozen_groups(
+        units,
+        int(z.stage3_param_persistence_threshold),
+        partitions=partitions,
+        rank=rank,
+        param_device=param_device,
+    )
     gatherer = None
-    if sharded:
+    if sharded or frozen:
         gatherer = ParamGatherer(
-            model, units, sharded, topology.dp_group, int(z.stage3_prefetch_bucket_size)
+            model,
+            units,
+            sharded,
+            topology.dp_group,
+            int(z.stage3_prefetch_bucket_size),
+            frozen=frozen,
         )
-    return ZeroPlan(per_group, gatherer)
+    return ZeroPlan(per_group, gatherer, frozen)
 
 
 def comm_bytes_theory(

@@ -53,6 +53,7 @@ class ZeroStage:
         self.per_group = plan.per_group
         self.flat_groups = plan.flat_groups
         self.gatherer = plan.gatherer
+        self.frozen_groups = plan.frozen_groups  # stage 3: frozen parameters' shards
         self.every_backward = self.stage >= 2
         self._window_reduced = False  # stages 0-1: before_step already finished the reduction
         dp = topology.dp_size
@@ -161,7 +162,7 @@ class ZeroStage:
         must work on its own. The engine cannot step this module afterwards."""
         if self.gatherer is None:
             return
-        sharded = {id(p) for g in self.flat_groups for p in g.params}
+        sharded = {id(p) for g in [*self.flat_groups, *self.frozen_groups] for p in g.params}
         with torch.no_grad(), self.gatherer.gathered():
             whole = [(p, p.data.clone()) for p in module.parameters() if id(p) in sharded]
         self.gatherer.remove()
@@ -201,15 +202,21 @@ class ZeroStage:
     def trainable_numel(self) -> int:
         return sum(g.trainable_numel for g in self.flat_groups)
 
+    @property
+    def frozen_sharded_numel(self) -> int:
+        """Elements of the frozen parameters sharded under stage 3 (0 below it)."""
+        return sum(g.frozen_numel for g in self.frozen_groups)
+
     def comm_bytes_theory(self, micro_steps: int = 1) -> int:
         """Bytes one optimizer step with ``micro_steps`` micro-steps records (plan table)."""
         itemsize = None if self.comm_dtype is None else self.comm_dtype.itemsize
         return comm_bytes_theory(self.flat_groups, self.stage, micro_steps, itemsize)
 
     def state_bytes(self) -> dict[str, int]:
-        """This rank's bytes of parameters (device / host), gradients and fp32 masters."""
+        """This rank's bytes of parameters (device / host; stage 3's frozen shards
+        included), gradients and fp32 masters."""
         out = {"params": 0, "params_host": 0, "grads": 0, "master": 0}
-        for g in self.flat_groups:
+        for g in [*self.flat_groups, *self.frozen_groups]:
             b = g.state_bytes()
             out["params_host" if g.params_offloaded else "params"] += b["params"]
             out["grads"] += b["grads"]

@@ -23,8 +23,10 @@ Life of a unit's parameters in one training micro-step::
 So each unit is all-gathered twice per micro-step and its gradient reduce-scattered
 once: 3 Psi of the ZeRO paper's volume against data parallelism's 2 Psi. Tied weights
 used by two units are gathered by each (once more per extra use). Parameters smaller
-than stage3_param_persistence_threshold, parameters outside every unit, and frozen
-parameters stay whole on every rank (stage-2 treatment).
+than stage3_param_persistence_threshold and parameters outside every unit stay whole on
+every rank (stage-2 treatment). Frozen parameters of a unit are sharded as well, in
+buckets of their own that are gathered with the unit's and freed in backward once the
+unit's input gradients exist (``meshtrain.parallel.zero.frozen``).
 
 Freeing. Autograd saves views of the weights it needs for backward (``F.linear`` on a 3-D
 input saves ``weight.t()``), and those views share the gathered buffer's storage. Dropping
@@ -78,6 +80,7 @@ class Unit:
     module: nn.Module
     buckets: list[tuple[FlatGroup, Bucket]] = field(default_factory=list)
     numel: int = 0
+    frozen: list[tuple[FlatGroup, Bucket]] = field(default_factory=list)  # no grads to reduce
     backward_pass: int = -1  # the forward pass whose backward already gathered this unit
 
 
@@ -91,14 +94,16 @@ class ParamGatherer:
         groups: list[FlatGroup],
         dp_group: Group,
         prefetch_numel: int,
+        frozen: list[FlatGroup] = (),
     ) -> None:
         self.dp_group = dp_group
         self.prefetch_numel = prefetch_numel
-        self.groups = groups
+        self.groups = [*groups, *frozen]
+        frozen_ids = {id(g) for g in frozen}
         self._buf: dict[int, torch.Tensor] = {}  # bucket id -> its buffer (storage may be 0 B)
         self._live: set[int] = set()  # bucket ids whose buffer holds gathered values now
         self._work: dict[int, object] = {}  # bucket id -> pending all-gather
-        where = {p: (g, g.bucket_of[p]) for g in groups for p in g.params}
+        where = {p: (g, g.bucket_of[p]) for g in self.groups for p in g.params}
         self.units: list[Unit] = []
         for module in units:
             unit = Unit(module)
@@ -109,14 +114,19 @@ class ParamGatherer:
                     seen.add(id(gb[1]))
                     unit.buckets.append(gb)
                     unit.numel += gb[1].numel
+                    if id(gb[0]) in frozen_ids:
+                        unit.frozen.append(gb)
             if unit.buckets:
                 self.units.append(unit)
         self._order: list[Unit] = []  # units in the order the current forward ran them
         self._last_order: list[Unit] = []
         self._pass = 0
+        self._backward_units: set[int] = set()  # this pass's units with outputs needing grad
+        self._input_hooks: list = []  # last pass's frozen-release hooks (a leaf input keeps its own)
         self._handles = [model.register_forward_pre_hook(self._root_pre)]
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._pre(unit)))
+            pre = unit.module.register_forward_pre_hook(self._pre(unit), with_kwargs=True)
+            self._handles.append(pre)
             self._handles.append(unit.module.register_forward_hook(self._post(unit)))
 
     # one bucket ------------------------------------------------------------------------------
@@ -204,8 +214,11 @@ class ParamGatherer:
     def _prefetch(self, order: list[Unit], start: int, step: int) -> None:
         budget, i = self.prefetch_numel, start
         while 0 <= i < len(order) and budget > 0:
-            self._start(order[i])
-            budget -= order[i].numel
+            # backward: skip units whose outputs need no gradient (a frozen embedding):
+            # their backward never runs, a gather would only be freed again unused
+            if step > 0 or id(order[i]) in self._backward_units:
+                self._start(order[i])
+                budget -= order[i].numel
             i += step
 
     # hooks -----------------------------------------------------------------------------------
@@ -215,13 +228,19 @@ class ParamGatherer:
         if self._order:
             self._last_order = self._order
         self._order = []
+        self._backward_units = set()
+        for h in self._input_hooks:
+            h.remove()
+        self._input_hooks.clear()
         self._pass += 1
 
     def _pre(self, unit: Unit):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self.gather(unit)
             if _in_backward():
                 return
+            if unit.frozen and torch.is_grad_enabled():
+                self._free_frozen_after_input_grads(unit, (args, kwargs))
             pos = len(self._order)
             self._order.append(unit)
             if self._last_order[pos : pos + 1] == [unit]:
@@ -242,8 +261,29 @@ class ParamGatherer:
             for t in tensors:
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(unit, pass_id, position))
+                    self._backward_units.add(id(unit))
 
         return hook
+
+    def _free_frozen_after_input_grads(self, unit: Unit, inputs) -> None:
+        """Free ``unit``'s frozen buckets in backward once the gradient of each of its
+        inputs that needs one has been computed: no autograd node reading the frozen
+        weights is left then. Without such inputs they wait for ``release_all``."""
+        flat = tree_flatten(inputs)[0]
+        needing = {id(t): t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad}
+        if not needing:
+            return
+        pending = [len(needing)]
+
+        def hook(grad):
+            pending[0] -= 1
+            if pending[0] == 0:
+                for g, b in unit.frozen:
+                    self.release_bucket(g, b)
+            return None
+
+        for t in needing.values():
+            self._input_hooks.append(t.register_hook(hook))
 
     def _grad_hook(self, unit: Unit, pass_id: int, position: int):
         def hook(grad):
@@ -257,6 +297,7 @@ class ParamGatherer:
         return hook
 
     def remove(self) -> None:
-        for h in self._handles:
+        for h in [*self._handles, *self._input_hooks]:
             h.remove()
         self._handles.clear()
+        self._input_hooks.clear()
