@@ -10,14 +10,21 @@ each in its own processes (torchrun's environment; one thread per rank):
 * ``meshtrain``: ``meshtrain.Trainer`` (ZeRO stage 0);
 * ``transformers``: ``transformers.Trainer`` (DDP over gloo when N > 1);
 * ``engine-loop``: ``meshtrain.initialize`` + ``engine(batch)`` / ``backward`` / ``step``
-  by hand on the same loader, collator and config: what the Trainer adds on top.
+  by hand on the same loader, collator, config, weight-decay groups and linear schedule:
+  what the Trainer's loop adds on top.
 
 samples/s counts steps after the first ``--warmup`` (a callback timestamps every
-``on_step_end``; the hand loop timestamps its steps the same way), on rank 0. Peers are
-interleaved over ``--repeats`` rounds and the median is reported, since other jobs share
-the machine. Results: ``benchmarks/results/trainer-<date>-np<N>.json``.
+``on_step_end``; the hand loop timestamps its steps the same way), on rank 0. Each stamp
+also records the process's CPU time (``time.process_time``, one thread): on a shared,
+loaded machine wall time mostly measures the other jobs, while CPU seconds per step are
+what the Trainer itself costs, so the Trainer's overhead is reported both ways
+(``overhead_cpu`` is the one to trust when the load average exceeds the core count).
+Peers are interleaved over ``--repeats`` rounds (in reversed order on odd rounds) and
+the median is reported.
+Results: ``benchmarks/results/trainer-<date>-np<N>.json``.
 
     python benchmarks/bench_trainer.py --nproc 1 --nproc 2 [--steps 40] [--repeats 3]
+    python benchmarks/bench_trainer.py --nproc 1 --peer meshtrain --peer engine-loop
 """
 
 from __future__ import annotations
@@ -97,9 +104,15 @@ def _worker(peer: str, steps: int, out: str) -> dict:
         import meshtrain
         from meshtrain.data.loader import ResumableDataLoader
         from meshtrain.trainer import TrainingArguments
+        from meshtrain.trainer.schedules import scheduler_factory
+        from meshtrain.trainer.setup import param_groups
 
         args = _args(TrainingArguments, out, steps)
-        engine, _, _, _ = meshtrain.initialize(model=_model(), config=args.to_engine_config(steps))
+        model = _model()  # the Trainer's weight-decay groups and linear schedule, by hand
+        engine, _, _, _ = meshtrain.initialize(
+            model=model, model_parameters=param_groups(model), config=args.to_engine_config(steps),
+            lr_scheduler=scheduler_factory("linear", 0, steps),
+        )  # fmt: skip
         from transformers import default_data_collator
 
         loader = ResumableDataLoader(
@@ -113,7 +126,7 @@ def _worker(peer: str, steps: int, out: str) -> dict:
                 loss = engine(batch).loss
                 engine.backward(loss)
                 engine.step()
-                stamps.append(time.perf_counter())
+                stamps.append((time.perf_counter(), time.process_time()))
                 if len(stamps) >= steps:
                     break
             epoch += 1
@@ -125,7 +138,7 @@ def _worker(peer: str, steps: int, out: str) -> dict:
 
         class Stamp(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
-                stamps.append(time.perf_counter())
+                stamps.append((time.perf_counter(), time.process_time()))
 
         from transformers import default_data_collator
 
@@ -148,14 +161,16 @@ def _run(peer: str, nproc: int, steps: int, warmup: int, tmp: str) -> dict:
     )
     stamps = results[0]["stamps"]
     timed = stamps[warmup:]
-    seconds = timed[-1] - timed[0]
-    step_s = seconds / (len(timed) - 1)
+    step_s = (timed[-1][0] - timed[0][0]) / (len(timed) - 1)
+    cpu_s = (timed[-1][1] - timed[0][1]) / (len(timed) - 1)
     return {
         "peer": peer,
         "nproc": nproc,
         "steps": len(stamps),
         "step_ms": 1e3 * step_s,
+        "cpu_ms_per_step": 1e3 * cpu_s,
         "samples_per_s": BATCH * nproc / step_s,
+        "load_avg_1min": os.getloadavg()[0],
     }
 
 
@@ -165,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peer", action="append", help="default: all three")
     parser.add_argument("--out", type=Path)
     a = parser.parse_args(argv)
     import tempfile
@@ -172,29 +188,34 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    peers = ("meshtrain", "transformers", "engine-loop")
+    peers = tuple(a.peer or ("meshtrain", "transformers", "engine-loop"))
     runs = []
     summary = {}
     with tempfile.TemporaryDirectory() as tmp:
         for nproc in a.nproc or [1, 2]:
             by_peer: dict[str, list[float]] = {p: [] for p in peers}
-            for _ in range(a.repeats):
-                for peer in peers:
+            cpu: dict[str, list[float]] = {p: [] for p in peers}
+            for i in range(a.repeats):
+                # reversed on odd rounds: a load that rises or falls over the run would
+                # otherwise always favour the peer that runs second
+                for peer in peers if i % 2 == 0 else peers[::-1]:
                     r = _run(peer, nproc, a.steps, a.warmup, tmp)
                     runs.append(r)
                     by_peer[peer].append(r["samples_per_s"])
+                    cpu[peer].append(r["cpu_ms_per_step"])
                     print(f"np{nproc} {peer:13s} {r['samples_per_s']:8.1f} samples/s "
-                          f"({r['step_ms']:.1f} ms/step)", flush=True)  # fmt: skip
+                          f"({r['step_ms']:.1f} ms/step wall, {r['cpu_ms_per_step']:.1f} ms CPU;"
+                          f" load {r['load_avg_1min']:.1f})", flush=True)  # fmt: skip
             med = {p: statistics.median(v) for p, v in by_peer.items()}
-            summary[f"np{nproc}"] = {
-                "samples_per_s": med,
-                "meshtrain_vs_transformers": med["meshtrain"] / med["transformers"],
-                "trainer_overhead_vs_engine_loop": med["engine-loop"] / med["meshtrain"] - 1.0,
-            }
-            s = summary[f"np{nproc}"]
-            print(f"np{nproc}: meshtrain/transformers {s['meshtrain_vs_transformers']:.3f}x, "
-                  f"Trainer overhead vs engine loop {100 * s['trainer_overhead_vs_engine_loop']:+.1f}%",
-                  flush=True)  # fmt: skip
+            med_cpu = {p: statistics.median(v) for p, v in cpu.items()}
+            s = summary[f"np{nproc}"] = {"samples_per_s": med, "cpu_ms_per_step": med_cpu}
+            if "transformers" in med and "meshtrain" in med:
+                s["meshtrain_vs_transformers"] = med["meshtrain"] / med["transformers"]
+            if "engine-loop" in med and "meshtrain" in med:
+                s["trainer_overhead_vs_engine_loop"] = med["engine-loop"] / med["meshtrain"] - 1
+                s["trainer_overhead_cpu"] = med_cpu["meshtrain"] / med_cpu["engine-loop"] - 1
+            print(f"np{nproc}: " + ", ".join(f"{k} {v:+.4f}" for k, v in s.items()
+                                             if isinstance(v, float)), flush=True)  # fmt: skip
     date = _dt.datetime.now(_dt.UTC)
     record = {
         "benchmark": "bench_trainer",

@@ -24,6 +24,13 @@ What differs from the blog post, and why:
 * with ``--framework transformers``, ``eval_strategy`` instead of the removed
   ``evaluation_strategy`` (transformers 5 rejects the old name; meshtrain accepts both).
 
+On a machine without a GPU, transformers' Trainer under torchrun needs
+``ACCELERATE_USE_CPU=true`` in the environment (or ``use_cpu=True``): without it
+accelerate's ``PartialState`` sees no accelerator, picks ``DistributedType.NO``, and every
+process trains alone on all rows (``ddp_backend="gloo"`` alone does not change that).
+meshtrain's Trainer needs nothing. ``benchmarks/bench_trainer_accuracy.py`` runs all four
+(both frameworks, one and two processes) and compares their accuracy.
+
 Rank 0 prints a JSON line with the final accuracy/F1 and the training samples/s.
 """
 
@@ -214,6 +221,7 @@ def main(framework: str = "meshtrain", samples: int = 17000, workdir: str = "rev
         "eval_accuracy": metrics["eval_accuracy"],
         "eval_f1": metrics["eval_f1"],
         "train_loss": out.training_loss,
+        "train_steps": out.global_step,  # halves with 2 processes when the data is sharded
         "train_seconds": round(train_seconds, 2),
         "train_samples_per_s": round(
             len(tokenized_datasets["train"]) * train_args.num_train_epochs / train_seconds, 1

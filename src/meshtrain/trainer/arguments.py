@@ -188,6 +188,16 @@ class TrainingArguments:
                 Config.from_dict({"mesh": self.mesh})
             except ConfigError as exc:
                 raise ConfigError(f"TrainingArguments.{exc}") from None
+            pp = self.mesh.get("pipeline_parallel_size", 1)
+            if pp != 1:
+                raise ConfigError(
+                    f"TrainingArguments.mesh.pipeline_parallel_size={pp!r}: the Trainer does "
+                    "not run pipeline parallelism yet (its evaluation, predictions and "
+                    "checkpoints need whole-model forwards); set it to 1 and use "
+                    "tensor_parallel_size and/or ZeRO (deepspeed=) to fit the model, or "
+                    "train the pipeline with meshtrain.initialize + engine.train_batch / "
+                    "engine.eval_batch (docs/pipeline.md)"
+                )
 
     def _reporters(self, value: Any) -> list[str]:
         items = [value] if value is None or isinstance(value, str) else list(value)
@@ -255,8 +265,13 @@ class TrainingArguments:
             if f.name != "deepspeed" or not isinstance(self.deepspeed, dict)
         }
 
-    def to_engine_config(self, total_steps: int | None = None) -> dict[str, Any]:
+    def to_engine_config(
+        self, total_steps: int | None = None, world_size: int | None = None
+    ) -> dict[str, Any]:
         """The config dict for ``meshtrain.initialize`` (see the module docstring).
+
+        ``world_size`` (the processes of the run; default: the mesh's model-parallel size,
+        i.e. one data-parallel rank) checks batch sizes and the mesh against the run.
 
         The optimizer is built by the engine from ``optim`` unless the DeepSpeed config has
         its own ``optimizer`` section; the learning-rate schedule is the Trainer's own
@@ -315,7 +330,11 @@ class TrainingArguments:
         if self.torch_compile:
             config["compile"] = {**config.get("compile", {}), "enabled": True}
         config.setdefault("steps_per_print", 10**9)  # the Trainer logs; the engine stays quiet
-        cfg = load_config(config, world_size=1)
+        mesh = config.get("mesh", {})
+        model_parallel = int(mesh.get("tensor_parallel_size", 1)) * int(
+            mesh.get("pipeline_parallel_size", 1)
+        )
+        cfg = load_config(config, world_size=world_size or model_parallel)
         cfg = cfg.resolve_auto({k: v for k, v in filled.items()})
         return cfg.to_dict(derived=False)
 

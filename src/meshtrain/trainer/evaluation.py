@@ -12,6 +12,12 @@ rank, and row ``i`` of the result is row ``i // R`` of rank ``i % R``.
 
 ``eval_loss`` is the mean of the per-batch losses weighted by their rows (each row is
 counted once over all ranks).
+
+Under tensor parallelism the ranks of a tensor-parallel group evaluate the same rows; a
+decoder's LM head gives each of the ``T`` ranks ``ceil(V / T)`` logits of the (padded)
+vocabulary, so ``vocab_gatherer`` all-gathers them along the last dimension (``B x S x
+V_padded`` values per batch) and drops the padding: predictions are over the whole
+vocabulary, as on one process.
 """
 
 from __future__ import annotations
@@ -186,6 +192,39 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
     return PredictionOutput(predictions, label_ids, metrics)
 
 
+def vocab_gatherer(trainer) -> Any:
+    """Under tensor parallelism with a vocab-parallel LM head: a function turning a
+    model's outputs' sharded ``logits`` into full-vocabulary logits (module docstring);
+    otherwise None."""
+    topo = trainer.topology
+    if topo.tp_size == 1:
+        return None
+    import operator
+
+    from meshtrain.parallel.tensor.mappings import gather_from_region
+    from meshtrain.parallel.tensor.plans import TPPlan, plan_for
+
+    custom = getattr(getattr(trainer.engine.config, "tensor_parallel", None), "plan", None)
+    plan = TPPlan.from_dict(custom) if custom else plan_for(trainer.model)
+    if plan is None or "vocab" not in plan.sizes or all(r[1] != "lm_head" for r in plan.rows):
+        return None  # e.g. BERT classification: its logits are whole on every rank
+    vocab = int(operator.attrgetter(plan.sizes["vocab"])(trainer.model))
+    local = -(-vocab // topo.tp_size)
+
+    def full(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-1] == local:
+            return gather_from_region(x.contiguous(), topo.tp_group, dim=-1)[..., :vocab]
+        return x
+
+    def gather(outputs: Any) -> Any:
+        if isinstance(outputs, Mapping) and "logits" in outputs:
+            outputs["logits"] = full(outputs["logits"])
+            return outputs
+        return full(outputs) if isinstance(outputs, torch.Tensor) else outputs
+
+    return gather
+
+
 def plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
@@ -198,9 +237,13 @@ def logits_of(outputs: Any, ignore_keys: list[str]) -> Any:
         items = tuple(v for k, v in outputs.items() if k != "loss" and k not in ignore_keys)
     elif isinstance(outputs, tuple | list):
         items = tuple(outputs[1:]) if len(outputs) > 1 else tuple(outputs)
+    elif isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+        return None  # a model that returns only its loss (meshtrain's Decoder) predicts nothing
     else:
         return outputs
     items = tuple(v for v in items if v is not None)
+    if not items:
+        return None
     return items[0] if len(items) == 1 else items
 
 

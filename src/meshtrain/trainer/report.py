@@ -19,7 +19,9 @@ def training_header(
     processes: int,
     zero_stage: int,
     precision: str,
+    tensor_parallel: int = 1,
 ) -> str:
+    mesh = f"tensor parallel {tensor_parallel} x data parallel {processes // tensor_parallel}, "
     return "\n".join(
         [
             "***** Running training *****",
@@ -30,7 +32,9 @@ def training_header(
             f"  Gradient Accumulation steps = {accumulation}",
             f"  Total optimization steps = {max_steps:,}",
             f"  Number of trainable parameters = {num_params:,}",
-            f"  meshtrain: {processes} process(es), ZeRO stage {zero_stage}, {precision}",
+            f"  meshtrain: {processes} process(es), "
+            + (mesh if tensor_parallel > 1 else "")
+            + f"ZeRO stage {zero_stage}, {precision}",
         ]
     )
 

@@ -82,7 +82,7 @@ def build_engine(trainer) -> None:
     else:
         trainer.max_steps = max(1, math.ceil(args.num_train_epochs * trainer.steps_per_epoch))
     trainer.num_epochs = math.ceil(trainer.max_steps / trainer.steps_per_epoch)
-    config = args.to_engine_config(total_steps=trainer.max_steps)
+    config = args.to_engine_config(total_steps=trainer.max_steps, world_size=topology.world_size)
     scheduler = trainer.lr_scheduler
     if scheduler is None and "scheduler" not in config:
         from meshtrain.trainer.schedules import scheduler_factory
@@ -104,6 +104,9 @@ def build_engine(trainer) -> None:
         topology=topology,
     )
     trainer.train_dataloader = loader
+    from meshtrain.trainer.evaluation import vocab_gatherer
+
+    trainer._gather_vocab = vocab_gatherer(trainer)
     trainer.optimizer = trainer.engine.optimizer
     trainer.lr_scheduler = trainer.engine.lr_scheduler
 

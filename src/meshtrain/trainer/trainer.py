@@ -105,6 +105,8 @@ class Trainer(TrainingLoop):
         self._forward_names = names
         self._shift = loss_shifts_labels(model)
         self.engine = None
+        self._gather_vocab = None  # set by setup.build_engine under tensor parallelism
+        self._new_signature: tuple[Any, bool] = (None, False)  # compute_loss's signature
         # where checkpoints go and how they are named (``meshtrain train`` uses its own)
         self.checkpoint_dir = self.args.output_dir
         self.checkpoint_prefix = ckpt.PREFIX
@@ -212,7 +214,10 @@ class Trainer(TrainingLoop):
         """Call ``compute_loss`` with the new signature, or the old one (no
         ``num_items_in_batch``) that seed scripts override it with."""
         fn = self.compute_loss
-        if takes_argument(fn, "num_items_in_batch"):
+        key = getattr(fn, "__func__", fn)
+        if self._new_signature[0] is not key:  # inspect once per override, not per step
+            self._new_signature = (key, takes_argument(fn, "num_items_in_batch"))
+        if self._new_signature[1]:
             return fn(
                 self.model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items
             )
@@ -236,7 +241,8 @@ class Trainer(TrainingLoop):
         engine.shorten_window(len(window))  # the epoch's short last window steps too
         share = torch.zeros((), device=engine.device)
         local_sum = 0.0
-        self.model.train()
+        if not self.model.training:  # after an evaluation (train() walks every module)
+            self.model.train()
         for i, (batch, n) in enumerate(zip(window, counts, strict=True)):
             inputs = self._prepare_inputs(batch)
             if isinstance(inputs, Mapping):  # samples/s and tokens/s of the engine's step log
@@ -326,6 +332,8 @@ class Trainer(TrainingLoop):
                 loss, outputs = None, model(**inputs)
         if prediction_loss_only:
             return loss, None, None
+        if self._gather_vocab is not None:  # tensor parallelism: whole-vocabulary logits
+            outputs = self._gather_vocab(outputs)
         logits = ev.logits_of(outputs, ignore_keys or [])
         labels = None
         if has_labels:

@@ -78,6 +78,7 @@ class TrainingLoop:
                 processes=self.topology.world_size,
                 zero_stage=engine.zero_stage,
                 precision=engine.config.precision,
+                tensor_parallel=self.topology.tp_size,
             )
         )
         self.control = TrainerControl()
