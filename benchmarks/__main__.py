@@ -202,10 +202,12 @@ def driver(args) -> int:
         names += [n for n in (mine, *others) if n not in names]
     if args.no_deepspeed:
         names = [n for n in names if not n.startswith("ds-")]
-    ledger = []  # meshtrain frameworks measured with the ledger off as well
+    if args.no_peers:
+        names = [n for n in names if n in peers.MESHTRAIN or n.startswith("mt-")]
+    ledger = []  # meshtrain frameworks measured with the ledger off as well, right after
     if args.ledger_off_too:
         ledger = [n for n in names if n in peers.MESHTRAIN]
-        names += [n + NOLEDGER for n in ledger]
+        names = [m for n in names for m in ((n, n + NOLEDGER) if n in ledger else (n,))]
     runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
@@ -323,7 +325,7 @@ def driver(args) -> int:
         print(f"ledger {fw} on vs off: speed {sp:.2f}x rss {rs:.2f}x")
     for role, _mine, peer, sp, rs in pairs:
         print(f"pair {role} vs {peer}: speed {sp:.2f}x rss {rs:.2f}x")
-    return 0 if pairs else 1
+    return 0 if pairs or ledger_pairs else 1
 
 
 def main(argv=None) -> int:
@@ -337,6 +339,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--no-peers", action="store_true", help="run meshtrain's frameworks only")
     ap.add_argument(
         "--ledger-off-too",
         action="store_true",
