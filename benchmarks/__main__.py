@@ -177,16 +177,22 @@ def _chart(summary: dict, path: Path) -> bool:
     return True
 
 
-def _pair(mine: list[dict], peer: list[dict]) -> tuple[float, float] | None:
-    """Median over rounds of the same-round ratios mine/peer: (samples/s, peak RSS)."""
+def _pair(mine: list[dict], peer: list[dict], cpu: bool = False) -> tuple | None:
+    """Median over rounds of the same-round ratios mine/peer: (samples/s, peak RSS), and
+    with ``cpu`` the ratio of CPU ms per step (None where a run has none)."""
     by_round = {r["round"]: r for r in mine if "error" not in r}
-    speed, rss = [], []
+    speed, rss, cpu_ms = [], [], []
     for r in peer:
         m = by_round.get(r["round"])
         if m is not None and "error" not in r:
             speed.append(m["samples_per_s"] / r["samples_per_s"])
             rss.append(m["peak_rss_mib"] / r["peak_rss_mib"])
-    return (statistics.median(speed), statistics.median(rss)) if speed else None
+            if "cpu_ms_per_step" in m and "cpu_ms_per_step" in r:
+                cpu_ms.append(m["cpu_ms_per_step"] / r["cpu_ms_per_step"])
+    if not speed:
+        return None
+    out = (statistics.median(speed), statistics.median(rss))
+    return (*out, statistics.median(cpu_ms) if cpu_ms else None) if cpu else out
 
 
 def driver(args) -> int:
@@ -272,7 +278,7 @@ def driver(args) -> int:
                 pairs.append((role, mine, peer, *ratio))
     ledger_pairs = []  # ledger on / ledger off, same round
     for n in ledger:
-        ratio = _pair(runs[n], runs[n + NOLEDGER])
+        ratio = _pair(runs[n], runs[n + NOLEDGER], cpu=True)
         if ratio is not None:
             ledger_pairs.append((n, *ratio))
 
@@ -321,8 +327,9 @@ def driver(args) -> int:
     print(f"\nwrote {base}.json, {base}.md" + (f", {base}.png" if charted else ""))
     if scaling:
         print(f"scaling efficiency N={scaling['n']}: {scaling['efficiency']:.2f}")
-    for fw, sp, rs in ledger_pairs:
-        print(f"ledger {fw} on vs off: speed {sp:.2f}x rss {rs:.2f}x")
+    for fw, sp, rs, cpu in ledger_pairs:
+        cpu_text = "" if cpu is None else f" cpu {cpu:.2f}x"
+        print(f"ledger {fw} on vs off: speed {sp:.2f}x rss {rs:.2f}x{cpu_text}")
     for role, _mine, peer, sp, rs in pairs:
         print(f"pair {role} vs {peer}: speed {sp:.2f}x rss {rs:.2f}x")
     return 0 if pairs or ledger_pairs else 1
