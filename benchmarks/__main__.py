@@ -2,7 +2,8 @@
 
 For each role of ``benchmarks.peers.ROLES`` (DP vs torch DDP and DeepSpeed ZeRO-0, ZeRO-1
 vs ZeroRedundancyOptimizer and DeepSpeed Z1, ZeRO-2 vs FSDP2 without resharding and
-DeepSpeed Z2, ZeRO-3 vs FSDP2 and DeepSpeed Z3) it launches each framework in fresh
+DeepSpeed Z2, ZeRO-3 vs FSDP2 and DeepSpeed Z3; TP, PP, Trainer and Accelerator through
+their own scripts' launchers, ``benchmarks.external``) it launches each framework in fresh
 processes (``torch.distributed.run --standalone``, gloo, one thread per rank), interleaved
 and in reversed order on odd repeats so background load hits all alike. It writes
 ``benchmarks/results/suite-<time>.json`` (every run, the machine load before it), a
@@ -13,7 +14,9 @@ thread), same global batch, the 3.7M model), and ends with one line per pair::
     pair <role> vs <peer>: speed <r>x rss <r>x
 
 (medians over repeats of the same-round ratio meshtrain/peer; rss is the larger rank's
-peak RSS). ``--quick`` (3.7M model everywhere, 1 repeat, 6 steps) aims at < 5 minutes on
+peak RSS). DP/ZeRO runs also record CPU ms per step. ``--ledger-off-too`` runs each
+meshtrain DP/ZeRO framework again right after itself with ``MESHTRAIN_LEDGER=0`` and
+prints ``ledger <framework> on vs off: speed <r>x rss <r>x cpu <r>x``. ``--quick`` (3.7M model everywhere, 1 repeat, 6 steps) aims at < 5 minutes on
 an idle 2-core machine; the default uses the 69.2M decoder for the ZeRO roles.
 """
 
