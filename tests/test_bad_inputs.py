@@ -9,19 +9,23 @@ that fail before any worker starts.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from meshtrain.config import load_config
-from meshtrain.errors import CheckpointError, ConfigError, DataError, TrainingError
+from meshtrain.errors import CheckpointError, ConfigError, DataError, ServeError, TrainingError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -163,6 +167,52 @@ def _tokenizer(tmp: Path) -> object:
     return load_tokenizer("no-such-org/no-such-tokenizer")
 
 
+def _args(**kwargs) -> Callable[[Path], object]:
+    def run(tmp: Path) -> object:
+        from meshtrain import TrainingArguments
+
+        return TrainingArguments(output_dir=str(tmp / "out"), **kwargs)
+
+    return run
+
+
+def _accelerator(**kwargs) -> Callable[[Path], object]:
+    # each of these is refused before Accelerator joins a process group
+    def run(tmp: Path) -> object:
+        from meshtrain import Accelerator
+
+        return Accelerator(**kwargs)
+
+    return run
+
+
+@functools.cache
+def _classifier() -> Path:
+    """A tiny BERT classifier saved with save_pretrained (once per session)."""
+    from tests.serve import models
+
+    folder = Path(tempfile.mkdtemp(prefix="meshtrain-bad-serve-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return models.save_classifier(folder / "model")
+
+
+def _served(damage: Callable[[Path], object]) -> Callable[[Path], object]:
+    def run(tmp: Path) -> object:
+        from meshtrain.serve.loading import load
+
+        folder = tmp / "model"
+        shutil.copytree(_classifier(), folder)
+        damage(folder)
+        return load(folder)
+
+    return run
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
 CASES: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
     # ---- configs: misspelled keys at every level, types, batch triples, precisions, layouts
     ("config top-level typo", _cfg({"train_batch_sze": 8}), ConfigError,
@@ -204,6 +254,24 @@ CASES: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
      r'^optimizer\.type: "Adamz" is not supported; use one of Adam, AdamW'),
     ("config unknown scheduler", _cfg({"scheduler": {"type": "WarmupLRR"}}), ConfigError,
      r'^scheduler\.type: "WarmupLRR" is not supported; use one of WarmupLR'),
+    ("config mesh not dividing the world (issue 18)", _cfg({"mesh": {"tensor_parallel_size":
+     3}}, 4), ConfigError, r"world size 4 is not divisible by mesh\.pipeline_parallel_size 1 \* "
+     r"mesh\.tensor_parallel_size 3 = 3; pick sizes whose product divides 4 \(divisors: 1, 2, "
+     r"4\), or launch a multiple of 3 processes"),
+    ("config pipeline schedule typo", _cfg({"pipeline": {"schedule": "1f1f"}}), ConfigError,
+     r'^pipeline\.schedule: "1f1f" is not allowed; use "gpipe", "1f1b", "interleaved_1f1b" or '
+     r'"zb_h1"'),
+    ("config virtual stages with gpipe (issue 18)", _cfg({"pipeline": {"schedule": "gpipe",
+     "virtual_stages": 2}}), ConfigError, r'^pipeline\.virtual_stages: 2 needs pipeline\.schedule'
+     r' "interleaved_1f1b" \(gpipe runs one stage per rank\); set the schedule to '
+     r"interleaved_1f1b, or virtual_stages to 1"),
+    ("config partition method typo (issue 18)", _cfg({"pipeline": {"partition_method":
+     "paramters"}}), ConfigError,
+     r'^pipeline\.partition_method: "paramters" is not allowed; did you mean parameters\?'),
+    ("config tensor-parallel plan style typo (issue 18)", _cfg({"tensor_parallel": {"plan": {
+     "rows": [["layers.*.attn.q_proj", "colum"]]}}}), ConfigError,
+     r"^tensor_parallel\.plan: plan 'config plan': row \('layers\.\*\.attn\.q_proj', 'colum'\) "
+     r"must be \(path, style\[, units\[, blocks\]\]\) with style one of \('embedding'"),
     ("config nvme offload", _cfg({"zero_optimization": {"stage": 3,
      "offload_param": {"device": "nvme"}}}), ConfigError,
      r'^zero_optimization\.offload_param\.device: "nvme" is not allowed; use "none" or "cpu"'),
@@ -266,6 +334,49 @@ CASES: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
      r"hosts:2: host 'a' is listed twice"),
     ("hostfile zero slots", _hostfile("a slots=0\n"), ConfigError,
      r"hosts:1: a has slots=0; need at least 1"),
+    # ---- TrainingArguments and Accelerator arguments
+    ("TrainingArguments argument typo (issue 18)", _args(evalution_strategy="steps"),
+     ConfigError, r"^TrainingArguments: unknown argument 'evalution_strategy'; did you mean "
+     r"evaluation_strategy\?"),
+    ("TrainingArguments flag as a string (issue 18)", _args(bf16="false"), ConfigError,
+     r"^TrainingArguments\.bf16: 'false' is not allowed; use True or False \(a non-empty "
+     r"string counts as True\)"),
+    ("TrainingArguments seed as a string (issue 18)", _args(seed="42"), ConfigError,
+     r"^TrainingArguments\.seed: '42' is not allowed; use an integer"),
+    ("TrainingArguments mesh typo (issue 18)", _args(mesh={"tp": 2}), ConfigError,
+     r"^TrainingArguments\.mesh\.tp: unknown key; valid keys: pipeline_parallel_size, "
+     r"tensor_parallel_size$"),
+    ("TrainingArguments best without evaluation (issue 18)", _args(save_strategy="best"),
+     ConfigError, r'^TrainingArguments\.save_strategy "best" saves after an evaluation .*'
+     r'eval_strategy is "no", so nothing would ever be saved; set eval_strategy to "steps"'),
+    ("Accelerator accumulation as text (issue 18)",
+     _accelerator(gradient_accumulation_steps="two"), ConfigError,
+     r"^Accelerator\(gradient_accumulation_steps='two'\): expected an integer >= 1$"),
+    ("Accelerator config a list (issue 18)", _accelerator(config=[1, 2]), ConfigError,
+     r"^Accelerator\(config=\.\.\.\): list is not allowed; pass a dict, a path to a JSON/YAML "
+     r"config or a meshtrain Config$"),
+    # ---- `meshtrain serve MODEL` with a save_pretrained folder gone wrong
+    ("serve folder without weights (issue 18)",
+     _served(lambda d: (d / "model.safetensors").unlink()), ServeError,
+     r"/model has config\.json but no weights \(none of model\.safetensors, .*\); save the "
+     r"model into it with model\.save_pretrained"),
+    ("serve truncated safetensors (issue 18)", _served(lambda d: (d / "model.safetensors")
+     .write_bytes((d / "model.safetensors").read_bytes()[:1000])), ServeError,
+     r"/model/model\.safetensors is damaged \(truncated or not a safetensors file: .*\); save "
+     r"the model again with save_pretrained"),
+    ("serve weights of another model (issue 18)",
+     _served(lambda d: _edit_config(d, vocab_size=7)), ServeError,
+     r"/model: the weights do not fit config\.json: 1 tensor\(s\) differ in shape \(bert\."
+     r"embeddings\.word_embeddings\.weight: model\.safetensors has \[\d+, 32\], config\.json "
+     r"\[7, 32\]\)\. The config and the weights come from different models: save both"),
+    ("serve config.json not JSON (issue 18)",
+     _served(lambda d: (d / "config.json").write_text('{"model_type": "bert",')), ServeError,
+     r"/model/config\.json:1:23: not valid JSON \(.*\); save the model again with "
+     r"save_pretrained"),
+    ("serve tokenizer.json not JSON (issue 18)",
+     _served(lambda d: (d / "tokenizer.json").write_text("{")), ServeError,
+     r"/model/tokenizer\.json:1:2: not valid JSON \(.*\); save the tokenizer again with "
+     r"tokenizer\.save_pretrained, or pass --tokenizer"),
     # ---- the output folder of `meshtrain train`
     ("output dir is a file (issue 18)", _output_dir(lambda t: (t / "f").write_text("x") and
      t / "f"), ConfigError, r"train\.output_dir: .*/f exists and is a file, not a folder; "
@@ -336,3 +447,23 @@ def test_launcher_missing_script_and_port_in_use(tmp_path):
     assert f"meshtrain launch: error: port {port} is already in use" in out.stderr
     assert "pick a free port with --master_port" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_serve_port_in_use(tmp_path, capsys):
+    """Issue 18: ``meshtrain serve`` on a port in use loaded the model, printed the address
+    it would serve on, then uvicorn's "[Errno 98] ... address already in use", exit 3.
+    Now one ``meshtrain serve: error`` line, exit 2, before anything is loaded."""
+    from meshtrain import cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc = cli.main(["serve", str(tmp_path / "model"), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert re.fullmatch(
+        rf"meshtrain serve: error: cannot listen on 127\.0\.0\.1:{port} \(Address already in "
+        r"use\); another server may hold the port: pick another with --port, or check --host\n",
+        err,
+    ), err

@@ -36,3 +36,80 @@ def tiny_llama(seed: int = 0, **overrides: Any):
 
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(tiny_llama_config(**overrides))
+
+
+def tiny_pipe_layers(blocks: int = 4, vocab: int = 32, dim: int = 16) -> tuple[list, Any]:
+    """``(layers, loss_fn)`` for ``meshtrain.pipe.PipelineModule``: a tied input embedding
+    / output head (``TiedLayerSpec("embed")``), ``blocks`` residual tanh blocks, a
+    LayerNorm; batches are ``(input_ids, labels)``."""
+    import torch
+    from torch import nn
+
+    from meshtrain.pipe import LayerSpec, TiedLayerSpec
+
+    class Block(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.fc = nn.Linear(d, d)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x))
+
+    def head(embed: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+        return x @ embed.weight.T
+
+    def loss_fn(logits, labels):
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    layers = [
+        TiedLayerSpec("embed", nn.Embedding, vocab, dim),
+        *[LayerSpec(Block, dim) for _ in range(blocks)],
+        LayerSpec(nn.LayerNorm, dim),
+        TiedLayerSpec("embed", nn.Embedding, vocab, dim, forward_fn=head),
+    ]
+    return layers, loss_fn
+
+
+GPT2_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=250, n_positions=32, n_embd=48, n_layer=2, n_head=6, attn_implementation="eager"
+)
+
+
+def tiny_gpt2(seed: int = 0, dropout: float = 0.0, **overrides: Any):
+    """A ``GPT2LMHeadModel`` (tied LM head, fused q|k|v ``Conv1D``), seeded weights;
+    ``dropout`` sets the residual, embedding and attention dropout alike."""
+    import torch
+    import transformers
+
+    drops = dict(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(**{**GPT2_DEFAULTS, **drops, **overrides})
+    )
+
+
+BERT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=250,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=80,
+    max_position_embeddings=32,
+    num_labels=3,
+    attn_implementation="eager",
+)
+
+
+def tiny_bert(
+    head: str = "ForSequenceClassification", seed: int = 0, dropout: float = 0.0, **overrides: Any
+):
+    """A ``transformers.Bert<head>`` (``"ForMaskedLM"``, ``"ForSequenceClassification"``,
+    ``"ForTokenClassification"``, ``"Model"``), seeded weights; ``dropout`` sets the hidden
+    and attention dropout alike."""
+    import torch
+    import transformers
+
+    drops = dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(**{**BERT_DEFAULTS, **drops, **overrides})
+    return getattr(transformers, f"Bert{head}")(cfg)

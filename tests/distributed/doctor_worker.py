@@ -31,6 +31,10 @@ grad = torch.ones(4096)
 
 def step(i: int) -> None:
     if env.rank == 1 and i == 14:
+        if MODE != "desync":
+            # rank 0 has 2 s to enter #14 first, so on a loaded machine too the table shows
+            # it waiting there rather than killed between #13 and #14
+            time.sleep(2)
         if MODE == "hang":
             time.sleep(3600)  # stuck in Python, not in a collective
         elif MODE == "raise":

@@ -34,6 +34,9 @@ def _launch(mode: str, run_dir: Path):
         ("hang", None, "rank 1 never entered all_reduce #14 on the dp group (last seen at "),
         ("raise", 1, "rank 1 raised ValueError: bad batch at step 14"),
         ("exit3", 3, "rank 1 left the job (exited with code 3)"),
+        # to torch's agent a rank that exits 0 succeeded; blaming rank 0's "Connection
+        # closed by peer" was wrong, and 0 is no exit code for a failed job
+        ("exit0", 1, "rank 1 left the job (exited with code 0)"),
         (
             "desync",
             None,
@@ -68,6 +71,15 @@ def test_doctor_names_rank_op_and_sequence(tmp_path: Path, mode: str, code, verd
         assert "[rank0]: Traceback" not in out.stderr
     if mode == "desync":
         assert rows[1]["waiting_in"] == "all_gather #14 on dp"
+    if mode == "exit0":
+        assert report["culprit"] == 1
+        assert (
+            "failed: rank 1 (local rank 1) left the job early (exited with code 0) while its "
+            "peers still needed it; also failed: rank 0 (exited with code 1)" in out.stderr
+        )
+        # rank 0's collateral "Connection closed by peer" is one line naming rank 1
+        assert "because rank 1 left the job first" in out.stderr
+        assert "[rank0]: Traceback" not in out.stderr
 
 
 def _rec(rank, reason, seqs, pending=None, error=None, stack=None, t=0.0):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-WORKER = Path(__file__).with_name("recovery_worker.py")
+# the fault campaigns' training job: rank 1 SIGKILLs itself after step KILL_AT
+WORKER = Path(__file__).resolve().parents[1] / "faults" / "worker.py"
 
 
 def _torchrun(out_dir: Path, kill_at: int) -> tuple[int, str]:
@@ -20,8 +21,8 @@ def _torchrun(out_dir: Path, kill_at: int) -> tuple[int, str]:
     out_dir.mkdir()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--max-restarts", "1", "--monitor-interval", "0.5", str(WORKER), str(out_dir),
-        str(kill_at),
+        "--max-restarts", "1", "--monitor-interval", "0.5", str(WORKER), "train", str(out_dir),
+        "1", str(kill_at),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = out_dir / "torchrun.log"

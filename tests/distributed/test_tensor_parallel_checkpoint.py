@@ -7,6 +7,10 @@ the same 3 steps on the same global batches: per-step losses and the final param
 must match the unchanged run within 1e-6 (relative / normwise; fp32 sums in another
 order, as in the parity tests). ``meshtrain consolidate`` of the tp 2 checkpoint gives
 the unpadded, unsharded tensors equal to ``engine.module_state_dict()`` exactly.
+
+Grouped-query padding (3 ranks): tiny Llama (8 query, 4 key/value heads, padded to 12 and
+6 at tp 3) saved at tp 3 after 3 steps loads at tp 1 x dp 3 with ZeRO 1 and continues
+within the same 1e-6; its consolidated file holds the unpadded tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ ADAMW = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 GLOBAL = 4
 
 
-def _engine(tp: int, stage: int):
+def _engine(tp: int, stage: int, kind: str = "decoder", global_bs: int = GLOBAL):
     import torch.distributed as dist
 
     import meshtrain
@@ -25,28 +29,31 @@ def _engine(tp: int, stage: int):
 
     dp = dist.get_world_size() // tp
     config = {
-        "train_micro_batch_size_per_gpu": GLOBAL // dp,
+        "train_micro_batch_size_per_gpu": global_bs // dp,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": ADAMW},
         "mesh": {"tensor_parallel_size": tp},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "steps_per_print": 1000,
     }
-    engine, *_ = meshtrain.initialize(model=build("decoder"), config=config)
+    engine, *_ = meshtrain.initialize(model=build(kind), config=config)
     return engine
 
 
-def _steps(engine, first: int, n: int) -> list[float]:
+def _steps(
+    engine, first: int, n: int, kind: str = "decoder", global_bs: int = GLOBAL
+) -> list[float]:
     import torch.distributed as dist
 
     from tests.distributed.tp_models import batch
 
     dp, d = engine.topology.dp_size, engine.topology.dp_rank
-    m = GLOBAL // dp
+    m = global_bs // dp
     out = []
     for step in range(first, first + n):
-        full = batch("decoder", step, GLOBAL)
-        loss = engine(full["input_ids"][d * m : (d + 1) * m], full["labels"][d * m : (d + 1) * m])
+        full = batch(kind, step, global_bs)
+        mine = [full[k][d * m : (d + 1) * m] for k in ("input_ids", "labels")]
+        loss = engine(*mine) if kind == "decoder" else engine(*mine[:1], labels=mine[1]).loss
         engine.backward(loss)
         engine.step()
         t = loss.detach().double().reshape(1)
@@ -55,17 +62,23 @@ def _steps(engine, first: int, n: int) -> list[float]:
     return out
 
 
-def _reshard(tmp: str) -> dict:
+def _reshard(
+    tmp: str,
+    kind: str = "decoder",
+    tp_save: int = 2,
+    loads=((1, 3), (4, 0)),
+    global_bs: int = GLOBAL,
+) -> dict:
     import torch
     import torch.distributed as dist
 
     from meshtrain.checkpoint.consolidate import consolidate
 
-    a = _engine(2, 1)
-    _steps(a, 0, 3)
-    path = a.save_checkpoint(tmp, tag="tp2")
+    a = _engine(tp_save, 1, kind, global_bs)
+    _steps(a, 0, 3, kind, global_bs)
+    path = a.save_checkpoint(tmp, tag="saved")
     saved_state = a.module_state_dict()
-    cont = _steps(a, 3, 3)
+    cont = _steps(a, 3, 3, kind, global_bs)
     final = a.module_state_dict()
     out: dict = {}
     if dist.get_rank() == 0:
@@ -77,10 +90,10 @@ def _reshard(tmp: str) -> dict:
             torch.equal(full[k], saved_state[k]) for k in saved_state
         )
     dist.barrier()
-    for tp, stage in ((1, 3), (4, 0)):
-        e = _engine(tp, stage)
-        e.load_checkpoint(tmp, tag="tp2")
-        losses = _steps(e, 3, 3)
+    for tp, stage in loads:
+        e = _engine(tp, stage, kind, global_bs)
+        e.load_checkpoint(tmp, tag="saved")
+        losses = _steps(e, 3, 3, kind, global_bs)
         state = e.module_state_dict()
         num = sum(float((state[k] - final[k]).pow(2).sum()) for k in final)
         den = sum(float(final[k].pow(2).sum()) for k in final)
@@ -100,3 +113,12 @@ def test_checkpoint_reshards_across_tp_sizes(tmp_path):
             o = out[tp]
             assert o["loss"] < 1e-6 and o["params"] < 1e-6, (tp, o)
             assert o["global_steps"] == 6, (tp, o)
+
+
+def test_padded_gqa_checkpoint_reshards(tmp_path):
+    results = run_ranks(_reshard, 3, str(tmp_path), "llama", 3, ((1, 1),), 3, timeout=600)
+    assert results[0]["consolidated"]
+    for out in results:
+        o = out[1]
+        assert o["loss"] < 1e-6 and o["params"] < 1e-6, o
+        assert o["global_steps"] == 6, o

@@ -1,9 +1,12 @@
 """Tensor parallelism through ``meshtrain.initialize``: 20 AdamW steps vs one process.
 
-Layouts: tp 2 (dp 1, ZeRO 0) with and without sequence parallelism, and tp 2 x dp 2 with
-ZeRO 1 and ZeRO 3, on the reference decoder and tiny transformers Llama, GPT-2 and BERT;
-two runs add activation checkpointing (the blocks' tensor-parallel collectives run
-again in the recomputation).
+Layouts, each group of cases in one spawn: tp 2 (dp 1, ZeRO 0) with and without sequence
+parallelism on the reference decoder and tiny transformers Llama, GPT-2, BERT (sequence
+classification) and BertForMaskedLM (vocab-parallel loss); tp 3 on Llama, whose 4
+key/value heads and 8 query heads are padded to 6 and 12 (sequence length 9 there, a
+multiple of 3); tp 4 (4 processes) with and without sequence parallelism on the decoder
+and Llama; tp 2 x dp 2 with ZeRO 1 and ZeRO 3. Two runs add activation checkpointing
+(the blocks' tensor-parallel collectives run again in the recomputation).
 Every rank builds the same model; data-parallel rank ``d`` takes rows ``[d m, (d + 1) m)``
 of the same global batch (every row has the same number of ignored labels, so the mean
 of the per-rank mean losses is the global mean). One run clips the gradient at a norm
@@ -13,16 +16,21 @@ over the tp group) decides the update.
 Tolerances: per-step loss within 1e-6 relative, and the final parameters
 (``engine.module_state_dict()``: unsharded, unpadded) within 1e-6 normwise over the
 whole model: fp32 sums in another order (~1e-7 per step) that AdamW's normalised update
-does not amplify over 20 steps. The gradient norm the engine reports (the global norm:
-replicated parameters once, shards summed over tp) within 1e-6 relative of
+does not amplify over 20 steps. Per tensor, within 1e-5 relative normwise: a small
+tensor (a bias, one layer's down projection) averages fewer roundings than the whole
+model, so its relative error is noisier (measured: up to 4.6e-6, the decoder's
+``layers.0.mlp.down_proj.weight`` at tp 4). The gradient norm the engine reports (the
+global norm: replicated parameters once, shards summed over tp) within 1e-6 relative of
 ``clip_grad_norm_``'s at step 0, where both see identical weights, and within 1e-5 over
 all 20 steps: from step 1 on the two runs differentiate weights that already differ by
 up to the parameter tolerance, which the gradient amplifies by the loss curvature
 (measured: up to 1.2e-6 for GPT-2 under ZeRO 3, below 5e-7 elsewhere).
 
-One run trains in bf16 (sequence parallel decoder) against the fp32 reference: loss and
-parameters within 2e-2 (bf16 keeps 8 mantissa bits, ~4e-3 relative per rounding; the
-fp32 masters keep the updates exact, so the error does not grow with the steps).
+Two runs train in bf16 (sequence parallel decoder at tp 2, sequence parallel Llama at tp
+4) against the fp32 reference: loss and parameters within 2e-2 (bf16 keeps 8 mantissa
+bits, ~4e-3 relative per rounding; the fp32 masters keep the updates exact, so the error
+does not grow with the steps; measured: loss 1.6e-4, parameters 2.8e-3 normwise, the
+worst tensor, the embedding, 1.0e-2).
 
 One per-tensor exception, the attention *key* biases (GPT-2's middle third of
 ``c_attn.bias``, BERT's ``key.bias``): adding a constant to every key shifts each query's
@@ -34,6 +42,8 @@ and checked against that bound instead: ``|diff| <= 2 x lr x steps``.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests.harness import run_ranks
@@ -43,7 +53,12 @@ BF16_TOL = 2e-2
 ADAMW = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 
 
-def _reference(kind: str, global_bs: int, clip: float):
+def _seq(tp: int) -> int:
+    return 9 if tp == 3 else 8  # sequence parallelism splits the sequence over tp
+
+
+@functools.cache  # cases that share a reference run train it once
+def _reference(kind: str, global_bs: int, clip: float, seq: int):
     import torch
 
     from tests.distributed.tp_models import batch, build, loss_of
@@ -52,7 +67,7 @@ def _reference(kind: str, global_bs: int, clip: float):
     opt = torch.optim.AdamW(model.parameters(), **{**ADAMW, "betas": tuple(ADAMW["betas"])})
     losses, norms = [], []
     for step in range(STEPS):
-        loss = loss_of(model, kind, batch(kind, step, global_bs))
+        loss = loss_of(model, kind, batch(kind, step, global_bs, seq))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or 1e30)))
         opt.step()
@@ -88,7 +103,7 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int, extra: st
     d = engine.topology.dp_rank
     losses, norms = [], []
     for step in range(STEPS):
-        full = batch(kind, step, micro * dp)
+        full = batch(kind, step, micro * dp, _seq(tp))
         mine = {k: v[d * micro : (d + 1) * micro] for k, v in full.items()}
         loss = loss_of(engine, kind, mine)
         engine.backward(loss)
@@ -99,12 +114,17 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int, extra: st
         norms.append(engine.get_global_grad_norm())
     report = engine.memory_report()
     state = engine.module_state_dict()
-    ref_losses, ref_norms, ref_state = _reference(kind, micro * dp, clip)
+    ref_losses, ref_norms, ref_state = _reference(kind, micro * dp, clip, _seq(tp))
     shapes = all(state[k].shape == ref_state[k].shape for k in ref_state)
     keys = sorted(state) == sorted(ref_state)
     state, noise = _without_key_biases(state)
     ref_state, ref_noise = _without_key_biases(ref_state)
     num = sum(float((state[k] - ref_state[k]).pow(2).sum()) for k in ref_state)
+    rel = {  # per tensor, for the record: small tensors' relative error is noisier
+        k: float((state[k] - ref_state[k]).norm() / ref_state[k].norm().clamp_min(1e-12))
+        for k in ref_state
+    }
+    worst = max(rel, key=rel.get)  # (key biases are left out above)
     den = sum(float(ref_state[k].pow(2).sum()) for k in ref_state)
     return {
         "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -112,6 +132,8 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int, extra: st
         "norm0": abs(norms[0] - ref_norms[0]) / ref_norms[0],
         "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
         "clipped": clip > 0 and min(ref_norms) > clip,
+        "worst": (worst, f"{rel[worst]:.1e}"),
+        "per_tensor": rel[worst],
         "keys": keys and shapes,
         "moved": max(float((state[k] - v).abs().max()) for k, v in _initial_kept(kind).items()),
         "key_bias_diff": max(
@@ -163,26 +185,41 @@ TP2 = [  # (kind, zero stage, sequence parallel, clip, tp) at world 2
     ("llama", 0, False, 0.0, 2, "ac"),
     ("decoder", 0, True, 0.0, 2, "bf16"),
     ("gpt2", 0, False, 0.0, 2),
+    ("gpt2", 0, True, 0.0, 2),
     ("bert", 0, False, 0.0, 2),
+    ("bert", 0, True, 0.0, 2),
+    ("bert_mlm", 0, False, 0.0, 2),
+    ("bert_mlm", 0, True, 0.05, 2),
 ]
-TP2_DP2 = [  # at world 4
+TP3 = [  # at world 3: grouped-query heads padded
+    ("llama", 0, False, 0.0, 3),
+    ("llama", 0, True, 0.05, 3),
+]
+WORLD4 = [  # tp 2 x dp 2, then tp 4
     ("decoder", 1, False, 0.05, 2),
     ("decoder", 3, True, 0.0, 2),
     ("decoder", 1, True, 0.0, 2, "ac"),
     ("llama", 1, False, 0.0, 2),
     ("gpt2", 3, False, 0.0, 2),
     ("bert", 3, False, 0.0, 2),
+    ("decoder", 0, False, 0.0, 4),
+    ("decoder", 0, True, 0.05, 4),
+    ("llama", 0, False, 0.0, 4),
+    ("llama", 0, True, 0.0, 4),
+    ("llama", 0, True, 0.0, 4, "bf16"),
 ]
 
 
-@pytest.mark.parametrize(("world", "cases"), [(2, TP2), (4, TP2_DP2)], ids=["tp2", "tp2xdp2"])
+@pytest.mark.parametrize(
+    ("world", "cases"), [(2, TP2), (3, TP3), (4, WORLD4)], ids=["tp2", "tp3", "world4"]
+)
 def test_engine_matches_one_process(world, cases):
     results = run_ranks(_runs, world, cases, timeout=600)
     for case in cases:  # the figures, for the record (pytest -s)
         o = results[0][case]
         print(
             f"{case}: loss {o['loss']:.2e} params {o['params']:.2e} "
-            f"norm@0 {o['norm0']:.2e} norm {o['norm']:.2e}"
+            f"norm@0 {o['norm0']:.2e} norm {o['norm']:.2e} worst tensor {o['worst']}"
         )
     for out in results:
         for case in cases:
@@ -192,11 +229,12 @@ def test_engine_matches_one_process(world, cases):
                 assert o["loss"] < BF16_TOL and o["params"] < BF16_TOL, (case, o)
                 continue
             assert o["loss"] < 1e-6 and o["params"] < 1e-6, (case, o)
+            assert o["per_tensor"] < 1e-5, (case, o)
             assert o["norm0"] < 1e-6 and o["norm"] < 1e-5, (case, o)
             assert o["moved"] > 1e-4, (case, o)  # training changed the weights
             assert o["key_bias_diff"] <= 2 * ADAMW["lr"] * STEPS, (case, o)
             tp, measured, ratio, predicted = o["memory"]
-            assert tp == 2 and ratio is not None and 0.95 < ratio < 1.05, (case, o)
+            assert tp == case[4] and ratio is not None and 0.95 < ratio < 1.05, (case, o)
             if case[1] == 0:  # stage 0 keeps this rank's whole shard of every parameter
                 assert measured == predicted, (case, o)
             if case[3]:

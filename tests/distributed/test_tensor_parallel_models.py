@@ -1,8 +1,10 @@
 """Whole tiny models under tensor parallelism vs one process, at tp 2 and tp 4 (gloo).
 
-Covered per world size in one spawn: the reference decoder (with and without sequence
-parallelism), tiny transformers Llama (GQA, with and without sequence parallelism),
-GPT-2 (fused q|k|v Conv1D, tied LM head) and BERT (sequence classification):
+Covered per world size in one spawn, each with and without sequence parallelism: the
+reference decoder, tiny transformers Llama (GQA; at tp 3 its 4 key/value heads and 8
+query heads are padded to 6 and 12), GPT-2 (fused q|k|v Conv1D, tied LM head) and BERT
+(sequence classification, token classification, and masked LM with the vocab-parallel
+loss, its decoder tied to the word embeddings):
 
 * forward loss within 1e-6 relative of the same model in one process, and the gradients
   gathered back from the shards within 1e-6 normwise over the whole model (fp32: only
@@ -13,9 +15,14 @@ GPT-2 (fused q|k|v Conv1D, tied LM head) and BERT (sequence classification):
   and gathering only move data);
 * exact collective calls and bytes for one decoder block, forward and backward, as in
   the table of ``meshtrain.parallel.tensor.apply``;
-* dropout: different masks across tp ranks inside regions, identical outside;
-* the errors: no plan, GQA heads that T does not divide, sequence parallel on a plan
-  that does not support it.
+* dropout: different masks across tp ranks inside regions, identical outside; under
+  sequence parallelism the dropouts that run on a sequence shard (GPT-2's embedding and
+  residual dropout) draw different masks on each tp rank too, while the default random
+  stream stays identical on every rank (so replicated dropout stays in sync);
+* greedy ``generate()`` on Llama and GPT-2 gives the tokens one process gives (the LM head gathers
+  its vocabulary shards while it runs); under sequence parallelism it is refused;
+* the errors: no plan, two rows replacing one module, sequence parallel on a plan that
+  does not support it.
 """
 
 from __future__ import annotations
@@ -24,14 +31,8 @@ import pytest
 
 from tests.harness import run_ranks
 
-CASES = [
-    ("decoder", False),
-    ("decoder", True),
-    ("llama", False),
-    ("llama", True),
-    ("gpt2", False),
-    ("bert", False),
-]
+KINDS = ("decoder", "llama", "gpt2", "bert", "bert_tokens", "bert_mlm")
+CASES = [(kind, sp) for kind in KINDS for sp in (False, True)]
 
 
 def _parity(world: int) -> dict:
@@ -46,9 +47,10 @@ def _parity(world: int) -> dict:
     topo = Topology(tp=world)
     g = topo.tp_group
     out: dict = {}
-    for kind, sp in CASES:
+    # tp 3 is about padding: Llama's grouped-query heads, the decoder's vocabulary
+    for kind, sp in CASES if world != 3 else [c for c in CASES if c[0] in ("llama", "decoder")]:
         ref = build(kind)
-        inputs = batch(kind)
+        inputs = batch(kind, seq=9 if world == 3 else 8)  # sequence parallel: T | seq
         ref_loss = loss_of(ref, kind, inputs)
         ref_loss.backward()
         model = build(kind)
@@ -80,9 +82,41 @@ def _parity(world: int) -> dict:
             "state_keys": sorted(state) == sorted(full0),
             "state_equal": all(torch.equal(state[k], full0[k]) for k in full0),
         }
+    if world == 3:
+        return out  # padding parity only: the checks below ran at tp 2 and 4
     out["block"] = _block_counts(topo)
     out["dropout"] = _dropout(topo)
     out["errors"] = _errors(topo)
+    out["generate"] = _generate(topo)
+    return out
+
+
+def _generate(topo) -> dict:
+    """Greedy ``generate()`` under tp equals one process; sequence parallel refuses it."""
+    import torch
+
+    from meshtrain.parallel.tensor import apply_tensor_parallel
+    from tests.distributed.tp_models import batch, build
+
+    ids = batch("llama")["input_ids"][:, :5]
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    out = {}
+    with torch.no_grad():
+        for kind in ("llama", "gpt2"):
+            ref = build(kind).generate(ids, **kw)
+            model = apply_tensor_parallel(build(kind), topo)
+            tokens = model.generate(ids, **kw)
+            out[kind] = {
+                "equal": torch.equal(ref, tokens),
+                "new": tokens.shape[1] - 5,
+                "sharded": model(ids).logits.shape[-1],  # vocabulary shards again after it
+            }
+        sp = apply_tensor_parallel(build("llama"), topo, sequence_parallel=True)
+        try:
+            sp.generate(ids, **kw)
+            out["refusal"] = None
+        except Exception as exc:  # noqa: BLE001
+            out["refusal"] = (type(exc).__name__, str(exc))
     return out
 
 
@@ -174,18 +208,42 @@ def _dropout(topo) -> dict:
     )
     torch.manual_seed(3)
     gpt(torch.randint(0, 250, (2, 8)))
+
+    # sequence parallel GPT-2: embedding and residual dropout run on this rank's tokens
+    sp_gpt = apply_tensor_parallel(build("gpt2", dropout=0.3), topo, sequence_parallel=True)
+    sp_gpt.train()
+    sp_masks = {}
+    for name, mod in (
+        ("drop", sp_gpt.transformer.drop),
+        ("resid", sp_gpt.transformer.h[0].attn.resid_dropout),
+        ("mlp", sp_gpt.transformer.h[1].mlp.dropout),
+    ):
+        mod.register_forward_hook(
+            lambda m, a, o, name=name: sp_masks.__setitem__(name, (o == 0).float())
+        )
+    torch.manual_seed(4)
+    logits = sp_gpt(torch.randint(0, 250, (2, 8))).logits
+    after = torch.get_rng_state().float()  # the default stream, after the forward
     return {
         "inner_same": same_on_all(masks["inner"]),
         "inner_frac": float(masks["inner"].mean()),
         "outer_same": same_on_all(masks["outer"]),
         "gpt2_block_out_same": same_on_all(seen["h"].detach()),
+        "sp_same": {k: same_on_all(v) for k, v in sp_masks.items()},
+        "sp_frac": {k: float(v.mean()) for k, v in sp_masks.items()},
+        "sp_shapes": {k: tuple(v.shape) for k, v in sp_masks.items()},
+        "sp_logits": tuple(logits.shape),
+        "sp_default_stream_same": same_on_all(after),
     }
 
 
 def _errors(topo) -> dict:
+    from dataclasses import replace
+
     from torch import nn
 
-    from meshtrain.parallel.tensor import apply_tensor_parallel
+    from meshtrain.parallel.tensor import TPPlan, apply_tensor_parallel
+    from meshtrain.parallel.tensor.plans import GPT2
     from tests.distributed.tp_models import build
 
     out = {}
@@ -198,37 +256,44 @@ def _errors(topo) -> dict:
 
     for key, fn in {
         "no_plan": lambda: apply_tensor_parallel(Unknown(), topo),
-        "sp_gpt2": lambda: apply_tensor_parallel(build("gpt2"), topo, sequence_parallel=True),
+        "overlap": lambda: apply_tensor_parallel(  # '*.output.dense' is both rows
+            build("bert"),
+            topo,
+            plan=TPPlan(
+                name="loose",
+                rows=(
+                    ("*attention.output.dense", "row"),
+                    ("*.output.dense", "row"),
+                ),
+            ),
+        ),
+        "sp_refused": lambda: apply_tensor_parallel(
+            build("gpt2"), topo, plan=replace(GPT2, sequence_parallel=False), sequence_parallel=True
+        ),
     }.items():
         try:
             fn()
             out[key] = None
         except Exception as exc:  # noqa: BLE001
             out[key] = (type(exc).__name__, str(exc))
-    # grouped-query attention with 8 query / 4 kv heads at tp 3: refused with valid sizes
-    from meshtrain.parallel.tensor.apply import _check_heads
-
-    try:
-        _check_heads({"heads": 8, "kv_heads": 4}, 3, "llama")
-        out["gqa"] = None
-    except Exception as exc:  # noqa: BLE001
-        out["gqa"] = (type(exc).__name__, str(exc))
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_models_match_one_process(world):
     results = run_ranks(_parity, world, world, timeout=400)
     B, S, H = 2, 8, 48
     b = B * S * H * 4  # one fp32 activation [B, S, H]
     w = H * 4  # one norm weight's fp32 gradient
     for out in results:
-        for case in CASES:
+        for case in CASES if world != 3 else [c for c in CASES if c in out]:
             o = out[case]
             assert o["loss"] < 1e-6 and o["grad"] < 1e-6, (case, o)
             assert o["sizes"] and o["n_sharded"] > 0, (case, o)
             assert o["count"][0] == o["count"][1], (case, o)  # the estimator's per-rank count
             assert o["state_keys"] and o["state_equal"], (case, o)
+        if world == 3:
+            continue
         plain, sp = out["block"][False], out["block"][True]
         assert plain["fwd_bytes"] == {("all_reduce", "tp"): 2 * 2 * b}
         assert plain["fwd_calls"] == {"all_reduce": 2}
@@ -245,8 +310,20 @@ def test_models_match_one_process(world):
         d = out["dropout"]
         assert not any(d["inner_same"]) and 0.3 < d["inner_frac"] < 0.7, d
         assert all(d["outer_same"]) and all(d["gpt2_block_out_same"]), d
+        for name, same in d["sp_same"].items():  # on a sequence shard: a mask per rank
+            assert not any(same) and 0.15 < d["sp_frac"][name] < 0.45, (name, d)
+            assert d["sp_shapes"][name][1] == 8 // world, d  # ran on 1/T of the tokens
+        assert d["sp_logits"] == (2, 8, -(-250 // world)), d  # full sequence, vocab shard
+        assert all(d["sp_default_stream_same"]), d
+        gen = out["generate"]
+        for kind in ("llama", "gpt2"):
+            assert gen[kind]["equal"] and gen[kind]["new"] == 6, gen
+            assert gen[kind]["sharded"] == -(-250 // world), gen
+        assert gen["refusal"][0] == "ConfigError" and "sequence_parallel" in gen["refusal"][1]
         e = out["errors"]
         assert e["no_plan"][0] == "ConfigError" and "proj" in e["no_plan"][1]
         assert "TPPlan(" in e["no_plan"][1]
-        assert e["sp_gpt2"][0] == "ConfigError" and "sequence_parallel" in e["sp_gpt2"][1]
-        assert e["gqa"][0] == "TopologyError" and "[1, 2, 4]" in e["gqa"][1]
+        assert e["overlap"][0] == "ConfigError" and "both match" in e["overlap"][1], e
+        assert "attention.output.dense" in e["overlap"][1], e
+        assert e["sp_refused"][0] == "ConfigError"
+        assert "sequence_parallel" in e["sp_refused"][1]

@@ -1,7 +1,9 @@
 """Tiny models and batches for the tensor-parallel tests (importable by spawned ranks).
 
 Sizes are chosen so padding is exercised: the decoder's 6 heads, 98-wide MLP and
-250-token vocabulary do not divide by 4; GPT-2's 6 heads (fused q|k|v) neither.
+250-token vocabulary do not divide by 4; GPT-2's 6 heads (fused q|k|v) neither; Llama's
+4 key/value heads (8 query heads) do not divide by 3. The transformers configs live in
+``tests/tiny_models.py``.
 """
 
 from __future__ import annotations
@@ -36,48 +38,35 @@ def build(kind: str, dropout: float = 0.0):
             attn_implementation="sdpa",
         )
     if kind == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from tests.tiny_models import tiny_gpt2
 
-        cfg = GPT2Config(
-            vocab_size=250,
-            n_positions=32,
-            n_embd=48,
-            n_layer=2,
-            n_head=6,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-            attn_implementation="eager",
-        )
-        return GPT2LMHeadModel(cfg)
-    if kind == "bert":
-        from transformers import BertConfig, BertForSequenceClassification
+        return tiny_gpt2(seed=7, dropout=dropout)
+    if kind in ("bert", "bert_mlm", "bert_tokens"):
+        from tests.tiny_models import tiny_bert
 
-        cfg = BertConfig(
-            vocab_size=250,
-            hidden_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=80,
-            max_position_embeddings=32,
-            num_labels=3,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            attn_implementation="eager",
-        )
-        return BertForSequenceClassification(cfg)
+        head = {
+            "bert": "ForSequenceClassification",
+            "bert_mlm": "ForMaskedLM",
+            "bert_tokens": "ForTokenClassification",
+        }[kind]
+        return tiny_bert(head, seed=7, dropout=dropout)
     raise ValueError(kind)
 
 
-def batch(kind: str, step: int = 0, size: int = BATCH) -> dict:
+def batch(kind: str, step: int = 0, size: int = BATCH, seq: int = SEQ) -> dict:
+    """Global batch ``step``: ``size`` rows of ``seq`` tokens (a multiple of T under
+    sequence parallelism), labels per family."""
     g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, 250, (size, SEQ), generator=g)
+    ids = torch.randint(0, 250, (size, seq), generator=g)
     if kind == "bert":
         return {"input_ids": ids, "labels": torch.randint(0, 3, (size,), generator=g)}
+    if kind == "bert_tokens":
+        return {"input_ids": ids, "labels": torch.randint(0, 3, (size, seq), generator=g)}
     labels = ids.clone()
-    labels[:, : SEQ // 4] = -100  # ignored positions, like a prompt
-    if kind == "decoder":
+    if kind == "bert_mlm":  # predict every other token: half the labels ignored
+        labels[:, ::2] = -100
         return {"input_ids": ids, "labels": labels}
+    labels[:, : seq // 4] = -100  # ignored positions, like a prompt
     return {"input_ids": ids, "labels": labels}
 
 

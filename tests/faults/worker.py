@@ -1,4 +1,5 @@
-"""The training job the fault campaigns break (run under ``meshtrain launch``).
+"""The training job the fault campaigns and the recovery test break (run under
+``meshtrain launch`` or torchrun).
 
 worker.py train OUT_DIR KILL_RANK KILL_AT   ZeRO-2 tiny decoder, STEPS optimizer steps,
                                             a checkpoint every 2; on the first attempt

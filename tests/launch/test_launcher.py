@@ -9,10 +9,10 @@ import pytest
 from meshtrain.cli import build_parser
 from meshtrain.errors import ConfigError
 from meshtrain.launch import cli as launch_cli
+from meshtrain.launch.failure import exit_code
 from meshtrain.launch.launcher import (
     LaunchSpec,
     default_nproc_per_node,
-    exit_code,
     resolve,
     slurm_node,
     spec_flags,

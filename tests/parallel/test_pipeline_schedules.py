@@ -136,3 +136,28 @@ def test_one_rank_and_costs():
     for a in build_schedule("zb_h1", 4, 4).actions[2]:
         counts[a.kind] += 1
     assert counts["F"] == counts["B"] == counts["W"] == 4
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[0] not in ("zb_h1", "forward")])
+def test_runtime_lists_reach_the_formula_when_backward_costs_two_forwards(name, p, m, v):
+    """The lists the runtime executes (receives placed with ``RUN_COSTS``: B = 2 F) run
+    with a backward costing two forwards (sends free, receives blocking) idle exactly the
+    closed form: no receive is placed where it blocks compute that could run."""
+    from meshtrain.parallel.pipeline.runtime import RUN_COSTS
+    from meshtrain.parallel.pipeline.validate import executed_idle_fraction
+
+    s = build_schedule(name, p, m, v, RUN_COSTS[False])
+    validate(s)
+    assert executed_idle_fraction(s, {F: 1, B: 2}) == expected_idle_fraction(name, p, m, v)
+
+
+def test_unit_cost_placement_stalls_interleaved_at_real_costs():
+    """Why the runtime places receives with B = 2 F: the unit-cost lists of interleaved
+    1F1B at p 2, m 4, v 2 idle 1/5 instead of 1/9 when a backward costs two forwards."""
+    from fractions import Fraction
+
+    from meshtrain.parallel.pipeline.validate import executed_idle_fraction
+
+    unit = build_schedule("interleaved_1f1b", 2, 4, 2)
+    assert executed_idle_fraction(unit, {F: 1, B: 1}) == Fraction(1, 9)
+    assert executed_idle_fraction(unit, {F: 1, B: 2}) == Fraction(1, 5)

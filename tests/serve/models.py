@@ -105,16 +105,11 @@ def bert_config(tokenizer):
 
 
 def llama_config(tokenizer):
-    from transformers import LlamaConfig
+    from tests.tiny_models import tiny_llama_config
 
     eos = tokenizer.eos_token_id
-    return LlamaConfig(
+    return tiny_llama_config(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=CHAT_CONTEXT,
         bos_token_id=eos,
         eos_token_id=eos,

@@ -43,7 +43,13 @@ from meshtrain.accelerate.prepared import (
     PreparedOptimizer,
     PreparedScheduler,
 )
-from meshtrain.accelerate.setup import config_dict, engine_config, load_rng_state, save_rng_state
+from meshtrain.accelerate.setup import (
+    config_dict,
+    engine_config,
+    int_argument,
+    load_rng_state,
+    save_rng_state,
+)
 from meshtrain.errors import ConfigError
 
 
@@ -70,10 +76,11 @@ class Accelerator:
         from meshtrain.distributed.env import init_distributed
         from meshtrain.distributed.topology import Topology
 
-        self._config = config_dict(config, mixed_precision, int(gradient_accumulation_steps))
+        gas = int_argument("gradient_accumulation_steps", gradient_accumulation_steps, 1)
+        self._config = config_dict(config, mixed_precision, gas)
         self.mixed_precision = mixed_precision or "no"
         self.gradient_accumulation_steps = int(self._config["gradient_accumulation_steps"])
-        self.seed = int(seed)
+        self.seed = int_argument("seed", seed, 0)
         self._env = init_distributed()
         mesh = self._config.get("mesh") or {}
         self.topology = Topology(
@@ -86,7 +93,6 @@ class Accelerator:
         self._schedulers: list[PreparedScheduler] = []
         self._active_loader: PreparedDataLoader | None = None
         self._sync_gradients: bool | None = None
-        self._clip_shadow = False
 
     # where this process is ---------------------------------------------------------------------
     @property
@@ -264,17 +270,7 @@ class Accelerator:
             raise ConfigError(
                 f"clip_grad_norm_: norm_type={norm_type}; the engine clips the L2 norm"
             )
-        engine = self._need_engine()
-        zero = engine.zero
-        if not self._clip_shadow:
-            # finish the boundary's reductions now; the engine's own call is shadowed for
-            # this one step (the reducer would reduce twice)
-            zero.before_step()
-            zero.before_step = lambda: None
-            self._clip_shadow = True
-        engine.clip = float(max_norm)
-        norm = zero.grad_norm() / (engine.scaler.scale * zero.grad_divisor)
-        return torch.tensor(norm)
+        return torch.tensor(self._need_engine().clip_grad_norm_(max_norm))
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         raise ConfigError(
@@ -282,15 +278,7 @@ class Accelerator:
         )
 
     def _engine_step(self) -> bool:
-        engine = self._need_engine()
-        default_clip = float(engine.config.gradient_clipping or 0.0)
-        try:
-            return engine.step()
-        finally:
-            if self._clip_shadow:
-                del engine.zero.before_step  # the class's method again
-                self._clip_shadow = False
-                engine.clip = default_clip
+        return self._need_engine().step()
 
     @contextmanager
     def autocast(self) -> Iterator[None]:

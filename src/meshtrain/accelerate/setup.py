@@ -10,6 +10,7 @@ argument, and ``train_micro_batch_size_per_gpu`` from the training loader's batc
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,13 @@ def config_dict(config, mixed_precision: str | None, gas: int) -> dict[str, Any]
         d = config.to_dict(derived=False)
     elif isinstance(config, dict):
         d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
-    else:
+    elif isinstance(config, str | os.PathLike):
         d = read_config_file(config)
+    else:
+        raise ConfigError(
+            f"Accelerator(config=...): {type(config).__name__} is not allowed; pass a dict, "
+            "a path to a JSON/YAML config or a meshtrain Config"
+        )
     if mixed_precision not in _PRECISIONS:
         raise ConfigError(f"mixed_precision={mixed_precision!r}: use one of {_PRECISIONS}")
     for name in ("fp16", "bf16"):
@@ -55,6 +61,14 @@ def config_dict(config, mixed_precision: str | None, gas: int) -> dict[str, Any]
     if given in (None, "auto"):
         d["gradient_accumulation_steps"] = gas
     return d
+
+
+def int_argument(name: str, value: Any, minimum: int) -> int:
+    """An integer argument of ``Accelerator``, else a ConfigError naming it (not int()'s
+    bare ValueError)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"Accelerator({name}={value!r}): expected an integer >= {minimum}")
+    return value
 
 
 def engine_config(config: dict[str, Any], loaders: list, topology):

@@ -26,6 +26,13 @@ tp 4 with no conversion: each rank reads the full-index runs of its own shard. R
 are restored only when the world size matches
 (per-rank streams have no meaning under another layout); the data-loader position is a
 count of consumed samples, which the sampler re-deals over the new replica count.
+
+Pipeline parallelism: every stage writes its own parameters, optimizer states and
+buffers under the UNSPLIT model's names (``model_names``), frozen tensors and buffers
+split over the ranks holding the stage; a tensor several stages hold (a tied embedding)
+is written once, by the lowest pp rank holding it. The meta lists the whole model
+(gathered over pp), so a checkpoint saved at pp 2 x dp 2 loads at pp 1 x dp 4 or pp 4:
+each rank reads the names of its own stages.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ import numpy as np
 import torch
 
 from meshtrain.checkpoint import storage
-from meshtrain.checkpoint.manifest import Piece, dtype_name
+from meshtrain.checkpoint.manifest import Piece
+from meshtrain.checkpoint.model_names import model_names
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.checkpoint.writer import save_shards
 from meshtrain.errors import CheckpointError
@@ -47,25 +55,12 @@ from meshtrain.parallel.flat_group import Bucket, FlatGroup
 from meshtrain.parallel.tensor.sharding import (
     ShardSpec,
     full_runs,
-    full_shape,
     shard_tensor,
     specs_by_param,
     unshard_tensor,
 )
 
 log = logging.getLogger("meshtrain")
-
-
-def _names(module: torch.nn.Module) -> tuple[dict[int, str], dict[str, str]]:
-    """(canonical name of each parameter/buffer by id, {alias: canonical} for tied ones)."""
-    canon: dict[int, str] = {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        canon.setdefault(id(t), name)
-    aliases = {}
-    for key, t in module.state_dict(keep_vars=True).items():
-        if canon.get(id(t), key) != key:
-            aliases[key] = canon[id(t)]
-    return canon, aliases
 
 
 def _save_range(g: FlatGroup, b: Bucket, dp: int, dp_rank: int) -> tuple[int, int, int]:
@@ -134,30 +129,14 @@ def _set_rng(state: dict, reader: CheckpointReader, rank: int) -> None:
         torch.cuda.set_rng_state(reader.rank_tensor(rank, "rng.cuda"))
 
 
-def _model_meta(engine, canon: dict[int, str], aliases: dict[str, str]) -> dict[str, Any]:
-    shapes = {p: s for g in engine.zero.flat_groups for p, s in g.shapes.items()}
-    specs = specs_by_param(engine.module) if engine.topology.tp_size > 1 else {}
-    tensors = {}
-    for key, t in engine.module.state_dict(keep_vars=True).items():
-        if key in aliases:
-            continue
-        kind = (
-            "param" if t in shapes else "frozen" if isinstance(t, torch.nn.Parameter) else "buffer"
-        )
-        shape = shapes.get(t, t.shape)
-        if id(t) in specs:  # a tensor-parallel shard: the checkpoint holds the full tensor
-            shape = full_shape(tuple(shape), specs[id(t)])
-        tensors[key] = {"shape": list(shape), "dtype": dtype_name(t.dtype), "kind": kind}
-    return tensors
-
-
 def save(engine, save_dir, tag: str | None = None, client_state: dict | None = None) -> Path:
     """``engine.save_checkpoint`` (see the module docstring)."""
     topo = engine.topology
     world = topo.group("world")
-    rank, dp = world.rank, topo.dp_size
+    dp = topo.dp_size
     tag = _agreed_tag(tag or f"global_step{engine.global_steps}", world, engine.config)
-    canon, aliases = _names(engine.module)
+    names = model_names(engine)
+    canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
     tp = _tp(engine)
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[Piece] = []
@@ -178,20 +157,28 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
                 key = f"g{gi}.b{b.index}.{state}"
                 tensors[key] = src[lo - base : hi - base].detach().float().cpu().contiguous()
                 for name, start, local, n in _runs(g, b, lo, hi, canon, tp, writing=True):
-                    pieces.append(Piece(name, state, key, local - lo, start, n))
-    meta_tensors = _model_meta(engine, canon, aliases)
+                    if names.writes(name, topo.pp_rank):  # a tied weight: its first stage
+                        pieces.append(Piece(name, state, key, local - lo, start, n))
     frozen_specs = _frozen_specs(engine)
-    for key, t in engine.module.state_dict().items():
-        if key in aliases or meta_tensors[key]["kind"] == "param":
+    # frozen tensors and buffers: split over the ranks holding this stage (the world at pp 1)
+    share, part = topo.dp_size * topo.tp_size, topo.dp_rank * topo.tp_size + topo.tp_rank
+    done: set[str] = set()  # a module two stages of this rank share is listed twice
+    for key, t in engine.module.state_dict(keep_vars=True).items():
+        name = canon[id(t)]
+        if names.keys[key] in aliases or meta_tensors[name]["kind"] == "param" or name in done:
             continue
+        done.add(name)
+        if not names.writes(name, topo.pp_rank):
+            continue
+        t = t.detach()
         if key in frozen_specs:  # a frozen tensor-parallel shard: write the full tensor
             t = unshard_tensor(t, frozen_specs[key], topo.tp_group)
-        flat = t.detach().reshape(-1)
-        c = -(-flat.numel() // world.size)
-        lo, hi = min(rank * c, flat.numel()), min((rank + 1) * c, flat.numel())
+        flat = t.reshape(-1)
+        c = -(-flat.numel() // share)
+        lo, hi = min(part * c, flat.numel()), min((part + 1) * c, flat.numel())
         if hi > lo:
-            tensors[f"x.{key}"] = flat[lo:hi].cpu().contiguous()
-            pieces.append(Piece(key, "param", f"x.{key}", 0, lo, hi - lo))
+            tensors[f"x.{name}"] = flat[lo:hi].cpu().contiguous()
+            pieces.append(Piece(name, "param", f"x.{name}", 0, lo, hi - lo))
 
     rng, rng_tensors = _rng_state()
     tensors.update(rng_tensors)
@@ -219,10 +206,11 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
         "data_loader": state["data_loader"],
         "client_state": client_state or {},
     }
-    hf = getattr(engine.module, "config", None)
-    if hasattr(hf, "to_dict") and hasattr(engine.module, "save_pretrained"):
+    model = _unsplit_view(engine)
+    hf = getattr(model, "config", None)
+    if hasattr(hf, "to_dict") and hasattr(model, "save_pretrained"):
         meta["hf_config"] = hf.to_dict()
-        meta["hf_model_class"] = type(engine.module).__name__
+        meta["hf_model_class"] = type(model).__name__
     keep = engine.config.checkpoint.keep_last
     return save_shards(
         save_dir,
@@ -234,6 +222,14 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
         meta=meta,
         keep_last=keep or None,
     )
+
+
+def _unsplit_view(engine) -> torch.nn.Module:
+    """The model (for its ``config``): under pp, a split stage's view of it."""
+    if engine.pipeline is None:
+        return engine.module
+    stage = next(iter(engine.module.stages.values()))
+    return getattr(stage, "model", stage)
 
 
 def _frozen_specs(engine) -> dict[str, ShardSpec]:
@@ -329,12 +325,10 @@ def _load(
 ) -> tuple[Path, dict]:
     topo = engine.topology
     world = topo.group("world")
-    canon, aliases = _names(engine.module)
+    names = model_names(engine)
+    canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
     tp = _tp(engine)
-    meta_tensors = _model_meta(engine, canon, aliases)
-    expected = {k: tuple(v["shape"]) for k, v in meta_tensors.items()}
-    expected.update({a: expected[c] for a, c in aliases.items()})
-    reader.check_model(expected)
+    reader.check_model(names.expected())
     meta = reader.meta
     states = [s for s in reader.states() if s != "param"] if load_optimizer_states else []
     if load_module_only:
@@ -357,10 +351,11 @@ def _load(
                     engine.optimizer.state[master] = {"step": step, **fresh}
         engine.zero.reload_params()
         frozen_specs = _frozen_specs(engine)
-        for key, t in engine.module.state_dict().items():
-            if key in aliases or meta_tensors[key]["kind"] == "param":
+        for key, t in engine.module.state_dict(keep_vars=True).items():
+            name = canon[id(t)]
+            if names.keys[key] in aliases or meta_tensors[name]["kind"] == "param":
                 continue
-            full = reader.read_full(key)
+            full = reader.read_full(name)
             if key in frozen_specs:
                 full = shard_tensor(full, frozen_specs[key], topo.tp_rank)
             t.copy_(full.to(t.dtype))

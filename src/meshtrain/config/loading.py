@@ -106,7 +106,9 @@ def load_config(
             raise ConfigError(
                 f"world size {world_size} is not divisible by mesh.pipeline_parallel_size "
                 f"{mesh.pipeline_parallel_size} * mesh.tensor_parallel_size "
-                f"{mesh.tensor_parallel_size} = {model_parallel}"
+                f"{mesh.tensor_parallel_size} = {model_parallel}; pick sizes whose product "
+                f"divides {world_size} (divisors: {_divisors(world_size)}), or launch a "
+                f"multiple of {model_parallel} processes"
             )
         if not any(getattr(config, k) == AUTO for k in BATCH_KEYS):
             config = config.resolve_batch_sizes(world_size // model_parallel)
@@ -117,3 +119,8 @@ def load_config(
             "\n".join(f"{origin}: {line}" for line in str(exc).splitlines())
         ) from None
     return config
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(1, min(n, 10**6) + 1) if n % d == 0]
+    return ", ".join(map(str, found[:12])) + (", ..." if len(found) > 12 else "")

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import model_validator
+
+from meshtrain.config._errors import did_you_mean, show
 from meshtrain.config._types import (
     Auto,
     Bool,
@@ -21,6 +24,7 @@ from meshtrain.config._types import (
     canonical_choice,
     int_choice,
 )
+from meshtrain.errors import ConfigError
 
 # --------------------------------------------------------------------------- precision
 
@@ -243,6 +247,27 @@ class PipelineConfig(Section):
     cut_points: list[int] | None = None
     """The first block index of each stage after the first (overrides partition_method), e.g. [4] for 2 stages."""
 
+    @model_validator(mode="after")
+    def _coherent(self) -> PipelineConfig:
+        # caught here, at load, rather than on every rank after the model is split
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ConfigError(
+                f"pipeline.virtual_stages: {self.virtual_stages} needs pipeline.schedule "
+                f'"interleaved_1f1b" ({self.schedule} runs one stage per rank); set the '
+                "schedule to interleaved_1f1b, or virtual_stages to 1"
+            )
+        method = self.partition_method
+        if method not in _PARTITION_METHODS and not method.startswith("type:"):
+            hint = did_you_mean(method, _PARTITION_METHODS).replace("valid keys", "use one of")
+            raise ConfigError(
+                f"pipeline.partition_method: {show(method)} is not allowed{hint} "
+                '("type:REGEX" with meshtrain.pipe.PipelineModule)'
+            )
+        return self
+
+
+_PARTITION_METHODS = ("parameters", "uniform")
+
 
 class TensorParallelConfig(Section):
     """``tensor_parallel``: DeepSpeed's AutoTP section, plus meshtrain's sequence parallelism and plans."""
@@ -261,6 +286,15 @@ class TensorParallelConfig(Section):
     """Accepted and ignored (DeepSpeed AutoTP regex partition rules); write a meshtrain plan in tensor_parallel.plan instead."""
     preset_model: Str | None = None
     """Accepted and ignored (DeepSpeed AutoTP presets); meshtrain picks the plan from the model's class."""
+
+    @model_validator(mode="after")
+    def _plan_parses(self) -> TensorParallelConfig:
+        # a bad plan is refused at load, not on every rank once tensor parallelism applies
+        if self.plan is not None:
+            from meshtrain.parallel.tensor.plans import TPPlan
+
+            TPPlan.from_dict(self.plan)
+        return self
 
 
 class DistributedConfig(Section):

@@ -1,7 +1,8 @@
 """The hang doctor: from every rank's ledger record to one table and a verdict.
 
 Input: the records :mod:`meshtrain.distributed.ledger` publishes (one per rank, from the
-doctor folder or the rendezvous store) and what the launcher knows about each process
+rendezvous store, which holds every node's, else from this node's doctor folder:
+:func:`read_job`) and what the launcher knows about each process
 (exit code, or "stopped"). Output: a :class:`Report` -- one row per rank (last completed
 collective, the one it is waiting in, its sequence number, its state) and verdicts, e.g.::
 
@@ -106,21 +107,30 @@ def read_folder(folder: str | os.PathLike) -> tuple[dict[int, dict], dict[int, i
 
     Only the newest elastic attempt's records are kept.
     """
+    records, hellos = _read_folder(folder)
+    return _newest_attempt(records), {r: int(h["pid"]) for r, h in hellos.items()}
+
+
+def _read_folder(folder: str | os.PathLike) -> tuple[dict[int, dict], dict[int, dict]]:
     records: dict[int, dict] = {}
-    pids: dict[int, int] = {}
+    hellos: dict[int, dict] = {}
     for path in sorted(Path(folder).glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         if path.name.startswith("hello"):
-            pids[int(data["rank"])] = int(data["pid"])
+            hellos[int(data["rank"])] = data
         elif path.name.startswith("rank"):
             records[int(data["rank"])] = data
-    if records:
-        newest = max(r.get("attempt", 0) for r in records.values())
-        records = {k: v for k, v in records.items() if v.get("attempt", 0) == newest}
-    return records, pids
+    return records, hellos
+
+
+def _newest_attempt(records: dict[int, dict]) -> dict[int, dict]:
+    if not records:
+        return records
+    newest = max(r.get("attempt", 0) for r in records.values())
+    return {k: v for k, v in records.items() if v.get("attempt", 0) == newest}
 
 
 def read_store(store: Any, world_size: int, wait_s: float = 0.0) -> dict[int, dict]:
@@ -138,6 +148,61 @@ def read_store(store: Any, world_size: int, wait_s: float = 0.0) -> dict[int, di
         except Exception:  # noqa: BLE001 - a rank that never published
             continue
     return records
+
+
+def read_job(
+    folder: str | os.PathLike, world_size: int = 0, deadline_s: float = 5.0
+) -> tuple[dict[int, dict], dict[int, int], int]:
+    """Every rank's record, the other nodes' included: ``(records, local pids, world)``.
+
+    The rendezvous store (its address from this node's ``hello<R>.json``) holds the
+    records of all ranks on all nodes; the doctor folder holds this node's, and is the
+    fallback when the store cannot be reached (its host, node 0's agent, is gone). Per
+    rank the newer of the two wins (a folder-only record: one written after the store's
+    deadline). The store is read on a helper thread within ``deadline_s``.
+    """
+    records, hellos = _read_folder(folder)
+    world = max(
+        [world_size, *(int(x.get("world_size", 0)) for x in [*records.values(), *hellos.values()])]
+    )
+    addresses = [tuple(h["store"]) for h in hellos.values() if h.get("store")]
+    if addresses and world:
+        for rank, rec in _read_remote_store(addresses[0], world, deadline_s).items():
+            mine = records.get(rank)
+            if mine is None or rec.get("time", 0) > mine.get("time", 0):
+                records[rank] = rec
+    world = max([world, *(int(r.get("world_size", 0)) for r in records.values())])
+    pids = {r: int(h["pid"]) for r, h in hellos.items()}
+    return _newest_attempt(records), pids, world
+
+
+def _read_remote_store(address: tuple, world: int, deadline_s: float) -> dict[int, dict]:
+    """``read_store`` on a fresh client of the TCP store at ``address`` (host, port)."""
+    import threading
+    from datetime import timedelta
+
+    found: dict[int, dict] = {}
+
+    def read() -> None:
+        try:
+            from torch.distributed import TCPStore
+
+            host, port = address
+            client = TCPStore(
+                host,
+                int(port),
+                is_master=False,
+                timeout=timedelta(seconds=deadline_s),
+                wait_for_workers=False,
+            )
+            found.update(read_store(client, world))
+        except Exception:  # noqa: BLE001 - store gone: the folder is what there is
+            pass
+
+    t = threading.Thread(target=read, name="meshtrain-doctor-read", daemon=True)
+    t.start()
+    t.join(deadline_s + 1.0)
+    return dict(found)
 
 
 def _entry_text(e: Mapping) -> str:
@@ -222,7 +287,7 @@ def diagnose(
             verdicts.append(
                 (
                     rank,
-                    f"rank {rank} left the job ({how or 'exited with code 0'}) at "
+                    f"rank {rank} left the job ({how or 'its process ended'}) at "
                     f"{_last_seen(rec)} while its peers still needed it",
                 )  # fmt: skip
             )

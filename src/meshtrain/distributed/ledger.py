@@ -25,9 +25,12 @@ A record of this ledger is *published* (written as JSON) when something goes wro
 Where: the rendezvous store under ``meshtrain/doctor/rank<R>`` (a TCP store, which still
 answers when the process group is wedged; written from a helper thread with a short
 deadline so a dead store never blocks the exit), and, when ``MESHTRAIN_DOCTOR_DIR`` is set
-(``meshtrain launch`` and ``notebook_launcher`` set it), ``rank<R>.json`` in that folder,
-which the launcher reads to print the doctor's table. ``MESHTRAIN_LEDGER=0`` turns the
-ledger off (for the overhead benchmark).
+(``meshtrain launch`` and ``notebook_launcher`` set it), ``rank<R>.json`` in that folder.
+The key is written at the *root* of the store (below any ``PrefixStore``), whose address
+each rank notes in its ``hello<R>.json``, so that a launcher on any node can connect to
+the store and read every rank's record, its remote peers' included
+(:func:`meshtrain.distributed.doctor.read_job`); the folder holds only this node's.
+``MESHTRAIN_LEDGER=0`` turns the ledger off (for the overhead benchmark).
 """
 
 from __future__ import annotations
@@ -152,7 +155,9 @@ class Ledger:
             "world_size": self._world,
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "attempt": _attempt(),
+            "node_rank": _env_int("GROUP_RANK"),
+            "local_rank": _env_int("LOCAL_RANK"),
             "time": now,
             "reason": reason,
             "error": self._error,
@@ -186,10 +191,18 @@ class Ledger:
             self._stack = "".join(traceback.format_stack(frame))
 
     def _hello(self) -> None:
-        """A first, tiny record so the launcher knows each rank's pid before trouble."""
+        """A first, tiny record so the launcher knows each rank's pid (to find a stopped
+        one) and the store's address (to read the other nodes' records) before trouble."""
         folder = os.environ.get(DOCTOR_DIR_ENV)
         if folder:
-            hello = {"rank": self._rank, "pid": os.getpid(), "host": socket.gethostname()}
+            hello = {
+                "rank": self._rank,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "world_size": self._world,
+                "attempt": _attempt(),
+                "store": _store_address(),
+            }
             _write_atomic(os.path.join(folder, f"hello{self._rank}.json"), json.dumps(hello))
 
 
@@ -214,6 +227,15 @@ class _Tracked:
         return getattr(self._work, name)
 
 
+def _attempt() -> int:
+    return _env_int("TORCHELASTIC_RESTART_COUNT") or 0
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
 def _pg_timeout_seconds() -> float | None:
     """The default process group's collective timeout, in seconds (None if unknown)."""
     import torch
@@ -236,12 +258,15 @@ def _store_set(key: str, value: str, deadline_s: float = 3.0) -> None:
 
     def put() -> None:
         try:
-            _default_store().set(key, value)
+            _root_store().set(key, value)
         except Exception:  # noqa: BLE001 - the report is best effort
             pass
 
-    t = threading.Thread(target=put, name="meshtrain-doctor-publish", daemon=True)
-    t.start()
+    try:
+        t = threading.Thread(target=put, name="meshtrain-doctor-publish", daemon=True)
+        t.start()
+    except RuntimeError:  # no new threads this late in interpreter shutdown
+        return
     t.join(deadline_s)
 
 
@@ -284,16 +309,20 @@ def _start_watchdog(ledger: Ledger) -> None:
     threading.Thread(target=watch, name="meshtrain-ledger-watchdog", daemon=True).start()
 
 
-def _peer_exception(ledger: Ledger) -> dict | None:
-    """The record of a peer that raised outside a collective, from the store, if any."""
+def _peer_first(ledger: Ledger) -> dict | None:
+    """The first record of a peer that raised outside a collective or left the job (an
+    exit record), from the store, if any: why this rank's collective failed."""
     from meshtrain.distributed.doctor import read_store
 
     found: list[dict] = []
 
     def look() -> None:
-        for rank, rec in read_store(_default_store(), ledger._world).items():
-            if rank != ledger._rank and rec.get("reason") == "exception":
-                found.append(rec)
+        attempt = _attempt()
+        for rank, rec in read_store(_root_store(), ledger._world).items():
+            # the agent's store outlives a restart: an earlier attempt's record is stale
+            if rank != ledger._rank and rec.get("reason") in ("exception", "exit"):
+                if rec.get("attempt", 0) == attempt:
+                    found.append(rec)
 
     t = threading.Thread(target=look, name="meshtrain-doctor-read", daemon=True)
     t.start()
@@ -301,10 +330,24 @@ def _peer_exception(ledger: Ledger) -> dict | None:
     return min(found, key=lambda r: r.get("time", 0)) if found else None
 
 
-def _default_store():
+def _root_store():
+    """The default group's store below its prefixes (torch's ``default_pg/``, meshtrain's
+    per-attempt one): keys there can be read by a plain client of the same address."""
     import torch.distributed as dist
 
-    return dist.distributed_c10d._get_default_store()
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def _store_address() -> list | None:
+    """``[host, port]`` of the root store when it is a TCP store (else None)."""
+    try:
+        store = _root_store()
+        return [store.host, int(store.port)]
+    except Exception:  # noqa: BLE001 - a HashStore/FileStore: the folder is all there is
+        return None
 
 
 def _install_hooks(ledger: Ledger) -> None:
@@ -321,22 +364,28 @@ def _install_hooks(ledger: Ledger) -> None:
             led._stack = "".join(traceback.format_exception(exc_type, exc, tb))
             led.publish("exception")
             return previous(exc_type, exc, tb)
-        first = _peer_exception(led)
+        first = _peer_first(led)
         if first is None:
             return previous(exc_type, exc, tb)
-        # a collective failed because a peer raised first: its traceback is the one to
-        # read (already printed by that rank); ours would only bury it
+        # a collective failed because a peer raised or left first: its traceback (already
+        # printed by that rank) or the doctor's table says why; ours would only bury it
+        if first["reason"] == "exception":
+            cause = f"raised first: {first['error']}; see its traceback"
+        else:
+            cause = "left the job first (its process exited); see the doctor's table"
         print(
             f"[rank{led._rank}]: meshtrain: a collective failed ({led._error.splitlines()[0]}) "
-            f"because rank {first['rank']} raised first: {first['error']}; see its traceback",
+            f"because rank {first['rank']} {cause}",
             file=sys.stderr,
         )
 
     sys.excepthook = hook
 
     def at_exit() -> None:
+        # to the store too: a launcher on another node learns only from there that this
+        # rank left (sys.exit) while its peers may still be waiting for it
         led = ref()
         if led is not None and led._published_reason not in ("exception", "error"):
-            led.publish("exit", store=False)
+            led.publish("exit")
 
     atexit.register(at_exit)

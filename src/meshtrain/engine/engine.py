@@ -29,8 +29,9 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
+from meshtrain.engine.queries import EngineQueries
 from meshtrain.engine.step_log import StepLog
-from meshtrain.errors import ConfigError
+from meshtrain.errors import TrainingError
 from meshtrain.optim.setup import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.zero.partition import adopt
@@ -39,7 +40,7 @@ from meshtrain.precision import DTYPES, scaler_from_config
 log = logging.getLogger("meshtrain")
 
 
-class Engine:
+class Engine(EngineQueries):
     """Wraps a model with its optimizer, precision, gradient reduction and schedule.
 
     Build it with ``meshtrain.initialize``; see the module docstring for the step.
@@ -65,6 +66,7 @@ class Engine:
         self.gas = int(config.gradient_accumulation_steps)
         self.micro_batch_size = int(config.train_micro_batch_size_per_gpu)
         self.clip = float(config.gradient_clipping or 0.0)
+        self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for one step
         self.training_dataloader = training_dataloader
         self.global_steps = 0
         self.micro_steps = 0
@@ -162,6 +164,38 @@ class Engine:
         with self.zero.no_sync():
             yield
 
+    def shorten_window(self, micro_batches: int) -> None:
+        """Make the coming accumulation window ``micro_batches`` long (fewer than
+        gradient_accumulation_steps: the short last window of an epoch), so its last
+        micro-step steps. Call it before the window's first backward. The loss is still
+        divided by gradient_accumulation_steps, as accelerate does; scale it yourself
+        for a mean over the shorter window."""
+        if self.micro_steps % self.gas:
+            raise TrainingError(
+                "shorten_window: call it before the window's first backward (this window "
+                f"has run {self.micro_steps % self.gas} of {self.gas} micro-steps)"
+            )
+        if not 1 <= micro_batches <= self.gas:
+            raise ValueError(f"shorten_window: micro_batches={micro_batches}, not 1..{self.gas}")
+        if micro_batches < self.gas:
+            self.zero.begin_window()  # backward() begins windows at multiples of gas only
+            self.micro_steps += self.gas - micro_batches
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Finish this window's gradient reduction now and return the global gradient
+        norm (unscaled, over every shard); the coming ``step()`` clips to ``max_norm``
+        instead of ``gradient_clipping``. Call it after the window's last backward."""
+        self.zero.before_step()  # reduces once, however often it is called in a window
+        self._clip_once = float(max_norm)
+        return self._grad_norm() / (self.scaler.scale * self.zero.grad_divisor)
+
+    def _grad_norm(self) -> float:
+        if self.pipeline is None:
+            return self.zero.grad_norm()
+        from meshtrain.parallel.pipeline.engine_step import global_grad_norm
+
+        return global_grad_norm(self.pipeline, self.zero)  # over every stage
+
     def step(self) -> bool:
         """Count the micro-step; at the accumulation boundary update the parameters.
 
@@ -192,12 +226,9 @@ class Engine:
         self.zero.before_step()
         # the reduced gradients are the loss-scaled sum over dp ranks (pre-divided by f)
         unscale = self.scaler.scale * self.zero.grad_divisor
-        if self.pipeline is None:
-            norm = self.zero.grad_norm()
-        else:  # over every stage, so clipping and overflow agree on all of them
-            from meshtrain.parallel.pipeline.engine_step import global_grad_norm
-
-            norm = global_grad_norm(self.pipeline, self.zero)
+        norm = self._grad_norm()  # over every stage: clipping and overflow agree on all
+        clip = self.clip if self._clip_once is None else self._clip_once
+        self._clip_once = None
         overflow = not math.isfinite(norm)
         self._step_applied = not overflow
         if overflow:
@@ -206,8 +237,8 @@ class Engine:
         else:
             self._global_grad_norm = norm / unscale
             factor = 1.0 / unscale
-            if self.clip > 0:
-                factor *= min(1.0, self.clip / (self._global_grad_norm + 1e-6))
+            if clip > 0:
+                factor *= min(1.0, clip / (self._global_grad_norm + 1e-6))
             self.zero.step(self.optimizer, factor)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -242,81 +273,6 @@ class Engine:
         if self.training_dataloader is not None and state.get("data_loader"):
             self.training_dataloader.load_state_dict(state["data_loader"])
 
-    # queries (DeepSpeed's names and meanings) --------------------------------------------------
-    def get_lr(self) -> list[float]:
-        """The current learning rate of each optimizer param group."""
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per micro-batch on one data-parallel rank."""
-        return self.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
-        return self.gas
-
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks (micro x accumulation x dp)."""
-        return self.micro_batch_size * self.gas * self.topology.dp_size
-
-    def zero_optimization_stage(self) -> int:
-        """The ZeRO stage (0-3) the engine runs."""
-        return self.zero_stage
-
-    def fp16_enabled(self) -> bool:
-        """True when the model runs in float16 with loss scaling."""
-        return self.config.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        """True when the model runs in bfloat16."""
-        return self.config.precision == "bf16"
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the world."""
-        return self.topology.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of processes in the world (``dp_world_size`` counts data-parallel ranks)."""
-        return self.topology.world_size
-
-    @property
-    def dp_world_size(self) -> int:
-        """Number of data-parallel ranks (equal to ``world_size`` without TP/PP)."""
-        return self.topology.dp_size
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node (``LOCAL_RANK`` / ``SLURM_LOCALID``; 0 alone)."""
-        from meshtrain.distributed.env import read_env
-
-        return read_env().local_rank
-
-    def get_global_grad_norm(self) -> float | None:
-        """Global gradient norm of the last step before clipping (None if it overflowed)."""
-        return self._global_grad_norm
-
-    def was_step_applied(self) -> bool:
-        """Whether the last optimizer step changed the parameters (False after a skip)."""
-        return self._step_applied
-
-    @property
-    def last_step_skipped(self) -> bool:
-        return not self._step_applied
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
-
-    def last_step_comm_bytes(self) -> dict[str, int]:
-        """Bytes the last optimizer step recorded, by op kind, plus ``"total"``."""
-        by_op: dict[str, int] = {}
-        for (op, _group), n in self._step_comm.items():
-            by_op[op] = by_op.get(op, 0) + n
-        by_op["total"] = sum(by_op.values())
-        return by_op
-
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
@@ -326,7 +282,12 @@ class Engine:
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state dict (every parameter whole: gathered under ZeRO-3,
-        unsharded and unpadded under tensor parallelism)."""
+        unsharded and unpadded under tensor parallelism, every stage's under pipeline
+        parallelism, in the unsplit model's names). Every rank must call it."""
+        if self.pipeline is not None:
+            from meshtrain.checkpoint.model_names import full_state_dict as whole_model
+
+            return whole_model(self)
         with self.gathered_parameters():
             if self.topology.tp_size > 1:
                 from meshtrain.parallel.tensor.sharding import full_state_dict
@@ -349,7 +310,6 @@ class Engine:
         ``load_checkpoint``. Returns the checkpoint directory (DeepSpeed returns True)."""
         from meshtrain.checkpoint.engine_io import save
 
-        self._no_pipeline_checkpoints()
         return save(self, save_dir, tag, {} if client_state is None else client_state)
 
     def load_checkpoint(
@@ -361,22 +321,15 @@ class Engine:
         load_module_only: bool = False,
     ):
         """Load ``load_dir/tag`` (default: the tag ``latest`` names), written under any
-        data-parallel size or ZeRO stage. Returns ``(load_path, client_state)``, or
-        ``(None, None)`` with a logged warning when there is nothing to load (no such
-        directory, an empty one, or no such tag), as DeepSpeed does."""
+        data-parallel, tensor- or pipeline-parallel size or ZeRO stage. Returns
+        ``(load_path, client_state)``, or ``(None, None)`` with a logged warning when there
+        is nothing to load (no such directory, an empty one, or no such tag), as DeepSpeed
+        does."""
         from meshtrain.checkpoint.engine_io import load
 
-        self._no_pipeline_checkpoints()
         return load(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
-
-    def _no_pipeline_checkpoints(self) -> None:
-        if self.pipeline is not None:
-            raise ConfigError(
-                "save_checkpoint/load_checkpoint with mesh.pipeline_parallel_size > 1 are "
-                "not implemented yet; export the stages' state_dicts yourself or train with pp 1"
-            )
 
     def memory_report(self):
         """This rank's bytes of parameters, gradients and optimizer states beside the

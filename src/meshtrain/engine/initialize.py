@@ -102,7 +102,8 @@ def initialize(
     whole world; the process group is always joined (``dist_init_required`` is accepted
     for DeepSpeed scripts and changes nothing). ``dataloader`` is None unless
     ``training_data`` is given; it deals disjoint shards to data-parallel ranks with ``train_micro_batch_size_per_gpu``
-    samples per batch, and its position is saved with the engine's checkpoints.
+    samples per batch, and its position is saved with the engine's checkpoints. A
+    ``meshtrain.data.ResumableDataLoader`` given as ``training_data`` is used as it is.
     ``tp_plan``: a tensor-parallel plan (``meshtrain.parallel.tensor.TPPlan``) for a model
     without a built-in one, used when ``mesh.tensor_parallel_size`` > 1.
     """
@@ -123,10 +124,10 @@ def initialize(
     cfg = cfg.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
     if topology.rank == 0:
         warn_ignored(cfg, log)
-    loader = None
-    if training_data is not None:
-        from meshtrain.data.loader import ResumableDataLoader
+    from meshtrain.data.loader import ResumableDataLoader
 
+    loader = training_data if isinstance(training_data, ResumableDataLoader) else None
+    if training_data is not None and loader is None:
         loader = ResumableDataLoader(
             training_data,
             cfg.train_micro_batch_size_per_gpu,

@@ -9,6 +9,12 @@ counts, stage, data-parallel size, precision and optimizer: the ZeRO paper's per
 model states. They differ by padding (each bucket rounded up to a multiple of ``N``), by
 the optimizer's scalar ``step`` tensors, by stage 3's gathered units, and by frozen
 parameters under stage 3, which meshtrain keeps whole.
+
+With pipeline parallelism the flat groups hold this rank's stages only, so measured and
+formula are this pp rank's (its ``Psi_r``), and ``pipeline`` adds its stages, the
+micro-batches alive at the schedule's peak (from the action list) and, for a split
+transformer, the activation bytes at that peak by ``meshtrain.estimate.pipeline``'s
+formula at the model's longest sequence (an estimate, not a measurement).
 """
 
 from __future__ import annotations
@@ -31,6 +37,32 @@ def _optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 @dataclass(frozen=True)
+class PipelinePart:
+    """This pp rank's share of the pipeline: which stages, and activations at the peak."""
+
+    pp: int
+    pp_rank: int
+    stages: tuple[int, ...]
+    schedule: str
+    micro_batches: int  # m per step (gradient_accumulation_steps)
+    peak_micro_batches: int  # (chunk) activations alive at once at the peak
+    activations: int | None  # bytes at the peak (formula); None when unknown
+    seq_len: int | None = None  # the sequence length the activation formula assumed
+
+    def __str__(self) -> str:
+        acts = (
+            f"activations ~{self.activations / 2**20:.2f} MiB at {self.seq_len} tokens (formula)"
+            if self.activations is not None
+            else "activations: no formula for this model"
+        )
+        return (
+            f"pipeline: pp rank {self.pp_rank} of {self.pp}, stages {list(self.stages)}, "
+            f"{self.schedule}, m={self.micro_batches}: peak {self.peak_micro_batches} "
+            f"micro-batches alive; {acts}"
+        )
+
+
+@dataclass(frozen=True)
 class MemoryReport:
     """This rank's model-state bytes (``measured``) and the formula's (``formula``)."""
 
@@ -41,6 +73,7 @@ class MemoryReport:
     precision: str
     optimizer: str | None
     tp: int = 1  # tensor-parallel size: measured and formula are this rank's shard
+    pipeline: PipelinePart | None = None  # pp > 1: this rank's stages and activations
 
     @property
     def ratio(self) -> float | None:
@@ -68,6 +101,8 @@ class MemoryReport:
         rows.append(f"{'total':12}{mib(self.measured.total + self.measured.host)} {total_f}")
         if self.ratio is not None:
             rows.append(f"measured / formula = {self.ratio:.4f}")
+        if self.pipeline is not None:
+            rows.append(str(self.pipeline))
         return "\n".join(rows)
 
 
@@ -121,4 +156,24 @@ def memory_report(engine) -> MemoryReport:
         engine.config.precision,
         name,
         tp=engine.topology.tp_size,
+        pipeline=_pipeline_part(engine) if engine.pipeline is not None else None,
     )
+
+
+def _pipeline_part(engine) -> PipelinePart:
+    from meshtrain.estimate.pipeline import TransformerDims, rank_activations
+
+    pipe, cfg = engine.pipeline, engine.config
+    mine = {int(k): st for k, st in engine.module.stages.items()}
+    model = getattr(next(iter(mine.values())), "model", None)
+    dims = TransformerDims.of(model) if model is not None else None
+    peak, acts = rank_activations(
+        mine, dims, schedule=pipe.schedule, pp=pipe.p, m=engine.gas, v=pipe.v,
+        rank=engine.topology.pp_rank, b=cfg.train_micro_batch_size_per_gpu, seq_len=None,
+        precision=cfg.precision, checkpointing=cfg.activation_checkpointing.enabled,
+    )  # fmt: skip
+    seq = dims.max_seq_len if dims is not None else None
+    return PipelinePart(
+        pipe.p, engine.topology.pp_rank, tuple(sorted(mine)), pipe.schedule, engine.gas,
+        peak, acts, seq,
+    )  # fmt: skip

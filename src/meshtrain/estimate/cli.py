@@ -131,10 +131,45 @@ def _run(args: argparse.Namespace) -> int:
                 pp=args.pp,
             )
         )
+        if args.pp > 1:
+            print()
+            print(_pipeline(args, source))
     except ConfigError as exc:
         print(f"meshtrain estimate: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _pipeline(args: argparse.Namespace, source: int | nn.Module) -> str:
+    """The per-pipeline-rank table (``meshtrain.estimate.pipeline``); needs --model."""
+    if not isinstance(source, nn.Module):
+        return (
+            "Per pipeline rank: give --model instead of --params to see each stage's "
+            "parameters and activations (the table above divides the parameters by pp)"
+        )
+    from meshtrain.estimate.pipeline import pipeline_memory, pipeline_table
+
+    m = args.micro_batches or args.pp
+    rows = pipeline_memory(
+        source,
+        pp=args.pp,
+        m=m,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        dp=args.dp,
+        stage=args.stage,
+        precision=args.precision,
+        optimizer=int(args.optimizer) if args.optimizer.isdigit() else args.optimizer,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        checkpointing=args.activation_checkpointing,
+    )
+    seq = (
+        args.seq_len
+        or getattr(source.config, "max_seq_len", None)
+        or getattr(source.config, "max_position_embeddings", None)
+    )
+    return pipeline_table(rows, schedule=args.schedule, m=m, seq_len=seq, b=args.micro_batch_size)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -169,5 +204,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    pipe = p.add_argument_group("pipeline (--pp > 1 with --model: a table per pp rank)")
+    pipe.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"),
+        help="pipeline schedule (default 1f1b)",
+    )
+    pipe.add_argument(
+        "--micro-batches", type=int, default=0, help="m = gradient_accumulation_steps (default pp)"
+    )
+    pipe.add_argument("--virtual-stages", type=int, default=1, help="v (interleaved_1f1b)")
+    pipe.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    pipe.add_argument("--seq-len", type=int, default=None, help="default: the model's longest")
+    pipe.add_argument("--stage", type=int, default=0, help="ZeRO stage for the table (default 0)")
+    pipe.add_argument(
+        "--activation-checkpointing", action="store_true", help="blocks keep only their input"
+    )
     p.set_defaults(func=_run)
     return p

@@ -30,7 +30,8 @@ from typing import Protocol
 
 from meshtrain.distributed.env import DEFAULT_MASTER_PORT
 from meshtrain.errors import ConfigError
-from meshtrain.launch.launcher import LaunchSpec, exit_code, spec_flags
+from meshtrain.launch.failure import exit_code
+from meshtrain.launch.launcher import LaunchSpec, spec_flags
 
 # environment forwarded to remote nodes (ssh does not carry the caller's environment)
 EXPORT_PREFIXES = (

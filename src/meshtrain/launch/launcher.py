@@ -18,12 +18,14 @@ Choices made here (and why):
 * The exit code is the job's: the culprit's code (``128 + signal`` for a worker killed
   by a signal), not torchrun's blanket 1. The culprit is the hang doctor's (a rank that
   raised outside a collective, left early, or never entered the collective its peers
-  waited in), else the first failure torch saw.
+  waited in; on any node), else the first failure torch saw
+  (:mod:`meshtrain.launch.failure`).
 * On a failure the launcher prints the hang doctor's table (every rank's last completed
   collective, the one it waits in, its sequence number, a verdict) and writes it as
   ``doctor.json`` into the run's output folder (``MESHTRAIN_RUN_DIR``, which
-  ``meshtrain train`` sets) or the doctor folder. The workers publish their ledgers into
-  a fresh folder named by ``MESHTRAIN_DOCTOR_DIR`` (:mod:`meshtrain.distributed.ledger`).
+  ``meshtrain train`` sets) or the doctor folder. The workers publish their ledgers to
+  the rendezvous store (every node's ranks) and into a fresh folder named by
+  ``MESHTRAIN_DOCTOR_DIR`` (this node's; :mod:`meshtrain.distributed.ledger`).
 * A worker found stopped (``SIGSTOP``, state ``T``) after a peer failed is killed at once:
   it cannot take a ``SIGTERM``, and the agent would otherwise wait out its grace period.
 """
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from meshtrain.distributed.env import DEFAULT_MASTER_PORT, expand_slurm_nodelist
 from meshtrain.distributed.ledger import DOCTOR_DIR_ENV
 from meshtrain.errors import ConfigError
+from meshtrain.launch.failure import report_failure
 
 _NPROC_WORDS = ("auto", "gpu", "cpu", "xpu")
 
@@ -246,7 +249,7 @@ def run_agent(spec: LaunchSpec) -> int:
     try:
         run(args)
     except ChildFailedError as exc:
-        code, keep = _report_failure(exc, doctor_dir, watcher.stopped)
+        code, keep = report_failure(exc, doctor_dir, watcher.stopped)
         return code
     except RendezvousError as exc:
         _raise_if_port_in_use(exc, spec)
@@ -321,64 +324,3 @@ def _process_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
-
-
-def exit_code(code: int | None) -> int:
-    """A process's return code as a shell would report it (signal N -> 128 + N)."""
-    if code is None:
-        return 1
-    return 128 - code if code < 0 else code
-
-
-def _report_failure(exc, doctor_dir: str, stopped: Mapping[int, str]) -> tuple[int, bool]:
-    """Print who failed (the doctor's culprit first) and the doctor's table.
-
-    Returns the job's exit code and whether the doctor folder holds the written report.
-    """
-    from meshtrain.distributed.doctor import diagnose, read_folder
-
-    # torch picks the first failure by error-file timestamp; without error files (workers
-    # that do not use @record) ties go to the lowest rank, so the doctor decides first
-    rank, failure = exc.get_first_failure()
-    records, _pids = read_folder(doctor_dir)
-    exits = {r: _how(f) for r, f in exc.failures.items()}
-    exits.update(stopped)
-    world = max([*records, *exc.failures, -1]) + 1
-    world = max([world, *(int(r.get("world_size", 0)) for r in records.values())])
-    report = diagnose(records, world, exits) if records else None
-    code = exit_code(failure.exitcode)
-    if report is not None and report.culprit is not None and report.culprit != rank:
-        if report.culprit in exc.failures:
-            rank, failure = report.culprit, exc.failures[report.culprit]
-            if failure.exitcode > 0:  # its own code; a signal came from the agent's stop
-                code = failure.exitcode
-    others = ", ".join(
-        f"rank {r} ({_how(f)})" for r, f in sorted(exc.failures.items()) if r != rank
-    )
-    print(
-        f"meshtrain launch: {exc.name} failed: rank {rank} (local rank {failure.local_rank}) "
-        f"{_how(failure)}" + (f"; also failed: {others}" if others else ""),
-        file=sys.stderr,
-    )
-    if failure.error_file and os.path.isfile(failure.error_file):
-        # the worker used torch's @record: its error file holds the root cause
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", message)
-        print(message, file=sys.stderr)
-    if report is None:
-        return code or 1, False
-    run_dirs = [r["run_dir"] for r in records.values() if r.get("run_dir")]
-    target = run_dirs[0] if run_dirs and os.path.isdir(run_dirs[0]) else doctor_dir
-    try:
-        path = report.write(target)
-    except OSError:
-        path = report.write(doctor_dir)
-    print(f"{report.table()}\nmeshtrain doctor: report written to {path}", file=sys.stderr)
-    return code or 1, os.path.dirname(path) == doctor_dir
-
-
-def _how(failure) -> str:
-    if failure.exitcode < 0:
-        return f"was killed by {failure.signal_name()}"
-    return f"exited with code {failure.exitcode}"

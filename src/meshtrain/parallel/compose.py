@@ -28,9 +28,11 @@ Why this order:
 * DP/ZeRO last: it owns the parameters' storage (flat buckets, shards), which must be
   laid out over the final set of parameters.
 
-Pipeline parallelism (``meshtrain.parallel.pipeline``) composes with data parallelism and
-ZeRO 0/1 over dp inside each stage (pp x dp); pp x tp raises ConfigError before anything
-runs.
+Pipeline parallelism (``meshtrain.parallel.pipeline``) composes with tensor parallelism
+inside each stage and data parallelism with ZeRO 0-2 over dp (pp x dp x tp on one mesh):
+step 1 shards the whole model, step 2 cuts the sharded model, so every tp rank of a
+stage holds the same blocks and sends its own copy of the activation to the same tp
+rank of the next stage. ZeRO 3 under a pipeline raises ConfigError before anything runs.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ def parallelize(
     """
     model = model.to(device=topology.device, dtype=DTYPES[config.precision])
 
+    if topology.pp_size > 1:  # what a pipeline cannot combine with, before anything changes
+        from meshtrain.parallel.pipeline.engine_step import check_pipeline
+
+        check_pipeline(model, topology, config, tp_plan)
     # 1. tensor parallelism: changes the parameters themselves, so it comes first
     if config.mesh.tensor_parallel_size not in (1, topology.tp_size):
         raise ConfigError(

@@ -2,7 +2,8 @@
 
 The model is loaded (and every problem with MODEL, the tokenizer or the task reported)
 before uvicorn binds the port, so a wrong path exits with status 2 and one clear line,
-never with a server that answers 500.
+never with a server that answers 500. A port that cannot be bound is found before that
+load, with the same one line and status.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def _main(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
+        _check_port(args.host, args.port)  # before the model load, not after it
         served = load(
             args.model, task=args.task, tag=args.tag, tokenizer=args.tokenizer, dtype=args.dtype
         )
@@ -63,6 +65,29 @@ def _main(args: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """ServeError unless ``host:port`` can be bound (as uvicorn binds it, SO_REUSEADDR).
+
+    uvicorn would find out only after the model is loaded, and after this command has
+    printed the address it "serves" on: one ERROR line, then exit status 3."""
+    import socket
+
+    from meshtrain.errors import ServeError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _type, _proto, _name, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ServeError(
+            f"cannot listen on {host}:{port} ({why}); another server may hold the port: "
+            "pick another with --port, or check --host"
+        ) from None
 
 
 def _positive(kind: type):

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from meshtrain.errors import CheckpointError, ServeError
+from meshtrain.serve import diagnose
 
 TASKS = ("text-classification", "chat")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -147,8 +148,12 @@ def _load_pretrained(res: Resolved, task: str | None, dtype: torch.dtype | None)
     try:
         config = transformers.AutoConfig.from_pretrained(res.path)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError variants
-        raise ServeError(f"{res.path}/config.json cannot be loaded: {exc}") from None
+        fix = "save the model again with save_pretrained"
+        why = diagnose.bad_json(res.path, ("config.json",), fix)
+        raise ServeError(why or f"{res.path}/config.json cannot be loaded: {exc}") from None
     task = _pick_task(task, config.architectures, res.path)
+    if (why := diagnose.missing_weights(res.path)) is not None:
+        raise ServeError(why)
     auto = (
         transformers.AutoModelForSequenceClassification
         if task == "text-classification"
@@ -159,7 +164,12 @@ def _load_pretrained(res: Resolved, task: str | None, dtype: torch.dtype | None)
             res.path, dtype=dtype or "auto", output_loading_info=True
         )
     except Exception as exc:
-        raise ServeError(f"{res.path}: the model cannot be loaded for {task}: {exc}") from None
+        why = diagnose.damaged_weights(res.path, exc)
+        if why is None and "mismatched_sizes" in str(exc):
+            why = diagnose.shape_mismatch(res.path, auto, config)
+        raise ServeError(
+            why or f"{res.path}: the model cannot be loaded for {task}: {exc}"
+        ) from None
     if info.get("missing_keys"):
         missing = sorted(info["missing_keys"])
         raise ServeError(
@@ -243,7 +253,11 @@ def _tokenizer(explicit: str | None, folders: list[Path]):
     try:
         return AutoTokenizer.from_pretrained(candidates[0]), candidates[0]
     except Exception as exc:
-        raise ServeError(f"tokenizer {str(candidates[0])!r} cannot be loaded: {exc}") from None
+        fix = "save the tokenizer again with tokenizer.save_pretrained, or pass --tokenizer"
+        why = diagnose.bad_json(candidates[0], TOKENIZER_FILES, fix)
+        raise ServeError(
+            why or f"tokenizer {str(candidates[0])!r} cannot be loaded: {exc}"
+        ) from None
 
 
 def _context_length(model: Any, tokenizer: Any) -> int | None:

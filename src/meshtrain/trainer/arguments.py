@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtrain.errors import ConfigError
+from meshtrain.trainer.checks import check_bools, check_names, choice, is_int, positive
 
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
@@ -36,26 +37,6 @@ OPTIMIZERS = {
     "adagrad": "Adagrad",
 }
 REPORTERS = ("tensorboard", "jsonl", "none", "all")
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    text = getattr(value, "value", value)  # transformers' enums carry .value
-    if not isinstance(text, str) or text.lower() not in allowed:
-        raise ConfigError(
-            f"TrainingArguments.{name}: {value!r} is not allowed; use one of "
-            f"{', '.join(repr(a) for a in allowed)}"
-        )
-    return text.lower()
-
-
-def _positive(name: str, value: Any, *, allow_zero: bool = False, integer: bool = False) -> None:
-    kind = int if integer else (int, float)
-    ok = isinstance(value, kind) and not isinstance(value, bool)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        want = "an integer" if integer else "a number"
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"TrainingArguments.{name}: {value!r} is not allowed; use {want} {bound}")
 
 
 @dataclass
@@ -122,6 +103,11 @@ class TrainingArguments:
     mesh: dict | None = None
     """meshtrain: ``{"tensor_parallel_size": t, "pipeline_parallel_size": p}``."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingArguments:
+        # runs before the dataclass __init__, whose bare TypeError names no close match
+        check_names(kwargs, [f.name for f in dataclasses.fields(cls)])
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.evaluation_strategy is not None:  # the name the seeds and tutorials use
             if self.eval_strategy not in ("no", self.evaluation_strategy):
@@ -134,24 +120,31 @@ class TrainingArguments:
         if self.output_dir is None:
             self.output_dir = "trainer_output"  # transformers 5's default
         self.output_dir = os.fspath(self.output_dir)
-        self.eval_strategy = _choice("eval_strategy", self.eval_strategy, STRATEGIES)
+        self.eval_strategy = choice("eval_strategy", self.eval_strategy, STRATEGIES)
         self.evaluation_strategy = self.eval_strategy
-        self.logging_strategy = _choice("logging_strategy", self.logging_strategy, STRATEGIES)
-        self.save_strategy = _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
-        self.lr_scheduler_type = _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
-        self.optim = _choice("optim", self.optim, tuple(OPTIMIZERS))
+        self.logging_strategy = choice("logging_strategy", self.logging_strategy, STRATEGIES)
+        self.save_strategy = choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        self.lr_scheduler_type = choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        self.optim = choice("optim", self.optim, tuple(OPTIMIZERS))
+        check_bools(self)
+        for name in ("seed", "data_seed"):
+            value = getattr(self, name)
+            if not (value is None and name == "data_seed") and not is_int(value):
+                raise ConfigError(
+                    f"TrainingArguments.{name}: {value!r} is not allowed; use an integer"
+                )
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-            _positive(name, getattr(self, name), integer=True)
-        _positive("gradient_accumulation_steps", self.gradient_accumulation_steps, integer=True)
-        _positive(
+            positive(name, getattr(self, name), integer=True)
+        positive("gradient_accumulation_steps", self.gradient_accumulation_steps, integer=True)
+        positive(
             "dataloader_num_workers", self.dataloader_num_workers, allow_zero=True, integer=True
         )
-        _positive("learning_rate", self.learning_rate, allow_zero=True)
-        _positive("weight_decay", self.weight_decay, allow_zero=True)
-        _positive("adam_epsilon", self.adam_epsilon, allow_zero=True)
-        _positive("max_grad_norm", self.max_grad_norm, allow_zero=True)
-        _positive("num_train_epochs", self.num_train_epochs, allow_zero=True)
-        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        positive("learning_rate", self.learning_rate, allow_zero=True)
+        positive("weight_decay", self.weight_decay, allow_zero=True)
+        positive("adam_epsilon", self.adam_epsilon, allow_zero=True)
+        positive("max_grad_norm", self.max_grad_norm, allow_zero=True)
+        positive("num_train_epochs", self.num_train_epochs, allow_zero=True)
+        positive("warmup_steps", self.warmup_steps, allow_zero=True)
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0 <= value < 1:
@@ -170,36 +163,48 @@ class TrainingArguments:
         if self.fp16 and self.bf16:
             raise ConfigError("TrainingArguments: fp16 and bf16 are both True; enable at most one")
         if self.save_total_limit is not None:
-            _positive("save_total_limit", self.save_total_limit, integer=True)
+            positive("save_total_limit", self.save_total_limit, integer=True)
         if self.logging_strategy == "steps":
-            _positive("logging_steps", self.logging_steps)
+            positive("logging_steps", self.logging_steps)
         if self.save_strategy == "steps":
-            _positive("save_steps", self.save_steps)
+            positive("save_steps", self.save_steps)
         if self.eval_strategy == "steps":
             if self.eval_steps is None:
                 self.eval_steps = self.logging_steps  # transformers' rule
-            _positive("eval_steps", self.eval_steps)
+            positive("eval_steps", self.eval_steps)
         self.report_to = self._reporters(self.report_to)
         if isinstance(self.label_names, str):
             self.label_names = [self.label_names]
         self._check_best_model()
         if self.mesh is not None:
-            from meshtrain.config import MeshConfig
+            from meshtrain.config import Config
 
-            try:
-                MeshConfig.model_validate(self.mesh)
-            except Exception as exc:  # pydantic's message, prefixed with the field
-                raise ConfigError(f"TrainingArguments.mesh: {exc}") from None
+            if not isinstance(self.mesh, dict):
+                raise ConfigError(
+                    f"TrainingArguments.mesh: {self.mesh!r} is not allowed; pass a dict such "
+                    'as {"tensor_parallel_size": 2}'
+                )
+            try:  # the config's own messages: "mesh.tp: unknown key; valid keys: ..."
+                Config.from_dict({"mesh": self.mesh})
+            except ConfigError as exc:
+                raise ConfigError(f"TrainingArguments.{exc}") from None
 
     def _reporters(self, value: Any) -> list[str]:
         items = [value] if value is None or isinstance(value, str) else list(value)
         out = []
         for item in items:
-            name = "none" if item is None else _choice("report_to", item, REPORTERS)
+            name = "none" if item is None else choice("report_to", item, REPORTERS)
             out += ["tensorboard", "jsonl"] if name == "all" else [name]
         return [] if "none" in out else out
 
     def _check_best_model(self) -> None:
+        if self.save_strategy == "best" and self.eval_strategy == "no":
+            # "best" saves after an evaluation that improves the metric: none would happen
+            raise ConfigError(
+                'TrainingArguments.save_strategy "best" saves after an evaluation that '
+                'improves metric_for_best_model, but eval_strategy is "no", so nothing would '
+                'ever be saved; set eval_strategy to "steps" or "epoch"'
+            )
         if self.save_strategy == "best" and self.metric_for_best_model is None:
             self.metric_for_best_model = "loss"
         if self.load_best_model_at_end:

@@ -96,13 +96,13 @@ def build_engine(trainer) -> None:
     )
     trainer.engine, _, _, _ = meshtrain.initialize(
         model=trainer.model,
+        training_data=loader,  # its position goes into checkpoints
         model_parameters=param_groups(trainer.model),
         config=config,
         optimizer=trainer.optimizer,
         lr_scheduler=scheduler,
         topology=topology,
     )
-    trainer.engine.training_dataloader = loader  # its position goes into checkpoints
     trainer.train_dataloader = loader
     trainer.optimizer = trainer.engine.optimizer
     trainer.lr_scheduler = trainer.engine.lr_scheduler

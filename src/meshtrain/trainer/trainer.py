@@ -233,10 +233,7 @@ class Trainer(TrainingLoop):
         total = torch.tensor(float(sum(counts)), device=engine.device)
         comm.all_reduce(total, self.topology.dp_group, label="control")
         total_items = float(total)
-        if (
-            len(window) < gas
-        ):  # the epoch's short last window: make its last micro-step the boundary
-            engine.micro_steps += gas - len(window)
+        engine.shorten_window(len(window))  # the epoch's short last window steps too
         share = torch.zeros((), device=engine.device)
         local_sum = 0.0
         self.model.train()

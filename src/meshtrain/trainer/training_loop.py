@@ -241,16 +241,7 @@ class TrainingLoop:
     def _sync_user_model(self) -> None:
         """Under ZeRO-3 the model's parameters are shards between steps: give the user's
         model object the whole trained weights on every rank (hooks removed)."""
-        engine = self.engine
-        gatherer = getattr(engine.zero, "gatherer", None)
-        if gatherer is None:
-            return  # stages 0-2: every rank's module already holds the full weights
-        state = engine.module_state_dict()
-        gatherer.remove()
-        engine.zero.gatherer = None
-        with torch.no_grad():
-            for name, p in engine.module.named_parameters():
-                p.data = state[name].to(p.device)
+        self.engine.zero.release_module(self.engine.module)
 
 
 __all__ = ["TrainingLoop"]

@@ -8,20 +8,21 @@
 (the model object given to ``initialize`` cannot run whole afterwards).
 
 ``train_batch(engine, it)`` pulls ``gradient_accumulation_steps`` micro-batches, runs the
-schedule, and steps once. The data-parallel reduction runs once after the schedule (the
-micro-batches' backwards interleave with forwards, so no backward is "the last one"):
-hooks are told not to reduce, and the step's ``finish`` reduces every bucket over the
-stage's dp group (each stage has its own: ranks ``dp * tp`` apart hold the same stage).
-ZeRO stages 0 and 1 (optimizer states sharded over dp inside each stage); tp must be 1.
+schedule, and steps once. Under ZeRO 0 and 1 the data-parallel reduction runs once after
+the schedule (the micro-batches' backwards interleave with forwards, so no backward is
+"the last one"): hooks are told not to reduce, and the step's ``finish`` reduces every
+bucket over the stage's dp group (each stage has its own: ranks ``dp * tp`` apart hold
+the same stage). Under ZeRO 2 every micro-batch's backward on a stage reduce-scatters
+the stage's buckets into the gradient shard and drops ``.grad`` (``m`` reduce-scatters per
+step instead of one, as ZeRO 2 does with gradient accumulation; with ``v`` chunks per rank
+each chunk's backward reduces the rank's whole flat group, so ``v m``). ZeRO 3 is refused
+(``check_pipeline``). Tensor parallelism runs inside each stage (``parallelize``'s step 1
+shards before step 2 cuts; the vocab-parallel loss runs on the last stage).
 With dp > 1 each replica pulls its own micro-batches (the data loader deals them by dp
 rank; the stages of one replica must see the same batches) and the returned loss is
 the mean over replicas.
 
-Global across stages (each rank holds different parameters): the gradient norm is
-``sqrt(sum over pp ranks of each rank's squared norm)`` with a tied parameter counted on
-its first holder only, so clipping scales every stage by the same factor and an inf/NaN
-on any stage skips the step on all (one 4-byte all-reduce over pp, recorded as
-``control``). The loss is the mean over micro-batches, broadcast from the last stage.
+The gradient norm and the tied weights' sums across stages are ``grads``'s.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline.grads import global_grad_norm, sum_tied_shards
 from meshtrain.parallel.pipeline.runtime import PipelineRuntime
+
+__all__ = ["check_pipeline", "eval_batch", "global_grad_norm", "split_for_engine", "train_batch"]
 
 
 class PipelineStages(nn.Module):
@@ -53,22 +57,46 @@ class PipelineStages(nn.Module):
         )
 
 
+def check_pipeline(model: nn.Module, topology, config, tp_plan=None) -> None:
+    """What pipeline parallelism does not combine with, refused before ``parallelize``
+    changes anything: ZeRO stage 3, a ``PipelineModule`` under tensor parallelism, and
+    sequence parallelism for plans that scatter the sequence inside the model (Llama)."""
+    from meshtrain.parallel.pipeline.module import PipelineModule
+
+    if int(config.zero_optimization.stage) >= 3:
+        raise ConfigError(
+            f"zero_optimization.stage: {config.zero_optimization.stage} with "
+            "mesh.pipeline_parallel_size > 1 is not implemented (each stage would gather "
+            "its units once per micro-batch); use stage 0, 1 or 2"
+        )
+    if topology.tp_size == 1:
+        return
+    if isinstance(model, PipelineModule):
+        raise ConfigError(
+            f"mesh.tensor_parallel_size={topology.tp_size} with a meshtrain.pipe."
+            "PipelineModule is not implemented (its layers have no tensor-parallel plan); "
+            "split a model with a built-in plan automatically, or set tensor_parallel_size 1"
+        )
+    if getattr(config.tensor_parallel, "sequence_parallel", False):
+        from meshtrain.parallel.tensor.plans import TPPlan, plan_for
+
+        section = config.tensor_parallel.plan
+        plan = tp_plan or (TPPlan.from_dict(section) if section else plan_for(model))
+        if plan is not None and any(row[1] == "scatter_sequence" for row in plan.rows):
+            raise ConfigError(
+                f"tensor_parallel.sequence_parallel with mesh.pipeline_parallel_size > 1 is "
+                f"not implemented for the {plan.name!r} plan (it scatters the sequence after "
+                "the first block, which later stages do not run); set sequence_parallel to "
+                "false (the meshtrain decoder supports it)"
+            )
+
+
 def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages, PipelineRuntime]:
     """Step 2 of ``parallelize``: this rank's stages and the runtime that schedules them."""
     from meshtrain.parallel.pipeline.module import PipelineModule
     from meshtrain.parallel.pipeline.split import free_unused, split_model, tied_groups
 
     pc = config.pipeline
-    if topology.tp_size > 1:
-        raise ConfigError(
-            f"mesh: pipeline parallelism with tensor_parallel_size={topology.tp_size} is not "
-            "implemented yet (pp x dp only); set mesh.tensor_parallel_size to 1"
-        )
-    if int(config.zero_optimization.stage) >= 2:
-        raise ConfigError(
-            f"zero_optimization.stage: {config.zero_optimization.stage} with "
-            "mesh.pipeline_parallel_size > 1 is not implemented yet; use stage 0 or 1"
-        )
     p, v = topology.pp_size, int(pc.virtual_stages)
     if isinstance(model, PipelineModule):
         if model.num_stages != p * v:
@@ -136,17 +164,25 @@ def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach().float())
-        return torch.stack(losses).mean()
+        return _dp_mean(engine, torch.stack(losses).mean())
     for b in batches:  # samples/s and tokens/s of the step log
         args, kwargs = ((), b) if isinstance(b, dict) else (tuple(b), {})
         engine.log.count_batch(args, kwargs)
     zero = engine.zero
+    engine.shorten_window(1)  # the schedule runs the whole window; step() below ends it
     zero.begin_window()
-    zero.reducer.begin_backward(False)  # reduce once, after the schedule
+    # ZeRO 0-1: reduce once, after the schedule; ZeRO 2: after every micro-batch's
+    # backward (no rank keeps a full gradient to accumulate into)
+    zero.before_backward(False)
     with engine.log.timed("forward"):  # forward and backward interleave
-        loss = pipe.train_step(batches, loss_scale=engine.scaler.scale / zero.predivide)
+        loss = pipe.train_step(
+            batches,
+            loss_scale=engine.scaler.scale / zero.predivide,
+            after_backward=zero.after_backward if zero.every_backward else None,
+        )
+    if zero.every_backward:
+        sum_tied_shards(pipe.tied, zero, engine.topology.dp_group)
     engine.log.add_loss(loss)
-    engine.micro_steps += engine.gas - 1  # step() counts the last one and steps
     engine.step()
     return _dp_mean(engine, loss)
 
@@ -175,21 +211,3 @@ def eval_batch(engine, data_iter: Iterator | None = None, num_micro_batches: int
         return torch.stack([_loss_of(engine(b)).detach().float() for b in batches]).mean()
     finally:
         engine.module.train(was)
-
-
-def global_grad_norm(pipe: PipelineRuntime, zero) -> float:
-    """Gradient norm over every stage (see the module docstring); inf/NaN if any rank's is.
-
-    A tied weight's gradient is zeroed on its later holders while this rank's norm is
-    taken, then put back (stages 0-1 keep gradients as views of the flat buffers), so it
-    counts once without subtracting squares (which would cancel in fp32).
-    """
-    later = [t.grad for t, group in pipe.tied if group.rank > 0 and t.grad is not None]
-    saved = [g.clone() for g in later]
-    for g in later:
-        g.zero_()
-    sq = torch.tensor(zero.grad_norm(), dtype=torch.float64) ** 2
-    for g, keep in zip(later, saved, strict=True):
-        g.copy_(keep)
-    comm.all_reduce(sq, pipe.group, label="control")
-    return float(sq.sqrt())

@@ -78,16 +78,29 @@ class _Stage(nn.Module):
         self.index, self.start, self.stop = index, start, stop
         self.is_first, self.is_last = index == 0, index == owner.num_stages - 1
         self.run = nn.ModuleList()
+        self.paths: list[str] = []  # the PipelineModule's path of each module in run
         self._calls: list[Callable] = []
         for i in range(start, stop):
             mod, fn = owner._layer(i)
             if isinstance(mod, nn.Module):
                 self.run.append(mod)
+                key = getattr(owner.specs[i], "key", None)
+                self.paths.append(f"tied_modules.{key}" if key is not None else f"layers.{i}")
             self._calls.append(fn)
         self.loss_fn = owner.loss_fn
         self.names = {
             n: p for n, p in owner.named_parameters() if any(p is q for q in self.parameters())
         }
+
+    def model_key(self, key: str) -> str:
+        """The PipelineModule's state-dict key of this stage's ``key`` (``run.j.w`` ->
+        ``layers.<i>.w``, ``i`` the layer's index in ``layers``, or ``tied_modules.<key>.w``):
+        the same at every pipeline size, so checkpoints reshard."""
+        head, _, tail = key.partition(".")
+        if head != "run":  # e.g. an nn.Module loss_fn's buffers: the PipelineModule's key
+            return key
+        j, _, rest = tail.partition(".")
+        return f"{self.paths[int(j)]}.{rest}"
 
     def forward(self, x, batch):
         if self.is_first:

@@ -26,7 +26,7 @@ the whole batch with gradient accumulation).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline import zero_bubble
 from meshtrain.parallel.pipeline.schedules import (
     RECV_B,
     RECV_F,
@@ -44,6 +45,13 @@ from meshtrain.parallel.pipeline.schedules import (
     W,
     build_schedule,
 )
+
+# Op costs the receives are placed by (``schedules``: a receive sits before the first
+# compute that starts after the data's simulated arrival). A backward costs about two
+# forwards; placed with unit costs, interleaved 1F1B then blocks on receives it does not
+# need yet: its bubble at p 2, m 4 is 0.200 instead of 0.111 (benchmarks/
+# bench_pipeline_bubble.py; the placement stays deadlock-free whatever the real costs).
+RUN_COSTS = {False: {F: 1, B: 2}, True: {F: 1, B: 1, W: 1}}  # key: backward split (ZB-H1)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 _MAX_DIMS = 8
@@ -92,6 +100,8 @@ class PipelineRuntime:
         self.tied = list(tied)
         self.device = torch.device(device)
         self._cache: dict[tuple, Any] = {}
+        self._after_backward: Callable[[], None] | None = None
+        self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # ZB-H1: B -> W
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
         # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
         self.trace: list | None = None
@@ -99,7 +109,10 @@ class PipelineRuntime:
     def _actions(self, name: str, m: int):
         key = (name, m)
         if key not in self._cache:
-            self._cache[key] = build_schedule(name, self.p, m, self.v).actions[self.group.rank]
+            costs = RUN_COSTS[name == "zb_h1"]
+            self._cache[key] = build_schedule(name, self.p, m, self.v, costs).actions[
+                self.group.rank
+            ]
         return self._cache[key]
 
     # ---- p2p -------------------------------------------------------------------------
@@ -131,15 +144,30 @@ class PipelineRuntime:
             w.wait()
 
     # ---- steps -----------------------------------------------------------------------
-    def train_step(self, batches: Sequence[Any], loss_scale: float = 1.0) -> torch.Tensor:
+    def train_step(
+        self,
+        batches: Sequence[Any],
+        loss_scale: float = 1.0,
+        after_backward: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss (every rank).
 
         Gradients accumulate into the parameters' ``.grad`` as ``loss_scale x`` those of
         the mean loss; tied parameters' gradients are summed over their ranks.
+        ``after_backward``: called after each micro-batch's weight-gradient backward on a
+        stage (ZeRO 2 reduce-scatters and drops ``.grad`` there; tied weights are then
+        summed by the caller, ``grads.sum_tied_shards``).
         """
         for st in self.stages.values():
             st.train()
-        loss = self._run(self._actions(self.schedule, len(batches)), batches, True, loss_scale)
+        self._after_backward = after_backward
+        try:
+            actions = self._actions(self.schedule, len(batches))
+            loss = self._run(actions, batches, True, loss_scale)
+        finally:
+            self._after_backward = None
+        if after_backward is not None:
+            return loss
         for param, group in self.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -202,7 +230,8 @@ class PipelineRuntime:
 
     def _backward(self, key, inputs, outputs, out_grads, split: bool) -> None:
         """``B`` (and ``W`` for ZB-H1): ``B`` alone runs the whole backward; under ZB-H1
-        ``B`` computes the input gradient keeping the graph, ``W`` the weight gradients."""
+        ``B`` computes the input gradient and ``W`` the weight gradients, each walking its
+        own part of the graph once (``zero_bubble``)."""
         stage, mb = key
         zb = self.schedule == "zb_h1"
         y = outputs[key]
@@ -210,14 +239,20 @@ class PipelineRuntime:
         x = inputs.get(key)
         if zb and not split:  # input gradient only (nothing to do on stage 0)
             if x is not None:
-                (x.grad,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+                params = self.stages[stage].parameters()
+                self._weight_work[key] = zero_bubble.backward_input(y, grad, x, params)
             return
         outputs.pop(key)
         out_grads.pop(key, None)
-        if zb:  # weight gradients: the graph again, towards the parameters only
+        work = self._weight_work.pop(key, None) if zb else None
+        if work is not None:  # weight gradients from what B saved (``zero_bubble``)
+            zero_bubble.backward_weight(work)
+        elif zb:  # stage 0: the whole backward, towards the parameters
             params = [p for p in self.stages[stage].parameters() if p.requires_grad]
             torch.autograd.backward(y, grad, inputs=params)
         else:
             torch.autograd.backward(y, grad)
+        if self._after_backward is not None:
+            self._after_backward()
         if stage > 0 and self._peer(stage - 1) == self.group.rank:  # p == 1 hand-over
             out_grads[(stage - 1, mb)] = inputs.pop(key).grad

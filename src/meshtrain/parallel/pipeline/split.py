@@ -184,12 +184,23 @@ class SplitStage(nn.Module):
         if not self.is_last:
             replace.update({p: nn.Identity() for p in layout.last if _get(model, p) is not None})
         self.model = _rewire(model, replace)
-        self.block_ids = tuple(blocks)
+        self.block_ids, self.blocks_path = tuple(blocks), layout.blocks
         # the model's own parameter names (shared modules keep them)
         ids: dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             ids.setdefault(id(p), n)
         self.names = {ids[id(p)]: p for p in self.model.parameters()}
+
+    def model_key(self, key: str) -> str:
+        """The unsplit model's state-dict key of this stage's ``key`` (checkpoints use it):
+        ``model.`` dropped, blocks renumbered back (``layers.0.w`` on a stage whose first
+        block is 4 is ``layers.4.w``); every other module keeps its path."""
+        key = key.removeprefix("model.")
+        head = self.blocks_path + "."
+        if key.startswith(head):
+            j, rest = key[len(head) :].split(".", 1)
+            key = f"{head}{self.block_ids[int(j)]}.{rest}"
+        return key
 
     def forward(self, x: torch.Tensor | None, batch) -> torch.Tensor:
         """``x``: the previous stage's activation (None on stage 0); ``batch``: the
@@ -204,7 +215,9 @@ class SplitStage(nn.Module):
             args = ()
         if not self.is_first:
             self._input.value = x
-            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+            # the batch's shape, not x's: under sequence parallelism x holds 1/T of the
+            # sequence, while positions (rotary tables, masks) follow the full length
+            ids = torch.zeros(ids.shape, dtype=torch.long, device=x.device)
         if self.is_last and labels is not None:
             kwargs["labels"] = labels
         try:

@@ -13,8 +13,9 @@
   different order than that peer's sends (FIFO p2p matching would pair the wrong tensors);
 * executing the lists with non-blocking sends and blocking receives gets stuck.
 
-``idle_fraction`` measures the bubble from the simulated timeline of a schedule and
-``expected_idle_fraction`` is the closed form of ``schedules``' docstring; both are exact
+``idle_fraction`` measures the bubble from the simulated timeline of a schedule,
+``executed_idle_fraction`` from running its lists with other op costs, and
+``expected_idle_fraction`` is the closed form of ``schedules``' docstring; all are exact
 ``Fraction``s. ``peak_alive`` counts micro-batches alive per stage.
 """
 
@@ -148,6 +149,39 @@ def idle_fraction(schedule: Schedule) -> Fraction:
     total = schedule.p * schedule.makespan
     busy = sum(schedule.costs[a.kind] for a in schedule.start)
     return Fraction(total - busy, total)
+
+
+def executed_idle_fraction(schedule: Schedule, costs: dict[str, int]) -> Fraction:
+    """The bubble when the action lists *run* with op costs ``costs`` (sends free, a
+    receive blocking until its send): what a rank really idles when the costs differ from
+    those the receives were placed by, since a receive placed too early blocks compute."""
+    pos, now, busy = [0] * schedule.p, [0] * schedule.p, [0] * schedule.p
+    sent: dict[tuple, int] = {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, actions in enumerate(schedule.actions):
+            while pos[rank] < len(actions):
+                a = actions[pos[rank]]
+                if a.kind in (RECV_F, RECV_B):
+                    key = (
+                        (SEND_F, a.stage - 1, a.mb)
+                        if a.kind == RECV_F
+                        else (SEND_B, a.stage + 1, a.mb)
+                    )
+                    if key not in sent:
+                        break
+                    now[rank] = max(now[rank], sent[key])
+                elif a.kind in (SEND_F, SEND_B):
+                    sent[(a.kind, a.stage, a.mb)] = now[rank]
+                else:
+                    now[rank] += costs[a.kind]
+                    busy[rank] += costs[a.kind]
+                pos[rank] += 1
+                progressed = True
+    _check_runs(schedule)  # raises if the loop above got stuck
+    total = schedule.p * max(now)
+    return Fraction(total - sum(busy), total)
 
 
 def expected_idle_fraction(name: str, p: int, m: int, v: int = 1) -> Fraction:

@@ -19,9 +19,15 @@ sequence parallel     2 all-gather (region entries) +       2 reduce-scatter + 2
 Outside the blocks: the vocab-parallel embedding all-reduces (sequence parallel:
 reduce-scatters) its output in forward; the LM head's input is all-reduced
 (sequence parallel: reduce-scattered) in backward; the vocab-parallel loss adds two small
-all-reduces (``cross_entropy``). Head counts T does not divide are padded with zero heads
-(multi-head attention) or refused (grouped-query attention, whose query-to-key/value
-grouping padding would break); vocabularies and MLP widths are padded to a multiple of T.
+all-reduces (``cross_entropy``). Head counts T does not divide are padded with zero heads;
+under grouped-query attention the key/value heads are padded to a multiple of T and the
+query heads with them, a whole group of ``heads / kv_heads`` zero query heads per zero
+key/value head, so every query head keeps its key/value head. Vocabularies and MLP widths
+are padded to a multiple of T. Padding units are zero and stay zero (``sharding``).
+
+Under sequence parallelism, modules the plan marks ``sequence`` (norms, dropout) run on
+this rank's tokens: dropout inside them draws from the per-rank stream (``rng``), like
+dropout inside regions, and their weights' gradients are summed over the tp group.
 """
 
 from __future__ import annotations
@@ -34,9 +40,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtrain.errors import ConfigError, TopologyError
+from meshtrain.errors import ConfigError
 from meshtrain.parallel.tensor import mappings as M
-from meshtrain.parallel.tensor.cross_entropy import HFLoss, causal_lm_loss
+from meshtrain.parallel.tensor.cross_entropy import (
+    HFLoss,
+    causal_lm_loss,
+    recompute_masked_lm_loss,
+)
 from meshtrain.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -47,6 +57,7 @@ from meshtrain.parallel.tensor.plans import TPPlan, plan_for
 from meshtrain.parallel.tensor.rng import RegionRNG
 
 log = logging.getLogger("meshtrain.tensor_parallel")
+_REPLACING = ("embedding", "embedding_to_sequence", "column", "row", "lm_head")
 
 
 def apply_tensor_parallel(
@@ -78,24 +89,32 @@ def apply_tensor_parallel(
     if sequence_parallel and not plan.sequence_parallel:
         raise ConfigError(
             f"tensor_parallel.sequence_parallel: the {plan.name!r} plan does not support "
-            "sequence parallelism (supported: the meshtrain decoder and Llama/Qwen2/Mistral); "
-            "set it to false"
+            "sequence parallelism; set it to false"
         )
     sizes = {k: int(_lookup(model, path, plan.name)) for k, path in plan.sizes.items()}
-    _check_heads(sizes, t, plan.name)
     _log_padding(sizes, t, plan.name, topology)
 
     modules = dict(model.named_modules())
     matched = {row: [n for n in modules if fnmatch.fnmatchcase(n, row[0])] for row in plan.rows}
-    empty = [row[0] for row, names in matched.items() if not names]
+    # a gather_sequence row only matters under sequence parallelism (BertModel's pooler
+    # may be absent)
+    empty = [
+        row[0]
+        for row, names in matched.items()
+        if not names and (sequence_parallel or row[1] != "gather_sequence")
+    ]
     if empty:
         raise ConfigError(
             f"tensor-parallel plan {plan.name!r}: no module of {type(model).__name__} matches "
             f"{empty}; module names look like {_sample_names(model)}"
         )
+    _check_overlaps(matched, plan.name)
     regions = [n for row, names in matched.items() if row[1] == "region" for n in names]
     rng = RegionRNG(_seed(seed, group.rank), topology.device)
     shared: dict[int, nn.Parameter] = {}  # tied weights are sharded once
+    # after a gather_sequence the full sequence reaches the LM head
+    head_sp = sequence_parallel and not any(row[1] == "gather_sequence" for row in plan.rows)
+    reduced: set[int] = set()  # replicated parameters whose gradients are summed over tp
     for row, names in matched.items():
         style, units_key = row[1], row[2] if len(row) > 2 else None
         blocks = row[3] if len(row) > 3 else 1
@@ -103,7 +122,8 @@ def apply_tensor_parallel(
         for name in names:
             mod = modules[name]
             inside = next((r for r in regions if name.startswith(r + ".")), None)
-            new = _build(mod, style, group, units, blocks, sequence_parallel, inside, shared)
+            sp = head_sp if style == "lm_head" else sequence_parallel
+            new = _build(mod, style, group, units, blocks, sp, inside, shared)
             if new is not None:
                 _replace(model, name, new)
                 if style == "row" and inside is not None:
@@ -112,16 +132,19 @@ def apply_tensor_parallel(
                 _enter_region(mod, group, sequence_parallel, rng)
             elif style == "scatter_sequence" and sequence_parallel:
                 _on_input(mod, functools.partial(M.scatter_to_region, group=group, dim=1))
+            elif style == "gather_sequence" and sequence_parallel:
+                _on_input(mod, functools.partial(M.gather_from_region, group=group, dim=1))
             elif style == "sequence" and sequence_parallel and t > 1:
-                for p in mod.parameters(recurse=False):
-                    p.register_hook(M.reduce_gradient_hook(group))
+                _on_sequence_shard(mod, group, rng, reduced)
     for path, attr, units_key in plan.attrs:
         n = sizes[units_key]
         local = -(-n // t)  # padded units per rank
         for name, mod in model.named_modules():
             if fnmatch.fnmatchcase(name, path) and hasattr(mod, attr):
                 setattr(mod, attr, getattr(mod, attr) * local // n)
+    _repoint_aliases(model, shared)
     _set_loss(model, plan, group, sizes)
+    _full_logits_in_generate(model, plan, sequence_parallel)
     model.meshtrain_tp = {"plan": plan.name, "size": t, "sequence_parallel": sequence_parallel}
     # parameters a caller collected before (an optimizer's groups) -> their shards
     model.meshtrain_tp_replaced = shared
@@ -179,6 +202,49 @@ def _enter_region(mod: nn.Module, group, sp: bool, rng: RegionRNG) -> None:
     mod.register_forward_hook(lambda *_: rng.exit())
 
 
+def _on_sequence_shard(mod: nn.Module, group, rng: RegionRNG, reduced: set[int]) -> None:
+    """``mod`` runs on this rank's tokens: its replicated weights' gradients cover those
+    tokens only (summed over the group), and its dropout must not repeat another rank's
+    mask on different tokens (this rank's region stream)."""
+    for p in mod.parameters():
+        if p.requires_grad and id(p) not in reduced:
+            reduced.add(id(p))
+            p.register_hook(M.reduce_gradient_hook(group))
+    if not any(isinstance(m, nn.modules.dropout._DropoutNd) for m in mod.modules()):
+        return
+    entered: list[bool] = []
+
+    def enter(*_):
+        entered.append(not rng.inside)  # nested in a region: already on the stream
+        rng.enter()
+
+    def leave(*_):
+        if entered.pop():
+            rng.exit()
+
+    mod.register_forward_pre_hook(enter)
+    mod.register_forward_hook(leave)
+
+
+def _repoint_aliases(model: nn.Module, shared: dict[int, nn.Parameter]) -> None:
+    """Point every other reference to a replaced parameter at its shard (BertForMaskedLM's
+    ``cls.predictions.bias`` is ``decoder.bias``), with the shard's spec, so the model
+    holds no stale full copy and ``full_state_dict`` unshards every key."""
+    specs = {
+        id(getattr(m, name)): spec for m in model.modules() for name, spec in _specs(m).items()
+    }
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and id(p) in shared:
+                new = shared[id(p)]
+                mod._parameters[name] = new
+                mod.tp_specs = {**_specs(mod), name: specs[id(new)]}
+
+
+def _specs(mod: nn.Module) -> dict:
+    return getattr(mod, "tp_specs", {})
+
+
 def _on_input(mod: nn.Module, fn, before=None) -> None:
     """Apply ``fn`` to the module's first input (positional, or ``hidden_states=``)."""
 
@@ -202,8 +268,42 @@ def _set_loss(model: nn.Module, plan: TPPlan, group, sizes: dict[str, int]) -> N
         model.loss_fn = functools.partial(causal_lm_loss, group=group, vocab_size=vocab)
     elif plan.loss in ("hf_causal", "hf_masked"):
         model.loss_function = HFLoss(group, vocab, causal=plan.loss == "hf_causal")
+    elif plan.loss == "masked_lm":
+        recompute_masked_lm_loss(model, group, vocab)
     else:
         raise ConfigError(f"plan {plan.name!r}: unknown loss {plan.loss!r}")
+
+
+def _full_logits_in_generate(model: nn.Module, plan: TPPlan, sp: bool) -> None:
+    """``model.generate`` reads ``logits[:, -1]`` over the whole vocabulary: while it runs
+    the LM head all-gathers its vocabulary shards (every tp rank must call it alike)."""
+    original = getattr(model, "generate", None)
+    heads = [
+        m
+        for n, m in model.named_modules()
+        for row in plan.rows
+        if row[1] == "lm_head" and fnmatch.fnmatchcase(n, row[0])
+    ]
+    if original is None or not heads:
+        return
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if sp:
+            raise ConfigError(
+                "generate() under tensor_parallel.sequence_parallel: decoding one token at a "
+                "time cannot split the sequence over the tp ranks; apply tensor parallelism "
+                "with sequence_parallel false for generation (checkpoints load either way)"
+            )
+        for head in heads:
+            head.gather_output = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for head in heads:
+                head.gather_output = False
+
+    model.generate = generate
 
 
 # ----------------------------------------------------------------------------- checks
@@ -218,42 +318,46 @@ def _lookup(model: nn.Module, path: str, plan: str) -> Any:
     return obj
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_heads(sizes: dict[str, int], t: int, plan: str) -> None:
-    heads, kv = sizes.get("heads"), sizes.get("kv_heads")
-    if kv is None or kv == heads or heads is None:
-        return  # multi-head attention: zero heads pad any T
-    if heads % t or kv % t:
-        import math
-
-        valid = _divisors(math.gcd(heads, kv))
-        raise TopologyError(
-            f"tensor_parallel_size {t} does not divide the {plan} model's {heads} query heads "
-            f"and {kv} key/value heads (grouped-query attention cannot be padded without "
-            f"changing which keys each query reads); use a tensor_parallel_size in {valid}"
-        )
+def _check_overlaps(matched: dict, plan: str) -> None:
+    """Two rows that both replace one module would shard it twice (from the original)."""
+    owner: dict[str, str] = {}
+    for row, names in matched.items():
+        if row[1] not in _REPLACING:
+            continue
+        for name in names:
+            if name in owner:
+                raise ConfigError(
+                    f"tensor-parallel plan {plan!r}: rows {owner[name]!r} and {row[0]!r} both "
+                    f"match {name!r}; make one pattern narrower (e.g. '*[0-9].output')"
+                )
+            owner[name] = row[0]
 
 
 def _log_padding(sizes: dict[str, int], t: int, plan: str, topology) -> None:
     if getattr(topology, "rank", 0) != 0:
         return
+    heads, kv = sizes.get("heads"), sizes.get("kv_heads")
     for key in ("vocab", "heads", "kv_heads"):
         n = sizes.get(key)
-        if n is not None and n % t and not (key == "kv_heads" and n == sizes.get("heads")):
-            padded = -(-n // t) * t
-            log.info(
-                "tensor parallel (%s): %s %d padded to %d (a multiple of tp %d); "
-                "checkpoints and module_state_dict() keep the unpadded %d",
-                plan,
-                key,
-                n,
-                padded,
-                t,
-                n,
-            )
+        if n is None or not n % t or (key == "kv_heads" and kv == heads):
+            continue
+        if key == "heads" and kv is not None and kv != heads:
+            continue  # grouped-query attention: the query heads follow their kv heads
+        padded = -(-n // t) * t
+        also = ""
+        if key == "kv_heads" and heads is not None and kv != heads:
+            also = f" (and the query heads {heads} to {padded * (heads // kv)})"
+        log.info(
+            "tensor parallel (%s): %s %d padded to %d%s, a multiple of tp %d; "
+            "checkpoints and module_state_dict() keep the unpadded %d",
+            plan,
+            key,
+            n,
+            padded,
+            also,
+            t,
+            n,
+        )
 
 
 def _seed(seed: int | None, tp_rank: int) -> int:

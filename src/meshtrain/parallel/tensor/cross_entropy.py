@@ -127,4 +127,36 @@ class HFLoss:
         return loss
 
 
-__all__ = ["HFLoss", "causal_lm_loss", "vocab_parallel_cross_entropy"]
+def recompute_masked_lm_loss(model: torch.nn.Module, group: Group, vocab_size: int) -> None:
+    """Make ``model(..., labels=...)`` return the vocab-parallel masked-LM loss.
+
+    For models whose forward computes ``CrossEntropyLoss()(logits.view(-1, vocab), ...)``
+    inline (``BertForMaskedLM``), which vocab-sharded logits cannot feed: a pre-hook takes
+    ``labels`` out of the call, and a forward hook puts the loss of the sharded logits
+    (``-100`` ignored, mean over the rest) first in the output, where the model puts it.
+    """
+    loss_fn = HFLoss(group, vocab_size, causal=False)
+    pending: list[torch.Tensor | None] = []  # one entry per call in flight
+
+    def take_labels(_mod, args, kwargs):
+        pending.append(kwargs.pop("labels", None))
+        return args, kwargs
+
+    def add_loss(_mod, _args, _kwargs, out):
+        labels = pending.pop()
+        if labels is None:
+            return out
+        if isinstance(out, tuple):
+            return (loss_fn(out[0], labels), *out)
+        return type(out)(loss=loss_fn(out.logits, labels), **{k: v for k, v in out.items()})
+
+    model.register_forward_pre_hook(take_labels, with_kwargs=True)
+    model.register_forward_hook(add_loss, with_kwargs=True)
+
+
+__all__ = [
+    "HFLoss",
+    "causal_lm_loss",
+    "recompute_masked_lm_loss",
+    "vocab_parallel_cross_entropy",
+]

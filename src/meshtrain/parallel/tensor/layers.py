@@ -131,13 +131,18 @@ class ColumnParallelLinear(_ParallelLinear):
             self.register_parameter("bias", None)
         return self
 
+    gather_output: bool = False  # generation: every rank gets the full, unpadded output
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             if self.sequence_parallel:
                 x = M.gather_from_sequence(x, self.group, self.seq_dim)
             else:
                 x = M.copy_to_region(x, self.group)
-        return self._matmul(x, self.bias)
+        y = self._matmul(x, self.bias)
+        if self.gather_output:  # all-gather of the [..., out/T] shards: b_y per call
+            y = M.gather_from_region(y, self.group, dim=-1)[..., : self.tp_specs["weight"].full]
+        return y
 
     def extra_repr(self) -> str:
         return (

@@ -1,7 +1,9 @@
 """Tensor-parallel plans: one table per model family, mapping module paths to styles.
 
 A row is ``(path, style)`` or ``(path, style, units)`` or ``(path, style, units, blocks)``;
-``*`` in a path matches one name (a layer index). Styles:
+``*`` in a path matches any characters, dots included (``fnmatch``): ``*.output.dense``
+matches ``attention.output.dense`` too, where ``*[0-9].output.dense`` does not; two rows
+that replace one module are refused. Styles:
 
 ============  ===============================================================================
 style         what ``apply_tensor_parallel`` does to the module at ``path``
@@ -22,13 +24,23 @@ scatter_sequence
               with sequence parallelism, the module's first input is split along the
               sequence (backward: all-gather); for models that need the full sequence
               before their first block (position ids, masks)
-sequence      a module with replicated weights (a norm) that runs on a sequence shard under
-              sequence parallelism; its weight gradients are summed over the tp group
+sequence      a module that runs on a sequence shard under sequence parallelism (a norm, a
+              dropout): its replicated weights' gradients are summed over the tp group, and
+              dropout inside it draws from this rank's own random stream (its tokens differ
+              from every other rank's, so must its mask)
+gather_sequence
+              with sequence parallelism, the module's first input is all-gathered along the
+              sequence (backward: keep this rank's chunk): the model leaves sequence
+              parallelism there, for code that needs the full sequence (GPT-2's final
+              reshape, BERT's pooler reading token 0); an ``lm_head`` then takes the full
+              sequence and copies it into its region instead of all-gathering it
 ============  ===============================================================================
 
 ``units`` names the indivisible unit of the sharded dimension (``"heads"``,
 ``"kv_heads"``, ``"vocab"``; default: single features), looked up in ``sizes`` (attribute
-paths on the model); ``blocks`` counts fused projections (GPT-2's ``c_attn``: 3). ``attrs``
+paths on the model). Grouped-query attention shards its query and output projections by
+``"kv_heads"`` too: a unit is then one key/value head's group of query heads, so padding
+adds whole groups and every query head stays with its key/value head. ``blocks`` counts fused projections (GPT-2's ``c_attn``: 3). ``attrs``
 lists module attributes the forward reads that scale with the local share of a unit
 (``num_heads``, GPT-2's ``split_size``): each becomes ``value x local units / units``.
 
@@ -62,6 +74,7 @@ STYLES = (
     "lm_head",
     "region",
     "sequence",
+    "gather_sequence",
 )
 
 
@@ -74,7 +87,7 @@ class TPPlan:
     sizes: dict[str, str] = field(default_factory=dict)
     attrs: tuple[tuple[str, str, str], ...] = ()
     classes: tuple[str, ...] = ()  # model class names this plan is the default for
-    loss: str | None = None  # "decoder", "hf_causal", "hf_masked" or None
+    loss: str | None = None  # "decoder", "hf_causal", "hf_masked", "masked_lm" or None
     sequence_parallel: bool = True  # whether the plan supports sequence parallelism
 
     def __post_init__(self) -> None:
@@ -147,10 +160,10 @@ LLAMA = TPPlan(  # also Qwen2 and Mistral: the same module layout
         ("model.layers.0", "scatter_sequence"),  # positions and mask come from the full length
         ("model.layers.*.input_layernorm", "sequence"),
         ("model.layers.*.self_attn", "region"),
-        ("model.layers.*.self_attn.q_proj", "column", "heads"),
+        ("model.layers.*.self_attn.q_proj", "column", "kv_heads"),  # by key/value group
         ("model.layers.*.self_attn.k_proj", "column", "kv_heads"),
         ("model.layers.*.self_attn.v_proj", "column", "kv_heads"),
-        ("model.layers.*.self_attn.o_proj", "row", "heads"),
+        ("model.layers.*.self_attn.o_proj", "row", "kv_heads"),
         ("model.layers.*.post_attention_layernorm", "sequence"),
         ("model.layers.*.mlp", "region"),
         ("model.layers.*.mlp.gate_proj", "column"),
@@ -168,12 +181,19 @@ GPT2 = TPPlan(
     sizes={"heads": "config.num_attention_heads", "vocab": "config.vocab_size"},
     rows=(
         ("transformer.wte", "embedding", "vocab"),
+        ("transformer.drop", "scatter_sequence"),  # after the position embeddings are added
+        ("transformer.drop", "sequence"),
+        ("transformer.h.*.ln_1", "sequence"),
         ("transformer.h.*.attn", "region"),
         ("transformer.h.*.attn.c_attn", "column", "heads", 3),  # fused q|k|v, Conv1D [in, out]
         ("transformer.h.*.attn.c_proj", "row", "heads"),
+        ("transformer.h.*.attn.resid_dropout", "sequence"),
+        ("transformer.h.*.ln_2", "sequence"),
         ("transformer.h.*.mlp", "region"),
         ("transformer.h.*.mlp.c_fc", "column"),
         ("transformer.h.*.mlp.c_proj", "row"),
+        ("transformer.h.*.mlp.dropout", "sequence"),
+        ("transformer.ln_f", "gather_sequence"),  # GPT2Model reshapes to the full sequence
         ("lm_head", "lm_head", "vocab"),  # tied to wte: shares its shard
     ),
     attrs=(
@@ -182,31 +202,63 @@ GPT2 = TPPlan(
         ("transformer.h.*.attn", "embed_dim", "heads"),
     ),
     loss="hf_causal",
-    sequence_parallel=False,  # GPT2Model reshapes ln_f's output to the full sequence
+)
+
+_BERT_SIZES = {"heads": "config.num_attention_heads", "vocab": "config.vocab_size"}
+# post-norm: each norm and dropout after a row layer runs on a shard. ``*[0-9].output``
+# is BertOutput; ``*.output`` alone would also match ``attention.output``.
+_BERT_ENCODER = (
+    ("*embeddings.word_embeddings", "embedding", "vocab"),
+    ("*embeddings.LayerNorm", "scatter_sequence"),  # after position/type embeddings
+    ("*embeddings.LayerNorm", "sequence"),
+    ("*embeddings.dropout", "sequence"),
+    ("*encoder.layer.*.attention.self", "region"),
+    ("*encoder.layer.*.attention.self.query", "column", "heads"),
+    ("*encoder.layer.*.attention.self.key", "column", "heads"),
+    ("*encoder.layer.*.attention.self.value", "column", "heads"),
+    ("*encoder.layer.*.attention.output.dense", "row", "heads"),
+    ("*encoder.layer.*.attention.output.dropout", "sequence"),
+    ("*encoder.layer.*.attention.output.LayerNorm", "sequence"),
+    ("*encoder.layer.*.intermediate.dense", "column"),
+    ("*encoder.layer.*[0-9].output.dense", "row"),
+    ("*encoder.layer.*[0-9].output.dropout", "sequence"),
+    ("*encoder.layer.*[0-9].output.LayerNorm", "sequence"),
+)
+_BERT_ATTRS = (
+    ("*encoder.layer.*.attention.self", "num_attention_heads", "heads"),
+    ("*encoder.layer.*.attention.self", "all_head_size", "heads"),
 )
 
 BERT = TPPlan(
     name="bert",
-    classes=("BertModel", "BertForSequenceClassification", "BertForTokenClassification"),
-    sizes={"heads": "config.num_attention_heads", "vocab": "config.vocab_size"},
-    rows=(
-        ("*embeddings.word_embeddings", "embedding", "vocab"),
-        ("*encoder.layer.*.attention.self", "region"),
-        ("*encoder.layer.*.attention.self.query", "column", "heads"),
-        ("*encoder.layer.*.attention.self.key", "column", "heads"),
-        ("*encoder.layer.*.attention.self.value", "column", "heads"),
-        ("*encoder.layer.*.attention.output.dense", "row", "heads"),
-        ("*encoder.layer.*.intermediate.dense", "column"),
-        ("*encoder.layer.*.output.dense", "row"),
-    ),
-    attrs=(
-        ("*encoder.layer.*.attention.self", "num_attention_heads", "heads"),
-        ("*encoder.layer.*.attention.self", "all_head_size", "heads"),
-    ),
-    sequence_parallel=False,  # post-norm with position embeddings added before the scatter
+    classes=("BertModel", "BertForSequenceClassification"),
+    sizes=_BERT_SIZES,
+    rows=(*_BERT_ENCODER, ("*pooler", "gather_sequence")),  # the pooler reads token 0
+    attrs=_BERT_ATTRS,
 )
 
-PLANS: tuple[TPPlan, ...] = (DECODER, LLAMA, GPT2, BERT)
+BERT_TOKENS = TPPlan(
+    name="bert token classification",
+    classes=("BertForTokenClassification",),
+    sizes=_BERT_SIZES,
+    rows=(*_BERT_ENCODER, ("dropout", "gather_sequence")),  # the labels cover every token
+    attrs=_BERT_ATTRS,
+)
+
+BERT_MLM = TPPlan(
+    name="bert masked lm",
+    classes=("BertForMaskedLM",),
+    sizes=_BERT_SIZES,
+    rows=(
+        *_BERT_ENCODER,
+        ("cls.predictions.transform", "sequence"),  # dense + LayerNorm on a sequence shard
+        ("cls.predictions.decoder", "lm_head", "vocab"),  # tied to word_embeddings
+    ),
+    attrs=_BERT_ATTRS,
+    loss="masked_lm",  # BertForMaskedLM computes its loss inline: recomputed vocab-parallel
+)
+
+PLANS: tuple[TPPlan, ...] = (DECODER, LLAMA, GPT2, BERT, BERT_TOKENS, BERT_MLM)
 
 
 def plan_for(model: object) -> TPPlan | None:
@@ -218,4 +270,14 @@ def plan_for(model: object) -> TPPlan | None:
     return None
 
 
-__all__ = ["BERT", "DECODER", "GPT2", "LLAMA", "PLANS", "TPPlan", "plan_for"]
+__all__ = [
+    "BERT",
+    "BERT_MLM",
+    "BERT_TOKENS",
+    "DECODER",
+    "GPT2",
+    "LLAMA",
+    "PLANS",
+    "TPPlan",
+    "plan_for",
+]

@@ -57,6 +57,7 @@ class ZeroStage:
         self.flat_groups = plan.flat_groups
         self.gatherer = plan.gatherer
         self.every_backward = self.stage >= 2
+        self._window_reduced = False  # stages 0-1: before_step already finished the reduction
         dp = topology.dp_size
         self.predivide = float(
             dp if config.prescale_gradients else config.gradient_predivide_factor
@@ -112,8 +113,12 @@ class ZeroStage:
                 self.gatherer.release_all()  # units whose parameters got no gradient
 
     def before_step(self) -> None:
-        if not self.every_backward:
+        """Finish the window's reduction (stages 0-1; 2-3 reduced in every backward). Safe to
+        call twice in a window: a gradient-norm query before the step (``clip_grad_norm_``)
+        and the step itself both call it, and the buckets are reduced once."""
+        if not self.every_backward and not self._window_reduced:
             self.reducer.finish()
+            self._window_reduced = True
 
     def grad_norm(self) -> float:
         """L2 norm of the reduced gradients over every rank's owned chunks (inf/NaN if any
@@ -168,6 +173,22 @@ class ZeroStage:
     def after_step(self) -> None:
         for g in self.flat_groups:
             g.zero_grads()
+        self._window_reduced = False
+
+    def release_module(self, module: nn.Module) -> None:
+        """Leave ``module`` holding its whole parameters on this rank with no ZeRO-3 hooks
+        (stages 0-2 hold them already): the end of training, when the user's model object
+        must work on its own. The engine cannot step this module afterwards."""
+        if self.gatherer is None:
+            return
+        sharded = {id(p) for g in self.flat_groups for p in g.params}
+        with torch.no_grad(), self.gatherer.gathered():
+            whole = [(p, p.data.clone()) for p in module.parameters() if id(p) in sharded]
+        self.gatherer.remove()
+        self.gatherer = None
+        with torch.no_grad():
+            for p, t in whole:
+                p.data = t
 
     def reload_params(self) -> None:
         """After the masters were loaded (checkpoint): write them to the parameters and

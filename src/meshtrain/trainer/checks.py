@@ -1,0 +1,59 @@
+"""Value checks of ``TrainingArguments``: each raises one ConfigError naming the argument,
+the value and the fix (transformers would raise a bare TypeError, or accept the string
+"false" as True)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from meshtrain.errors import ConfigError
+
+
+def choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    text = getattr(value, "value", value)  # transformers' enums carry .value
+    if not isinstance(text, str) or text.lower() not in allowed:
+        raise ConfigError(
+            f"TrainingArguments.{name}: {value!r} is not allowed; use one of "
+            f"{', '.join(repr(a) for a in allowed)}"
+        )
+    return text.lower()
+
+
+def positive(name: str, value: Any, *, allow_zero: bool = False, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        want = "an integer" if integer else "a number"
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"TrainingArguments.{name}: {value!r} is not allowed; use {want} {bound}")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_names(kwargs: dict[str, Any], names: list[str]) -> None:
+    """An unknown keyword argument: ConfigError naming it and the closest argument."""
+    import difflib
+
+    for key in kwargs:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else "see docs/trainer.md for the arguments"
+            raise ConfigError(f"TrainingArguments: unknown argument {key!r}; {hint}")
+
+
+def check_bools(args: Any) -> None:
+    """A flag must be True or False: the string "false" is truthy and would turn it on."""
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        # the annotations are strings (from __future__ import annotations)
+        if f.type in ("bool", "bool | None") and not isinstance(value, bool):
+            if value is None and f.type == "bool | None":
+                continue
+            raise ConfigError(
+                f"TrainingArguments.{f.name}: {value!r} is not allowed; use True or False"
+                + (" (a non-empty string counts as True)" if isinstance(value, str) else "")
+            )

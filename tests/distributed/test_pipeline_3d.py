@@ -1,0 +1,221 @@
+"""Pipeline x data x tensor parallelism (3D) and ZeRO 2 inside pipeline stages, through
+``meshtrain.initialize``, against the same engine on one process.
+
+* 3D, pp 2 x dp 2 x tp 2 on 8 processes, one process group with four runs:
+  - the reference decoder with its LM head tied to the vocab-sharded embedding (stage 0
+    and the last stage hold the same tp shard; its gradient is summed per tp rank over
+    the two stages), ZB-H1 (its weight-gradient step starts from what the input-gradient
+    step saved, through the tensor-parallel layers), ZeRO 1;
+  - the same decoder with sequence parallelism (activations travel between stages as
+    each tp rank's sequence shard), interleaved 1F1B with 2 chunks per rank, ZeRO 2;
+  - tiny transformers Llama (grouped-query attention, HF loss made vocab-parallel), 1F1B;
+  - fp16 with a dynamic loss scale: an inf planted in one gradient on one rank of the
+    last stage must skip that step, and halve the loss scale, on all 8 ranks.
+* pp 2 x dp 2 with ZeRO 2 on 4 processes (tied decoder, 1F1B and ZB-H1).
+
+Every run clips the gradient at 0.05, below the model's norm (~1) on every step, so
+matching the one-process parameters proves the norm is global: over stages, over tp
+(replicated norms counted once, shards summed) and over dp, the tied weight once.
+
+Tolerances (fp32): losses and global gradient norms within 1e-6 relative per step, every
+parameter (tp shards gathered back to the full tensor) within 1e-6 normwise after the
+last step: the same sums in another order (tp partial sums, dp averages, the tied
+gradient added across stages), ~1e-7 per step, which SGD does not amplify over 4 steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+STEPS = 4
+ROWS = 2  # rows of every micro-batch in the global batch (one per dp replica at dp 2)
+CLIP = 0.05
+
+
+def _data(kind: str, step: int, part: slice = slice(None), m: int = 4) -> list:
+    """The step's micro-batches (sequence lengths vary; even, for sequence parallelism);
+    ``part`` selects a data-parallel replica's rows."""
+    g = torch.Generator().manual_seed(900 + step)
+    out = []
+    for i in range(m):
+        ids = torch.randint(0, 64, (ROWS, 4 + 2 * ((i + step) % 3)), generator=g)[part]
+        out.append({"input_ids": ids, "labels": ids} if kind == "llama" else (ids, ids))
+    return out
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        from tests.tiny_models import tiny_llama
+
+        return tiny_llama(seed=3, attn_implementation="sdpa")
+    from meshtrain.models import Decoder, DecoderConfig
+
+    return Decoder(
+        DecoderConfig(
+            vocab_size=64,
+            dim=32,
+            n_layers=4,
+            n_heads=2,
+            ffn_dim=48,
+            max_seq_len=16,
+            tie_embeddings=True,
+        )
+    )
+
+
+def _train(kind: str, pp: int, tp: int, dp: int, zero: int, schedule: str, v: int, **extra):
+    """Inside a rank: STEPS steps of ``train_batch``; returns losses, norms and the full
+    (tp-gathered) parameters this rank's stages hold."""
+    import meshtrain
+    from meshtrain.parallel.tensor.sharding import specs_by_param, unshard_tensor
+
+    torch.set_num_threads(1)
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // dp,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+        "gradient_clipping": CLIP,
+        "steps_per_print": 1000,
+        "mesh": {"pipeline_parallel_size": pp, "tensor_parallel_size": tp},
+        "zero_optimization": {"stage": zero},
+        "pipeline": {"schedule": schedule, "virtual_stages": v},
+        **extra,
+    }
+    model = _model(kind)
+    engine, *_ = meshtrain.initialize(model=model, config=config)
+    r = engine.topology.dp_rank
+    part = slice(r * ROWS // dp, (r + 1) * ROWS // dp)
+    losses, norms = [], []
+    for step in range(STEPS):
+        losses.append(engine.train_batch(iter(_data(kind, step, part))).item())
+        norms.append(engine.get_global_grad_norm())
+    if engine.pipeline is None:
+        module = engine.module
+        params = dict(module.named_parameters())
+    else:
+        module = engine.module
+        params = {n: p for s in module.stages.values() for n, p in s.names.items()}
+    specs = specs_by_param(module)
+    full = {}
+    for name in sorted(params):  # the same order on every tp rank of a stage
+        p = params[name].detach()
+        spec = specs.get(id(params[name]))
+        full[name] = (
+            p.clone() if spec is None else unshard_tensor(p, spec, engine.topology.tp_group)
+        )
+    return losses, norms, full
+
+
+def _references():
+    return {kind: _train(kind, 1, 1, 1, 0, "1f1b", 1) for kind in ("decoder", "llama")}
+
+
+def _fp16_trace():
+    """pp 2 x dp 2 x tp 2 in fp16: an inf in one gradient on one rank of the last stage at
+    step 1; returns (skipped, loss scale, parameters unchanged) per step."""
+    import meshtrain
+
+    torch.set_num_threads(1)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+        "steps_per_print": 1000,
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+        "mesh": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+    }
+    engine, *_ = meshtrain.initialize(model=_model("decoder"), config=config)
+    topo = engine.topology
+    stage = next(iter(engine.module.stages.values()))
+    target = next(
+        p for n, p in stage.names.items() if "layers" in n and n.endswith("down_proj.weight")
+    )
+    plant = {"on": topo.pp_rank == 1 and topo.tp_rank == 1 and topo.dp_rank == 0}
+
+    def hook(grad):
+        return grad * float("inf") if plant["on"] and engine.global_steps == 1 else grad
+
+    target.register_hook(hook)
+    trace = []
+    for step in range(3):
+        before = target.detach().clone()
+        part = slice(topo.dp_rank, topo.dp_rank + 1)
+        engine.train_batch(iter(_data("decoder", step, part, m=2)))
+        trace.append(
+            (engine.last_step_skipped, engine.loss_scale, bool(torch.equal(before, target)))
+        )
+    return trace
+
+
+def _three_d():
+    runs = {
+        "decoder": _train("decoder", 2, 2, 2, 1, "zb_h1", 1),
+        "decoder_sp": _train(
+            "decoder",
+            2,
+            2,
+            2,
+            2,
+            "interleaved_1f1b",
+            2,
+            tensor_parallel={"sequence_parallel": True},
+        ),
+        "llama": _train("llama", 2, 2, 2, 1, "1f1b", 1),
+    }
+    return runs, _fp16_trace()
+
+
+def _check(runs_per_rank, refs, key_to_kind):
+    for key, kind in key_to_kind.items():
+        ref_losses, ref_norms, ref_params = refs[kind]
+        assert all(n > CLIP for n in ref_norms)  # clipping acts on every step
+        names = set()
+        for runs in runs_per_rank:
+            losses, norms, params = runs[key]
+            for a, b in zip(losses, ref_losses, strict=True):
+                assert abs(a - b) <= 1e-6 * abs(b), (key, losses, ref_losses)
+            for a, b in zip(norms, ref_norms, strict=True):
+                assert abs(a - b) <= 1e-6 * b, (key, norms, ref_norms)
+            for n, t in params.items():
+                err = ((t - ref_params[n]).norm() / ref_params[n].norm()).item()
+                assert err <= 1e-6, (key, n, err)
+            names |= set(params)
+        assert names == set(ref_params), key
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return run_ranks(_references, 1)[0]
+
+
+def test_pipeline_3d_matches_one_process(refs):
+    per_rank = run_ranks(_three_d, 8, timeout=600)
+    _check(
+        [runs for runs, _ in per_rank],
+        refs,
+        {"decoder": "decoder", "decoder_sp": "decoder", "llama": "llama"},
+    )
+    # fp16: the step with the planted inf is skipped everywhere, the scale halves once
+    traces = [trace for _, trace in per_rank]
+    assert all(t == traces[0] for t in traces), traces
+    assert [(s, scale) for s, scale, _ in traces[0]] == [(False, 256), (True, 128), (False, 128)]
+    assert [same for _, _, same in traces[0]] == [False, True, False]
+
+
+def _zero2():
+    return {
+        "1f1b": _train("decoder", 2, 1, 2, 2, "1f1b", 1),
+        "zb_h1": _train("decoder", 2, 1, 2, 2, "zb_h1", 1),
+    }
+
+
+def test_pipeline_times_data_parallel_zero2(refs):
+    """pp 2 x dp 2, ZeRO 2 over dp inside each stage (gradients reduce-scattered after
+    every micro-batch's backward), tied decoder: 1F1B and ZB-H1 (whose weight-gradient
+    step is where the reduction happens)."""
+    per_rank = run_ranks(_zero2, 4)
+    _check(per_rank, refs, {"1f1b": "decoder", "zb_h1": "decoder"})
