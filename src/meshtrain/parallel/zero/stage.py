@@ -179,6 +179,9 @@ class ZeroStage:
         """Leave ``module`` holding its whole parameters on this rank with no ZeRO-3 hooks
         (stages 0-2 hold them already): the end of training, when the user's model object
         must work on its own. The engine cannot step this module afterwards."""
+        if self.ahead is not None:  # stages 1-2: the last step's all-gathers, and no hooks
+            self.ahead.remove()  # left on the user's model (later steps gather at once)
+            self.ahead = None
         if self.gatherer is None:
             return
         sharded = {id(p) for g in self.flat_groups for p in g.params}
