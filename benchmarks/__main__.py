@@ -2,7 +2,8 @@
 
 For each role of ``benchmarks.peers.ROLES`` (DP vs torch DDP and DeepSpeed ZeRO-0, ZeRO-1
 vs ZeroRedundancyOptimizer and DeepSpeed Z1, ZeRO-2 vs FSDP2 without resharding and
-DeepSpeed Z2, ZeRO-3 vs FSDP2 and DeepSpeed Z3) it launches each framework in fresh
+DeepSpeed Z2, ZeRO-3 vs FSDP2 and DeepSpeed Z3; TP, PP, Trainer and Accelerator through
+their own scripts' launchers, ``benchmarks.external``) it launches each framework in fresh
 processes (``torch.distributed.run --standalone``, gloo, one thread per rank), interleaved
 and in reversed order on odd repeats so background load hits all alike. It writes
 ``benchmarks/results/suite-<time>.json`` (every run, the machine load before it), a
@@ -13,7 +14,9 @@ thread), same global batch, the 3.7M model), and ends with one line per pair::
     pair <role> vs <peer>: speed <r>x rss <r>x
 
 (medians over repeats of the same-round ratio meshtrain/peer; rss is the larger rank's
-peak RSS). ``--quick`` (3.7M model everywhere, 1 repeat, 6 steps) aims at < 5 minutes on
+peak RSS). DP/ZeRO runs also record CPU ms per step. ``--ledger-off-too`` runs each
+meshtrain DP/ZeRO framework again right after itself with ``MESHTRAIN_LEDGER=0`` and
+prints ``ledger <framework> on vs off: speed <r>x rss <r>x cpu <r>x``. ``--quick`` (3.7M model everywhere, 1 repeat, 6 steps) aims at < 5 minutes on
 an idle 2-core machine; the default uses the 69.2M decoder for the ZeRO roles.
 """
 
@@ -69,15 +72,18 @@ def worker(args) -> None:
     if not dist.is_initialized():
         raise SystemExit("no process group")
     dist.barrier()
-    ends, losses = [], []
+    ends, cpu, losses = [], [], []
     for i in range(args.steps):
         loss = run.forward(shards[i])
         run.backward(loss)
         run.step()
         losses.append(float(loss))
         ends.append(time.perf_counter())
+        cpu.append(time.process_time())  # this process, every thread (gloo's too)
     elapsed = torch.tensor([ends[-1] - ends[0]], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's clock
+    cpu_s = torch.tensor([cpu[-1] - cpu[0]], dtype=torch.float64)
+    dist.all_reduce(cpu_s)  # summed over ranks
     peak = [None] * world
     dist.all_gather_object(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     loss_t = torch.tensor(losses, dtype=torch.float64)
@@ -92,6 +98,7 @@ def worker(args) -> None:
             "steps_per_s": timed / float(elapsed),
             "peak_rss_mib": max(peak),
             "peak_rss_mib_per_rank": peak,
+            "cpu_ms_per_step": 1000 * float(cpu_s) / world / timed,  # per rank
             "losses": (loss_t / world).tolist(),
         }
         Path(args.result).write_text(json.dumps(out))
@@ -99,12 +106,37 @@ def worker(args) -> None:
 
 
 # ------------------------------------------------------------------------------- driver
-def _launch(name: str, nproc: int, model: str, steps: int, batch: int, tmp: str) -> dict:
-    result = os.path.join(tmp, f"{name}-{nproc}-{time.monotonic_ns()}.json")
+NOLEDGER = "@noledger"  # a framework name's suffix: the same run with MESHTRAIN_LEDGER=0
+
+
+def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO / "src"), str(REPO), env.get("PYTHONPATH")])
     )
+    return env
+
+
+def _external(name: str, nproc: int, steps: int, quick: bool, tmp: str) -> dict:
+    from benchmarks.external import RUNNERS
+
+    load = os.getloadavg()[0]
+    try:
+        out = RUNNERS[name](nproc, steps, quick, tmp)
+    except Exception as exc:  # noqa: BLE001 - one failed framework must not end the suite
+        out = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
+    if out is None:
+        out = {"error": "no result"}
+    out.update(framework=name, load1_before=round(load, 2))
+    return out
+
+
+def _launch(name: str, nproc: int, model: str, steps: int, batch: int, tmp: str) -> dict:
+    result = os.path.join(tmp, f"{name}-{nproc}-{time.monotonic_ns()}.json")
+    env = _env()
+    if name.endswith(NOLEDGER):
+        env["MESHTRAIN_LEDGER"] = "0"
+        name = name[: -len(NOLEDGER)]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
         str(nproc), "-m", "benchmarks", "--worker", name, "--result", result,
@@ -148,8 +180,30 @@ def _chart(summary: dict, path: Path) -> bool:
     return True
 
 
+def _pair(mine: list[dict], peer: list[dict], cpu: bool = False) -> tuple | None:
+    """Median over rounds of the same-round ratios mine/peer: (samples/s, peak RSS), and
+    with ``cpu`` the ratio of CPU ms per step (None where a run has none)."""
+    by_round = {r["round"]: r for r in mine if "error" not in r}
+    speed, rss, cpu_ms = [], [], []
+    for r in peer:
+        m = by_round.get(r["round"])
+        if m is not None and "error" not in r:
+            speed.append(m["samples_per_s"] / r["samples_per_s"])
+            rss.append(m["peak_rss_mib"] / r["peak_rss_mib"])
+            if "cpu_ms_per_step" in m and "cpu_ms_per_step" in r:
+                cpu_ms.append(m["cpu_ms_per_step"] / r["cpu_ms_per_step"])
+    if not speed:
+        return None
+    out = (statistics.median(speed), statistics.median(rss))
+    return (*out, statistics.median(cpu_ms) if cpu_ms else None) if cpu else out
+
+
 def driver(args) -> int:
+    from benchmarks.external import RUNNERS
+
     RESULTS.mkdir(parents=True, exist_ok=True)
+    os.environ.update(_env())  # the standalone scripts' launchers inherit it
+    t_start = time.monotonic()
     roles = [r for r in peers.ROLES if not args.roles or r in args.roles.split(",")]
     names = []
     for r in roles:
@@ -157,14 +211,24 @@ def driver(args) -> int:
         names += [n for n in (mine, *others) if n not in names]
     if args.no_deepspeed:
         names = [n for n in names if not n.startswith("ds-")]
+    if args.no_peers:
+        names = [n for n in names if n in peers.MESHTRAIN or n.startswith("mt-")]
+    ledger = []  # meshtrain frameworks measured with the ledger off as well, right after
+    if args.ledger_off_too:
+        ledger = [n for n in names if n in peers.MESHTRAIN]
+        names = [m for n in names for m in ((n, n + NOLEDGER) if n in ledger else (n,))]
     runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             order = names if rep % 2 == 0 else names[::-1]
             for n in order:
-                model = "small" if args.quick or n in ("mt-z0", "ddp", "ds-z0") else "large"
+                base = n.removesuffix(NOLEDGER)
+                model = "small" if args.quick or base in ("mt-z0", "ddp", "ds-z0") else "large"
                 batch = 16 if model == "small" else 8
-                r = _launch(n, args.nproc, model, args.steps, batch, tmp)
+                if n in RUNNERS:
+                    r = _external(n, args.nproc, args.steps, args.quick, tmp)
+                else:
+                    r = _launch(n, args.nproc, model, args.steps, batch, tmp)
                 r["round"] = rep
                 runs[n].append(r)
                 ok = "error" not in r
@@ -172,6 +236,11 @@ def driver(args) -> int:
                     f"  [{rep}] {n:12s} "
                     + (
                         f"{r['samples_per_s']:7.1f} samples/s  {r['peak_rss_mib']:6.0f} MiB"
+                        + (
+                            f"  {r['cpu_ms_per_step']:6.1f} CPU ms/step"
+                            if "cpu_ms_per_step" in r
+                            else ""
+                        )
                         if ok
                         else "FAILED"
                     )
@@ -196,40 +265,44 @@ def driver(args) -> int:
             summary[n] = {
                 "samples_per_s": statistics.median(r["samples_per_s"] for r in good),
                 "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in good),
-                "n_params": good[0]["n_params"],
+                "n_params": good[0].get("n_params"),
                 "load1": [r["load1_before"] for r in good],
             }
+            if all("cpu_ms_per_step" in r for r in good):
+                summary[n]["cpu_ms_per_step"] = statistics.median(
+                    r["cpu_ms_per_step"] for r in good
+                )
     pairs = []
     for role in roles:
         mine, others = peers.ROLES[role]
         for peer in others:
-            if mine not in summary or peer not in summary:
-                continue
-            by_round = {r["round"]: r for r in runs[mine] if "error" not in r}
-            speed, rss = [], []
-            for r in runs[peer]:
-                m = by_round.get(r["round"])
-                if m is not None and "error" not in r:
-                    speed.append(m["samples_per_s"] / r["samples_per_s"])
-                    rss.append(m["peak_rss_mib"] / r["peak_rss_mib"])
-            if speed:
-                pairs.append((role, mine, peer, statistics.median(speed), statistics.median(rss)))
+            ratio = _pair(runs[mine], runs[peer]) if peer in runs else None
+            if ratio is not None:
+                pairs.append((role, mine, peer, *ratio))
+    ledger_pairs = []  # ledger on / ledger off, same round
+    for n in ledger:
+        ratio = _pair(runs[n], runs[n + NOLEDGER], cpu=True)
+        if ratio is not None:
+            ledger_pairs.append((n, *ratio))
 
     stamp = _dt.datetime.now().strftime("%Y-%m-%d-%H%M")
     base = RESULTS / f"suite-{stamp}-np{args.nproc}{'-quick' if args.quick else ''}"
     lines = [
-        "| role | framework | params | samples/s | peak RSS MiB | speed vs peer | RSS vs peer | load |",
-        "|---|---|---|---|---|---|---|---|",
+        "| role | framework | params | samples/s | CPU ms/step | peak RSS MiB | speed vs peer "
+        "| RSS vs peer | load |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for role in roles:
         mine, others = peers.ROLES[role]
-        for fw in (mine, *others):
+        for fw in (mine, *others, *([mine + NOLEDGER] if mine in ledger else [])):
             if fw not in summary:
                 continue
             s = summary[fw]
-            pr = next((p for p in pairs if p[2] == fw), None)
+            pr = next((p for p in pairs if p[2] == fw and p[0] == role), None)
+            params = f"{s['n_params'] / 1e6:.1f}M" if s["n_params"] else "(script's)"
+            cpu = f"{s['cpu_ms_per_step']:.1f}" if "cpu_ms_per_step" in s else ""
             lines.append(
-                f"| {role} | {fw} | {s['n_params'] / 1e6:.1f}M | {s['samples_per_s']:.2f} | "
+                f"| {role} | {fw} | {params} | {s['samples_per_s']:.2f} | {cpu} | "
                 f"{s['peak_rss_mib']:.0f} | {f'{pr[3]:.2f}x' if pr else ''} | "
                 f"{f'{pr[4]:.2f}x' if pr else ''} | {', '.join(f'{x:.1f}' for x in s['load1'])} |"
             )
@@ -239,17 +312,30 @@ def driver(args) -> int:
             f"({scaling['n_rank_samples_per_s']:.1f} samples/s at N={scaling['n']} vs "
             f"{scaling['one_rank_samples_per_s']:.1f} at 1 rank, load {scaling['load1_before']:.1f})"
         )
+    cpu_children = sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])
+    wall = time.monotonic() - t_start
+    lines.append(
+        f"\nSuite: {wall:.0f} s wall, {cpu_children:.0f} s CPU in all its processes "
+        f"(on an idle 2-core machine about {cpu_children / 2:.0f} s); load at the end "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     table = "\n".join(lines)
     Path(f"{base}.md").write_text(table + "\n")
     charted = _chart(summary, Path(f"{base}.png"))
     Path(f"{base}.json").write_text(json.dumps(
         {"args": vars(args), "machine_load_end": os.getloadavg(), "runs": runs, "summary": summary,
-         "pairs": pairs, "scaling": scaling}, indent=1))  # fmt: skip
+         "pairs": pairs, "ledger_pairs": ledger_pairs, "scaling": scaling,
+         "wall_s": wall, "cpu_s": cpu_children}, indent=1))  # fmt: skip
     print("\n" + table)
     print(f"\nwrote {base}.json, {base}.md" + (f", {base}.png" if charted else ""))
+    if scaling:
+        print(f"scaling efficiency N={scaling['n']}: {scaling['efficiency']:.2f}")
+    for fw, sp, rs, cpu in ledger_pairs:
+        cpu_text = "" if cpu is None else f" cpu {cpu:.2f}x"
+        print(f"ledger {fw} on vs off: speed {sp:.2f}x rss {rs:.2f}x{cpu_text}")
     for role, _mine, peer, sp, rs in pairs:
         print(f"pair {role} vs {peer}: speed {sp:.2f}x rss {rs:.2f}x")
-    return 0 if pairs else 1
+    return 0 if pairs or ledger_pairs else 1
 
 
 def main(argv=None) -> int:
@@ -263,6 +349,13 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--no-peers", action="store_true", help="run meshtrain's frameworks only")
+    ap.add_argument(
+        "--ledger-off-too",
+        action="store_true",
+        help="also run each meshtrain DP/ZeRO framework with MESHTRAIN_LEDGER=0, in the same "
+        "rounds, and print the ratios ledger on / off",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="small", help=argparse.SUPPRESS)

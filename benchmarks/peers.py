@@ -11,7 +11,9 @@ persistence threshold).
 
 To add a framework: add a branch to ``setup`` and its name to ``FRAMEWORKS``. To add a
 role (a meshtrain mode and the peers it must beat): add a line to ``ROLES``; the
-``python -m benchmarks`` entry then runs it, pairs it and charts it.
+``python -m benchmarks`` entry then runs it, pairs it and charts it. A role with its own
+workload and benchmark script (TP, PP, Trainer, Accelerator) instead names frameworks of
+``benchmarks.external.RUNNERS``, which call that script's launcher.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ ROLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ZeRO-1": ("mt-z1", ("torch-zero1", "ds-z1")),
     "ZeRO-2": ("mt-z2", ("fsdp2-nrf", "ds-z2")),
     "ZeRO-3": ("mt-z3", ("fsdp2", "ds-z3")),
+    # run by the standalone scripts' own launchers (benchmarks/external.py RUNNERS)
+    "TP": ("mt-tp", ("torch-tp",)),
+    "PP-GPipe": ("mt-gpipe", ("torch-gpipe",)),
+    "PP-1F1B": ("mt-1f1b", ("torch-1f1b",)),
+    "Trainer": ("mt-trainer", ("hf-trainer",)),
+    "Accelerator": ("mt-accelerate", ("accelerate",)),
 }
 
 

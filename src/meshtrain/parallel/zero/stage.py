@@ -11,7 +11,9 @@ The Engine does not branch on the stage. It calls, for every micro-step and step
                             backward only)
     grad_norm()             L2 norm of the reduced gradients over every shard
     step(optimizer, f)      masters get gradient x f, the optimizer steps, the updated
-                            chunks are written back and all-gathered (stages 1-2)
+                            chunks are written back and their all-gathers launched
+                            (stages 1-2); with overlap_comm each bucket is waited for just
+                            before the next forward first uses it (``gather_ahead``)
     after_step()            clear gradients for the next window
 
 and ``gathered(module)`` wherever whole parameters are needed (evaluation, export,
@@ -38,6 +40,7 @@ from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
 from meshtrain.errors import TrainingError
 from meshtrain.parallel.grad_reducer import GradReducer
+from meshtrain.parallel.zero.gather_ahead import GatherAhead
 from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory
 from meshtrain.precision import DTYPES
 
@@ -74,6 +77,13 @@ class ZeroStage:
             names=names,
             on_reduced=(lambda g, b: gatherer.release_bucket(g, b)) if gatherer else None,
         )
+        # stages 1-2 (and stage 3's whole parameters): all-gathered after every step
+        self.gathered_groups = [g for g in self.flat_groups if g.sharded and not g.shard_params]
+        self.ahead = (
+            GatherAhead(model, self.gathered_groups, topology.dp_group)
+            if z.overlap_comm and self.gathered_groups and topology.dp_size > 1
+            else None
+        )
         self.tp_spans = None  # tensor parallelism: which gradient spans are sharded over tp
         if topology.tp_size > 1:
             from meshtrain.parallel.tensor.grad_norm import sharded_spans
@@ -82,12 +92,19 @@ class ZeroStage:
             self.tp_spans = sharded_spans(self.flat_groups, sharded_parameter_ids(model))
 
     # the lifecycle ---------------------------------------------------------------------------
+    def wait_params(self) -> None:
+        """Finish the parameter all-gathers the last step launched (a no-op when none)."""
+        if self.ahead is not None:
+            self.ahead.wait_all()
+
     def begin_window(self) -> None:
+        self.wait_params()  # a forward that skipped some modules, or the pipeline's window
         for g in self.flat_groups:
             g.attach_grads()  # cheap; re-points .grad a user reset to None
         self.reducer.begin_window()
 
     def before_backward(self, boundary: bool) -> None:
+        self.wait_params()
         self.reducer.begin_backward(self.every_backward or boundary)
 
     def after_backward(self) -> None:
@@ -129,6 +146,7 @@ class ZeroStage:
 
     def step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
         """Step the fp32 masters with gradients x ``factor``, write them back, gather."""
+        self.wait_params()  # the step writes this rank's chunks, which the gathers read
         for g in self.flat_groups:
             g.load_master_grads(factor)
         optimizer.step()
@@ -139,11 +157,13 @@ class ZeroStage:
 
     def _gather_updated_params(self) -> None:
         """Stages 1-2 (and stage 3's whole parameters): every rank updated its own chunks;
-        all-gather the full buckets. Sharded ZeRO-3 parameters are gathered when used."""
+        all-gather the full buckets. Sharded ZeRO-3 parameters are gathered when used.
+        With overlap the all-gathers are only launched (``gather_ahead``)."""
+        if self.ahead is not None:
+            self.ahead.launch()
+            return
         works = []
-        for g in self.flat_groups:
-            if not g.sharded or g.shard_params:
-                continue
+        for g in self.gathered_groups:
             for b in g.buckets:  # in place: the input is this rank's chunk of the output
                 full = b.view(g.param_flat)
                 mine = b.owned(g.param_flat, g.rank)
@@ -160,6 +180,9 @@ class ZeroStage:
         """Leave ``module`` holding its whole parameters on this rank with no ZeRO-3 hooks
         (stages 0-2 hold them already): the end of training, when the user's model object
         must work on its own. The engine cannot step this module afterwards."""
+        if self.ahead is not None:  # stages 1-2: the last step's all-gathers, and no hooks
+            self.ahead.remove()  # left on the user's model (later steps gather at once)
+            self.ahead = None
         if self.gatherer is None:
             return
         sharded = {id(p) for g in [*self.flat_groups, *self.frozen_groups] for p in g.params}
@@ -177,6 +200,7 @@ class ZeroStage:
         for g in self.flat_groups:
             g.copy_master_to_params()
         self._gather_updated_params()
+        self.wait_params()
         self.after_step()
         self.reducer.begin_window()
 
@@ -195,6 +219,7 @@ class ZeroStage:
     def gathered(self, module: nn.Module | None = None):
         """Whole parameters of ``module`` (default: all) inside the block; every rank must
         enter it. Changes made inside are not kept under stage 3."""
+        self.wait_params()
         return nullcontext() if self.gatherer is None else self.gatherer.gathered(module)
 
     # accounting ------------------------------------------------------------------------------
