@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 LLAMA_DEFAULTS: dict[str, Any] = dict(
     vocab_size=64,
     hidden_size=32,
@@ -38,28 +41,31 @@ def tiny_llama(seed: int = 0, **overrides: Any):
     return transformers.LlamaForCausalLM(tiny_llama_config(**overrides))
 
 
+class Block(nn.Module):
+    """A residual tanh block: ``x + tanh(fc(x))``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def head(embed: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The tied output head: logits from the input embedding's weight."""
+    return x @ embed.weight.T
+
+
+def lm_loss(logits, labels):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
 def tiny_pipe_layers(blocks: int = 4, vocab: int = 32, dim: int = 16) -> tuple[list, Any]:
     """``(layers, loss_fn)`` for ``meshtrain.pipe.PipelineModule``: a tied input embedding
     / output head (``TiedLayerSpec("embed")``), ``blocks`` residual tanh blocks, a
     LayerNorm; batches are ``(input_ids, labels)``."""
-    import torch
-    from torch import nn
-
     from meshtrain.pipe import LayerSpec, TiedLayerSpec
-
-    class Block(nn.Module):
-        def __init__(self, d: int) -> None:
-            super().__init__()
-            self.fc = nn.Linear(d, d)
-
-        def forward(self, x):
-            return x + torch.tanh(self.fc(x))
-
-    def head(embed: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
-        return x @ embed.weight.T
-
-    def loss_fn(logits, labels):
-        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     layers = [
         TiedLayerSpec("embed", nn.Embedding, vocab, dim),
@@ -67,7 +73,18 @@ def tiny_pipe_layers(blocks: int = 4, vocab: int = 32, dim: int = 16) -> tuple[l
         LayerSpec(nn.LayerNorm, dim),
         TiedLayerSpec("embed", nn.Embedding, vocab, dim, forward_fn=head),
     ]
-    return layers, loss_fn
+    return layers, lm_loss
+
+
+def tiny_decoder(**overrides: Any):
+    """meshtrain's reference ``Decoder``, 4 tied blocks of width 32 (+ overrides)."""
+    from meshtrain.models import Decoder, DecoderConfig
+
+    defaults = dict(
+        vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=48, max_seq_len=16,
+        tie_embeddings=True,
+    )  # fmt: skip
+    return Decoder(DecoderConfig(**{**defaults, **overrides}))
 
 
 GPT2_DEFAULTS: dict[str, Any] = dict(

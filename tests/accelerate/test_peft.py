@@ -40,21 +40,12 @@ SEQ = 6
 
 
 def _bert():
-    from transformers import BertConfig, BertForSequenceClassification
+    from tests.tiny_models import tiny_bert
 
-    cfg = BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=2,
-    )
-    torch.manual_seed(0)
-    return BertForSequenceClassification(cfg)
+    return tiny_bert(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=16, num_labels=2, attn_implementation=None,
+    )  # fmt: skip
 
 
 def _frozen_numel(model, under: str = "") -> int:

@@ -52,19 +52,9 @@ def _model(kind: str):
         from tests.tiny_models import tiny_llama
 
         return tiny_llama(seed=3, attn_implementation="sdpa")
-    from meshtrain.models import Decoder, DecoderConfig
+    from tests.tiny_models import tiny_decoder
 
-    return Decoder(
-        DecoderConfig(
-            vocab_size=64,
-            dim=32,
-            n_layers=4,
-            n_heads=2,
-            ffn_dim=48,
-            max_seq_len=16,
-            tie_embeddings=True,
-        )
-    )
+    return tiny_decoder()
 
 
 def _train(kind: str, pp: int, tp: int, dp: int, zero: int, schedule: str, v: int, **extra):

@@ -32,19 +32,9 @@ def _data(step: int, m: int = 4, rows: int = 2, part: slice = slice(None)):
 
 def _train(pp: int, schedule: str, virtual: int, dp: int = 1, zero: int = 0):
     import meshtrain
-    from meshtrain.models import Decoder, DecoderConfig
+    from tests.tiny_models import tiny_decoder
 
-    model = Decoder(
-        DecoderConfig(
-            vocab_size=64,
-            dim=32,
-            n_layers=4,
-            n_heads=2,
-            ffn_dim=48,
-            max_seq_len=16,
-            tie_embeddings=True,
-        )
-    )
+    model = tiny_decoder()
     config = {
         "train_micro_batch_size_per_gpu": 2 // dp,
         "gradient_accumulation_steps": 4,

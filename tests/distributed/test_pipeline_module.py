@@ -18,36 +18,15 @@ from torch import nn
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.pipeline.split import Layout, partition, split_model
-from meshtrain.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from meshtrain.pipe import LayerSpec, PipelineModule
 from tests.harness import run_ranks
+from tests.tiny_models import lm_loss, tiny_pipe_layers
 
 V, D, STEPS, MICRO = 32, 16, 10, 4
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-def head(embed: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
-    return x @ embed.weight.T
-
-
-def lm_loss(logits, labels):
-    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 def specs():
-    return [
-        TiedLayerSpec("embed", nn.Embedding, V, D),
-        *[LayerSpec(Block, D) for _ in range(8)],
-        LayerSpec(nn.LayerNorm, D),
-        TiedLayerSpec("embed", nn.Embedding, V, D, forward_fn=head),
-    ]
+    return tiny_pipe_layers(blocks=8, vocab=V, dim=D)[0]
 
 
 def batches(step: int, m: int = MICRO):

@@ -87,12 +87,11 @@ def bpe_tokenizer(chat_template: str | None = None):
 
 
 def bert_config(tokenizer):
-    from transformers import BertConfig
+    from tests.tiny_models import tiny_bert_config
 
-    return BertConfig(
+    return tiny_bert_config(
         vocab_size=len(tokenizer),
         hidden_size=32,
-        num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=CONTEXT,
@@ -101,6 +100,8 @@ def bert_config(tokenizer):
         id2label=LABELS,
         label2id={v: k for k, v in LABELS.items()},
         pad_token_id=tokenizer.pad_token_id,
+        attn_implementation=None,
+        dropout=0.1,  # BertConfig's default; the served model runs in eval mode
     )
 
 

@@ -35,15 +35,12 @@ def _data(tokenizer, n: int):
 
 
 def _bert(tokenizer):
-    from transformers import BertConfig, BertForSequenceClassification
+    from tests.tiny_models import tiny_bert
 
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, num_labels=2,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    return tiny_bert(
+        vocab_size=len(tokenizer), hidden_size=32, num_attention_heads=2,
+        intermediate_size=64, num_labels=2, attn_implementation=None,
     )  # fmt: skip
-    return BertForSequenceClassification(config)
 
 
 def _run(tmp: str):
