@@ -73,8 +73,8 @@ def _trainer(peer: str):
         results = run_on_ranks(
             _trainer_rank, nproc, (peer, steps, f"{tmp}/{peer}"), {}, timeout=1200, env=env
         )
-        timed = results[0]["stamps"][warmup:]
-        step_s = (timed[-1] - timed[0]) / (len(timed) - 1)
+        timed = results[0]["stamps"][warmup:]  # (wall, process CPU) seconds at each step end
+        step_s = (timed[-1][0] - timed[0][0]) / (len(timed) - 1)
         return {
             "samples_per_s": b.BATCH * nproc / step_s,
             "peak_rss_mib": max(r["rss_mib"] for r in results),
