@@ -105,7 +105,8 @@ def setup(name: str, model, *, micro: int, world: int, zero: dict, threads: int 
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(BETAS)}},
-            "zero_optimization": {"stage": int(name[-1]), **zero},
+            # overlap_param_gather: the all-gather after a step runs into the next forward
+            "zero_optimization": {"stage": int(name[-1]), "overlap_param_gather": True, **zero},
             "steps_per_print": 10**9,
         }
         engine, _, _, _ = meshtrain.initialize(

@@ -1,8 +1,8 @@
 """ZeRO-1/2's parameter all-gather overlapped with the next forward (``gather_ahead``).
 
 The overlap moves only *when* each bucket is waited for, so the run with
-``overlap_comm: true`` must be bit-identical (losses and every parameter, tolerance 0) to
-the same run with ``overlap_comm: false``, which waits at the end of the step. Small
+``overlap_param_gather: true`` must be bit-identical (losses and every parameter, tolerance
+0) to the same run with the default ``false``, which waits at the end of the step. Small
 buckets (2,000 elements) give several per model; the tied decoder checks that a weight
 owned by two modules is waited for by the first. Also asserted: right after ``step()``
 every bucket's all-gather is pending, the forward alone (its pre-hooks) finishes them
@@ -18,7 +18,7 @@ from tests.harness import run_ranks
 def _run(kind: str, stage: int, overlap: bool, steps: int = 4):
     import torch.distributed as dist
 
-    z = {"stage": stage, "overlap_comm": overlap, "reduce_bucket_size": 2000}
+    z = {"stage": stage, "overlap_param_gather": overlap, "reduce_bucket_size": 2000}
     engine = make_engine(kind, 2, 1, {"zero_optimization": z})
     rank, world = dist.get_rank(), dist.get_world_size()
     ahead = engine.zero.ahead

@@ -101,7 +101,9 @@ class ZeroConfig(Section):
     allgather_bucket_size: NonNegInt = 500_000_000
     """Accepted and ignored: updated parameters are all-gathered bucket by bucket, in the buckets of reduce_bucket_size."""
     overlap_comm: Bool = True
-    """Launch each gradient bucket's reduction as soon as its gradients are ready, overlapping backward, and (stages 1-2) leave the parameter all-gather after a step running into the next forward, each bucket waited for just before its first use (true); false launches every bucket after backward ends and waits for the all-gather at the end of the step. meshtrain's default is true at every stage (DeepSpeed's is false below stage 3)."""
+    """Launch each gradient bucket's reduction as soon as its gradients are ready, overlapping backward (true); false launches every bucket after backward ends. meshtrain's default is true at every stage (DeepSpeed's is false below stage 3)."""
+    overlap_param_gather: Bool = False
+    """Stages 1-2 (Megatron's name): leave the parameter all-gather after a step running into the next forward, each bucket waited for just before the module owning its parameters runs. Bit-identical results. Off by default because a parameter read directly (p.data, p.norm()) between step() and the next forward may then be mid-transfer; state_dict(), module_state_dict(), gathered_parameters(), checkpoints and forward wait."""
     reduce_scatter: Bool = True
     """Accepted and ignored: stages 1-3 always reduce-scatter gradients (each rank needs only its shard) and stage 0 always all-reduces."""
     reduce_bucket_size: NonNegInt | Auto = 500_000_000

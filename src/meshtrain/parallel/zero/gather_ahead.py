@@ -20,7 +20,8 @@ forward never called), and the next optimizer step, which writes this rank's chu
 while its broadcast may still read it. A parameter read directly (``p.data``, ``p.norm()``)
 between ``engine.step()`` and the next forward may still be in flight: go through
 ``engine.module_state_dict()`` / ``engine.gathered_parameters()`` or set
-``zero_optimization.overlap_comm: false``, which waits at the end of ``step``.
+leave ``zero_optimization.overlap_param_gather`` at its default, false, which waits at the end of
+``step``. That hazard is why it is opt-in.
 
 A parameter that the forward of a module *other* than its owner uses before the owner runs
 (a parent reading ``self.child.weight`` without calling ``child``) is the one pattern the

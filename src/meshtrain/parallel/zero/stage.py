@@ -12,7 +12,7 @@ The Engine does not branch on the stage. It calls, for every micro-step and step
     grad_norm()             L2 norm of the reduced gradients over every shard
     step(optimizer, f)      masters get gradient x f, the optimizer steps, the updated
                             chunks are written back and their all-gathers launched
-                            (stages 1-2); with overlap_comm each bucket is waited for just
+                            (stages 1-2); with overlap_param_gather each bucket is waited for just
                             before the next forward first uses it (``gather_ahead``)
     after_step()            clear gradients for the next window
 
@@ -81,7 +81,7 @@ class ZeroStage:
         self.gathered_groups = [g for g in self.flat_groups if g.sharded and not g.shard_params]
         self.ahead = (
             GatherAhead(model, self.gathered_groups, topology.dp_group)
-            if z.overlap_comm and self.gathered_groups and topology.dp_size > 1
+            if z.overlap_param_gather and self.gathered_groups and topology.dp_size > 1
             else None
         )
         self.tp_spans = None  # tensor parallelism: which gradient spans are sharded over tp
