@@ -93,7 +93,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=0,
         help="restarts of the worker group after a failure (default 0)",
     )
-    a("--monitor_interval", "--monitor-interval", type=float, help="seconds between checks")
+    a(
+        "--monitor_interval", "--monitor-interval", type=float,
+        help="seconds between checks of the workers (default 1; torchrun's is 0.1)",
+    )  # fmt: skip
     a("--start_method", "--start-method", choices=("spawn", "fork", "forkserver"))
     a("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     a("--no_python", "--no-python", action="store_true", help="SCRIPT is an executable")

@@ -50,6 +50,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.launch.failure import report_failure
 
 _NPROC_WORDS = ("auto", "gpu", "cpu", "xpu")
+MONITOR_INTERVAL_S = 1.0  # meshtrain launch's default --monitor_interval (torchrun: 0.1)
 
 
 @dataclass
@@ -240,6 +241,11 @@ def run_agent(spec: LaunchSpec) -> int:
         )
     args = get_args_parser().parse_args([*spec_flags(spec), "--", spec.script])
     args.training_script_args = list(spec.script_args)
+    if spec.monitor_interval is None:
+        # torchrun checks its workers every 0.1 s and stops the rest the moment one fails;
+        # 1 s gives a rank whose collective failed because of that peer time to say so
+        # (one line naming the peer, instead of being killed mid-sentence)
+        args.monitor_interval = MONITOR_INTERVAL_S
     own_dir = DOCTOR_DIR_ENV not in os.environ
     doctor_dir = os.environ.get(DOCTOR_DIR_ENV) or tempfile.mkdtemp(prefix="meshtrain-doctor-")
     os.environ[DOCTOR_DIR_ENV] = doctor_dir  # the workers inherit it
