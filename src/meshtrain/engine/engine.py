@@ -67,6 +67,7 @@ class Engine(EngineQueries):
         self.micro_batch_size = int(config.train_micro_batch_size_per_gpu)
         self.clip = float(config.gradient_clipping or 0.0)
         self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for one step
+        self._norm_once: float | None = None  # and the norm it computed (reused by step)
         self.training_dataloader = training_dataloader
         self.global_steps = 0
         self.micro_steps = 0
@@ -187,7 +188,8 @@ class Engine(EngineQueries):
         instead of ``gradient_clipping``. Call it after the window's last backward."""
         self.zero.before_step()  # reduces once, however often it is called in a window
         self._clip_once = float(max_norm)
-        return self._grad_norm() / (self.scaler.scale * self.zero.grad_divisor)
+        self._norm_once = self._grad_norm()  # gradients are final: step() reuses it
+        return self._norm_once / (self.scaler.scale * self.zero.grad_divisor)
 
     def _grad_norm(self) -> float:
         if self.pipeline is None:
@@ -226,9 +228,10 @@ class Engine(EngineQueries):
         self.zero.before_step()
         # the reduced gradients are the loss-scaled sum over dp ranks (pre-divided by f)
         unscale = self.scaler.scale * self.zero.grad_divisor
-        norm = self._grad_norm()  # over every stage: clipping and overflow agree on all
+        # over every stage: clipping and overflow agree on all
+        norm = self._grad_norm() if self._norm_once is None else self._norm_once
         clip = self.clip if self._clip_once is None else self._clip_once
-        self._clip_once = None
+        self._clip_once = self._norm_once = None
         overflow = not math.isfinite(norm)
         self._step_applied = not overflow
         if overflow:
