@@ -54,4 +54,4 @@ def step(i: int) -> None:
 
 for i in range(1, 20):
     step(i)
-print(f"rank {env.rank} finished", flush=True)
+print(f"rank {env.rank} finished\n", end="", flush=True)  # one write: ranks share stdout

@@ -29,5 +29,9 @@ trainer = MyTrainer(
 )  # fmt: skip
 out = trainer.train()
 metrics = trainer.evaluate()
-print("RESULT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "steps": out.global_step,
-                              "eval_loss": metrics["eval_loss"]}), flush=True)  # fmt: skip
+result = {"rank": int(os.environ.get("RANK", 0)), "steps": out.global_step,
+          "eval_loss": metrics["eval_loss"]}  # fmt: skip
+# one write per line: under PYTHONUNBUFFERED print() writes the text and the newline
+# separately, and the two ranks' lines can interleave on the shared stdout
+sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+sys.stdout.flush()

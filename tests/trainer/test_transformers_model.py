@@ -23,7 +23,11 @@ def _tokenizer(tmp: str):
     from transformers import BertTokenizer
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(CHARS)]
-    path = f"{tmp}/vocab.txt"
+    import os
+
+    # one file per process: both ranks build the tokenizer, and a shared file could be
+    # truncated by one rank's open("w") while the other reads it
+    path = f"{tmp}/vocab-{os.getpid()}.txt"
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(vocab) + "\n")
     return BertTokenizer(path)
