@@ -32,7 +32,9 @@ def train(out_dir: str, kill_rank: int, kill_at: int) -> None:
     ckpt = Path(out_dir) / "checkpoints"
     if latest_tag(ckpt) is not None:
         engine.load_checkpoint(ckpt)
-        print(f"rank {dist.get_rank()}: resumed at step {engine.global_steps}\n", end="", flush=True)
+        print(
+            f"rank {dist.get_rank()}: resumed at step {engine.global_steps}\n", end="", flush=True
+        )
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for step in range(engine.global_steps, STEPS):
         train_steps(engine, "decoder", 1, 2, 1, first_step=step)
