@@ -2,8 +2,9 @@
 
 Layouts, each group of cases in one spawn: tp 2 (dp 1, ZeRO 0) with and without sequence
 parallelism on the reference decoder and tiny transformers Llama, GPT-2, BERT (sequence
-classification) and BertForMaskedLM (vocab-parallel loss); tp 3 on Llama, whose 4
-key/value heads and 8 query heads are padded to 6 and 12 (sequence length 9 there, a
+classification), BertForMaskedLM (vocab-parallel loss) and the Llama and GPT-2 sequence
+classifiers (right-padded rows, so each row's head pools another token); tp 3 on Llama,
+whose 4 key/value heads and 8 query heads are padded to 6 and 12 (sequence length 9 there, a
 multiple of 3); tp 4 (4 processes) with and without sequence parallelism on the decoder
 and Llama; tp 2 x dp 2 with ZeRO 1 and ZeRO 3. Two runs add activation checkpointing
 (the blocks' tensor-parallel collectives run again in the recomputation).
@@ -186,6 +187,8 @@ TP2 = [  # (kind, zero stage, sequence parallel, clip, tp) at world 2
     ("decoder", 0, True, 0.0, 2, "bf16"),
     ("gpt2", 0, False, 0.0, 2),
     ("gpt2", 0, True, 0.0, 2),
+    ("llama_cls", 0, True, 0.0, 2),
+    ("gpt2_cls", 0, True, 0.05, 2),
     ("bert", 0, False, 0.0, 2),
     ("bert", 0, True, 0.0, 2),
     ("bert_mlm", 0, False, 0.0, 2),
@@ -201,6 +204,7 @@ WORLD4 = [  # tp 2 x dp 2, then tp 4
     ("decoder", 1, True, 0.0, 2, "ac"),
     ("llama", 1, False, 0.0, 2),
     ("gpt2", 3, False, 0.0, 2),
+    ("llama_cls", 1, False, 0.0, 2),
     ("bert", 3, False, 0.0, 2),
     ("decoder", 0, False, 0.0, 4),
     ("decoder", 0, True, 0.05, 4),

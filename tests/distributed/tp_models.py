@@ -12,6 +12,7 @@ import torch
 
 SEQ = 8
 BATCH = 2
+PAD = 0  # the sequence classifiers' padding token
 
 
 def build(kind: str, dropout: float = 0.0):
@@ -37,10 +38,27 @@ def build(kind: str, dropout: float = 0.0):
             num_key_value_heads=4,
             attn_implementation="sdpa",
         )
+    if kind == "llama_cls":  # pools the last non-padding token; ``score`` replicated
+        import transformers
+
+        from tests.tiny_models import tiny_llama_config
+
+        cfg = tiny_llama_config(
+            vocab_size=250, hidden_size=48, intermediate_size=96, num_attention_heads=8,
+            num_key_value_heads=4, num_labels=3, pad_token_id=PAD,
+        )  # fmt: skip
+        return transformers.LlamaForSequenceClassification(cfg)
     if kind == "gpt2":
         from tests.tiny_models import tiny_gpt2
 
         return tiny_gpt2(seed=7, dropout=dropout)
+    if kind == "gpt2_cls":
+        import transformers
+
+        from tests.tiny_models import tiny_gpt2_config
+
+        cfg = tiny_gpt2_config(dropout, num_labels=3, pad_token_id=PAD)
+        return transformers.GPT2ForSequenceClassification(cfg)
     if kind in ("bert", "bert_mlm", "bert_tokens"):
         from tests.tiny_models import tiny_bert
 
@@ -60,6 +78,13 @@ def batch(kind: str, step: int = 0, size: int = BATCH, seq: int = SEQ) -> dict:
     ids = torch.randint(0, 250, (size, seq), generator=g)
     if kind == "bert":
         return {"input_ids": ids, "labels": torch.randint(0, 3, (size,), generator=g)}
+    if kind in ("llama_cls", "gpt2_cls"):  # right padding: each row pools another token
+        ids = ids.clamp_min(1)
+        for row in range(size):
+            ids[row, seq - row % 3 :] = PAD
+        mask = (ids != PAD).long()
+        labels = torch.randint(0, 3, (size,), generator=g)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if kind == "bert_tokens":
         return {"input_ids": ids, "labels": torch.randint(0, 3, (size, seq), generator=g)}
     labels = ids.clone()

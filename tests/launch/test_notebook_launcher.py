@@ -43,10 +43,18 @@ if __name__ == "__main__":
     except RankFailedError as exc:
         print("RAISED", type(exc).__name__, "rank", exc.rank, exc.exc_type)
         print(exc)
+    # an earlier cell set up a group in this process: refused with the way out, which works
+    meshtrain.init_distributed()
+    try:
+        meshtrain.notebook_launcher(train, args=(1.0,), num_processes=2)
+    except meshtrain.errors.DistributedError as exc:
+        print("REFUSED", exc)
+    dist.destroy_process_group()
+    print("AFTER", meshtrain.notebook_launcher(train, args=(1.0,), num_processes=2))
 """
 
 
-def test_main_defined_function_on_two_ranks_and_rank1_failure(tmp_path: Path):
+def test_main_defined_function_on_two_ranks_rank1_failure_and_parent_group(tmp_path: Path):
     script = tmp_path / "notebook_like.py"
     script.write_text(SCRIPT)
     out = subprocess.run(
@@ -59,6 +67,9 @@ def test_main_defined_function_on_two_ranks_and_rank1_failure(tmp_path: Path):
     # the failing rank's own message and traceback travel with the error
     assert "rank one exploded with code 42" in out.stdout
     assert "in explode" in out.stdout and "--- traceback from rank 1 ---" in out.stdout
+    assert "REFUSED cannot fork ranks" in out.stdout
+    assert "destroy_process_group() first" in out.stdout
+    assert "AFTER [(0, 2, 3.0), (1, 2, 3.0)]" in out.stdout
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])

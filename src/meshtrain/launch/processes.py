@@ -164,9 +164,13 @@ def run_on_ranks(
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            # forked ranks would inherit the parent's live connections and threads
             raise DistributedError(
-                "cannot fork ranks from a process that already has a process group; "
-                "call run_on_ranks from the parent, or pass start_method='spawn'"
+                "cannot fork ranks: this process already has a torch.distributed process "
+                "group (an earlier meshtrain.initialize, Accelerator() or "
+                "init_process_group here, e.g. in another notebook cell). Call "
+                "torch.distributed.destroy_process_group() first, keep that setup inside "
+                "the function you launch, or pass start_method='spawn'"
             )
     ctx = mp.get_context(method)
     results = ctx.Queue()

@@ -147,61 +147,87 @@ DECODER = TPPlan(
     loss="decoder",
 )
 
+_LLAMA_SIZES = {
+    "heads": "config.num_attention_heads",
+    "kv_heads": "config.num_key_value_heads",
+    "vocab": "config.vocab_size",
+}
+_LLAMA_BODY = (
+    ("model.embed_tokens", "embedding", "vocab"),
+    ("model.layers.0", "scatter_sequence"),  # positions and mask come from the full length
+    ("model.layers.*.input_layernorm", "sequence"),
+    ("model.layers.*.self_attn", "region"),
+    ("model.layers.*.self_attn.q_proj", "column", "kv_heads"),  # by key/value group
+    ("model.layers.*.self_attn.k_proj", "column", "kv_heads"),
+    ("model.layers.*.self_attn.v_proj", "column", "kv_heads"),
+    ("model.layers.*.self_attn.o_proj", "row", "kv_heads"),
+    ("model.layers.*.post_attention_layernorm", "sequence"),
+    ("model.layers.*.mlp", "region"),
+    ("model.layers.*.mlp.gate_proj", "column"),
+    ("model.layers.*.mlp.up_proj", "column"),
+    ("model.layers.*.mlp.down_proj", "row"),
+    ("model.norm", "sequence"),
+)
+
 LLAMA = TPPlan(  # also Qwen2 and Mistral: the same module layout
     name="llama",
     classes=("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"),
-    sizes={
-        "heads": "config.num_attention_heads",
-        "kv_heads": "config.num_key_value_heads",
-        "vocab": "config.vocab_size",
-    },
-    rows=(
-        ("model.embed_tokens", "embedding", "vocab"),
-        ("model.layers.0", "scatter_sequence"),  # positions and mask come from the full length
-        ("model.layers.*.input_layernorm", "sequence"),
-        ("model.layers.*.self_attn", "region"),
-        ("model.layers.*.self_attn.q_proj", "column", "kv_heads"),  # by key/value group
-        ("model.layers.*.self_attn.k_proj", "column", "kv_heads"),
-        ("model.layers.*.self_attn.v_proj", "column", "kv_heads"),
-        ("model.layers.*.self_attn.o_proj", "row", "kv_heads"),
-        ("model.layers.*.post_attention_layernorm", "sequence"),
-        ("model.layers.*.mlp", "region"),
-        ("model.layers.*.mlp.gate_proj", "column"),
-        ("model.layers.*.mlp.up_proj", "column"),
-        ("model.layers.*.mlp.down_proj", "row"),
-        ("model.norm", "sequence"),
-        ("lm_head", "lm_head", "vocab"),
-    ),
+    sizes=_LLAMA_SIZES,
+    rows=(*_LLAMA_BODY, ("lm_head", "lm_head", "vocab")),
     loss="hf_causal",
+)
+
+LLAMA_CLASSIFIER = TPPlan(
+    name="llama sequence classification",
+    classes=(
+        "LlamaForSequenceClassification",
+        "Qwen2ForSequenceClassification",
+        "MistralForSequenceClassification",
+    ),
+    sizes=_LLAMA_SIZES,
+    # the head pools the last non-padding token: it reads the full sequence, and its
+    # few (hidden x labels) weights stay replicated; the model computes its own loss
+    rows=(*_LLAMA_BODY, ("score", "gather_sequence")),
+)
+
+_GPT2_SIZES = {"heads": "config.num_attention_heads", "vocab": "config.vocab_size"}
+_GPT2_BODY = (
+    ("transformer.wte", "embedding", "vocab"),
+    ("transformer.drop", "scatter_sequence"),  # after the position embeddings are added
+    ("transformer.drop", "sequence"),
+    ("transformer.h.*.ln_1", "sequence"),
+    ("transformer.h.*.attn", "region"),
+    ("transformer.h.*.attn.c_attn", "column", "heads", 3),  # fused q|k|v, Conv1D [in, out]
+    ("transformer.h.*.attn.c_proj", "row", "heads"),
+    ("transformer.h.*.attn.resid_dropout", "sequence"),
+    ("transformer.h.*.ln_2", "sequence"),
+    ("transformer.h.*.mlp", "region"),
+    ("transformer.h.*.mlp.c_fc", "column"),
+    ("transformer.h.*.mlp.c_proj", "row"),
+    ("transformer.h.*.mlp.dropout", "sequence"),
+    ("transformer.ln_f", "gather_sequence"),  # GPT2Model reshapes to the full sequence
+)
+_GPT2_ATTRS = (
+    ("transformer.h.*.attn", "num_heads", "heads"),
+    ("transformer.h.*.attn", "split_size", "heads"),
+    ("transformer.h.*.attn", "embed_dim", "heads"),
 )
 
 GPT2 = TPPlan(
     name="gpt2",
     classes=("GPT2LMHeadModel",),
-    sizes={"heads": "config.num_attention_heads", "vocab": "config.vocab_size"},
-    rows=(
-        ("transformer.wte", "embedding", "vocab"),
-        ("transformer.drop", "scatter_sequence"),  # after the position embeddings are added
-        ("transformer.drop", "sequence"),
-        ("transformer.h.*.ln_1", "sequence"),
-        ("transformer.h.*.attn", "region"),
-        ("transformer.h.*.attn.c_attn", "column", "heads", 3),  # fused q|k|v, Conv1D [in, out]
-        ("transformer.h.*.attn.c_proj", "row", "heads"),
-        ("transformer.h.*.attn.resid_dropout", "sequence"),
-        ("transformer.h.*.ln_2", "sequence"),
-        ("transformer.h.*.mlp", "region"),
-        ("transformer.h.*.mlp.c_fc", "column"),
-        ("transformer.h.*.mlp.c_proj", "row"),
-        ("transformer.h.*.mlp.dropout", "sequence"),
-        ("transformer.ln_f", "gather_sequence"),  # GPT2Model reshapes to the full sequence
-        ("lm_head", "lm_head", "vocab"),  # tied to wte: shares its shard
-    ),
-    attrs=(
-        ("transformer.h.*.attn", "num_heads", "heads"),
-        ("transformer.h.*.attn", "split_size", "heads"),
-        ("transformer.h.*.attn", "embed_dim", "heads"),
-    ),
+    sizes=_GPT2_SIZES,
+    rows=(*_GPT2_BODY, ("lm_head", "lm_head", "vocab")),  # tied to wte: shares its shard
+    attrs=_GPT2_ATTRS,
     loss="hf_causal",
+)
+
+GPT2_CLASSIFIER = TPPlan(
+    name="gpt2 sequence classification",
+    classes=("GPT2ForSequenceClassification",),
+    sizes=_GPT2_SIZES,
+    rows=_GPT2_BODY,  # ln_f already leaves sequence parallelism; ``score`` stays replicated
+    attrs=_GPT2_ATTRS,
 )
 
 _BERT_SIZES = {"heads": "config.num_attention_heads", "vocab": "config.vocab_size"}
@@ -258,7 +284,9 @@ BERT_MLM = TPPlan(
     loss="masked_lm",  # BertForMaskedLM computes its loss inline: recomputed vocab-parallel
 )
 
-PLANS: tuple[TPPlan, ...] = (DECODER, LLAMA, GPT2, BERT, BERT_TOKENS, BERT_MLM)
+PLANS: tuple[TPPlan, ...] = (
+    DECODER, LLAMA, LLAMA_CLASSIFIER, GPT2, GPT2_CLASSIFIER, BERT, BERT_TOKENS, BERT_MLM,
+)  # fmt: skip
 
 
 def plan_for(model: object) -> TPPlan | None:
@@ -276,7 +304,9 @@ __all__ = [
     "BERT_TOKENS",
     "DECODER",
     "GPT2",
+    "GPT2_CLASSIFIER",
     "LLAMA",
+    "LLAMA_CLASSIFIER",
     "PLANS",
     "TPPlan",
     "plan_for",
