@@ -148,10 +148,14 @@ def test_split_balancing_and_errors():
         split_model(nn.Sequential(nn.Linear(2, 2)), 1, layout=Layout("0", {}, ()))
 
 
-@pytest.mark.parametrize("family", ["bert-mlm", "bert-cls", "llama", "gpt2"])
+@pytest.mark.parametrize(
+    "family", ["bert-mlm", "bert-cls", "llama", "gpt2", "llama-cls", "gpt2-cls"]
+)
 def test_split_stages_chain_to_the_whole_model(family):
     """One process: the stages of an automatic split, called in a chain, give the whole
-    model's loss and gradients (the same modules run the same ops: 1e-6 relative)."""
+    model's loss and gradients (the same modules run the same ops: 1e-6 relative). The
+    sequence classifiers' rows are right-padded by different amounts: their heads pool
+    each row's last non-padding token, found in the real ids on the last stage."""
     import transformers as tf
 
     from tests.tiny_models import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
@@ -172,34 +176,39 @@ def test_split_stages_chain_to_the_whole_model(family):
             model, labels = tf.BertForMaskedLM(cfg), ids
         else:
             model, labels = tf.BertForSequenceClassification(cfg), torch.tensor([0, 2, 1])
-    elif family == "llama":
-        model, labels = (
-            tf.LlamaForCausalLM(
-                tiny_llama_config(
-                    intermediate_size=48,
-                    num_hidden_layers=4,
-                    num_attention_heads=2,
-                    num_key_value_heads=1,
-                    max_position_embeddings=16,
-                )
-            ),
-            ids,
+    elif family.startswith("llama"):
+        cfg = tiny_llama_config(
+            intermediate_size=48,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+            num_labels=3,
+            pad_token_id=0,
         )
+        if family == "llama":
+            model, labels = tf.LlamaForCausalLM(cfg), ids
+        else:
+            model, labels = tf.LlamaForSequenceClassification(cfg), torch.tensor([0, 2, 1])
     else:
-        model, labels = (
-            tf.GPT2LMHeadModel(
-                tiny_gpt2_config(
-                    vocab_size=64,
-                    n_embd=32,
-                    n_layer=4,
-                    n_head=2,
-                    n_positions=16,
-                    attn_implementation=None,
-                )
-            ),
-            ids,
+        cfg = tiny_gpt2_config(
+            vocab_size=64,
+            n_embd=32,
+            n_layer=4,
+            n_head=2,
+            n_positions=16,
+            attn_implementation=None,
+            num_labels=3,
+            pad_token_id=0,
         )
-    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+        if family == "gpt2":
+            model, labels = tf.GPT2LMHeadModel(cfg), ids
+        else:
+            model, labels = tf.GPT2ForSequenceClassification(cfg), torch.tensor([0, 2, 1])
+    if family.endswith("-cls") and not family.startswith("bert"):
+        ids = ids.clamp_min(1)
+        ids[1, 5:], ids[2, 3:] = 0, 0  # right padding (pad id 0) of 2 and 4 tokens
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": (ids != 0).long()}
     whole = model(**batch).loss
     whole.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -41,24 +41,37 @@ class Layout:
 
     ``first`` maps a module path to its role on later stages: ``"input"`` (returns the
     received activation), ``"zero"`` (adds nothing, e.g. learned positions) or
-    ``"identity"`` (e.g. an embedding dropout already applied on stage 0).
+    ``"identity"`` (e.g. an embedding dropout already applied on stage 0). ``body`` is
+    the backbone that stages before the last call instead of the whole model (its first
+    output is the hidden states): a task head may do more than its modules, e.g. a
+    sequence classifier pools the last non-padding token after ``score``.
     """
 
     blocks: str
     first: dict[str, str] = field(default_factory=dict)
     last: tuple[str, ...] = ()
+    body: str | None = None
 
 
 LAYOUTS: tuple[Layout, ...] = (
     Layout("layers", {"embed": "input"}, ("norm", "lm_head")),  # meshtrain Decoder
-    Layout("model.layers", {"model.embed_tokens": "input"}, ("model.norm", "lm_head", "score")),
+    Layout(
+        "model.layers",
+        {"model.embed_tokens": "input"},
+        ("model.norm", "lm_head", "score"),
+        body="model",
+    ),
     Layout(
         "transformer.h",
         {"transformer.wte": "input", "transformer.wpe": "zero", "transformer.drop": "identity"},
         ("transformer.ln_f", "lm_head", "score"),
+        body="transformer",
     ),
     Layout(
-        "bert.encoder.layer", {"bert.embeddings": "input"}, ("bert.pooler", "cls", "classifier")
+        "bert.encoder.layer",
+        {"bert.embeddings": "input"},
+        ("bert.pooler", "cls", "classifier"),
+        body="bert",
     ),
 )
 
@@ -184,6 +197,10 @@ class SplitStage(nn.Module):
         if not self.is_last:
             replace.update({p: nn.Identity() for p in layout.last if _get(model, p) is not None})
         self.model = _rewire(model, replace)
+        # stages before the last run only the backbone: no task head, no pooling (a
+        # path, not a module attribute, so the backbone's parameters are not registered
+        # twice)
+        self.body = None if self.is_last else layout.body
         self.block_ids, self.blocks_path = tuple(blocks), layout.blocks
         # the model's own parameter names (shared modules keep them)
         ids: dict[int, str] = {}
@@ -215,13 +232,16 @@ class SplitStage(nn.Module):
             args = ()
         if not self.is_first:
             self._input.value = x
-            # the batch's shape, not x's: under sequence parallelism x holds 1/T of the
-            # sequence, while positions (rotary tables, masks) follow the full length
-            ids = torch.zeros(ids.shape, dtype=torch.long, device=x.device)
+            # the batch's own ids, not x's shape: under sequence parallelism x holds 1/T
+            # of the sequence, while positions (rotary tables, masks) follow the full
+            # length; and a sequence classifier's head finds each row's last non-padding
+            # token in them. The embedding's stand-in ignores them.
+            ids = ids.to(x.device)
         if self.is_last and labels is not None:
             kwargs["labels"] = labels
         try:
-            out = self.model(*args, input_ids=ids, **kwargs)
+            runner = _get(self.model, self.body) if self.body else None
+            out = (runner or self.model)(*args, input_ids=ids, **kwargs)
         finally:
             self._input.value = None
         if isinstance(out, torch.Tensor):
