@@ -1,5 +1,7 @@
 """A transformers BERT through the Trainer on 2 ranks: ZeRO-3 equals ZeRO-0, the user's
-model holds the full trained weights afterwards, and seed 000's closing pipeline works.
+model holds the full trained weights afterwards, seed 000's closing pipeline works, and
+``trainer.save_model()`` writes what ``from_pretrained`` loads (the same logits, exactly:
+the same fp32 weights in the same model).
 
 Tolerances: logged losses within 1e-6 (fp32, dropout off; ZeRO-3 reduce-scatters where
 stage 0 all-reduces: the same sums in another order); weights within 1e-5 (AdamW's
@@ -88,10 +90,15 @@ def _run(tmp: str):
         best = trainer.state.best_model_checkpoint
         kept = sorted(d for d in os.listdir(f"{tmp}/z{stage}") if d.startswith("checkpoint-"))
         exported = AutoModelForSequenceClassification.from_pretrained(best)
+        trainer.save_model(f"{tmp}/final{stage}")  # collective: every rank calls it
+        final = AutoModelForSequenceClassification.from_pretrained(f"{tmp}/final{stage}")
         batch = DataCollatorWithPadding(tok)(_data(tok, 8))
         batch.pop("labels")
         with torch.no_grad():
-            same = torch.allclose(exported(**batch).logits, model(**batch).logits, atol=1e-5)
+            mine = model(**batch).logits
+            same = torch.allclose(exported(**batch).logits, mine, atol=1e-5)
+            same = same and torch.equal(final(**batch).logits, mine)
+        same = same and os.path.isfile(f"{tmp}/final{stage}/training_args.json")
         out[stage] = (losses, weights, metrics, answer, kept, best, same)
     return out
 

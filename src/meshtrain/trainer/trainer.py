@@ -39,6 +39,7 @@ from meshtrain.trainer.loss import (
     loss_shifts_labels,
     takes_argument,
 )
+from meshtrain.trainer.saving import ModelSaving
 from meshtrain.trainer.state import (
     PredictionOutput,
     TrainerControl,
@@ -54,7 +55,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(TrainingLoop):
+class Trainer(TrainingLoop, ModelSaving):
     """Train, evaluate and predict with transformers' Trainer API on meshtrain's engine.
 
     Args follow transformers: ``model``, ``args`` (:class:`TrainingArguments`),
@@ -334,7 +335,10 @@ class Trainer(TrainingLoop):
             return loss, None, None
         if self._gather_vocab is not None:  # tensor parallelism: whole-vocabulary logits
             outputs = self._gather_vocab(outputs)
-        logits = ev.logits_of(outputs, ignore_keys or [])
+        if ignore_keys is None:  # as transformers: e.g. a decoder's key/value cache
+            config = getattr(self.model, "config", None)
+            ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["past_key_values"])
+        logits = ev.logits_of(outputs, ignore_keys)
         labels = None
         if has_labels:
             found = tuple(inputs[n] for n in self.label_names)

@@ -188,23 +188,13 @@ class TrainingLoop:
         state_dict = engine.module_state_dict() if export else None  # every rank gathers
         if self.topology.rank == 0:
             if export:
-                self.model.save_pretrained(path, state_dict=state_dict)
-                if self.processing_class is not None and hasattr(
-                    self.processing_class, "save_pretrained"
-                ):
-                    self.processing_class.save_pretrained(path)
+                self._export(path, state_dict)
             st.save_to_json(path / "trainer_state.json")
             best = ckpt.step_of(st.best_model_checkpoint, prefix)
             steps = ckpt.checkpoint_steps(root, prefix)
             ckpt.delete(root, ckpt.to_delete(steps, args.save_total_limit, best), prefix)
         self._barrier()
         self.control = self._event("on_save")
-
-    def _barrier(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized() and self.topology.world_size > 1:
-            dist.barrier()
 
     def _finish_training(self, run_loss: torch.Tensor, start_step: int, t0: float) -> TrainOutput:
         from meshtrain.distributed import comm
