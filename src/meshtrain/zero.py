@@ -26,10 +26,16 @@ to wait until the constructor returns. There is no constructor post-hook in torc
 classes defined inside it) and restores them on exit; a per-object depth count makes the
 outermost constructor the one that partitions.
 
-A module whose constructor initialises *children's* parameters after building them (a
-Hugging Face ``post_init``, ``meshtrain.models.Decoder.reset_parameters``) must do it
-inside ``GatheredParameters(p, modifier_rank=0)``, as with DeepSpeed; the reference
-Decoder does.
+A module whose constructor initialises *children's* parameters after building them
+(``meshtrain.models.Decoder.reset_parameters``) must do it inside
+``GatheredParameters(p, modifier_rank=0)``, as with DeepSpeed; the reference Decoder
+does. transformers models do it in ``post_init`` and know nothing of meshtrain, so a
+``PreTrainedModel`` is partitioned when its outermost constructor returns, and a model
+``from_pretrained`` builds inside the context when the loaded model is returned: their
+values then equal those outside the context exactly (random init or checkpoint), and the
+rank's peak during construction is the whole model, as without the context. (DeepSpeed
+keeps it lower there because transformers itself gathers module by module when it
+detects DeepSpeed.)
 
 **GatheredParameters.** Makes the listed parameters whole inside the block on every rank
 (every rank must enter it). On exit, with ``modifier_rank=r`` rank ``r``'s values are
@@ -141,6 +147,7 @@ class Init:
         self._patched: list[tuple[type, Any]] = []
         self._subclass_hook: tuple[bool, Any] | None = None
         self._active = False
+        self._hold = 0  # > 0: inside a transformers constructor or from_pretrained
         if module is not None and self.enabled:
             self._partition(module)
 
@@ -169,13 +176,18 @@ class Init:
         def init_then_partition(module, *args, **kwargs):
             key = id(module)
             self._depth[key] = self._depth.get(key, 0) + 1
+            # a transformers model initialises its children after building them
+            # (post_init): hold partitioning until its outermost constructor returns
+            hold = self._depth[key] == 1 and _is_transformers_model(module)
+            self._hold += hold
             try:
                 original(module, *args, **kwargs)
             finally:
+                self._hold -= hold
                 depth = self._depth.pop(key) - 1
                 if depth:
                     self._depth[key] = depth
-            if depth == 0 and self._active:
+            if depth == 0 and self._active and not self._hold:
                 self._partition(module)
 
         init_then_partition.__meshtrain_original__ = original
@@ -185,14 +197,37 @@ class Init:
         original = cls.__dict__.get("__init__")
         if original is not None:
             cls.__init__ = self._wrap(original)
-            self._patched.append((cls, original))
+            self._patched.append((cls, original, "__init__"))
+
+    def _wrap_from_pretrained(self, pretrained: type) -> None:
+        """transformers' ``from_pretrained`` builds the model (on the meta device) and
+        then loads weights into it: partition once it returns the loaded model."""
+        original = pretrained.__dict__["from_pretrained"]
+        init = self
+
+        @functools.wraps(original.__func__)
+        def from_pretrained(cls, *args, **kwargs):
+            init._hold += 1
+            try:
+                out = original.__func__(cls, *args, **kwargs)
+            finally:
+                init._hold -= 1
+            if init._active and not init._hold:
+                init._partition(out[0] if isinstance(out, tuple) else out)
+            return out
+
+        pretrained.from_pretrained = classmethod(from_pretrained)
+        self._patched.append((pretrained, original, "from_pretrained"))
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
         self._ensure_group()
+        pretrained = _transformers_base(load=True)
         for cls in _subclasses(nn.Module):
             self._patch(cls)
+        if pretrained is not None:
+            self._wrap_from_pretrained(pretrained)
         # classes defined inside the context are wrapped as they are created
         had = "__init_subclass__" in nn.Module.__dict__
         hook = nn.Module.__dict__.get("__init_subclass__")
@@ -214,14 +249,34 @@ class Init:
         if not self.enabled or not self._active:
             return
         self._active = False
-        for cls, original in reversed(self._patched):
-            cls.__init__ = original
+        for cls, original, name in reversed(self._patched):
+            setattr(cls, name, original)
         self._patched.clear()
         had, hook = self._subclass_hook
         if had:
             nn.Module.__init_subclass__ = hook
         else:
             del nn.Module.__init_subclass__
+
+
+def _transformers_base(load: bool = False) -> type | None:
+    """``transformers.PreTrainedModel`` if the program imported transformers, else None
+    (meshtrain never imports transformers for a program that does not use it). ``load``
+    imports its lazily loaded ``modeling_utils`` (on entering the context, before any
+    constructor is wrapped); otherwise only an already imported one is read, since a
+    lazy import from inside a wrapped constructor fails."""
+    import importlib
+    import sys
+
+    if load and "transformers" in sys.modules:
+        importlib.import_module("transformers.modeling_utils")
+    module = sys.modules.get("transformers.modeling_utils")
+    return None if module is None else getattr(module, "PreTrainedModel", None)
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
+    base = _transformers_base()
+    return base is not None and isinstance(module, base)
 
 
 class _Params:

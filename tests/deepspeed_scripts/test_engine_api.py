@@ -1,7 +1,8 @@
 """The engine members DeepSpeed scripts call, with DeepSpeed's meanings, at 2 ranks.
 
 One process group checks the batch-size queries, ranks, precision and stage queries,
-``step()``'s boundary flag, ``save_checkpoint(save_dir, tag, client_state)``, and
+``step()``'s boundary flag, ``save_16bit_model`` (whole bf16 weights under ZeRO-3, as
+``torch.save`` or safetensors), ``save_checkpoint(save_dir, tag, client_state)``, and
 ``load_checkpoint``: ``(path, client_state)`` for a checkpoint, ``(None, None)`` when
 there is nothing to load (no directory, an empty one, a missing tag), and an error that
 names the tags when complete tags exist but ``latest`` does not.
@@ -46,6 +47,22 @@ def _ranks(tmp: str):
     }
     bf16, *_ = meshtrain.initialize(model=nn.Linear(4, 2), config=_config(bf16={"enabled": True}))
     facts["bf16_engine"] = (bf16.bfloat16_enabled(), bf16.fp16_enabled())
+    # save_16bit_model: whole weights in the training dtype, under ZeRO-3 too
+    z3, *_ = meshtrain.initialize(
+        model=nn.Linear(4, 2),
+        config=_config(bf16={"enabled": True}, zero_optimization={"stage": 3}),
+    )
+    z3.save_16bit_model(tmp)  # pytorch_model.bin, as DeepSpeed names it
+    z3.save_16bit_model(tmp, "model.safetensors")
+    from safetensors.torch import load_file
+
+    whole = z3.module_state_dict()
+    for got in (torch.load(f"{tmp}/pytorch_model.bin", weights_only=True),
+                load_file(f"{tmp}/model.safetensors")):  # fmt: skip
+        facts.setdefault("export16", []).append(
+            sorted(got) == sorted(whole)
+            and all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], whole[k]) for k in got)
+        )
 
     boundaries = []
     for _ in range(4):
@@ -81,6 +98,7 @@ def test_engine_members_have_deepspeed_meanings(tmp_path):
     for rank, f in enumerate(run_ranks(_ranks, 2, str(tmp_path))):
         assert (f["micro"], f["gas"], f["batch"], f["stage"]) == (3, 2, 12, 2)
         assert (f["fp16"], f["bf16"], f["bf16_engine"]) == (False, False, (True, False))
+        assert f["export16"] == [True, True]
         assert f["ranks"] == (rank, 2, 2, rank) and f["device"] == "cpu"
         assert f["boundaries"] == [(False, False), (True, True), (False, False), (True, True)]
         assert f["applied"] and f["grad_norm"]

@@ -19,7 +19,9 @@ One process group checks, in order:
   in every rank's shard and in the masters (the next step starts from it on both engines,
   which stay equal), and a stage-2 engine built from an Init-built model matches too;
 * the reference decoder (which initialises its children's weights after building them)
-  gets the same values under Init as outside it.
+  gets the same values under Init as outside it; so do a transformers GPT-2 (post_init
+  initialises its children) and a Llama loaded with ``from_pretrained`` inside the
+  context, exactly.
 """
 
 from __future__ import annotations
@@ -192,6 +194,40 @@ def _ranks():
         assert p.numel() == 0, name
         with GatheredParameters(p):
             assert torch.equal(p, q.data), name
+
+    # transformers models write their children's weights in post_init (GPT-2's
+    # embeddings: N(0, 0.02), not nn.Embedding's N(0, 1)), and from_pretrained loads into
+    # a model it built: both are partitioned once whole, with the values of a plain build
+    import os
+    import shutil
+    import tempfile
+
+    import transformers
+
+    from tests.tiny_models import tiny_gpt2_config, tiny_llama
+
+    torch.manual_seed(3)
+    with Init(config=_config(3, 0)):
+        built = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+    torch.manual_seed(3)
+    plain_hf = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+    saved = tiny_llama(seed=4)
+    # transformers writes on rank 0 only; the ranks share their parent's pid
+    folder = os.path.join(tempfile.gettempdir(), f"zero-init-{os.getppid()}")
+    if rank == 0:
+        saved.save_pretrained(folder)
+    dist.barrier()
+    with Init(config=_config(3, 0)):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder)
+    for model, ref in ((built, plain_hf), (loaded, saved)):
+        pairs = zip(model.named_parameters(), ref.parameters(), strict=True)
+        for (name, p), q in pairs:
+            assert p.numel() == 0, name
+            with GatheredParameters(p):
+                assert torch.equal(p, q.data), name
 
     # a stage-2 engine from an Init-built model (partitioned parameters made whole)
     torch.manual_seed(0)

@@ -127,7 +127,7 @@ class ZeroConfig(Section):
     stage3_max_reuse_distance: NonNegInt | Auto = 1_000_000_000
     """Accepted and ignored: a stage-3 unit is gathered again for each use (see stage3_max_live_parameters). "auto": 1e9."""
     stage3_gather_16bit_weights_on_model_save: Bool | Auto = False
-    """Accepted and ignored: engine.module_state_dict(), `meshtrain consolidate` and every checkpoint give whole weights under any stage. "auto": false."""
+    """Accepted and ignored: engine.save_16bit_model(), engine.module_state_dict(), `meshtrain consolidate` and every checkpoint give whole weights under any stage. "auto": false."""
     round_robin_gradients: Bool = False
     """Accepted and ignored (DeepSpeed CPU-offload copy ordering)."""
     load_from_fp32_weights: Bool = True

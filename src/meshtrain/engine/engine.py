@@ -315,6 +315,40 @@ class Engine(EngineQueries):
 
         return save(self, save_dir, tag, {} if client_state is None else client_state)
 
+    def save_16bit_model(
+        self,
+        save_dir,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's export: the whole model's weights, in the dtype the model trains in
+        (bf16/fp16 when enabled, else fp32), into ``save_dir/save_filename``: a
+        ``.safetensors`` name writes safetensors, any other a ``torch.save`` state dict
+        (``torch.load(path, weights_only=True)`` reads it). Whole under every ZeRO stage,
+        TP and pipeline layout, whatever ``stage3_gather_16bit_weights_on_model_save`` says
+        (DeepSpeed writes nothing useful under ZeRO-3 without it). Every rank must call it;
+        rank 0 writes. Returns True."""
+        from pathlib import Path
+
+        state = self.module_state_dict()  # collective
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.topology.rank == 0:
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.suffix == ".safetensors":
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+            else:
+                torch.save(state, path)
+        if self.topology.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # the file is complete when any rank returns
+        return True
+
     def load_checkpoint(
         self,
         load_dir,
