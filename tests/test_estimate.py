@@ -183,6 +183,13 @@ def test_cli_hf_config(tmp_path, capsys):
         rc, out, err = _cli(["--model", f"hf:{target}"], capsys)
         assert rc == 0, err
         assert f"({expected:,})" in out
+    # a config that records no architectures (written by hand, or LlamaConfig().save):
+    # still the causal LM with its untied head, and it splits into pipeline stages
+    cfg.architectures = None
+    cfg.save_pretrained(tmp_path / "bare")
+    rc, out, err = _cli(["--model", f"hf:{tmp_path / 'bare'}", "--pp", "2"], capsys)
+    assert rc == 0, err
+    assert f"({expected:,})" in out
 
 
 @pytest.mark.parametrize(

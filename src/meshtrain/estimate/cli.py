@@ -97,7 +97,10 @@ def _hf_from_config(path: str) -> nn.Module:
     with torch.device("meta"):
         if cls is not None and hasattr(cls, "_from_config"):
             return cls._from_config(config)
-        return transformers.AutoModel.from_config(config)
+        try:  # no architectures recorded: a causal LM (with its head) where the type has one
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return transformers.AutoModel.from_config(config)
 
 
 def model_from_spec(spec: str) -> nn.Module:
