@@ -37,7 +37,7 @@ def _flat(model: nn.Module, slice_numel: int, bucket_numel: int = 1 << 30) -> Fl
 def _step(group: FlatGroup, opt: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
     params = list(reversed(group.params))  # registration order
     for p, g in zip(params, grads, strict=True):
-        p.grad.copy_(g)  # .grad is the view into grad_flat
+        group.grad_views[p].copy_(g)  # what landing the gradient does
     group.load_master_grads(1.0)
     opt.step()
     group.release_master_grads()
@@ -103,3 +103,67 @@ def test_optimizer_state_joins_and_cuts_slices_exactly():
         _step(b, fresh, _grads(model_b, step))
     for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
         assert torch.equal(pa, pb)
+
+
+def _reducer(group: FlatGroup):
+    from meshtrain.distributed.comm import Group
+    from meshtrain.distributed.comm_stats import CommStats
+    from meshtrain.parallel.grad_reducer import GradReducer
+
+    dp = Group("dp", None, (0,), 0, CommStats())  # size 1: collectives are no-ops
+    return GradReducer([group], dp)
+
+
+def test_gradients_land_in_the_flat_buffer_without_a_memset():
+    """``zero_grads`` sets ``.grad`` to None; the hook copies each fresh gradient into its
+    view; a parameter that got none in the window is zeroed before the reduction; two
+    backwards in a window accumulate in place; a gradient written without autograd's hooks
+    (the pipeline's split backward) is copied in. All against plain autograd, bit-exact."""
+    ref, model = _model(), _model()
+    group = _flat(model, slice_numel=1 << 18, bucket_numel=40)
+    reducer = _reducer(group)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    h = torch.randn(4, 7, generator=torch.Generator().manual_seed(2))  # the last layer's input
+    first, last = list(model.children())[0], list(model.children())[2]
+    ref_first, ref_last = list(ref.children())[0], list(ref.children())[2]
+
+    group.grad_flat.fill_(123.0)  # stale values of an earlier window must never show
+    group.zero_grads()
+    assert all(p.grad is None for p in model.parameters())
+    reducer.begin_window()
+    reducer.begin_backward(True)
+    model(x).square().sum().backward()  # every parameter gets a gradient
+    for p in model.parameters():
+        assert p.grad is group.grad_views[p]  # landed: .grad is the view again
+    reducer.finish()
+    ref(x).square().sum().backward()
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+    # a window where the first layer's output is unused, accumulated over two backwards
+    group.grad_flat.fill_(7.0)
+    group.zero_grads()
+    ref.zero_grad()
+    reducer.begin_window()
+    for sync in (False, True):
+        reducer.begin_backward(sync)
+        last(h).sum().backward()
+        ref_last(h).sum().backward()
+    assert first.weight.grad is None  # no hook ran for it: landed (zeroed) in finish
+    reducer.finish()
+    assert torch.equal(first.weight.grad, torch.zeros_like(first.weight))
+    assert torch.equal(first.bias.grad, torch.zeros_like(first.bias))
+    assert torch.equal(last.weight.grad, ref_last.weight.grad)
+    assert torch.equal(last.bias.grad, ref_last.bias.grad)
+    assert ref_first.weight.grad is None
+
+    # written without hooks: a fresh tensor is copied in by finish
+    group.zero_grads()
+    reducer.begin_window()
+    reducer.begin_backward(True)
+    manual = torch.full_like(first.weight, 0.5)
+    first.weight.grad = manual
+    reducer.finish()
+    assert first.weight.grad is group.grad_views[first.weight]
+    assert torch.equal(first.weight.grad, manual)
+    reducer.remove()

@@ -18,9 +18,9 @@ storage                full (``shard_*=False``)              sharded (``shard_*=
 parameters             ``param_flat``: n (params are views)  ``param_shard``: n / P; a
                                                              bucket is gathered into a
                                                              temporary buffer for use
-gradients              ``grad_flat``: n (``.grad`` views)    ``grad_shard``: n / P; each
-                                                             bucket's ``.grad`` tensors
-                                                             live only until reduced
+gradients              ``grad_flat``: n (``.grad`` views;    ``grad_shard``: n / P; each
+                       None between windows, see             bucket's ``.grad`` tensors
+                       ``grad_reducer``)                     live only until reduced
 fp32 master            n / P, or 0 when the model is fp32 on the master device (the
                        masters then *are* this rank's parameter chunks)
 =====================  ====================================  ==========================
@@ -199,6 +199,7 @@ class FlatGroup:
                 self.numel // self.partitions, dtype=self.dtype, device=self.device
             )
             self.grad_chunks = [b.in_shard(self.grad_shard) for b in self.buckets]
+            self.grad_views = {}
             return
         self.grad_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.grad_shard = None
@@ -206,7 +207,9 @@ class FlatGroup:
             b.view(self.grad_flat) if self.partitions == 1 else b.owned(self.grad_flat, self.rank)
             for b in self.buckets
         ]
-        self.attach_grads()
+        self.grad_views = {p: v for b in self.buckets for p, v in self.views(b, self.grad_flat)}
+        for p, view in self.grad_views.items():  # zeros: the first window may accumulate
+            p.grad = view
 
     def _init_masters(self, master_device: torch.device, separate: bool) -> None:
         owned = [self.owned_params(b) for b in self.buckets]
@@ -263,15 +266,29 @@ class FlatGroup:
             return bucket.in_shard(self.param_shard)
         return bucket.owned(self.param_flat, self.rank)
 
-    def attach_grads(self) -> None:
-        """Point every ``param.grad`` at its slice of ``grad_flat`` (autograd then
-        accumulates in place). Cheap; re-run when a user reset ``.grad`` to None."""
-        if self.grad_flat is None:
-            return
-        for b in self.buckets:
-            for p, view in self.views(b, self.grad_flat):
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view
+    def land_grad(self, param: torch.Tensor) -> None:
+        """Full gradients: put ``param``'s fresh ``.grad`` into its view of ``grad_flat``
+        and point ``.grad`` at the view (a no-op when it is the view already, and for
+        sharded gradients). Called by the reducer's hook right after autograd stored it."""
+        view = self.grad_views.get(param)
+        grad = param.grad
+        if view is not None and grad is not None and grad is not view:
+            view.copy_(grad)
+            param.grad = view
+
+    def land_missing_grads(self) -> None:
+        """Before the window's reduction: every parameter whose gradient did not land
+        through the hook (no gradient in this window: zero; one written without autograd's
+        hooks, e.g. the pipeline's split backward: copied) now has it in ``grad_flat``."""
+        for p, view in self.grad_views.items():
+            grad = p.grad
+            if grad is view:
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+            p.grad = view
 
     def take_bucket_grads(
         self, bucket: Bucket, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
@@ -347,10 +364,12 @@ class FlatGroup:
             self.owned_params(b).copy_(master, non_blocking=True)
 
     def zero_grads(self) -> None:
-        """Clear full gradients for the next window. Sharded gradients need nothing: the
-        reducer's first reduction of a window overwrites every chunk."""
-        if self.grad_flat is not None:
-            self.grad_flat.zero_()
+        """Clear full gradients for the next window: ``.grad = None`` (no pass over
+        ``grad_flat``); each gradient's first landing in the window overwrites its view
+        (``land_grad``), the ones that never land are zeroed (``land_missing_grads``).
+        Sharded gradients need nothing: the first reduction of a window overwrites."""
+        for p in self.grad_views:
+            p.grad = None
 
     # accounting ----------------------------------------------------------------------------
     @property
