@@ -145,12 +145,12 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
     steps = set()
     opt_state = engine.optimizer.state
     for gi, g in enumerate(engine.zero.flat_groups):
-        for b, master in zip(g.buckets, g.master_params, strict=True):
+        for b, master in zip(g.buckets, g.master_chunks, strict=True):
             lo, hi, base = _save_range(g, b, dp, topo.dp_rank)
             if hi <= lo:
                 continue
             sources = {"param": master.detach()}
-            for k, v in opt_state.get(master, {}).items():
+            for k, v in g.optimizer_state(b, opt_state).items():  # joined over its slices
                 if isinstance(v, torch.Tensor) and v.shape == master.shape:
                     sources[k] = v
                 elif k == "step":
@@ -342,7 +342,7 @@ def _load(
     step_values = rank0.get("optimizer_step") or [0.0]
     with torch.no_grad():
         for g in engine.zero.flat_groups:
-            for b, master in zip(g.buckets, g.master_params, strict=True):
+            for b, master in zip(g.buckets, g.master_chunks, strict=True):
                 lo, hi = g.owned_range(b)
                 fresh = {s: torch.zeros_like(master) for s in states}
                 master.zero_()
@@ -353,7 +353,7 @@ def _load(
                         fresh[s][dst] = reader.read(name, s, start, n).to(master.dtype)
                 if states:
                     step = torch.tensor(step_values[-1], dtype=torch.float32)
-                    engine.optimizer.state[master] = {"step": step, **fresh}
+                    g.set_optimizer_state(b, engine.optimizer.state, {"step": step, **fresh})
         engine.zero.reload_params()
         frozen_specs = _frozen_specs(engine)
         sharded = {id(p): g for g in engine.zero.frozen_groups for p in g.params}

@@ -1,9 +1,14 @@
 """Optimizers and learning-rate schedules from the DeepSpeed config's ``optimizer`` and
 ``scheduler`` sections.
 
-Optimizers are torch's own (``torch.optim.Adam``/``AdamW``/``SGD``/``Adagrad``) with the
-multi-tensor ``foreach`` implementation, or ``fused`` on CUDA where torch has a fused kernel
-for that optimizer (Adam, AdamW, SGD). DeepSpeed's names and semantics are kept:
+Optimizers are torch's own (``torch.optim.Adam``/``AdamW``/``SGD``/``Adagrad``): ``fused`` on
+CUDA where torch has a fused kernel for that optimizer (Adam, AdamW, SGD), the multi-tensor
+``foreach`` implementation on other accelerators, and on CPU the single-tensor one (torch's
+own CPU default; torch's CPU ``foreach`` is a loop over the tensors anyway). On CPU
+``foreach`` allocates each temporary for *all* tensors at once (``sqrt(v)`` of every master
+slice: the size of the whole shard), the single-tensor loop one slice's worth at a time,
+which keeps the step's peak memory at ``2 x`` one slice (``parallel/flat_group.py``); the
+results are bit-identical. DeepSpeed's names and semantics are kept:
 
 * type ``Adam`` means *decoupled* weight decay (AdamW), as DeepSpeed's FusedAdam does by
   default; ``"adam_w_mode": false`` turns it into torch Adam with L2 weight decay added to
@@ -14,10 +19,10 @@ for that optimizer (Adam, AdamW, SGD). DeepSpeed's names and semantics are kept:
 * ``torch_adam`` (choose torch's Adam over FusedAdam) is accepted and ignored: meshtrain
   always uses torch's. ``bias_correction`` is accepted only as ``true``.
 * ``fused`` (meshtrain's key, Adam/AdamW only): ``true`` selects torch's fused kernel on
-  any device, ``false`` the ``foreach`` one; unset means fused on CUDA, foreach elsewhere.
+  any device, ``false`` the unfused one; unset means fused on CUDA, unfused elsewhere.
   On CPU the fused AdamW steps a 34.6M-element shard in about 30 ms against foreach's
   110 ms (issue 12's profile), but rounds differently: about 1 ulp (2.4e-7 absolute)
-  per step on that shard. The default stays foreach on CPU so that results are
+  per step on that shard. The default stays unfused on CPU so that results are
   bit-identical to torch's default AdamW, DDP, FSDP2 and DeepSpeed with a torch AdamW.
 
 The learning-rate schedules are in :mod:`meshtrain.optim.lr_schedules`.
@@ -106,7 +111,8 @@ def build_optimizer(
         param_groups: torch-style groups ``[{"params": [...], "weight_decay": 0.0, ...}]``;
             a key set in a group wins over ``params`` for that group. Not modified.
         device_type: where the parameters live; ``"cuda"`` selects torch's fused kernel for
-            Adam, AdamW and SGD, everything else uses ``foreach``.
+            Adam, AdamW and SGD; other accelerators use ``foreach``, CPU the single-tensor
+            implementation (module docstring).
 
     Raises:
         ConfigError: unknown type or parameter name, or a value torch rejects; the message
@@ -139,8 +145,8 @@ def build_optimizer(
         fused = device_type == "cuda" and key in _FUSED_ON_CUDA
     if fused:
         kwargs["fused"] = True
-    else:
-        kwargs["foreach"] = True
+    else:  # CPU: torch's own default there (module docstring: temporaries)
+        kwargs["foreach"] = device_type != "cpu"
 
     # Torch checks the hyper-parameters (lr >= 0, 0 <= beta < 1, ...) in its constructor;
     # running it on a dummy tensor first tells a bad config value apart from a bad group.

@@ -18,15 +18,26 @@ storage                full (``shard_*=False``)              sharded (``shard_*=
 parameters             ``param_flat``: n (params are views)  ``param_shard``: n / P; a
                                                              bucket is gathered into a
                                                              temporary buffer for use
-gradients              ``grad_flat``: n (``.grad`` views)    ``grad_shard``: n / P; each
-                                                             bucket's ``.grad`` tensors
-                                                             live only until reduced
+gradients              ``grad_flat``: n (``.grad`` views;    ``grad_shard``: n / P; each
+                       None between windows, see             bucket's ``.grad`` tensors
+                       ``grad_reducer``)                     live only until reduced
 fp32 master            n / P, or 0 when the model is fp32 on the master device (the
                        masters then *are* this rank's parameter chunks)
 =====================  ====================================  ==========================
 
-The optimizer never sees the model's parameters: it steps ``master_params``, one fp32
-leaf per bucket holding this rank's chunk, and ``copy_master_to_params`` writes them back.
+The optimizer never sees the model's parameters: it steps ``master_params``, fp32 leaves
+that cut each bucket's master chunk into *slices* of at most ``slice_numel`` elements
+(default ``2**18``, 1 MiB in fp32), and ``copy_master_to_params`` writes them back.
+
+Why slices, when one leaf per bucket would do: an element-wise optimizer allocates
+temporaries the size of the tensor it steps (torch's AdamW: ``sqrt(v)`` and its quotient,
+two of them at once on CPU). With one leaf per bucket that is up to two bucket-sized
+buffers on every step (2 x 14 MiB for the 3.7M-parameter benchmark model in one bucket);
+with slices it is two slices, whatever the bucket size. Buckets stay large (few
+collectives), the optimizer's working set stays small. Element-wise optimizers (Adam,
+AdamW, SGD, Adagrad) give bit-identical results for any slicing; the slices share the
+chunk's storage, so nothing is copied. Checkpoints see whole chunks
+(``optimizer_state`` / ``set_optimizer_state`` join and cut the slices' states).
 """
 
 from __future__ import annotations
@@ -43,6 +54,8 @@ from meshtrain.parallel.zero.partition import (
     is_partitioned,
     release,
 )
+
+SLICE_NUMEL = 1 << 18  # elements per optimizer leaf (module docstring: why slices)
 
 
 @dataclass(eq=False)
@@ -104,10 +117,12 @@ class FlatGroup:
         separate_master: bool = False,
         param_device: torch.device | None = None,
         keys: list | None = None,
+        slice_numel: int = SLICE_NUMEL,
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one trainable parameter")
         self.partitions, self.rank = partitions, rank
+        self.slice_numel = max(1, slice_numel)
         self.shard_grads, self.shard_params = shard_grads, shard_params
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
@@ -184,6 +199,7 @@ class FlatGroup:
                 self.numel // self.partitions, dtype=self.dtype, device=self.device
             )
             self.grad_chunks = [b.in_shard(self.grad_shard) for b in self.buckets]
+            self.grad_views = {}
             return
         self.grad_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.grad_shard = None
@@ -191,7 +207,9 @@ class FlatGroup:
             b.view(self.grad_flat) if self.partitions == 1 else b.owned(self.grad_flat, self.rank)
             for b in self.buckets
         ]
-        self.attach_grads()
+        self.grad_views = {p: v for b in self.buckets for p, v in self.views(b, self.grad_flat)}
+        for p, view in self.grad_views.items():  # zeros: the first window may accumulate
+            p.grad = view
 
     def _init_masters(self, master_device: torch.device, separate: bool) -> None:
         owned = [self.owned_params(b) for b in self.buckets]
@@ -215,8 +233,13 @@ class FlatGroup:
             self.master_chunks = [b.in_shard(self.master_shard) for b in self.buckets]
             for chunk, src in zip(self.master_chunks, owned, strict=True):
                 chunk.copy_(src)
-        # the optimizer steps these; each is its own leaf tensor sharing the storage above
-        self.master_params = [nn.Parameter(c, requires_grad=True) for c in self.master_chunks]
+        # the optimizer steps these: leaves sharing the storage above, at most slice_numel
+        # elements each, so its temporaries stay small (module docstring)
+        self.master_slices = [
+            [nn.Parameter(s, requires_grad=True) for s in c.split(self.slice_numel)]
+            for c in self.master_chunks
+        ]
+        self.master_params = [m for slices in self.master_slices for m in slices]
 
     # views -------------------------------------------------------------------------------
     @property
@@ -243,15 +266,29 @@ class FlatGroup:
             return bucket.in_shard(self.param_shard)
         return bucket.owned(self.param_flat, self.rank)
 
-    def attach_grads(self) -> None:
-        """Point every ``param.grad`` at its slice of ``grad_flat`` (autograd then
-        accumulates in place). Cheap; re-run when a user reset ``.grad`` to None."""
-        if self.grad_flat is None:
-            return
-        for b in self.buckets:
-            for p, view in self.views(b, self.grad_flat):
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view
+    def land_grad(self, param: torch.Tensor) -> None:
+        """Full gradients: put ``param``'s fresh ``.grad`` into its view of ``grad_flat``
+        and point ``.grad`` at the view (a no-op when it is the view already, and for
+        sharded gradients). Called by the reducer's hook right after autograd stored it."""
+        view = self.grad_views.get(param)
+        grad = param.grad
+        if view is not None and grad is not None and grad is not view:
+            view.copy_(grad)
+            param.grad = view
+
+    def land_missing_grads(self) -> None:
+        """Before the window's reduction: every parameter whose gradient did not land
+        through the hook (no gradient in this window: zero; one written without autograd's
+        hooks, e.g. the pipeline's split backward: copied) now has it in ``grad_flat``."""
+        for p, view in self.grad_views.items():
+            grad = p.grad
+            if grad is view:
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+            p.grad = view
 
     def take_bucket_grads(
         self, bucket: Bucket, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
@@ -277,14 +314,43 @@ class FlatGroup:
     def load_master_grads(self, factor: float) -> None:
         """Give each master chunk its fp32 gradient, multiplied by ``factor``
         (1 / (loss scale x dp size) x clip coefficient)."""
-        for master, g in zip(self.master_params, self.grad_chunks, strict=True):
-            if g.dtype == torch.float32 and g.device == master.device:
-                if factor != 1.0:
-                    g.mul_(factor)
-                master.grad = g
-            else:
-                mg = g.to(device=master.device, dtype=torch.float32, non_blocking=True)
-                master.grad = mg.mul_(factor) if factor != 1.0 else mg
+        for slices, g in zip(self.master_slices, self.grad_chunks, strict=True):
+            if g.dtype != torch.float32 or g.device != self.master_device:
+                g = g.to(device=self.master_device, dtype=torch.float32, non_blocking=True)
+            if factor != 1.0:
+                g.mul_(factor)
+            for master, part in zip(slices, g.split(self.slice_numel), strict=True):
+                master.grad = part
+
+    def optimizer_state(self, bucket: Bucket, state: dict) -> dict:
+        """The optimizer state of ``bucket``'s master chunk, from the per-slice ``state``
+        (``optimizer.state``): element-wise tensors joined over the slices, the rest
+        (``step``) as the first slice holds it. Empty before the first step."""
+        slices = self.master_slices[bucket.index]
+        per = [state.get(m, {}) for m in slices]
+        out = {}
+        for key, value in per[0].items():
+            elementwise = isinstance(value, torch.Tensor) and value.shape == slices[0].shape
+            out[key] = torch.cat([p[key] for p in per]) if elementwise and len(per) > 1 else value
+        return out
+
+    def set_optimizer_state(self, bucket: Bucket, state: dict, values: dict) -> None:
+        """Inverse of ``optimizer_state``: tensors of the chunk's size are cut into the
+        slices (views, no copy); anything else (``step``) is copied to each slice, since
+        the optimizer updates it in place once per slice."""
+        chunk = self.master_chunks[bucket.index]
+        for i, master in enumerate(self.master_slices[bucket.index]):
+            lo = i * self.slice_numel
+            state[master] = {
+                k: (
+                    v.narrow(0, lo, master.numel())
+                    if isinstance(v, torch.Tensor) and v.shape == chunk.shape
+                    else v.clone()
+                    if isinstance(v, torch.Tensor)
+                    else v
+                )
+                for k, v in values.items()
+            }
 
     def release_master_grads(self) -> None:
         for master in self.master_params:
@@ -298,10 +364,12 @@ class FlatGroup:
             self.owned_params(b).copy_(master, non_blocking=True)
 
     def zero_grads(self) -> None:
-        """Clear full gradients for the next window. Sharded gradients need nothing: the
-        reducer's first reduction of a window overwrites every chunk."""
-        if self.grad_flat is not None:
-            self.grad_flat.zero_()
+        """Clear full gradients for the next window: ``.grad = None`` (no pass over
+        ``grad_flat``); each gradient's first landing in the window overwrites its view
+        (``land_grad``), the ones that never land are zeroed (``land_missing_grads``).
+        Sharded gradients need nothing: the first reduction of a window overwrites."""
+        for p in self.grad_views:
+            p.grad = None
 
     # accounting ----------------------------------------------------------------------------
     @property

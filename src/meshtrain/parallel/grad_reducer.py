@@ -7,6 +7,17 @@ backward carries on with earlier layers (``overlap_comm``; without it every buck
 launched in ``finish``); ``finish()`` launches buckets that never filled (parameters
 unused in this forward) in a fixed order, waits for all of them and lands the results.
 
+Full gradients (stages 0-1) live in ``grad_flat``; the same hook lands each one there
+first (``FlatGroup.land_grad``), on every backward, synchronising or not. Between windows
+``.grad`` is None (``zero_grads``), so autograd hands over the fresh gradient it computed
+and the hook copies it into its view and points ``.grad`` at the view; a second backward
+in the window then accumulates into the view in place. Per window that is one copy of
+the gradients, where clearing ``grad_flat`` and accumulating into it costs a memset plus
+an add (read two, write one): two passes over the gradients less. This is DDP's own
+scheme (``zero_grad(set_to_none=True)``; its hook copies into the bucket). ``finish()``
+lands what no hook did (zero for a parameter without a gradient, a copy for one written
+without autograd's hooks) before it launches the remaining buckets.
+
 * ``P = 1`` (ZeRO stage 0, plain data parallelism): ``all_reduce`` of the bucket of
   ``grad_flat``, in place.
 * ``P = dp``, full gradients (stage 1): ``reduce_scatter`` of the bucket of ``grad_flat``
@@ -26,8 +37,8 @@ bucket fills, which is all the overlap a single communication thread can use.
 The reduce-scatters go through ``comm.reduce_scatter_bucket``: on CPU (gloo) an
 in-place all-reduce of the bucket is used instead (about half the time; the bytes are
 still recorded as a reduce-scatter of the bucket). Stage 1's full-gradient buffer then
-holds the summed gradient in every chunk, not only the owned one; nothing reads the others
-before ``zero_grads``.
+holds the summed gradient in every chunk, not only the owned one; nothing reads the others,
+and the next window's landings overwrite them.
 
 Stages 2-3 pack each bucket's gradients into a buffer taken from a small pool (at most
 ``max_in_flight + 1`` buffers of the largest bucket, filled without zeroing first): a
@@ -107,6 +118,7 @@ class GradReducer:
 
     def _hook(self, group: FlatGroup):
         def hook(param: torch.Tensor) -> None:
+            group.land_grad(param)  # full gradients: into grad_flat, on every backward
             if not self._sync:
                 return
             if not self.ignore_unused:
@@ -204,6 +216,7 @@ class GradReducer:
         if not self.ignore_unused and self._sync:
             self._check_unused()
         for group in self.groups:
+            group.land_missing_grads()  # before the buckets still to launch read grad_flat
             for bucket in group.buckets:
                 self._launch(group, bucket)
         for entry in self._pending:

@@ -13,10 +13,10 @@ weight alone) is in no intermediate's group: ``W`` walks the graph again from th
 output towards those weights only, so the result is right whatever the model. On stage 0
 there is no input gradient: ``B`` does nothing and ``W`` is the whole backward.
 
-``W`` writes ``param.grad`` itself (``+=`` into the flat buffer's view under ZeRO 0-1, a
-new tensor under ZeRO 2), without autograd's accumulation hooks: the data-parallel
-reduction of a pipeline step does not rely on them (ZeRO 0-1 reduce after the schedule,
-ZeRO 2 in ``after_backward``, which launches every bucket).
+``W`` writes ``param.grad`` itself (a new tensor, then ``+=`` into it), without autograd's
+accumulation hooks: the data-parallel reduction of a pipeline step does not rely on them
+(ZeRO 0-1 reduce after the schedule, whose ``finish`` copies such gradients into the flat
+buffer first; ZeRO 2 in ``after_backward``, which launches every bucket).
 """
 
 from __future__ import annotations

@@ -99,8 +99,6 @@ class ZeroStage:
 
     def begin_window(self) -> None:
         self.wait_params()  # a forward that skipped some modules, or the pipeline's window
-        for g in self.flat_groups:
-            g.attach_grads()  # cheap; re-points .grad a user reset to None
         self.reducer.begin_window()
 
     def before_backward(self, boundary: bool) -> None:
