@@ -3,8 +3,10 @@
 Each case launches ``doctor_worker.py`` (collective timeout 6 s) and asserts that the
 launcher's table and ``doctor.json`` name the right rank, op and sequence number, that the
 job's exit code and blame are the culprit's, and that every process is gone within the
-timeout plus a margin (the subprocess deadline below: 6 s timeout + 84 s for three Python
-processes importing torch on a loaded 2-core machine; no assertion on the exact time).
+timeout plus a margin (the subprocess deadline below: generous, because on a shared 2-core
+machine with a load of 15 one launch took 60 s -- three Python processes importing torch,
+the 6 s collective timeout, a 3 s exit barrier and the agent's wait of up to 10 s for
+survivors to leave on their own; it only bounds a hang, nothing asserts the time).
 The pure verdict logic is tested without processes at the end.
 """
 
@@ -19,7 +21,7 @@ from meshtrain.distributed.doctor import diagnose
 from tests.launch import REPO, run_launch
 
 WORKER = REPO / "tests" / "distributed" / "doctor_worker.py"
-DEADLINE_S = 90
+DEADLINE_S = 240
 
 
 def _launch(mode: str, run_dir: Path):

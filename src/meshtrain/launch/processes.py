@@ -36,6 +36,9 @@ from typing import Any
 
 from meshtrain.errors import DistributedError
 
+PORT_TRIES = 3  # free_port() is free when chosen; another process may bind it first
+STACKS_WAIT_S = 10.0  # at most, for hung ranks to dump their stacks after SIGUSR1
+
 
 class RankFailedError(DistributedError):
     """A rank raised, died or hung; the message carries its traceback or stacks."""
@@ -44,6 +47,11 @@ class RankFailedError(DistributedError):
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
+        self.port_taken = False  # rank 0 could not bind the store's port (run_on_ranks retries)
+
+
+def _port_in_use(message: str) -> bool:
+    return "EADDRINUSE" in message or "address already in use" in message.lower()
 
 
 def free_port() -> int:
@@ -61,6 +69,7 @@ class _Outcome:
     exc_type: str = ""
     message: str = ""
     traceback: str = ""
+    stage: str = "run"  # "init": it failed joining the process group, before fn ran
 
 
 def _child(
@@ -99,9 +108,11 @@ def _child(
 
     torch.set_num_threads(threads)
     ok = False
+    stage = "init"
     try:
         if setup_distributed:
             init_distributed(timeout_minutes=timeout_minutes)
+        stage = "run"
         value = fn(*args, **kwargs)
         outcome = _Outcome(rank, True, value)
         ok = True
@@ -112,6 +123,7 @@ def _child(
             exc_type=type(exc).__name__,
             message=str(exc),
             traceback=traceback.format_exc(),
+            stage=stage,
         )
     # Plain pickle to bytes: torch's multiprocessing reducers would pass tensors as shared
     # memory file descriptors, which die with this process before the parent reads them.
@@ -169,6 +181,22 @@ def run_on_ranks(
                 "call run_on_ranks from the parent, or pass start_method='spawn'"
             )
     ctx = mp.get_context(method)
+    for attempt in range(PORT_TRIES):
+        try:
+            return _run_group(
+                ctx, fn, nprocs, args, kwargs, timeout, env, threads_per_rank,
+                setup_distributed, collective_timeout_minutes,
+            )  # fmt: skip
+        except RankFailedError as exc:
+            if not (exc.port_taken and attempt + 1 < PORT_TRIES):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_group(
+    ctx, fn, nprocs, args, kwargs, timeout, env, threads, setup_distributed, pg_minutes
+) -> list[Any]:
+    """One try of :func:`run_on_ranks` on a fresh free port."""
     results = ctx.Queue()
     port = free_port()
     stack_dir = tempfile.mkdtemp(prefix="meshtrain-stacks-")
@@ -185,9 +213,9 @@ def run_on_ranks(
                 tuple(args),
                 dict(kwargs or {}),
                 {"MESHTRAIN_DOCTOR_DIR": stack_dir, **(env or {})},
-                threads_per_rank,
+                threads,
                 setup_distributed,
-                collective_timeout_minutes,
+                pg_minutes,
                 stack_files[rank],
                 results,
             ),
@@ -249,12 +277,14 @@ def _collect(procs, results, values, nprocs, deadline, stack_files, timeout) -> 
             else:
                 continue
         if not out.ok:
-            raise RankFailedError(
+            exc = RankFailedError(
                 f"rank {out.rank} raised {out.exc_type}: {out.message}\n"
                 f"--- traceback from rank {out.rank} ---\n{out.traceback}",
                 rank=out.rank,
                 exc_type=out.exc_type,
             )
+            exc.port_taken = out.stage == "init" and _port_in_use(out.message)
+            raise exc
         values[out.rank] = out.value
     for p in procs:
         p.join(timeout=60)
@@ -264,6 +294,18 @@ def _collect(procs, results, values, nprocs, deadline, stack_files, timeout) -> 
     return [values[r] for r in range(nprocs)]
 
 
+def _wait_for_stacks(paths: list[str], bound_s: float) -> None:
+    """Until each file is non-empty and its size held still for 0.2 s, or ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    last: list[int] = []
+    while time.monotonic() < deadline:
+        sizes = [os.path.getsize(p) if os.path.exists(p) else 0 for p in paths]
+        if all(sizes) and sizes == last:
+            return
+        last = sizes
+        time.sleep(0.2)
+
+
 def _timeout_error(procs, values, stack_files, timeout) -> RankFailedError:
     alive = [r for r, p in enumerate(procs) if r not in values and p.is_alive()]
     for r in alive:
@@ -271,7 +313,10 @@ def _timeout_error(procs, values, stack_files, timeout) -> RankFailedError:
             os.kill(procs[r].pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
-    time.sleep(1.0)
+    # faulthandler writes from the signal handler once the rank is next scheduled, which
+    # on a loaded machine can take longer than any fixed sleep: wait for every file to
+    # have content that stopped growing (or for the bound)
+    _wait_for_stacks([stack_files[r] for r in alive], STACKS_WAIT_S)
     parts = []
     for r in alive:
         with open(stack_files[r]) as f:
