@@ -40,7 +40,7 @@ def test_results_come_back_by_rank():
 
 def test_exception_on_rank1_is_the_failure():
     with pytest.raises(RankFailedError) as info:
-        run_ranks(_planted_exception, 2, timeout=60)
+        run_ranks(_planted_exception, 2, timeout=240)
     msg = str(info.value)
     assert info.value.rank == 1
     assert "rank 1 raised ValueError: planted failure on rank 1" in msg
