@@ -3,7 +3,10 @@
 This is the engine under both ``meshtrain.notebook_launcher`` and the test harness
 (``tests/harness.py``). Each child gets the environment torchrun would give it (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` on a free port), joins the
-process group, runs the function and sends back its return value or its traceback. The
+process group (once every rank has started, so that a short collective timeout bounds
+the collectives and not a late start), runs the function and sends back its return
+value or its traceback; a port that another process took between choosing and binding
+it is retried on a fresh one. The
 parent kills every rank as soon as one fails, and on a timeout first asks each live rank
 to dump its Python stacks (``faulthandler`` on ``SIGUSR1``) so a hang reads like a bug
 report rather than a silence. The ranks publish their collective ledgers into a private
@@ -28,6 +31,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +41,7 @@ from typing import Any
 from meshtrain.errors import DistributedError
 
 PORT_TRIES = 3  # free_port() is free when chosen; another process may bind it first
+JOIN_WAIT_S = 300.0  # at most, for every rank to be started before joining the group
 STACKS_WAIT_S = 10.0  # at most, for hung ranks to dump their stacks after SIGUSR1
 
 
@@ -85,6 +90,7 @@ def _child(
     timeout_minutes: float,
     stack_file: str,
     results: Any,
+    started: Any,
 ) -> None:
     os.environ.update(
         {
@@ -111,6 +117,12 @@ def _child(
     stage = "init"
     try:
         if setup_distributed:
+            # the ranks start together, so that a short collective timeout (a test of a
+            # hang) bounds the collectives, not one rank's late start on a loaded machine
+            try:
+                started.wait(JOIN_WAIT_S)
+            except threading.BrokenBarrierError:
+                pass  # a rank never came: joining the group says so
             init_distributed(timeout_minutes=timeout_minutes)
         stage = "run"
         value = fn(*args, **kwargs)
@@ -198,6 +210,7 @@ def _run_group(
 ) -> list[Any]:
     """One try of :func:`run_on_ranks` on a fresh free port."""
     results = ctx.Queue()
+    started = ctx.Barrier(nprocs)
     port = free_port()
     stack_dir = tempfile.mkdtemp(prefix="meshtrain-stacks-")
     stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(nprocs)]
@@ -218,6 +231,7 @@ def _run_group(
                 pg_minutes,
                 stack_files[rank],
                 results,
+                started,
             ),
             name=f"meshtrain-rank{rank}",
             daemon=False,
