@@ -6,10 +6,9 @@ This is the engine under both ``meshtrain.notebook_launcher`` and the test harne
 process group (once every rank has started, so that a short collective timeout bounds
 the collectives and not a late start), runs the function and sends back its return
 value or its traceback; a port that another process took between choosing and binding
-it is retried on a fresh one. The
-parent kills every rank as soon as one fails, and on a timeout first asks each live rank
-to dump its Python stacks (``faulthandler`` on ``SIGUSR1``) so a hang reads like a bug
-report rather than a silence. The ranks publish their collective ledgers into a private
+it is retried on a fresh one. The parent kills every rank as soon as one fails, and on
+a timeout first asks each live rank to dump its Python stacks (``faulthandler`` on
+``SIGUSR1``) so a hang reads like a bug report rather than a silence. The ranks publish their collective ledgers into a private
 doctor folder (``MESHTRAIN_DOCTOR_DIR``), and a failure's message ends with the hang
 doctor's table (:mod:`meshtrain.distributed.doctor`).
 
