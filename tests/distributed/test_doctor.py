@@ -25,7 +25,11 @@ DEADLINE_S = 240
 
 
 def _launch(mode: str, run_dir: Path):
-    out = run_launch("--nproc_per_node", "2", str(WORKER), mode, str(run_dir), timeout=DEADLINE_S)
+    # the raise case at torchrun's own 0.1 s poll: rank 0's one line naming rank 1 must
+    # not depend on the poll's phase (meshtrain.launch.agent waits for it to leave)
+    poll = ["--monitor_interval", "0.1"] if mode == "raise" else []
+    argv = ["--nproc_per_node", "2", *poll, str(WORKER), mode, str(run_dir)]
+    out = run_launch(*argv, timeout=DEADLINE_S)
     report = json.loads((run_dir / "doctor.json").read_text())
     return out, report
 
@@ -70,6 +74,9 @@ def test_doctor_names_rank_op_and_sequence(tmp_path: Path, mode: str, code, verd
         first_tb = out.stderr.index("Traceback")
         assert "[rank1]" in out.stderr[first_tb - 10 : first_tb]
         assert "because rank 1 raised first: ValueError: bad batch at step 14" in out.stderr
+        assert "[rank0]: Traceback" not in out.stderr
+    if mode == "exit3":
+        assert "because rank 1 left the job first" in out.stderr
         assert "[rank0]: Traceback" not in out.stderr
     if mode == "desync":
         assert rows[1]["waiting_in"] == "all_gather #14 on dp"
