@@ -40,7 +40,7 @@ def test_results_come_back_by_rank():
 
 def test_exception_on_rank1_is_the_failure():
     with pytest.raises(RankFailedError) as info:
-        run_ranks(_planted_exception, 2, timeout=60)
+        run_ranks(_planted_exception, 2, timeout=240)
     msg = str(info.value)
     assert info.value.rank == 1
     assert "rank 1 raised ValueError: planted failure on rank 1" in msg
@@ -55,3 +55,23 @@ def test_hang_times_out_with_stacks():
     assert time.monotonic() - start < 60
     assert "did not finish within 8 s" in msg
     assert "Python stacks of rank 1" in msg and "_planted_hang" in msg
+
+
+def test_a_taken_port_is_retried_on_a_fresh_one(monkeypatch):
+    """free_port() is free when chosen; if another process binds it before rank 0's store
+    does, rank 0 fails joining (EADDRINUSE) and run_on_ranks starts the group again."""
+    import socket
+
+    from meshtrain.launch import processes
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    ports = [holder.getsockname()[1]]
+    real = processes.free_port
+    monkeypatch.setattr(processes, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        assert run_ranks(_ranks_and_sum, 2, 1.0, timeout=120) == [(0, 2, 3.0), (1, 2, 3.0)]
+    finally:
+        holder.close()
+    assert ports == []  # the taken port was handed out first

@@ -69,7 +69,7 @@ def test_sigkill_during_save(
             second_tag,
             phase,
             kill_rank,
-            timeout=60,
+            timeout=240,  # bounds a hang: the kill must be the failure, even when loaded
         )
     # the harness reports whichever it sees first: the killed rank's signal, or the
     # survivor's gloo error on the connection the dead rank closed

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import torch
 
@@ -21,9 +22,30 @@ import meshtrain
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
 
+
+def all_started() -> None:
+    """Wait (up to 5 min) until every rank got here, on the agent's store.
+
+    The 6 s timeout below also bounds joining the group; on a loaded machine one rank can
+    finish importing torch more than 6 s after the other, and a join that times out
+    leaves no collective in any ledger (no doctor report: the tests then fail for the
+    machine's load, not for the doctor)."""
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(minutes=5),
+    )
+    key = f"doctor_worker/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if store.add(f"{key}/arrived", 1) == int(os.environ["WORLD_SIZE"]):
+        store.set(f"{key}/go", "1")
+    store.wait([f"{key}/go"])
+
+
 MODE = sys.argv[1]
 if len(sys.argv) > 2:
     os.environ["MESHTRAIN_RUN_DIR"] = sys.argv[2]
+all_started()
 env = meshtrain.init_distributed(timeout_minutes=0.1)
 topo = Topology(dp=env.world_size)
 grad = torch.ones(4096)

@@ -6,8 +6,9 @@ all_reduce #14; rank 0, on node 0, fails in that collective and node 0's launche
 Node 0's doctor folder holds only rank 0's record, so naming rank 1 -- its reason, its
 node and where it was -- proves the table was built from the rendezvous store.
 
-The deadline (the collective timeout, 6 s, plus 84 s for two launchers and two workers
-importing torch on a loaded 2-core machine) bounds the run; no assertion on the time.
+The deadline (generous: the collective timeout, 6 s, plus two launchers and two workers
+importing torch on a loaded shared 2-core machine, where one such launch took 60 s) only
+bounds a hang; no assertion on the time.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from meshtrain.launch.processes import free_port
 from tests.launch import REPO, clean_env
 
 WORKER = REPO / "tests" / "distributed" / "doctor_worker.py"
-DEADLINE_S = 90
+DEADLINE_S = 240
 
 
 def _node(rank: int, port: int, mode: str, run_dir: Path) -> subprocess.Popen:

@@ -27,7 +27,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_launch(
-    *argv: str, timeout: float = 120, cwd: str | Path | None = None, env: dict | None = None
+    *argv: str, timeout: float = 300, cwd: str | Path | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """``python -m meshtrain launch ARGV`` to completion; output captured as text."""
     return subprocess.run(

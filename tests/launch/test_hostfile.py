@@ -34,6 +34,16 @@ def _hostfile(tmp_path: Path, text: str) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _no_env_files(tmp_path_factory, monkeypatch):
+    """The fan-out exports ``.deepspeed_env`` / ``.meshtrain_env`` from ``~`` and the cwd;
+    the exact command lines below must not depend on such files of the machine running
+    the tests: an empty home and working folder."""
+    empty = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(empty))
+    monkeypatch.chdir(empty)
+
+
 def test_parse_hostfile_reads_slots_in_order_and_skips_comments(tmp_path):
     path = _hostfile(tmp_path, "# cluster\nworker-1 slots=4\n\nworker-0 slots=8  # big one\n")
     assert list(parse_hostfile(path).items()) == [("worker-1", 4), ("worker-0", 8)]

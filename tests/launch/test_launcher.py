@@ -136,3 +136,21 @@ def test_include_without_hostfile_picks_local_gpus(capsys, monkeypatch):
 
 def test_exit_codes_read_like_a_shell():
     assert [exit_code(c) for c in (0, 3, -9, -15, None)] == [0, 3, 137, 143, 1]
+
+
+def test_agent_waits_only_for_workers_that_can_still_leave_on_their_own():
+    """The patient agent's rule (meshtrain.launch.agent): after a worker exited, wait for
+    running workers unless they published a stall or are stopped; never before an exit."""
+    from meshtrain.launch.agent import leaving_on_their_own
+
+    raised = {1: {"reason": "exception"}}
+    # rank 1 raised and exited (zombie or reaped); rank 0 has not noticed yet, or is
+    # explaining (its collective failed): wait for it either way
+    assert leaving_on_their_own({0: "S", 1: "Z"}, raised) == [0]
+    assert leaving_on_their_own({0: "R", 1: None}, {**raised, 0: {"reason": "error"}}) == [0]
+    # the hang case: the survivor is stuck in Python (stalled) or stopped: stop it now
+    assert leaving_on_their_own({0: None, 1: "S"}, {1: {"reason": "stalled"}}) == []
+    assert leaving_on_their_own({0: None, 1: "T"}, {}) == []
+    # nobody exited yet, or everybody did: torch's own monitoring decides
+    assert leaving_on_their_own({0: "S", 1: "R"}, raised) == []
+    assert leaving_on_their_own({0: "Z", 1: None}, raised) == []

@@ -39,7 +39,7 @@ def explode(code):
 if __name__ == "__main__":
     print("OK", meshtrain.notebook_launcher(train, args=(10.0,), num_processes=2))
     try:
-        meshtrain.notebook_launcher(explode, (42,), num_processes=2, timeout=60)
+        meshtrain.notebook_launcher(explode, (42,), num_processes=2, timeout=240)
     except RankFailedError as exc:
         print("RAISED", type(exc).__name__, "rank", exc.rank, exc.exc_type)
         print(exc)
@@ -58,7 +58,7 @@ def test_main_defined_function_on_two_ranks_rank1_failure_and_parent_group(tmp_p
     script = tmp_path / "notebook_like.py"
     script.write_text(SCRIPT)
     out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=400,
         env=clean_env(), cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

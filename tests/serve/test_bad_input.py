@@ -93,14 +93,19 @@ def test_classify_bad_inputs(classify_url):
     # a chunked body (no Content-Length) over the limit is cut off at the limit
     chunks = iter([b'{"text": "', b"x" * LIMIT, b'"}'])
     r = httpx.post(
-        classify_url + "/classify", content=chunks, headers={"content-type": "application/json"}
+        classify_url + "/classify",
+        content=chunks,
+        headers={"content-type": "application/json"},
+        timeout=30,
     )
     _check(r, 413, "body", "chunked body over the limit")
     _check(_post(classify_url, "/", {"prompt": "a"}), 404, "POST /classify", "chat on a classifier")
-    assert httpx.get(classify_url + "/classify").status_code == 405
-    assert httpx.get(classify_url + "/nope").status_code == 404
-    assert httpx.get(classify_url + "/health").json()["status"] == "ok"
-    assert httpx.post(classify_url + "/classify", json={"text": "ok"}).status_code == 200
+    assert httpx.get(classify_url + "/classify", timeout=30).status_code == 405
+    assert httpx.get(classify_url + "/nope", timeout=30).status_code == 404
+    assert httpx.get(classify_url + "/health", timeout=30).json()["status"] == "ok"
+    assert (
+        httpx.post(classify_url + "/classify", json={"text": "ok"}, timeout=30).status_code == 200
+    )
 
 
 def test_chat_bad_inputs(chat_url):
@@ -111,6 +116,6 @@ def test_chat_bad_inputs(chat_url):
     _check(_post(chat_url, "/classify", {"text": "a"}), 404, "POST /", "classify on a chat model")
     r = _post(chat_url, "/", b"prompt=a", {"content-type": "application/x-www-form-urlencoded"})
     _check(r, 400, "body", "form-encoded body (curl -d without -H)")
-    assert httpx.get(chat_url + "/health").json()["status"] == "ok"
+    assert httpx.get(chat_url + "/health", timeout=30).json()["status"] == "ok"
     ok = _post(chat_url, "/", {"prompt": "a", "history": [["q", "a"]], "max_new_tokens": 2})
     assert ok.status_code == 200 and len(ok.json()["history"]) == 2

@@ -36,10 +36,12 @@ def test_matches_pipeline_and_batching(classifier_dir, served_classifier):
 
     with live_server(served_classifier, max_batch_size=1) as url:
         alone, info1 = asyncio.run(fire(url, 1))
-        one = httpx.post(f"{url}/classify", json={"text": texts}).json()  # a list request
-    with live_server(served_classifier, max_batch_size=8, max_wait_ms=50) as url:
+        one = httpx.post(f"{url}/classify", json={"text": texts}, timeout=60).json()  # a list
+    # a batch waits up to 1 s to fill: the 12 concurrent requests must meet in one even
+    # when a loaded machine spreads their arrival over more than a few milliseconds
+    with live_server(served_classifier, max_batch_size=8, max_wait_ms=1000) as url:
         batched, info8 = asyncio.run(fire(url, 8))
-        health = httpx.get(f"{url}/health").json()
+        health = httpx.get(f"{url}/health", timeout=60).json()
 
     assert info1["batches"] == len(texts)  # batching off: one forward per text
     assert info8["batched_texts"] == len(texts) and info8["batches"] < len(texts)
@@ -60,7 +62,7 @@ def test_long_text_is_truncated_with_a_note(classifier_dir, served_classifier):
     pipe = pipeline("text-classification", model=str(classifier_dir), device="cpu")
     expected = pipe(long_text, truncation=True, max_length=CONTEXT)[0]
     with live_server(served_classifier) as url:
-        r = httpx.post(f"{url}/classify", json={"text": [long_text, "还行吧"]})
+        r = httpx.post(f"{url}/classify", json={"text": [long_text, "还行吧"]}, timeout=60)
     assert r.status_code == 200
     cut, short = r.json()
     assert cut["truncated"] is True and short["truncated"] is False

@@ -373,11 +373,13 @@ def _install_hooks(ledger: Ledger) -> None:
             cause = f"raised first: {first['error']}; see its traceback"
         else:
             cause = "left the job first (its process exited); see the doctor's table"
-        print(
+        # one write: under PYTHONUNBUFFERED print() writes the text and the newline
+        # separately, and every survivor of the failed peer says this at the same moment
+        sys.stderr.write(
             f"[rank{led._rank}]: meshtrain: a collective failed ({led._error.splitlines()[0]}) "
-            f"because rank {first['rank']} {cause}",
-            file=sys.stderr,
+            f"because rank {first['rank']} {cause}\n"
         )
+        sys.stderr.flush()
 
     sys.excepthook = hook
 

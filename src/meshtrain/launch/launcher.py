@@ -28,6 +28,9 @@ Choices made here (and why):
   ``MESHTRAIN_DOCTOR_DIR`` (this node's; :mod:`meshtrain.distributed.ledger`).
 * A worker found stopped (``SIGSTOP``, state ``T``) after a peer failed is killed at once:
   it cannot take a ``SIGTERM``, and the agent would otherwise wait out its grace period.
+* When a worker has failed, the others are not stopped while they may still leave on
+  their own (a rank whose collective failed because of that peer says so in one line
+  first), for at most 10 s: :mod:`meshtrain.launch.agent`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from meshtrain.distributed.env import DEFAULT_MASTER_PORT, expand_slurm_nodelist
 from meshtrain.distributed.ledger import DOCTOR_DIR_ENV
 from meshtrain.errors import ConfigError
+from meshtrain.launch.agent import patient_agent, process_state
 from meshtrain.launch.failure import report_failure
 
 _NPROC_WORDS = ("auto", "gpu", "cpu", "xpu")
@@ -242,9 +246,8 @@ def run_agent(spec: LaunchSpec) -> int:
     args = get_args_parser().parse_args([*spec_flags(spec), "--", spec.script])
     args.training_script_args = list(spec.script_args)
     if spec.monitor_interval is None:
-        # torchrun checks its workers every 0.1 s and stops the rest the moment one fails;
-        # 1 s gives a rank whose collective failed because of that peer time to say so
-        # (one line naming the peer, instead of being killed mid-sentence)
+        # torchrun checks its workers every 0.1 s; once a second is plenty now that the
+        # agent waits for survivors to leave on their own (meshtrain.launch.agent)
         args.monitor_interval = MONITOR_INTERVAL_S
     own_dir = DOCTOR_DIR_ENV not in os.environ
     doctor_dir = os.environ.get(DOCTOR_DIR_ENV) or tempfile.mkdtemp(prefix="meshtrain-doctor-")
@@ -253,7 +256,8 @@ def run_agent(spec: LaunchSpec) -> int:
     watcher.start()
     keep = False
     try:
-        run(args)
+        with patient_agent():
+            run(args)
     except ChildFailedError as exc:
         code, keep = report_failure(exc, doctor_dir, watcher.stopped)
         return code
@@ -312,7 +316,7 @@ class _StopWatcher(threading.Thread):
             if not any(r.get("reason") in ("error", "exception") for r in records.values()):
                 continue
             for rank, pid in pids.items():
-                if rank not in self.stopped and _process_state(pid) == "T":
+                if rank not in self.stopped and process_state(pid) == "T":
                     self.stopped[rank] = "stopped (SIGSTOP), killed by the launcher"
                     try:
                         os.kill(pid, signal.SIGKILL)
@@ -321,12 +325,3 @@ class _StopWatcher(threading.Thread):
 
     def stop(self) -> None:
         self._done.set()
-
-
-def _process_state(pid: int) -> str | None:
-    """The one-letter state of a local process from /proc (None where unknown)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None

@@ -3,10 +3,12 @@
 This is the engine under both ``meshtrain.notebook_launcher`` and the test harness
 (``tests/harness.py``). Each child gets the environment torchrun would give it (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` on a free port), joins the
-process group, runs the function and sends back its return value or its traceback. The
-parent kills every rank as soon as one fails, and on a timeout first asks each live rank
-to dump its Python stacks (``faulthandler`` on ``SIGUSR1``) so a hang reads like a bug
-report rather than a silence. The ranks publish their collective ledgers into a private
+process group (once every rank has started, so that a short collective timeout bounds
+the collectives and not a late start), runs the function and sends back its return
+value or its traceback; a port that another process took between choosing and binding
+it is retried on a fresh one. The parent kills every rank as soon as one fails, and on
+a timeout first asks each live rank to dump its Python stacks (``faulthandler`` on
+``SIGUSR1``) so a hang reads like a bug report rather than a silence. The ranks publish their collective ledgers into a private
 doctor folder (``MESHTRAIN_DOCTOR_DIR``), and a failure's message ends with the hang
 doctor's table (:mod:`meshtrain.distributed.doctor`).
 
@@ -28,6 +30,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtrain.errors import DistributedError
+
+PORT_TRIES = 3  # free_port() is free when chosen; another process may bind it first
+JOIN_WAIT_S = 300.0  # at most, for every rank to be started before joining the group
+STACKS_WAIT_S = 10.0  # at most, for hung ranks to dump their stacks after SIGUSR1
 
 
 class RankFailedError(DistributedError):
@@ -44,6 +51,11 @@ class RankFailedError(DistributedError):
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
+        self.port_taken = False  # rank 0 could not bind the store's port (run_on_ranks retries)
+
+
+def _port_in_use(message: str) -> bool:
+    return "EADDRINUSE" in message or "address already in use" in message.lower()
 
 
 def free_port() -> int:
@@ -61,6 +73,7 @@ class _Outcome:
     exc_type: str = ""
     message: str = ""
     traceback: str = ""
+    stage: str = "run"  # "init": it failed joining the process group, before fn ran
 
 
 def _child(
@@ -76,6 +89,7 @@ def _child(
     timeout_minutes: float,
     stack_file: str,
     results: Any,
+    started: Any,
 ) -> None:
     os.environ.update(
         {
@@ -99,9 +113,17 @@ def _child(
 
     torch.set_num_threads(threads)
     ok = False
+    stage = "init"
     try:
         if setup_distributed:
+            # the ranks start together, so that a short collective timeout (a test of a
+            # hang) bounds the collectives, not one rank's late start on a loaded machine
+            try:
+                started.wait(JOIN_WAIT_S)
+            except threading.BrokenBarrierError:
+                pass  # a rank never came: joining the group says so
             init_distributed(timeout_minutes=timeout_minutes)
+        stage = "run"
         value = fn(*args, **kwargs)
         outcome = _Outcome(rank, True, value)
         ok = True
@@ -112,6 +134,7 @@ def _child(
             exc_type=type(exc).__name__,
             message=str(exc),
             traceback=traceback.format_exc(),
+            stage=stage,
         )
     # Plain pickle to bytes: torch's multiprocessing reducers would pass tensors as shared
     # memory file descriptors, which die with this process before the parent reads them.
@@ -173,7 +196,24 @@ def run_on_ranks(
                 "the function you launch, or pass start_method='spawn'"
             )
     ctx = mp.get_context(method)
+    for attempt in range(PORT_TRIES):
+        try:
+            return _run_group(
+                ctx, fn, nprocs, args, kwargs, timeout, env, threads_per_rank,
+                setup_distributed, collective_timeout_minutes,
+            )  # fmt: skip
+        except RankFailedError as exc:
+            if not (exc.port_taken and attempt + 1 < PORT_TRIES):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_group(
+    ctx, fn, nprocs, args, kwargs, timeout, env, threads, setup_distributed, pg_minutes
+) -> list[Any]:
+    """One try of :func:`run_on_ranks` on a fresh free port."""
     results = ctx.Queue()
+    started = ctx.Barrier(nprocs)
     port = free_port()
     stack_dir = tempfile.mkdtemp(prefix="meshtrain-stacks-")
     stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(nprocs)]
@@ -189,11 +229,12 @@ def run_on_ranks(
                 tuple(args),
                 dict(kwargs or {}),
                 {"MESHTRAIN_DOCTOR_DIR": stack_dir, **(env or {})},
-                threads_per_rank,
+                threads,
                 setup_distributed,
-                collective_timeout_minutes,
+                pg_minutes,
                 stack_files[rank],
                 results,
+                started,
             ),
             name=f"meshtrain-rank{rank}",
             daemon=False,
@@ -253,12 +294,14 @@ def _collect(procs, results, values, nprocs, deadline, stack_files, timeout) -> 
             else:
                 continue
         if not out.ok:
-            raise RankFailedError(
+            exc = RankFailedError(
                 f"rank {out.rank} raised {out.exc_type}: {out.message}\n"
                 f"--- traceback from rank {out.rank} ---\n{out.traceback}",
                 rank=out.rank,
                 exc_type=out.exc_type,
             )
+            exc.port_taken = out.stage == "init" and _port_in_use(out.message)
+            raise exc
         values[out.rank] = out.value
     for p in procs:
         p.join(timeout=60)
@@ -268,6 +311,18 @@ def _collect(procs, results, values, nprocs, deadline, stack_files, timeout) -> 
     return [values[r] for r in range(nprocs)]
 
 
+def _wait_for_stacks(paths: list[str], bound_s: float) -> None:
+    """Until each file is non-empty and its size held still for 0.2 s, or ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    last: list[int] = []
+    while time.monotonic() < deadline:
+        sizes = [os.path.getsize(p) if os.path.exists(p) else 0 for p in paths]
+        if all(sizes) and sizes == last:
+            return
+        last = sizes
+        time.sleep(0.2)
+
+
 def _timeout_error(procs, values, stack_files, timeout) -> RankFailedError:
     alive = [r for r, p in enumerate(procs) if r not in values and p.is_alive()]
     for r in alive:
@@ -275,7 +330,10 @@ def _timeout_error(procs, values, stack_files, timeout) -> RankFailedError:
             os.kill(procs[r].pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
-    time.sleep(1.0)
+    # faulthandler writes from the signal handler once the rank is next scheduled, which
+    # on a loaded machine can take longer than any fixed sleep: wait for every file to
+    # have content that stopped growing (or for the bound)
+    _wait_for_stacks([stack_files[r] for r in alive], STACKS_WAIT_S)
     parts = []
     for r in alive:
         with open(stack_files[r]) as f:
