@@ -48,11 +48,10 @@ def test_exception_on_rank1_is_the_failure():
 
 
 def test_hang_times_out_with_stacks():
-    start = time.monotonic()
+    # rank 1 sleeps 600 s: an error at all (not a result) means the 8 s timeout cut it
     with pytest.raises(RankFailedError) as info:
         run_ranks(_planted_hang, 2, timeout=8)
     msg = str(info.value)
-    assert time.monotonic() - start < 60
     assert "did not finish within 8 s" in msg
     assert "Python stacks of rank 1" in msg and "_planted_hang" in msg
 
