@@ -83,7 +83,7 @@ class PipelineRuntime:
         self.tied = list(tied)
         self.device = torch.device(device)
         self._cache: dict[tuple, Any] = {}
-        self._after_backward: Callable[[], None] | None = None
+        self._after_backward: Callable[[list[nn.Parameter]], None] | None = None
         self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # ZB-H1: B -> W
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
         # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
@@ -106,15 +106,17 @@ class PipelineRuntime:
         self,
         batches: Sequence[Any],
         loss_scale: float = 1.0,
-        after_backward: Callable[[], None] | None = None,
+        after_backward: Callable[[list[nn.Parameter]], None] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss (every rank).
 
         Gradients accumulate into the parameters' ``.grad`` as ``loss_scale x`` those of
         the mean loss; tied parameters' gradients are summed over their ranks.
         ``after_backward``: called after each micro-batch's weight-gradient backward on a
-        stage (ZeRO 2 reduce-scatters and drops ``.grad`` there; tied weights are then
-        summed by the caller, ``grads.sum_tied_shards``).
+        stage with the parameters whose ``.grad`` that backward wrote without autograd's
+        accumulation hooks (ZB-H1), e.g. ``ZeroStage.after_backward`` (ZeRO 2
+        reduce-scatters and drops ``.grad`` there; tied weights are then summed by the
+        caller, ``grads.sum_tied_shards``).
         """
         for st in self.stages.values():
             st.train()
@@ -205,14 +207,15 @@ class PipelineRuntime:
         outputs.pop(key)
         out_grads.pop(key, None)
         work = self._weight_work.pop(key, None) if zb else None
+        written: list[nn.Parameter] = []  # .grad set outside autograd's hooks
         if work is not None:  # weight gradients from what B saved (``zero_bubble``)
-            zero_bubble.backward_weight(work)
+            written = zero_bubble.backward_weight(work)
         elif zb:  # stage 0: the whole backward, towards the parameters
             params = [p for p in self.stages[stage].parameters() if p.requires_grad]
             torch.autograd.backward(y, grad, inputs=params)
         else:
             torch.autograd.backward(y, grad)
         if self._after_backward is not None:
-            self._after_backward()
+            self._after_backward(written)
         if stage > 0 and self._peer(stage - 1) == self.group.rank:  # p == 1 hand-over
             out_grads[(stage - 1, mb)] = inputs.pop(key).grad
