@@ -9,7 +9,9 @@ the tied tiny decoder, 4 micro-batches of varying sequence length, clipping at 0
   dp 2): ZB-H1's weight-gradient step writes ``.grad`` without autograd's accumulation
   hooks, which the unused-parameter check counts on;
 * pp x tp checkpoints: saved at pp 2 x tp 2 after 2 steps, loaded at pp 1 x tp 2 x dp 2
-  and at pp 2 x tp 1 x dp 2 (ZeRO 1), each continuing the last 2 steps.
+  and at pp 2 x tp 1 x dp 2 (ZeRO 1), each continuing the last 2 steps;
+* a pipeline step that raised midway makes the next call raise TrainingError (its
+  early-posted receives would take that call's data).
 
 Tolerances as in ``test_pipeline_3d`` (fp32): losses and global gradient norms within
 1e-6 relative per step, every parameter (tp shards gathered to the full tensor) within
@@ -83,6 +85,26 @@ def _run(engine) -> tuple:
     return losses, norms, _full_params(engine)
 
 
+class _Failing(torch.nn.Module):
+    def forward(self, x, batch):
+        raise ValueError("a stage failed")
+
+
+def _midway_guard() -> str:
+    """A step that raised midway: the next call on that runtime is refused (its receives
+    would still be posted); returns the message."""
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.errors import TrainingError
+    from meshtrain.parallel.pipeline.runtime import PipelineRuntime
+
+    rt = PipelineRuntime({0: _Failing()}, Topology(pp=1).pp_group, 1, "1f1b")
+    with pytest.raises(ValueError, match="a stage failed"):
+        rt.train_step([torch.zeros(1)])
+    with pytest.raises(TrainingError, match="raised before it finished") as err:
+        rt.eval_step([torch.zeros(1)])
+    return str(err.value)
+
+
 def _four_ranks(tmp: str) -> dict:
     runs = {
         "zb_tp_sp": _run(_engine(2, 2, 0, "zb_h1", tensor_parallel={"sequence_parallel": True})),
@@ -101,7 +123,7 @@ def _four_ranks(tmp: str) -> dict:
         losses, norms = list(head_losses), list(head_norms)
         _steps(engine, 2, 2, losses, norms)
         runs[key] = (losses, norms, _full_params(engine))
-    return runs
+    return runs, _midway_guard()
 
 
 @pytest.fixture(scope="module")
@@ -112,4 +134,5 @@ def refs():
 def test_pipeline_combinations(refs, tmp_path):
     per_rank = run_ranks(_four_ranks, 4, str(tmp_path), timeout=600)
     keys = ("zb_tp_sp", "zb_zero2_strict", "load_pp1_tp2", "load_pp2_tp1")
-    _check(per_rank, refs, dict.fromkeys(keys, "decoder"))
+    _check([runs for runs, _ in per_rank], refs, dict.fromkeys(keys, "decoder"))
+    assert all("restart the job" in msg for _, msg in per_rank), per_rank[0][1]

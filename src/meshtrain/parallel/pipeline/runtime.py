@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from meshtrain.distributed import comm
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.parallel.pipeline import zero_bubble
 from meshtrain.parallel.pipeline.p2p import StepLinks
 from meshtrain.parallel.pipeline.schedules import (
@@ -84,6 +84,7 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self._cache: dict[tuple, Any] = {}
         self._after_backward: Callable[[list[nn.Parameter]], None] | None = None
+        self._midway = False  # a step raised before its end (its receives stay posted)
         self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # ZB-H1: B -> W
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
         # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
@@ -142,6 +143,13 @@ class PipelineRuntime:
         return self._run(self._actions("forward", len(batches)), batches, False, 1.0)
 
     def _run(self, actions, batches, train: bool, loss_scale: float) -> torch.Tensor:
+        if self._midway:
+            raise TrainingError(
+                "the previous pipeline step on this rank raised before it finished: its "
+                "receives are still posted on the pp group and would take this step's "
+                "data; restart the job (the other stages are stuck in that step)"
+            )
+        self._midway = True
         m, last = len(batches), self.num_stages - 1
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> stage input
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output / loss
@@ -188,6 +196,7 @@ class PipelineRuntime:
         links.wait_sends()
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
         comm.broadcast(loss, src=self._peer(last), group=self.group, label="pp_loss")
+        self._midway = False
         return loss
 
     def _backward(self, key, inputs, outputs, out_grads, split: bool) -> None:
