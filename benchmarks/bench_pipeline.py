@@ -15,6 +15,10 @@ Two parts, each rank a real process on gloo with one thread (``run_on_ranks``):
    ``ScheduleGPipe`` / ``Schedule1F1B`` on hand-written stage modules. samples/s (rank
    clocks, first 2 steps untimed, slowest rank) and peak RSS (VmHWM, largest rank); the
    peers run interleaved, ``--repeats`` rounds, medians. Losses are compared too.
+   ``--adam-fused`` gives meshtrain's AdamW ``fused: true``: its default (foreach, for
+   bit-identical results) steps one flat tensor per stage, whose ``sqrt(v)`` temporary
+   is the size of the stage's parameters (torch's per-tensor loop: one weight's size),
+   most of meshtrain's peak-RSS difference here.
 
     python benchmarks/bench_pipeline.py [--repeats 3] [--steps 20]
 
@@ -149,7 +153,7 @@ def _data(step: int):
     return [(ids[i * ROWS : (i + 1) * ROWS], ids[i * ROWS : (i + 1) * ROWS]) for i in range(MICRO)]
 
 
-def _peer_rank(peer: str, steps: int):
+def _peer_rank(peer: str, steps: int, adam_fused: bool = False):
     import torch.distributed as dist
 
     import meshtrain
@@ -163,7 +167,10 @@ def _peer_rank(peer: str, steps: int):
         config = {
             "train_micro_batch_size_per_gpu": ROWS,
             "gradient_accumulation_steps": MICRO,
-            "optimizer": {"type": "AdamW", "params": {**opt_params, "betas": [0.9, 0.999]}},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {**opt_params, "betas": [0.9, 0.999], "fused": adam_fused},
+            },
             "steps_per_print": 100000,
             "mesh": {"pipeline_parallel_size": dist.get_world_size()},
             "pipeline": {"schedule": peer.split("-")[1], "partition_method": "uniform"},
@@ -238,7 +245,9 @@ def peers(args) -> dict:
     runs: dict[str, list] = {p: [] for p in PEERS}
     for _ in range(args.repeats):
         for peer in PEERS:
-            per_rank = run_on_ranks(_peer_rank, args.pp, (peer, args.steps), timeout=600)
+            per_rank = run_on_ranks(
+                _peer_rank, args.pp, (peer, args.steps, args.adam_fused), timeout=600
+            )
             sec = max(r["seconds"] for r in per_rank)
             runs[peer].append(
                 {
@@ -284,6 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="bubble,peers")
+    ap.add_argument(
+        "--adam-fused",
+        action="store_true",
+        help="meshtrain's AdamW with fused: true (no step temporary the size of the stage's "
+        "flat parameters; rounds ~1 ulp differently from torch's default AdamW)",
+    )
     args = ap.parse_args(argv)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

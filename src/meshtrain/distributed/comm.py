@@ -202,19 +202,21 @@ def batch_p2p(
     sends: Sequence[tuple[torch.Tensor, int]] = (),
     recvs: Sequence[tuple[torch.Tensor, int]] = (),
     label: str | None = None,
+    tag: int = 0,
 ) -> list:
     """Post sends and receives (``(tensor, group_rank)`` pairs) together; return the works.
 
     Batching lets a pipeline stage exchange activations with both neighbours without the
-    ordering deadlocks of blocking send/recv. Wait on every returned work.
+    ordering deadlocks of blocking send/recv. Wait on every returned work. ``tag``: the
+    channel; between two ranks, messages of one tag match in the order they were posted.
     """
     ops = []
     for tensor, peer in sends:
         _record(group, "send", _nbytes(tensor), label)
-        ops.append(dist.P2POp(dist.isend, tensor, group.global_rank(peer), group.pg))
+        ops.append(dist.P2POp(dist.isend, tensor, group.global_rank(peer), group.pg, tag))
     for tensor, peer in recvs:
         _record(group, "recv", _nbytes(tensor), label)
-        ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group.pg))
+        ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group.pg, tag))
     if not ops:
         return []
     led = group.stats.ledger

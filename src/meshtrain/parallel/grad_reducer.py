@@ -229,6 +229,13 @@ class GradReducer:
             for bucket in group.buckets:
                 self._ready[id(bucket)] = 0
 
+    def note_written(self, params) -> None:
+        """``params`` got their ``.grad`` written directly, not through autograd's
+        accumulation (ZB-H1's weight-gradient step): count them for the unused-parameter
+        check, which otherwise hears of a gradient only from the accumulation hooks."""
+        if self._sync and not self.ignore_unused:
+            self._seen.update(id(p) for p in params if p.grad is not None)
+
     def _check_unused(self) -> None:
         missing = [p for g in self.groups for p in g.params if id(p) not in self._seen]
         self._seen.clear()

@@ -1,19 +1,15 @@
 """Executes one rank's action list: forwards, backwards and the p2p between stages.
 
-What is communicated, per micro-batch and stage boundary, over the ``pp`` group:
+What is communicated, per micro-batch and stage boundary, over the ``pp`` group (the
+channels, and why every receive is posted early: ``p2p``):
 
-* forward: a 10-element int64 header ``[ndim, dtype code, *shape]`` (80 bytes) then the
-  activation (``b * t * d`` elements for a transformer); the header is why micro-batches
-  of different shapes (sequence lengths, evaluation batch sizes) need nothing cached;
-* backward: the activation's gradient, same shape as the activation the receiver sent,
-  so no header;
+* forward: an 80-byte shape header and the activation (``b * t * d`` elements for a
+  transformer); backward: the activation's gradient, no header;
 * after the last micro-batch: the mean loss broadcast from the last stage (4 bytes), and
   each tied parameter's gradient all-reduced over the ranks holding it (2 x its bytes).
 
-Sends are non-blocking (``isend``: a rank never waits for its peer to receive), receives
-block and are posted in the order of the schedule, which places them in the global
-order of the sends (see ``schedules``), so the step cannot deadlock. Every send's work
-is waited on at the end of the step, which also keeps the sent tensors alive until then.
+Receives are waited on in the order of the schedule, which places them in the global
+order of the sends (see ``schedules``), so the step cannot deadlock.
 
 Memory: a stage keeps, per alive micro-batch, its input (with ``requires_grad``) and its
 output, i.e. the autograd graph between them; ``schedules`` gives the peak count.
@@ -33,9 +29,11 @@ import torch
 from torch import nn
 
 from meshtrain.distributed import comm
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.parallel.pipeline import zero_bubble
+from meshtrain.parallel.pipeline.p2p import StepLinks
 from meshtrain.parallel.pipeline.schedules import (
+    COMPUTE,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -52,21 +50,6 @@ from meshtrain.parallel.pipeline.schedules import (
 # need yet: its bubble at p 2, m 4 is 0.200 instead of 0.111 (benchmarks/
 # bench_pipeline_bubble.py; the placement stays deadlock-free whatever the real costs).
 RUN_COSTS = {False: {F: 1, B: 2}, True: {F: 1, B: 1, W: 1}}  # key: backward split (ZB-H1)
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
-_MAX_DIMS = 8
-
-
-def _header(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
-        raise ConfigError(
-            f"a pipeline stage output of shape {tuple(t.shape)} and dtype {t.dtype} cannot be "
-            f"sent: stages must return one tensor of at most {_MAX_DIMS} dims in {_DTYPES}"
-        )
-    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
-    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return h
 
 
 class PipelineRuntime:
@@ -100,7 +83,8 @@ class PipelineRuntime:
         self.tied = list(tied)
         self.device = torch.device(device)
         self._cache: dict[tuple, Any] = {}
-        self._after_backward: Callable[[], None] | None = None
+        self._after_backward: Callable[[list[nn.Parameter]], None] | None = None
+        self._midway = False  # a step raised before its end (its receives stay posted)
         self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # ZB-H1: B -> W
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
         # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
@@ -115,48 +99,25 @@ class PipelineRuntime:
             ]
         return self._cache[key]
 
-    # ---- p2p -------------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
         return stage % self.p
-
-    def _send(self, t: torch.Tensor, stage: int, works: list, header: bool) -> None:
-        t = t.detach().contiguous()
-        sends = ([(_header(t), self._peer(stage))] if header else []) + [(t, self._peer(stage))]
-        for tensor, peer in sends:  # one batch each: header strictly before data
-            works += comm.batch_p2p(self.group, sends=[(tensor, peer)], label="pp_p2p")
-
-    def _recv_activation(self, stage: int) -> torch.Tensor:
-        h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
-        self._wait(comm.batch_p2p(self.group, recvs=[(h, self._peer(stage))], label="pp_p2p"))
-        ndim, dtype = int(h[0]), _DTYPES[int(h[1])]
-        buf = torch.empty(h[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
-        self._wait(comm.batch_p2p(self.group, recvs=[(buf, self._peer(stage))], label="pp_p2p"))
-        return buf
-
-    def _recv_like(self, like: torch.Tensor, stage: int) -> torch.Tensor:
-        buf = torch.empty_like(like)
-        self._wait(comm.batch_p2p(self.group, recvs=[(buf, self._peer(stage))], label="pp_p2p"))
-        return buf
-
-    @staticmethod
-    def _wait(works) -> None:
-        for w in works:
-            w.wait()
 
     # ---- steps -----------------------------------------------------------------------
     def train_step(
         self,
         batches: Sequence[Any],
         loss_scale: float = 1.0,
-        after_backward: Callable[[], None] | None = None,
+        after_backward: Callable[[list[nn.Parameter]], None] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss (every rank).
 
         Gradients accumulate into the parameters' ``.grad`` as ``loss_scale x`` those of
         the mean loss; tied parameters' gradients are summed over their ranks.
         ``after_backward``: called after each micro-batch's weight-gradient backward on a
-        stage (ZeRO 2 reduce-scatters and drops ``.grad`` there; tied weights are then
-        summed by the caller, ``grads.sum_tied_shards``).
+        stage with the parameters whose ``.grad`` that backward wrote without autograd's
+        accumulation hooks (ZB-H1), e.g. ``ZeroStage.after_backward`` (ZeRO 2
+        reduce-scatters and drops ``.grad`` there; tied weights are then summed by the
+        caller, ``grads.sum_tied_shards``).
         """
         for st in self.stages.values():
             st.train()
@@ -182,14 +143,23 @@ class PipelineRuntime:
         return self._run(self._actions("forward", len(batches)), batches, False, 1.0)
 
     def _run(self, actions, batches, train: bool, loss_scale: float) -> torch.Tensor:
+        if self._midway:
+            raise TrainingError(
+                "the previous pipeline step on this rank raised before it finished: its "
+                "receives are still posted on the pp group and would take this step's "
+                "data; restart the job (the other stages are stuck in that step)"
+            )
+        self._midway = True
         m, last = len(batches), self.num_stages - 1
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> stage input
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output / loss
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # grad of the stage's output
         losses: list[torch.Tensor] = []
-        works: list = []
-        for a in actions:
+        links = StepLinks(self.group, actions, outputs, self.device)
+        for i, a in enumerate(actions):
             key = (a.stage, a.mb)
+            if a.kind in COMPUTE:
+                links.post_ahead(i)
             if self.trace is not None:
                 t0, c0 = time.perf_counter(), time.thread_time()
             if a.kind == F:
@@ -207,25 +177,26 @@ class PipelineRuntime:
                     nxt = y.detach().requires_grad_(train)  # only when p == 1
                     inputs[(a.stage + 1, a.mb)] = nxt
             elif a.kind == SEND_F:
-                self._send(outputs[key], a.stage + 1, works, header=True)
+                links.send_activation(outputs[key], a.stage)
                 if not train:
                     del outputs[key]
             elif a.kind == RECV_F:
-                inputs[key] = self._recv_activation(a.stage - 1).requires_grad_(train)
+                inputs[key] = links.activation(i).requires_grad_(train)
             elif a.kind == RECV_B:
-                out_grads[key] = self._recv_like(outputs[key], a.stage + 1)
+                out_grads[key] = links.gradient(i)
             elif a.kind == B:
                 self._backward(key, inputs, outputs, out_grads, split=False)
             elif a.kind == W:
                 self._backward(key, inputs, outputs, out_grads, split=True)
             elif a.kind == SEND_B:
-                self._send(inputs.pop(key).grad, a.stage - 1, works, header=False)
+                links.send_gradient(inputs.pop(key).grad, a.stage)
             if self.trace is not None and a.kind in (F, B, W):
                 cpu = time.thread_time() - c0
                 self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
-        self._wait(works)
+        links.wait_sends()
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
         comm.broadcast(loss, src=self._peer(last), group=self.group, label="pp_loss")
+        self._midway = False
         return loss
 
     def _backward(self, key, inputs, outputs, out_grads, split: bool) -> None:
@@ -245,14 +216,15 @@ class PipelineRuntime:
         outputs.pop(key)
         out_grads.pop(key, None)
         work = self._weight_work.pop(key, None) if zb else None
+        written: list[nn.Parameter] = []  # .grad set outside autograd's hooks
         if work is not None:  # weight gradients from what B saved (``zero_bubble``)
-            zero_bubble.backward_weight(work)
+            written = zero_bubble.backward_weight(work)
         elif zb:  # stage 0: the whole backward, towards the parameters
             params = [p for p in self.stages[stage].parameters() if p.requires_grad]
             torch.autograd.backward(y, grad, inputs=params)
         else:
             torch.autograd.backward(y, grad)
         if self._after_backward is not None:
-            self._after_backward()
+            self._after_backward(written)
         if stage > 0 and self._peer(stage - 1) == self.group.rank:  # p == 1 hand-over
             out_grads[(stage - 1, mb)] = inputs.pop(key).grad

@@ -56,13 +56,17 @@ def backward_input(y: torch.Tensor, grad, x: torch.Tensor, params) -> WeightWork
     return WeightWork(params, groups, rest, y, grad)
 
 
-def backward_weight(work: WeightWork) -> None:
-    """``W``: accumulate every weight's gradient into ``param.grad``."""
+def backward_weight(work: WeightWork) -> list[nn.Parameter]:
+    """``W``: accumulate every weight's gradient into ``param.grad``; returns the weights
+    whose ``.grad`` it wrote without autograd's accumulation hooks (ZeRO's
+    unused-parameter check is told of them: ``ZeroStage.after_backward``)."""
     from torch.distributed.pipelining._backward import stage_backward_weight
 
     if work.rest:  # weights off the input's paths: from the output, towards them only
         torch.autograd.backward(work.output, work.grad, inputs=work.rest, retain_graph=True)
     stage_backward_weight(iter(work.params), work.groups)
+    rest = {id(p) for p in work.rest}
+    return [p for p in work.params if id(p) not in rest and p.grad is not None]
 
 
 __all__ = ["WeightWork", "backward_input", "backward_weight"]

@@ -105,7 +105,11 @@ class ZeroStage:
         self.wait_params()
         self.reducer.begin_backward(self.every_backward or boundary)
 
-    def after_backward(self) -> None:
+    def after_backward(self, written=()) -> None:
+        """``written``: parameters whose ``.grad`` was set without autograd's accumulation
+        hooks (a pipeline's ZB-H1 weight step), for the unused-parameter check."""
+        if written:
+            self.reducer.note_written(written)
         if self.every_backward:
             self.reducer.finish()
             if self.gatherer is not None:

@@ -1,0 +1,175 @@
+"""One step's point-to-point traffic between stages, with every receive posted early.
+
+What is communicated, per micro-batch and stage boundary, over the ``pp`` group:
+
+* forward: a 10-element int64 header ``[ndim, dtype code, *shape]`` (80 bytes) and the
+  activation (``b * t * d`` elements for a transformer); the header is why micro-batches
+  of different shapes (sequence lengths, evaluation batch sizes) need nothing cached;
+* backward: the activation's gradient, the shape of the activation the receiver sent
+  (the receiver allocates it from its own output, so no header).
+
+Channels: a message goes with tag ``3 s + k``, ``s`` the *receiving* stage, ``k`` 0 for a
+header, 1 for an activation, 2 for a gradient. Between two ranks the messages of one tag
+match in the order they are posted, and on one channel both sides go in micro-batch
+order, so a receive can be posted long before the schedule reaches it without taking
+another message's data (with one tag for everything, a header posted ahead would match
+the previous activation).
+
+Why early: a gloo message moves once both its send and its receive are posted, so a
+receive posted when the rank reaches it puts a round trip on the critical path of every
+stage crossing, and the header made it two (header, then the activation's receive). Here:
+
+* every header receive of the step is posted when the step starts (80 bytes each);
+* an activation's receive is posted as soon as its header is in (checked between
+  computes), so the data flows while the rank computes;
+* a gradient's receive is posted one compute ahead: when the compute before it in the
+  action list starts (its buffer is the output's shape, known once the forward ran), so
+  it costs one gradient buffer alive one compute early.
+
+The header still travels every time: a receiver cannot tell that a shape changed without
+a message, and posted at the start of the step it costs no wait. Posting a receive never
+blocks and the waits happen in the schedule's order, so the schedule's argument that the
+step cannot deadlock (``schedules``) is unchanged. Sends are non-blocking; the step waits
+on them at its end, which also keeps the sent tensors alive until then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from meshtrain.distributed import comm
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline.schedules import COMPUTE, RECV_B, RECV_F, Action
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+_MAX_DIMS = 8
+HEADER, ACTIVATION, GRADIENT = 0, 1, 2
+
+
+def header_of(t: torch.Tensor) -> torch.Tensor:
+    """``[ndim, dtype code, *shape, 0...]`` (``2 + _MAX_DIMS`` int64) describing ``t``."""
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise ConfigError(
+            f"a pipeline stage output of shape {tuple(t.shape)} and dtype {t.dtype} cannot be "
+            f"sent: stages must return one tensor of at most {_MAX_DIMS} dims in {_DTYPES}"
+        )
+    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
+    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def _tag(stage: int, kind: int) -> int:
+    return 3 * stage + kind
+
+
+class StepLinks:
+    """The sends and receives of one rank's action list for one step.
+
+    ``outputs``: the runtime's ``{(stage, mb): output}`` (read for the gradient buffers'
+    shapes). Call ``post_ahead(i)`` before running the compute action at index ``i``;
+    ``activation(i)`` / ``gradient(i)`` at a receive action return its tensor.
+    """
+
+    def __init__(
+        self,
+        group: comm.Group,
+        actions: Sequence[Action],
+        outputs: dict,
+        device: torch.device,
+    ) -> None:
+        self.group, self.p, self.device, self.outputs = group, group.size, device, outputs
+        self.actions = actions
+        self.sends: list = []
+        n = len(actions)
+        # next_compute[i]: index of the first compute action after i (n if none)
+        self.next_compute = [n] * n
+        nxt = n
+        for i in range(n - 1, -1, -1):
+            self.next_compute[i] = nxt
+            if actions[i].kind in COMPUTE:
+                nxt = i
+        self.recv_f = [i for i, a in enumerate(actions) if a.kind == RECV_F]
+        self.recv_b = [i for i, a in enumerate(actions) if a.kind == RECV_B]
+        self.f_next = self.b_next = 0  # the next receive of each list to post
+        self.posted: dict[int, tuple[torch.Tensor, list]] = {}  # action index -> (buf, works)
+        self.headers: dict[int, tuple[torch.Tensor, list]] = {}
+        for i in self.recv_f:
+            a = actions[i]
+            h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+            self.headers[i] = (h, self._irecv(h, a.stage - 1, _tag(a.stage, HEADER)))
+
+    # ---- sends -------------------------------------------------------------------------
+    def send_activation(self, t: torch.Tensor, stage: int) -> None:
+        """``t``, the output of ``stage``, to ``stage + 1`` (header and data)."""
+        t = t.detach().contiguous()
+        self._isend(header_of(t), stage + 1, _tag(stage + 1, HEADER))
+        self._isend(t, stage + 1, _tag(stage + 1, ACTIVATION))
+
+    def send_gradient(self, t: torch.Tensor, stage: int) -> None:
+        """``t``, the gradient of ``stage``'s input, to ``stage - 1``."""
+        self._isend(t.detach().contiguous(), stage - 1, _tag(stage - 1, GRADIENT))
+
+    def wait_sends(self) -> None:
+        for w in self.sends:
+            w.wait()
+        self.sends = []
+
+    # ---- receives ----------------------------------------------------------------------
+    def post_ahead(self, i: int) -> None:
+        """Post the receives standing before the compute after action ``i`` (whose data
+        can arrive while ``i`` runs), as far as their buffers' shapes are known."""
+        self._post(self.next_compute[i], block=False)
+
+    def activation(self, i: int) -> torch.Tensor:
+        """The activation of receive action ``i`` (waits for it)."""
+        self._post(i + 1, block=True)
+        buf, works = self.posted.pop(i)
+        _wait(works)
+        return buf
+
+    def gradient(self, i: int) -> torch.Tensor:
+        """The gradient of receive action ``i`` (waits for it)."""
+        return self.activation(i)
+
+    def _post(self, upto: int, block: bool) -> None:
+        # in list order per kind: the order each channel's sender sends in
+        while self.f_next < len(self.recv_f) and self.recv_f[self.f_next] < upto:
+            i = self.recv_f[self.f_next]
+            h, works = self.headers[i]
+            if not block and not all(w.is_completed() for w in works):
+                break
+            _wait(works)
+            del self.headers[i]
+            ndim, dtype = int(h[0]), _DTYPES[int(h[1])]
+            buf = torch.empty(h[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
+            a = self.actions[i]
+            self.posted[i] = (buf, self._irecv(buf, a.stage - 1, _tag(a.stage, ACTIVATION)))
+            self.f_next += 1
+        while self.b_next < len(self.recv_b) and self.recv_b[self.b_next] < upto:
+            i = self.recv_b[self.b_next]
+            a = self.actions[i]
+            out = self.outputs.get((a.stage, a.mb))
+            if out is None:  # its forward has not run yet: post when the rank gets there
+                break
+            buf = torch.empty_like(out, memory_format=torch.contiguous_format)
+            self.posted[i] = (buf, self._irecv(buf, a.stage + 1, _tag(a.stage, GRADIENT)))
+            self.b_next += 1
+
+    def _peer(self, stage: int) -> int:
+        return stage % self.p
+
+    def _isend(self, t: torch.Tensor, stage: int, tag: int) -> None:
+        self.sends += comm.batch_p2p(
+            self.group, sends=[(t, self._peer(stage))], label="pp_p2p", tag=tag
+        )
+
+    def _irecv(self, t: torch.Tensor, stage: int, tag: int) -> list:
+        return comm.batch_p2p(self.group, recvs=[(t, self._peer(stage))], label="pp_p2p", tag=tag)
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
