@@ -21,10 +21,25 @@ what the Trainer itself costs, so the Trainer's overhead is reported both ways
 (``overhead_cpu`` is the one to trust when the load average exceeds the core count).
 Peers are interleaved over ``--repeats`` rounds (in reversed order on odd rounds) and
 the median is reported.
-Results: ``benchmarks/results/trainer-<date>-np<N>.json``.
+
+``--paired``: the Trainer's overhead measured inside one process, which a loaded machine
+cannot blur. While ``Trainer.train()`` runs, a callback at every ``on_step_end`` runs one
+hand-written step (``engine(batch)`` / ``backward`` / ``step`` on its own loader) on the
+same engine, so Trainer steps and hand steps alternate on one model, one allocator and
+one interpreter; each step's CPU time is taken, and the overhead is the median of the
+per-pair differences over the median hand step. Separate processes differ by more than
+the Trainer's cost: on the 2 shared cores one process's step CPU time varies by 10-20%
+from run to run (cache and memory contention), so ``overhead_cpu`` over 5-6 processes
+per peer has read from -4% to +10% on the same code. On this workload the paired figure
+still moves by about +-1 ms per run under a load of 12-20; ``--tiny`` (hidden 16, one
+layer, 8 tokens, 4 rows: a ~6 ms step) makes the Trainer's fixed per-step cost, in
+microseconds, stand out of that noise.
+Results: ``benchmarks/results/trainer-<date>-np<N>.json``
+(``trainer-paired-<date>.json``).
 
     python benchmarks/bench_trainer.py --nproc 1 --nproc 2 [--steps 40] [--repeats 3]
     python benchmarks/bench_trainer.py --nproc 1 --peer meshtrain --peer engine-loop
+    python benchmarks/bench_trainer.py --paired [--tiny] [--steps 300] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -152,6 +167,85 @@ def _worker(peer: str, steps: int, out: str) -> dict:
     return {"rank": rank, "world": world, "stamps": stamps}
 
 
+def _paired_worker(steps: int, warmup: int, out: str, tiny: bool = False) -> dict:
+    """Trainer steps and hand-written steps alternating on one engine (see ``--paired``)."""
+    import torch
+
+    global HIDDEN, LAYERS, VOCAB, SEQ, BATCH
+    if tiny:
+        HIDDEN, LAYERS, VOCAB, SEQ, BATCH = 16, 1, 100, 8, 4
+
+    from meshtrain import Trainer, TrainerCallback, TrainingArguments
+    from meshtrain.data.loader import ResumableDataLoader
+
+    torch.set_num_threads(1)
+    from transformers import default_data_collator
+
+    clock = time.process_time
+    trainer_ms: list[float] = []
+    hand_ms: list[float] = []
+
+    class Paired(TrainerCallback):
+        def on_train_begin(self, args, state, control, engine=None, **kwargs):
+            self.engine, self.epoch = engine, 0
+            self.loader = ResumableDataLoader(
+                _data(), BATCH, num_replicas=1, rank=0, seed=42, collate_fn=default_data_collator
+            )  # fmt: skip
+            self.batches = iter(self.loader)
+            self.mark = clock()
+
+        def _next(self):
+            batch = next(self.batches, None)
+            if batch is None:
+                self.epoch += 1
+                self.loader.set_epoch(self.epoch)
+                self.batches = iter(self.loader)
+                batch = next(self.batches)
+            return batch
+
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer_ms.append(1e3 * (clock() - self.mark))  # the Trainer's whole step
+            t0 = clock()
+            loss = self.engine(self._next()).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            hand_ms.append(1e3 * (clock() - t0))
+            self.mark = clock()
+
+    trainer = Trainer(
+        model=_model(), args=_args(TrainingArguments, out, steps), train_dataset=_data(),
+        data_collator=default_data_collator, callbacks=[Paired()],
+    )  # fmt: skip
+    trainer.train()
+    t, h = trainer_ms[warmup:], hand_ms[warmup:]
+    diff = statistics.median(a - b for a, b in zip(t, h, strict=True))
+    return {
+        "pairs": len(t),
+        "trainer_cpu_ms": statistics.median(t),
+        "hand_cpu_ms": statistics.median(h),
+        "diff_cpu_ms": diff,
+        "overhead": diff / statistics.median(h),
+        "load_avg_1min": os.getloadavg()[0],
+    }
+
+
+def _paired(a, tmp: str) -> dict:
+    from meshtrain.launch.processes import run_on_ranks
+
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    runs = []
+    for i in range(a.repeats):
+        args = (a.steps, a.warmup, f"{tmp}/paired{i}", a.tiny)
+        r = run_on_ranks(_paired_worker, 1, args, {}, timeout=1800, env=env)[0]
+        runs.append(r)
+        print(f"paired {i}: trainer {r['trainer_cpu_ms']:.2f} ms, hand {r['hand_cpu_ms']:.2f} "
+              f"ms CPU per step; difference {r['diff_cpu_ms']:+.3f} ms "
+              f"({100 * r['overhead']:+.2f}%; load {r['load_avg_1min']:.1f})", flush=True)  # fmt: skip
+    overhead = statistics.median(r["overhead"] for r in runs)
+    print(f"paired: trainer overhead {100 * overhead:+.2f}% (median of {len(runs)})", flush=True)
+    return {"runs": runs, "trainer_overhead_paired": overhead}
+
+
 def _run(peer: str, nproc: int, steps: int, warmup: int, tmp: str) -> dict:
     from meshtrain.launch.processes import run_on_ranks
 
@@ -181,9 +275,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer", action="append", help="default: all three")
+    parser.add_argument("--paired", action="store_true", help="in-process overhead (doc)")
+    parser.add_argument("--tiny", action="store_true", help="--paired on a tiny BERT")
     parser.add_argument("--out", type=Path)
     a = parser.parse_args(argv)
     import tempfile
+
+    if a.paired:
+        with tempfile.TemporaryDirectory() as tmp:
+            record = {"benchmark": "bench_trainer --paired", "args": vars(a) | {"out": None}}
+            record |= _paired(a, tmp)
+        date = _dt.datetime.now(_dt.UTC)
+        record["date"] = date.isoformat()
+        path = a.out or RESULTS / f"trainer-paired-{date:%Y-%m-%d-%H%M}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {path}")
+        return 0
 
     import torch
     import transformers

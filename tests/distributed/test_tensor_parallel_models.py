@@ -13,6 +13,9 @@ loss, its decoder tied to the word embeddings):
   ``parallel.tensor.sizes.local_parameter_counts`` (the estimator's) predicts;
 * ``full_state_dict`` returns the original keys, shapes and values (exactly: sharding
   and gathering only move data);
+* ``remove_tensor_parallel`` gives back the model as built (module types, tied
+  parameters, no hook left, attributes such as head counts and the loss function
+  restored), with the original values exactly, computing the one-process loss exactly;
 * exact collective calls and bytes for one decoder block, forward and backward, as in
   the table of ``meshtrain.parallel.tensor.apply``;
 * dropout: different masks across tp ranks inside regions, identical outside; under
@@ -81,6 +84,7 @@ def _parity(world: int) -> dict:
             "n_sharded": len([n for n in specs if n in dict(model.named_parameters())]),
             "state_keys": sorted(state) == sorted(full0),
             "state_equal": all(torch.equal(state[k], full0[k]) for k in full0),
+            "restored": _restored(model, ref, full0, kind, inputs, ref_loss, g),
         }
     if world == 3:
         return out  # padding parity only: the checks below ran at tp 2 and 4
@@ -89,6 +93,43 @@ def _parity(world: int) -> dict:
     out["errors"] = _errors(topo)
     out["generate"] = _generate(topo)
     return out
+
+
+def _restored(model, ref, full0, kind, inputs, ref_loss, group) -> dict:
+    """``remove_tensor_parallel``: the model is the one built again (its module types,
+    tied parameters, hooks and attributes those of ``ref``, built alike and run alike),
+    with the original values, and computes ``ref``'s loss exactly (the same modules and
+    weights run the same ops)."""
+    import torch
+
+    from meshtrain.parallel.tensor import remove_tensor_parallel
+    from tests.distributed.tp_models import loss_of
+
+    def plain(m) -> dict:
+        ties: dict[int, list[str]] = {}
+        for name, p in m.named_parameters(remove_duplicate=False):
+            ties.setdefault(id(p), []).append(name)
+        return {
+            "types": [type(x).__name__ for x in m.modules()],
+            "ties": sorted(ties.values()),
+            "hooks": sum(len(x._forward_hooks) + len(x._forward_pre_hooks) for x in m.modules())
+            + sum(len(p._backward_hooks or {}) for p in m.parameters()),
+            "attrs": [
+                {k: v for k, v in vars(x).items() if isinstance(v, int | float | str | bool)}
+                for x in m.modules()
+            ],
+            "keys": [sorted(k for k in vars(x) if not k.startswith("_")) for x in m.modules()],
+        }
+
+    remove_tensor_parallel(model, group)
+    state = model.state_dict()
+    same = {k: v == plain(ref)[k] for k, v in plain(model).items()}
+    return {
+        **same,
+        "values": sorted(state) == sorted(full0)
+        and all(torch.equal(state[k], full0[k]) for k in full0),
+        "loss": float(loss_of(model, kind, inputs)) == float(ref_loss),
+    }
 
 
 def _generate(topo) -> dict:
@@ -292,6 +333,7 @@ def test_models_match_one_process(world):
             assert o["sizes"] and o["n_sharded"] > 0, (case, o)
             assert o["count"][0] == o["count"][1], (case, o)  # the estimator's per-rank count
             assert o["state_keys"] and o["state_equal"], (case, o)
+            assert all(o["restored"].values()), (case, o["restored"])
         if world == 3:
             continue
         plain, sp = out["block"][False], out["block"][True]

@@ -1,18 +1,29 @@
-"""Trainer + tensor parallelism (``mesh={"tensor_parallel_size": 2}``) equals one process.
+"""Trainer + tensor parallelism (``mesh={"tensor_parallel_size": 2}``) equals one process,
+at tp 2 (2 processes, dp 1) and at tp 2 x dp 2 (4 processes).
 
-Two processes form one tensor-parallel group (dp 1), so both see the same batches as
-the one-process run. Compared with it:
+The tp 2 run reads the same batches as the one-process run; the tp 2 x dp 2 run halves
+``per_device_train_batch_size`` so each step covers the same rows over its two
+data-parallel ranks (the loss is normalised by the label items of the whole step, so the
+step is the same; evaluation uses batches of one row so ``eval_loss``, a mean weighted by
+rows, does not depend on how rows are batched). Compared with the one-process run:
 
-* every logged training loss and the eval loss within 1e-6 (fp32, no dropout): the
+* every logged training loss and the eval losses within 1e-6 (fp32, no dropout): the
   sharded matmuls and the vocab-parallel cross-entropy sum the same products in another
   order (partial sums, then an all-reduce), ~1e-7 relative;
-* the full weights after training (``engine.module_state_dict()``: unsharded, padding
-  dropped) within 1e-5: Adam's 1/sqrt(v) enlarges 1e-7 gradient differences in
-  near-zero entries (as in test_parity);
-* ``predict()`` logits of a Llama without labels within 1e-5 of the one-process model's
-  (a prediction of the whole vocabulary, gathered from the two vocab shards; the same
-  1e-7 relative differences on logits of magnitude ~10), and the ``save_pretrained``
-  export in its checkpoint holds the whole tensors, equal within 1e-5 (Adam, as above);
+* the full weights after training within 1e-5, read from the user's own model object,
+  which ``train()`` hands back with its original modules (no tensor-parallel layer left)
+  holding the gathered, unpadded weights: Adam's 1/sqrt(v) enlarges 1e-7 gradient
+  differences in near-zero entries (as in test_parity);
+* a Llama's ``predict()`` logits over the whole 64-token vocabulary within 1e-5 (values
+  ~10 with ~1e-7 relative differences): before ``train()``, gathered from the two vocab
+  shards; after it, from the restored whole model. Greedy ``generate()`` on the user's
+  Llama after ``train()`` gives the one-process run's tokens exactly (every rank runs the
+  whole model alone: no collective). The ``save_pretrained`` export in its checkpoint holds
+  the whole tensors, equal within 1e-5 (Adam, as above);
+* resume under tensor parallelism (tp 2): a new Trainer resumed from the step-3
+  checkpoint (mid epoch 0) logs losses for steps 4..8 equal to the uninterrupted run's
+  exactly (same mesh: RNG, data position, optimizer and schedule are restored bit for
+  bit);
 * pipeline parallelism is refused with a ConfigError naming the field and what to do.
 """
 
@@ -25,42 +36,79 @@ from tests.harness import run_ranks
 from tests.trainer.common import TINY, lm_rows, pad_collate
 
 
-def _ids_only(features):
-    return {"input_ids": pad_collate(features)["input_ids"]}
-
-
-def _train(out: str, mesh: dict | None):
+def _decoder(out: str, mesh: dict | None, dp: int, save: bool, **kw):
     from meshtrain import Trainer, TrainingArguments
     from meshtrain.models import Decoder
-    from tests.tiny_models import tiny_llama
 
     args = TrainingArguments(
-        out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_train_epochs=2, learning_rate=1e-3, logging_steps=1, eval_strategy="epoch",
-        save_strategy="no", disable_tqdm=True, mesh=mesh,
+        out, per_device_train_batch_size=4 // dp, gradient_accumulation_steps=2,
+        per_device_eval_batch_size=1, num_train_epochs=2, learning_rate=1e-3,
+        logging_steps=1, eval_strategy="epoch", save_strategy="steps" if save else "no",
+        save_steps=3, disable_tqdm=True, mesh=mesh,
     )  # fmt: skip
+    model = Decoder(TINY)
     trainer = Trainer(
-        Decoder(TINY), args, train_dataset=lm_rows(32), eval_dataset=lm_rows(10, seed=3),
+        model, args, train_dataset=lm_rows(32), eval_dataset=lm_rows(10, seed=3),
         data_collator=pad_collate,
     )  # fmt: skip
-    trainer.train()
+    trainer.train(**kw)
     hist = trainer.state.log_history
     losses = [h["loss"] for h in hist if "loss" in h]
     evals = [h["eval_loss"] for h in hist if "eval_loss" in h]
-    weights = trainer.engine.module_state_dict()
+    return model, losses, evals
+
+
+def _train(out: str, mesh: dict | None, dp: int = 1, resume: bool = False):
+    from transformers import LlamaForCausalLM
+
+    from meshtrain import Trainer, TrainingArguments
+    from meshtrain.parallel.tensor.layers import ColumnParallelLinear
+    from tests.tiny_models import tiny_llama
+
+    model, losses, evals = _decoder(f"{out}/decoder", mesh, dp, save=resume)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    resumed = None
+    if resume:  # a new Trainer, from the checkpoint of step 3
+        at = f"{out}/decoder/checkpoint-3"
+        _, resumed, _ = _decoder(f"{out}/decoder", mesh, dp, True, resume_from_checkpoint=at)
+    results = {"losses": losses, "evals": evals, "resumed": resumed, "weights": weights}
+    results["decoder_plain"] = not any("Parallel" in type(m).__name__ for m in model.modules())
+    if dp > 1:
+        return results  # tp x dp: the decoder run; the Llama checks below ran at tp 2
     # a transformers decoder: predictions over the whole vocabulary (64 over 2 shards)
     llama_args = TrainingArguments(
-        f"{out}/llama", per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
+        f"{out}/llama", per_device_train_batch_size=4 // dp, max_steps=2, learning_rate=1e-3,
         save_strategy="steps", save_steps=2, disable_tqdm=True, mesh=mesh,
     )  # fmt: skip
     rows = [{"input_ids": r["input_ids"] % 64} for r in lm_rows(16, seed=4)]
-    llama = Trainer(tiny_llama(), llama_args, train_dataset=rows, data_collator=pad_collate)
-    llama_loss = llama.train().training_loss
-    logits = llama.predict(rows[:6], ignore_keys=["past_key_values"]).predictions
+    llama = tiny_llama()
+    trainer = Trainer(llama, llama_args, train_dataset=rows, data_collator=pad_collate)
+    keys = ["past_key_values"]
+    sharded_logits = trainer.predict(rows[:6], ignore_keys=keys).predictions  # before train
+    was_sharded = isinstance(llama.lm_head, ColumnParallelLinear)
+    llama_loss = trainer.train().training_loss
+    logits = trainer.predict(rows[:6], ignore_keys=keys).predictions
+    plain = type(llama) is LlamaForCausalLM and not any(
+        "Parallel" in type(m).__name__ for m in llama.modules()
+    )
+    llama_weights = {k: v.detach().clone() for k, v in llama.state_dict().items()}
+    with torch.no_grad():
+        prompt = torch.tensor([[5, 9, 17, 33, 41]])
+        tokens = llama.generate(prompt, min_new_tokens=6, max_new_tokens=6, do_sample=False)
     from safetensors.torch import load_file
 
     exported = load_file(f"{out}/llama/checkpoint-2/model.safetensors")  # save_pretrained
-    return losses, evals, weights, llama_loss, logits, exported
+    return {
+        **results,
+        "llama_loss": llama_loss,
+        "sharded_logits": sharded_logits,
+        "was_sharded": was_sharded,
+        "logits": logits,
+        "plain": plain,
+        "llama_weights": llama_weights,
+        "tokens": tokens,
+        "exported": exported,
+    }
 
 
 def _pipeline_refused():
@@ -72,24 +120,34 @@ def _pipeline_refused():
     return str(err.value)
 
 
+def _close(a: dict, b: dict, atol: float) -> None:
+    assert sorted(a) == sorted(b)  # whole, unpadded tensors under the original names
+    for k, v in b.items():
+        assert a[k].shape == v.shape and torch.allclose(a[k], v, atol=atol, rtol=0), k
+
+
 def test_tensor_parallel_equals_one_process(tmp_path):
-    ((ref_losses, ref_evals, ref_w, ref_llama, ref_logits, ref_export),) = run_ranks(
-        _train, 1, str(tmp_path / "one"), None
-    )
-    results = run_ranks(_train, 2, str(tmp_path / "tp"), {"tensor_parallel_size": 2})
-    assert len(ref_losses) == 8 and len(ref_evals) == 2
-    for losses, evals, weights, llama_loss, logits, export in results:
-        assert max(abs(a - b) for a, b in zip(ref_losses, losses, strict=True)) <= 1e-6
-        assert max(abs(a - b) for a, b in zip(ref_evals, evals, strict=True)) <= 1e-6
-        assert abs(ref_llama - llama_loss) <= 1e-6
-        assert sorted(weights) == sorted(ref_w)
-        for k, v in ref_w.items():
-            assert torch.allclose(weights[k], v, atol=1e-5, rtol=0), k
-        assert logits.shape == ref_logits.shape == (6, 12, 64)
-        assert abs(logits - ref_logits).max() <= 1e-5
-        assert sorted(export) == sorted(ref_export)  # whole, unpadded tensors
-        for k, v in ref_export.items():
-            assert torch.allclose(export[k], v, atol=1e-5, rtol=0), k
+    (ref,) = run_ranks(_train, 1, str(tmp_path / "one"), None)
+    assert len(ref["losses"]) == 8 and len(ref["evals"]) == 2
+    tp = {"tensor_parallel_size": 2}
+    tp2 = run_ranks(_train, 2, str(tmp_path / "tp2"), tp, 1, True)
+    tp2_dp2 = run_ranks(_train, 4, str(tmp_path / "tp2dp2"), tp, 2, timeout=600)
+    for r in tp2 + tp2_dp2:
+        assert max(abs(a - b) for a, b in zip(ref["losses"], r["losses"], strict=True)) <= 1e-6
+        assert max(abs(a - b) for a, b in zip(ref["evals"], r["evals"], strict=True)) <= 1e-6
+        _close(r["weights"], ref["weights"], 1e-5)
+        assert r["decoder_plain"]
+    for r in tp2:
+        assert abs(ref["llama_loss"] - r["llama_loss"]) <= 1e-6
+        assert r["was_sharded"] and r["plain"]
+        _close(r["llama_weights"], ref["llama_weights"], 1e-5)
+        for key in ("sharded_logits", "logits"):
+            assert r[key].shape == ref[key].shape == (6, 12, 64)
+            assert abs(r[key] - ref[key]).max() <= 1e-5
+        assert r["tokens"].shape == (1, 11) and torch.equal(r["tokens"], ref["tokens"])
+        _close(r["exported"], ref["exported"], 1e-5)
+        # resumed at step 4 under tp 2: steps 4..8 exactly as uninterrupted
+        assert len(r["resumed"]) >= 5 and r["resumed"][-5:] == r["losses"][3:]
 
 
 def test_pipeline_parallel_is_refused():

@@ -1,7 +1,12 @@
-"""A transformers BERT through the Trainer on 2 ranks: ZeRO-3 equals ZeRO-0, the user's
-model holds the full trained weights afterwards, seed 000's closing pipeline works, and
-``trainer.save_model()`` writes what ``from_pretrained`` loads (the same logits, exactly:
-the same fp32 weights in the same model).
+"""A transformers BERT through the Trainer on 2 ranks: ZeRO-3 and tensor parallelism (tp 2)
+equal ZeRO-0, the user's model holds the full trained weights afterwards (under tensor
+parallelism: its original modules again, no tensor-parallel layer left), seed 000's
+closing pipeline works on it, and ``trainer.save_model()`` writes what ``from_pretrained``
+loads (the same logits, exactly: the same fp32 weights in the same model).
+
+The tp 2 run has one data-parallel rank, so it reads 8 rows per device where ZeRO-0
+reads 4 on each of 2 ranks: the same rows per step (the loader deals rows to ranks in
+turn), and the loss is normalised by the step's label items either way.
 
 Tolerances: logged losses within 1e-6 (fp32, dropout off; ZeRO-3 reduce-scatters where
 stage 0 all-reduces: the same sums in another order); weights within 1e-5 (AdamW's
@@ -58,11 +63,12 @@ def _run(tmp: str):
 
     tok = _tokenizer(tmp)
     out = {}
-    for stage in (0, 3):
+    for stage in (0, 3, "tp"):
         model = _bert(tok)
+        tp = stage == "tp"  # ZeRO 0 on one data-parallel rank: twice the rows per device
         args = TrainingArguments(
             f"{tmp}/z{stage}",
-            per_device_train_batch_size=4,
+            per_device_train_batch_size=8 if tp else 4,
             per_device_eval_batch_size=5,
             num_train_epochs=2,
             learning_rate=5e-3,
@@ -72,7 +78,8 @@ def _run(tmp: str):
             save_total_limit=1,
             metric_for_best_model="accuracy",
             load_best_model_at_end=True,
-            deepspeed={"zero_optimization": {"stage": stage}},
+            deepspeed={"zero_optimization": {"stage": 0 if tp else stage}},
+            mesh={"tensor_parallel_size": 2} if tp else None,
             disable_tqdm=True,
         )
         trainer = Trainer(
@@ -81,6 +88,7 @@ def _run(tmp: str):
             compute_metrics=lambda p: {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())},
         )  # fmt: skip
         trainer.train()
+        plain = not any("Parallel" in type(m).__name__ for m in model.modules())
         metrics = trainer.evaluate()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -99,7 +107,7 @@ def _run(tmp: str):
             same = torch.allclose(exported(**batch).logits, mine, atol=1e-5)
             same = same and torch.equal(final(**batch).logits, mine)
         same = same and os.path.isfile(f"{tmp}/final{stage}/training_args.json")
-        out[stage] = (losses, weights, metrics, answer, kept, best, same)
+        out[stage] = (losses, weights, metrics, answer, kept, best, same and plain)
     return out
 
 
@@ -118,6 +126,15 @@ def test_zero3_bert_pipeline_and_exports(tmp_path):
         # 2 epochs, limit 1: the best (with load_best_model_at_end) and the newest survive
         assert best0.endswith(kept0[0]) or best0.endswith(kept0[-1])
         assert len(kept0) <= 2 and same0 and same3
+        # tensor parallel (tp 2, dp 1, 8 rows per device: the same rows per step as
+        # stage 0's 2 x 4) equals stage 0; the user's model is whole and plain again
+        lt, wt, mt, at, _kept, _best, same_t = out["tp"]
+        assert max(abs(a - b) for a, b in zip(l0, lt, strict=True)) <= 1e-6
+        for k in w0:
+            assert wt[k].shape == w0[k].shape and torch.allclose(w0[k], wt[k], atol=1e-5), k
+        assert abs(m0["eval_loss"] - mt["eval_loss"]) <= 1e-5
+        assert at[0]["label"] == a0[0]["label"] and same_t
     # every rank holds the same full weights
-    for k in ranks[0][3][1]:
-        assert torch.equal(ranks[0][3][1][k], ranks[1][3][1][k])
+    for stage in (3, "tp"):
+        for k in ranks[0][stage][1]:
+            assert torch.equal(ranks[0][stage][1][k], ranks[1][stage][1][k])

@@ -232,41 +232,48 @@ class Trainer(TrainingLoop, ModelSaving):
     def training_step(self, window: list[Any]) -> tuple[torch.Tensor, float, float]:
         """One optimizer step over the micro-batches of ``window``; returns (this rank's
         share of the step's loss, this rank's summed item loss, its item count)."""
-        from meshtrain.distributed import comm
-
         engine, gas, dp = self.engine, self.args.gradient_accumulation_steps, self.topology.dp_size
         counts = [label_items(b, self.label_names, self._shift) for b in window]
-        total = torch.tensor(float(sum(counts)), device=engine.device)
-        comm.all_reduce(total, self.topology.dp_group, label="control")
-        total_items = float(total)
+        local_items = float(sum(counts))
+        total_items = local_items
+        if dp > 1:  # the step's label items over every data-parallel rank
+            from meshtrain.distributed import comm
+
+            total = torch.tensor(local_items, device=engine.device)
+            comm.all_reduce(total, self.topology.dp_group, label="control")
+            total_items = float(total)
         engine.shorten_window(len(window))  # the epoch's short last window steps too
+        num_items = torch.tensor(total_items, device=engine.device)
+        is_share = self._loss_is_share()
         share = torch.zeros((), device=engine.device)
-        local_sum = 0.0
+        local_sum = torch.zeros((), device=engine.device)  # read once: no sync per micro-batch
         if not self.model.training:  # after an evaluation (train() walks every module)
             self.model.train()
+        last = len(window) - 1
         for i, (batch, n) in enumerate(zip(window, counts, strict=True)):
             inputs = self._prepare_inputs(batch)
             if isinstance(inputs, Mapping):  # samples/s and tokens/s of the engine's step log
                 engine.log.count_batch((), inputs)
-            num_items = torch.tensor(total_items, device=engine.device)
             loss = self._call_compute_loss(inputs, False, num_items)
             if isinstance(loss, tuple | list):
                 loss = loss[0]
-            if self._loss_is_share():
-                part = loss
-            else:
-                part = loss * (n / total_items) if total_items else loss * 0.0
-            engine.backward(part * (gas * dp))
-            if i == len(window) - 1:
+            # this micro-batch's share of the step (module docstring of trainer.loss), and
+            # the engine's 1 / (gas * dp) undone, in one multiplication (none when it is 1)
+            weight = 1.0 if is_share else (n / total_items if total_items else 0.0)
+            factor = weight * gas * dp
+            engine.backward(loss if factor == 1.0 else loss * factor)
+            if i == last:
                 self.control = self._event("on_pre_optimizer_step")
                 self._applied_lr = engine.get_lr()[0]  # what this step uses (logged as such)
             engine.step()
-            if i < len(window) - 1:
+            if i < last:
                 self.control = self._event("on_substep_end")
-            share += part.detach().float()
-            local_sum += float(loss.detach()) * n if not self._loss_is_share() else 0.0
+            detached = loss.detach().float()
+            share += detached if is_share else detached * weight
+            if not is_share:
+                local_sum += detached * n
         self.control = self._event("on_optimizer_step")
-        return share, local_sum, float(sum(counts))
+        return share, float(local_sum), local_items
 
     # -- logging --------------------------------------------------------------------------
     def _say(self, text: str) -> None:

@@ -230,9 +230,17 @@ class TrainingLoop:
         return TrainOutput(st.global_step, train_loss, metrics)
 
     def _sync_user_model(self) -> None:
-        """Under ZeRO-3 the model's parameters are shards between steps: give the user's
-        model object the whole trained weights on every rank (hooks removed)."""
+        """Give the user's model object the whole trained weights on every rank: under
+        ZeRO-3 its parameters are shards between steps (gathered, hooks removed); under
+        tensor parallelism its layers are tensor-parallel ones (the original modules go
+        back, holding the gathered, unpadded weights; ``parallel.tensor.restore``).
+        Evaluation and prediction then run the whole model on every rank."""
         self.engine.zero.release_module(self.engine.module)
+        if self.topology.tp_size > 1:
+            from meshtrain.parallel.tensor.restore import remove_tensor_parallel
+
+            remove_tensor_parallel(self.engine.module, self.topology.tp_group)
+            self._gather_vocab = None  # the logits are whole now
 
 
 __all__ = ["TrainingLoop"]

@@ -9,6 +9,7 @@ from meshtrain.parallel.tensor.layers import (
     VocabParallelEmbedding,
 )
 from meshtrain.parallel.tensor.plans import PLANS, TPPlan, plan_for
+from meshtrain.parallel.tensor.restore import remove_tensor_parallel
 from meshtrain.parallel.tensor.sharding import ShardSpec, full_state_dict, tp_specs
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "apply_tensor_parallel",
     "full_state_dict",
     "plan_for",
+    "remove_tensor_parallel",
     "tp_specs",
     "vocab_parallel_cross_entropy",
 ]

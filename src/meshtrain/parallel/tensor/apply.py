@@ -53,7 +53,8 @@ from meshtrain.parallel.tensor.layers import (
     VocabParallelEmbedding,
     is_conv1d,
 )
-from meshtrain.parallel.tensor.plans import TPPlan, plan_for
+from meshtrain.parallel.tensor.plans import TPPlan, no_plan_message, plan_for, sample_names
+from meshtrain.parallel.tensor.restore import Changes
 from meshtrain.parallel.tensor.rng import RegionRNG
 
 log = logging.getLogger("meshtrain.tensor_parallel")
@@ -85,7 +86,7 @@ def apply_tensor_parallel(
         plan = TPPlan.from_dict(section.plan)
     plan = plan or plan_for(model)
     if plan is None:
-        raise ConfigError(_no_plan_message(model))
+        raise ConfigError(no_plan_message(model))
     if sequence_parallel and not plan.sequence_parallel:
         raise ConfigError(
             f"tensor_parallel.sequence_parallel: the {plan.name!r} plan does not support "
@@ -106,7 +107,7 @@ def apply_tensor_parallel(
     if empty:
         raise ConfigError(
             f"tensor-parallel plan {plan.name!r}: no module of {type(model).__name__} matches "
-            f"{empty}; module names look like {_sample_names(model)}"
+            f"{empty}; module names look like {sample_names(model)}"
         )
     _check_overlaps(matched, plan.name)
     regions = [n for row, names in matched.items() if row[1] == "region" for n in names]
@@ -115,6 +116,8 @@ def apply_tensor_parallel(
     # after a gather_sequence the full sequence reaches the LM head
     head_sp = sequence_parallel and not any(row[1] == "gather_sequence" for row in plan.rows)
     reduced: set[int] = set()  # replicated parameters whose gradients are summed over tp
+    changes = Changes()  # what remove_tensor_parallel undoes (``restore``)
+    hooks = changes.handles
     for row, names in matched.items():
         style, units_key = row[1], row[2] if len(row) > 2 else None
         blocks = row[3] if len(row) > 3 else 1
@@ -125,29 +128,34 @@ def apply_tensor_parallel(
             sp = head_sp if style == "lm_head" else sequence_parallel
             new = _build(mod, style, group, units, blocks, sp, inside, shared)
             if new is not None:
-                _replace(model, name, new)
+                parent, _, child = name.rpartition(".")
+                changes.replace(model.get_submodule(parent) if parent else model, child, new)
                 if style == "row" and inside is not None:
-                    new.register_forward_pre_hook(lambda *_: rng.exit())
+                    hooks.append(new.register_forward_pre_hook(lambda *_: rng.exit()))
             elif style == "region":
-                _enter_region(mod, group, sequence_parallel, rng)
+                hooks.extend(_enter_region(mod, group, sequence_parallel, rng))
             elif style == "scatter_sequence" and sequence_parallel:
-                _on_input(mod, functools.partial(M.scatter_to_region, group=group, dim=1))
+                scatter = functools.partial(M.scatter_to_region, group=group, dim=1)
+                hooks.append(_on_input(mod, scatter))
             elif style == "gather_sequence" and sequence_parallel:
-                _on_input(mod, functools.partial(M.gather_from_region, group=group, dim=1))
+                gather = functools.partial(M.gather_from_region, group=group, dim=1)
+                hooks.append(_on_input(mod, gather))
             elif style == "sequence" and sequence_parallel and t > 1:
-                _on_sequence_shard(mod, group, rng, reduced)
+                hooks.extend(_on_sequence_shard(mod, group, rng, reduced))
     for path, attr, units_key in plan.attrs:
         n = sizes[units_key]
         local = -(-n // t)  # padded units per rank
         for name, mod in model.named_modules():
             if fnmatch.fnmatchcase(name, path) and hasattr(mod, attr):
-                setattr(mod, attr, getattr(mod, attr) * local // n)
-    _repoint_aliases(model, shared)
-    _set_loss(model, plan, group, sizes)
-    _full_logits_in_generate(model, plan, sequence_parallel)
-    model.meshtrain_tp = {"plan": plan.name, "size": t, "sequence_parallel": sequence_parallel}
+                changes.set_attr(mod, attr, getattr(mod, attr) * local // n)
+    _repoint_aliases(model, shared, changes)
+    _set_loss(model, plan, group, sizes, changes)
+    _full_logits_in_generate(model, plan, sequence_parallel, changes)
+    info = {"plan": plan.name, "size": t, "sequence_parallel": sequence_parallel}
+    changes.set_attr(model, "meshtrain_tp", info)
     # parameters a caller collected before (an optimizer's groups) -> their shards
-    model.meshtrain_tp_replaced = shared
+    changes.set_attr(model, "meshtrain_tp_replaced", shared)
+    changes.set_attr(model, "meshtrain_tp_changes", changes)
     return model
 
 
@@ -186,32 +194,30 @@ def _build(mod, style, group, units, blocks, sp, inside, shared):
     return None
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-
-
-def _enter_region(mod: nn.Module, group, sp: bool, rng: RegionRNG) -> None:
+def _enter_region(mod: nn.Module, group, sp: bool, rng: RegionRNG) -> list:
     enter = (
         functools.partial(M.gather_from_sequence, group=group)
         if sp
         else functools.partial(M.copy_to_region, group=group)
     )
 
-    _on_input(mod, enter, before=rng.enter)
-    mod.register_forward_hook(lambda *_: rng.exit())
+    return [
+        _on_input(mod, enter, before=rng.enter),
+        mod.register_forward_hook(lambda *_: rng.exit()),
+    ]
 
 
-def _on_sequence_shard(mod: nn.Module, group, rng: RegionRNG, reduced: set[int]) -> None:
+def _on_sequence_shard(mod: nn.Module, group, rng: RegionRNG, reduced: set[int]) -> list:
     """``mod`` runs on this rank's tokens: its replicated weights' gradients cover those
     tokens only (summed over the group), and its dropout must not repeat another rank's
     mask on different tokens (this rank's region stream)."""
+    handles = []
     for p in mod.parameters():
         if p.requires_grad and id(p) not in reduced:
             reduced.add(id(p))
-            p.register_hook(M.reduce_gradient_hook(group))
+            handles.append(p.register_hook(M.reduce_gradient_hook(group)))
     if not any(isinstance(m, nn.modules.dropout._DropoutNd) for m in mod.modules()):
-        return
+        return handles
     entered: list[bool] = []
 
     def enter(*_):
@@ -222,11 +228,10 @@ def _on_sequence_shard(mod: nn.Module, group, rng: RegionRNG, reduced: set[int])
         if entered.pop():
             rng.exit()
 
-    mod.register_forward_pre_hook(enter)
-    mod.register_forward_hook(leave)
+    return [*handles, mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
 
 
-def _repoint_aliases(model: nn.Module, shared: dict[int, nn.Parameter]) -> None:
+def _repoint_aliases(model: nn.Module, shared: dict[int, nn.Parameter], changes: Changes) -> None:
     """Point every other reference to a replaced parameter at its shard (BertForMaskedLM's
     ``cls.predictions.bias`` is ``decoder.bias``), with the shard's spec, so the model
     holds no stale full copy and ``full_state_dict`` unshards every key."""
@@ -237,15 +242,16 @@ def _repoint_aliases(model: nn.Module, shared: dict[int, nn.Parameter]) -> None:
         for name, p in list(mod._parameters.items()):
             if p is not None and id(p) in shared:
                 new = shared[id(p)]
+                changes.aliases.append((mod, name, p))
                 mod._parameters[name] = new
-                mod.tp_specs = {**_specs(mod), name: specs[id(new)]}
+                changes.set_attr(mod, "tp_specs", {**_specs(mod), name: specs[id(new)]})
 
 
 def _specs(mod: nn.Module) -> dict:
     return getattr(mod, "tp_specs", {})
 
 
-def _on_input(mod: nn.Module, fn, before=None) -> None:
+def _on_input(mod: nn.Module, fn, before=None):
     """Apply ``fn`` to the module's first input (positional, or ``hidden_states=``)."""
 
     def pre(_mod, args, kwargs):
@@ -257,24 +263,26 @@ def _on_input(mod: nn.Module, fn, before=None) -> None:
             return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
         raise TypeError(f"{type(_mod).__name__}: expected its input first or as hidden_states")
 
-    mod.register_forward_pre_hook(pre, with_kwargs=True)
+    return mod.register_forward_pre_hook(pre, with_kwargs=True)
 
 
-def _set_loss(model: nn.Module, plan: TPPlan, group, sizes: dict[str, int]) -> None:
+def _set_loss(model: nn.Module, plan: TPPlan, group, sizes: dict[str, int], changes) -> None:
     if plan.loss is None:
         return
     vocab = sizes["vocab"]
     if plan.loss == "decoder":
-        model.loss_fn = functools.partial(causal_lm_loss, group=group, vocab_size=vocab)
+        loss = functools.partial(causal_lm_loss, group=group, vocab_size=vocab)
+        changes.set_attr(model, "loss_fn", loss)
     elif plan.loss in ("hf_causal", "hf_masked"):
-        model.loss_function = HFLoss(group, vocab, causal=plan.loss == "hf_causal")
+        loss = HFLoss(group, vocab, causal=plan.loss == "hf_causal")
+        changes.set_attr(model, "loss_function", loss)
     elif plan.loss == "masked_lm":
-        recompute_masked_lm_loss(model, group, vocab)
+        changes.handles.extend(recompute_masked_lm_loss(model, group, vocab))
     else:
         raise ConfigError(f"plan {plan.name!r}: unknown loss {plan.loss!r}")
 
 
-def _full_logits_in_generate(model: nn.Module, plan: TPPlan, sp: bool) -> None:
+def _full_logits_in_generate(model: nn.Module, plan: TPPlan, sp: bool, changes) -> None:
     """``model.generate`` reads ``logits[:, -1]`` over the whole vocabulary: while it runs
     the LM head all-gathers its vocabulary shards (every tp rank must call it alike)."""
     original = getattr(model, "generate", None)
@@ -303,7 +311,7 @@ def _full_logits_in_generate(model: nn.Module, plan: TPPlan, sp: bool) -> None:
             for head in heads:
                 head.gather_output = False
 
-    model.generate = generate
+    changes.set_attr(model, "generate", generate)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -363,32 +371,6 @@ def _log_padding(sizes: dict[str, int], t: int, plan: str, topology) -> None:
 def _seed(seed: int | None, tp_rank: int) -> int:
     base = torch.initial_seed() if seed is None else seed
     return (base + 2718 + tp_rank) % (2**63)
-
-
-def _sample_names(model: nn.Module, limit: int = 12) -> list[str]:
-    names = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, (nn.Linear, nn.Embedding)) or is_conv1d(m)
-    ]
-    return names[:limit] + (["..."] if len(names) > limit else [])
-
-
-def _no_plan_message(model: nn.Module) -> str:
-    names = _sample_names(model, limit=16)
-    return (
-        f"tensor parallelism has no plan for {type(model).__name__} (built-in plans: the "
-        f"meshtrain decoder, Llama/Qwen2/Mistral, GPT-2, BERT). Its linear and embedding "
-        f"modules are: {', '.join(names)}. Write a plan naming them, e.g.\n"
-        "    from meshtrain.parallel.tensor import TPPlan\n"
-        "    plan = TPPlan(name='mine', sizes={'heads': 'config.n_heads'}, rows=(\n"
-        "        ('blocks.*.attn', 'region'),\n"
-        "        ('blocks.*.attn.q_proj', 'column', 'heads'), ... ,\n"
-        "        ('blocks.*.attn.out_proj', 'row', 'heads'),\n"
-        "        ('blocks.*.mlp.up', 'column'), ('blocks.*.mlp.down', 'row')))\n"
-        "and pass it as meshtrain.initialize(..., tp_plan=plan) or apply_tensor_parallel("
-        "model, topology, config, plan=plan) (see docs/tensor_parallel.md)"
-    )
 
 
 __all__ = ["apply_tensor_parallel", "remap_parameters"]

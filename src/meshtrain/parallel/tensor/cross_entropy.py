@@ -127,7 +127,7 @@ class HFLoss:
         return loss
 
 
-def recompute_masked_lm_loss(model: torch.nn.Module, group: Group, vocab_size: int) -> None:
+def recompute_masked_lm_loss(model: torch.nn.Module, group: Group, vocab_size: int) -> list:
     """Make ``model(..., labels=...)`` return the vocab-parallel masked-LM loss.
 
     For models whose forward computes ``CrossEntropyLoss()(logits.view(-1, vocab), ...)``
@@ -150,8 +150,10 @@ def recompute_masked_lm_loss(model: torch.nn.Module, group: Group, vocab_size: i
             return (loss_fn(out[0], labels), *out)
         return type(out)(loss=loss_fn(out.logits, labels), **{k: v for k, v in out.items()})
 
-    model.register_forward_pre_hook(take_labels, with_kwargs=True)
-    model.register_forward_hook(add_loss, with_kwargs=True)
+    return [  # handles: ``remove_tensor_parallel`` removes the hooks
+        model.register_forward_pre_hook(take_labels, with_kwargs=True),
+        model.register_forward_hook(add_loss, with_kwargs=True),
+    ]
 
 
 __all__ = [

@@ -174,9 +174,10 @@ class RowParallelLinear(_ParallelLinear):
         self.weight = _shard_param(module.weight, spec, group.rank, shared)
         self.tp_specs["weight"] = spec
         self.bias = module.bias  # replicated, added once after the reduction
+        self.param_hooks = []  # removed with the layer (``restore``)
         if self.bias is not None and sequence_parallel and group.size > 1:
             # added on a sequence shard: each rank's gradient covers its tokens only
-            self.bias.register_hook(M.reduce_gradient_hook(group))
+            self.param_hooks.append(self.bias.register_hook(M.reduce_gradient_hook(group)))
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -298,6 +298,38 @@ def plan_for(model: object) -> TPPlan | None:
     return None
 
 
+def sample_names(model, limit: int = 12) -> list[str]:
+    """Names of the first ``limit`` linear / embedding / Conv1D modules (for messages)."""
+    from torch import nn
+
+    from meshtrain.parallel.tensor.layers import is_conv1d
+
+    names = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding)) or is_conv1d(m)
+    ]
+    return names[:limit] + (["..."] if len(names) > limit else [])
+
+
+def no_plan_message(model) -> str:
+    """The error for a model without a plan: its module names and how to write one."""
+    names = sample_names(model, limit=16)
+    return (
+        f"tensor parallelism has no plan for {type(model).__name__} (built-in plans: the "
+        f"meshtrain decoder, Llama/Qwen2/Mistral, GPT-2, BERT). Its linear and embedding "
+        f"modules are: {', '.join(names)}. Write a plan naming them, e.g.\n"
+        "    from meshtrain.parallel.tensor import TPPlan\n"
+        "    plan = TPPlan(name='mine', sizes={'heads': 'config.n_heads'}, rows=(\n"
+        "        ('blocks.*.attn', 'region'),\n"
+        "        ('blocks.*.attn.q_proj', 'column', 'heads'), ... ,\n"
+        "        ('blocks.*.attn.out_proj', 'row', 'heads'),\n"
+        "        ('blocks.*.mlp.up', 'column'), ('blocks.*.mlp.down', 'row')))\n"
+        "and pass it as meshtrain.initialize(..., tp_plan=plan) or apply_tensor_parallel("
+        "model, topology, config, plan=plan) (see docs/tensor_parallel.md)"
+    )
+
+
 __all__ = [
     "BERT",
     "BERT_MLM",
@@ -309,5 +341,7 @@ __all__ = [
     "LLAMA_CLASSIFIER",
     "PLANS",
     "TPPlan",
+    "no_plan_message",
     "plan_for",
+    "sample_names",
 ]
