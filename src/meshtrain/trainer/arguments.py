@@ -189,14 +189,13 @@ class TrainingArguments:
             except ConfigError as exc:
                 raise ConfigError(f"TrainingArguments.{exc}") from None
             pp = self.mesh.get("pipeline_parallel_size", 1)
-            if pp != 1:
+            tp = self.mesh.get("tensor_parallel_size", 1)
+            if pp != 1 and tp != 1:
                 raise ConfigError(
-                    f"TrainingArguments.mesh.pipeline_parallel_size={pp!r}: the Trainer does "
-                    "not run pipeline parallelism yet (its evaluation, predictions and "
-                    "checkpoints need whole-model forwards); set it to 1 and use "
-                    "tensor_parallel_size and/or ZeRO (deepspeed=) to fit the model, or "
-                    "train the pipeline with meshtrain.initialize + engine.train_batch / "
-                    "engine.eval_batch (docs/pipeline.md)"
+                    f"TrainingArguments.mesh: pipeline_parallel_size={pp!r} with "
+                    f"tensor_parallel_size={tp!r} is not implemented in the Trainer (handing "
+                    "the user's model back would need both undone); use one of them, or "
+                    "train with meshtrain.initialize + engine.train_batch (docs/pipeline.md)"
                 )
 
     def _reporters(self, value: Any) -> list[str]:

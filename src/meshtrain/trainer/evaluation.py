@@ -5,7 +5,9 @@ Rank ``r`` of ``R`` takes rows ``r, r + R, r + 2R, ...`` (no padding rows, so no
 duplicated on an uneven tail: ranks differ by at most one row). Under ZeRO-3 the forward
 gathers parameters with collectives, so a rank that runs out of batches repeats its
 first one and discards the result until every rank has run the same number of forwards.
-Predictions stay on the CPU as numpy arrays; batches of different sequence lengths are
+Under pipeline parallelism the forwards run through the pipeline and the last stage's
+outputs are broadcast over the pp group (``trainer.pipeline_step``), so every rank of a
+replica holds the same per-batch results. Predictions stay on the CPU as numpy arrays; batches of different sequence lengths are
 padded with -100 to a common shape (as transformers does). At the end one
 ``all_gather_object`` over the data-parallel group brings every rank's arrays to every
 rank, and row ``i`` of the result is row ``i // R`` of rank ``i % R``.
@@ -141,10 +143,14 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
     trainer.model.eval()
     batches = 0
     first = None
-    for batch in loader:
+    if trainer.engine.pipeline is not None:  # the pipeline's forwards, several at once
+        from meshtrain.trainer.pipeline_step import prediction_steps
+
+        steps = prediction_steps(trainer, loader, loss_only, ignore_keys)
+    else:
+        steps = _prediction_steps(trainer, loader, loss_only, ignore_keys)
+    for batch, loss, logits, lab in steps:
         first = first if first is not None else batch
-        inputs = trainer._prepare_inputs(batch)
-        loss, logits, lab = trainer.prediction_step(trainer.model, inputs, loss_only, ignore_keys)
         size = batch_rows(batch)
         batches += 1
         if loss is not None:
@@ -190,6 +196,13 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
     )
     metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
     return PredictionOutput(predictions, label_ids, metrics)
+
+
+def _prediction_steps(trainer, loader, loss_only: bool, ignore_keys):
+    """``(batch, loss, logits, labels)`` per batch, from ``trainer.prediction_step``."""
+    for batch in loader:
+        inputs = trainer._prepare_inputs(batch)
+        yield batch, *trainer.prediction_step(trainer.model, inputs, loss_only, ignore_keys)
 
 
 def vocab_gatherer(trainer) -> Any:

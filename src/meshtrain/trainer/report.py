@@ -20,8 +20,15 @@ def training_header(
     zero_stage: int,
     precision: str,
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> str:
-    mesh = f"tensor parallel {tensor_parallel} x data parallel {processes // tensor_parallel}, "
+    dp = processes // (tensor_parallel * pipeline_parallel)
+    mesh = "".join(
+        f"{name} parallel {size} x "
+        for name, size in (("pipeline", pipeline_parallel), ("tensor", tensor_parallel))
+        if size > 1
+    )
+    mesh = f"{mesh}data parallel {dp}, " if mesh else ""
     return "\n".join(
         [
             "***** Running training *****",
@@ -33,7 +40,7 @@ def training_header(
             f"  Total optimization steps = {max_steps:,}",
             f"  Number of trainable parameters = {num_params:,}",
             f"  meshtrain: {processes} process(es), "
-            + (mesh if tensor_parallel > 1 else "")
+            + mesh
             + f"ZeRO stage {zero_stage}, {precision}",
         ]
     )

@@ -94,6 +94,10 @@ def build_engine(trainer) -> None:
         for p in {id(p): p for p in trainer.model.parameters()}.values()
         if p.requires_grad
     )
+    if topology.pp_size > 1:
+        from meshtrain.trainer.pipeline_step import check
+
+        check(trainer)
     trainer.engine, _, _, _ = meshtrain.initialize(
         model=trainer.model,
         training_data=loader,  # its position goes into checkpoints

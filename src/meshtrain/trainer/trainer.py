@@ -2,7 +2,8 @@
 
 ``from meshtrain import Trainer, TrainingArguments`` runs a transformers Trainer script
 unchanged on one process or many (``meshtrain launch``, torchrun, ``python script.py``,
-``notebook_launcher``), under data parallelism or ZeRO 1-3 (``deepspeed=`` / ``mesh=``).
+``notebook_launcher``), under data parallelism or ZeRO 1-3 (``deepspeed=`` / ``mesh=``),
+tensor or pipeline parallelism (``trainer.pipeline_step``).
 
 One optimizer step: fetch the ``gradient_accumulation_steps`` micro-batches of the
 window, count their label items, all-reduce the count over the data-parallel ranks, then
@@ -229,19 +230,29 @@ class Trainer(TrainingLoop, ModelSaving):
             return bool(self.loss_is_scaled_for_ga)
         return self.compute_loss_func is not None
 
-    def training_step(self, window: list[Any]) -> tuple[torch.Tensor, float, float]:
-        """One optimizer step over the micro-batches of ``window``; returns (this rank's
-        share of the step's loss, this rank's summed item loss, its item count)."""
-        engine, gas, dp = self.engine, self.args.gradient_accumulation_steps, self.topology.dp_size
+    def _window_items(self, window: list[Any]) -> tuple[list[int], float, float]:
+        """Label items per micro-batch of ``window``, their sum on this rank, and the sum
+        over every data-parallel rank (one all-reduce of one number)."""
         counts = [label_items(b, self.label_names, self._shift) for b in window]
         local_items = float(sum(counts))
         total_items = local_items
-        if dp > 1:  # the step's label items over every data-parallel rank
+        if self.topology.dp_size > 1:
             from meshtrain.distributed import comm
 
-            total = torch.tensor(local_items, device=engine.device)
+            total = torch.tensor(local_items, device=self.engine.device)
             comm.all_reduce(total, self.topology.dp_group, label="control")
             total_items = float(total)
+        return counts, local_items, total_items
+
+    def training_step(self, window: list[Any]) -> tuple[torch.Tensor, float, float]:
+        """One optimizer step over the micro-batches of ``window``; returns (this rank's
+        share of the step's loss, this rank's summed item loss, its item count)."""
+        if self.engine.pipeline is not None:  # the window runs in the pipeline's schedule
+            from meshtrain.trainer import pipeline_step
+
+            return pipeline_step.training_step(self, window)
+        engine, gas, dp = self.engine, self.args.gradient_accumulation_steps, self.topology.dp_size
+        counts, local_items, total_items = self._window_items(window)
         engine.shorten_window(len(window))  # the epoch's short last window steps too
         num_items = torch.tensor(total_items, device=engine.device)
         is_share = self._loss_is_share()

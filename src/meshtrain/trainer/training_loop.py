@@ -79,6 +79,7 @@ class TrainingLoop:
                 zero_stage=engine.zero_stage,
                 precision=engine.config.precision,
                 tensor_parallel=self.topology.tp_size,
+                pipeline_parallel=self.topology.pp_size,
             )
         )
         self.control = TrainerControl()
@@ -233,14 +234,20 @@ class TrainingLoop:
         """Give the user's model object the whole trained weights on every rank: under
         ZeRO-3 its parameters are shards between steps (gathered, hooks removed); under
         tensor parallelism its layers are tensor-parallel ones (the original modules go
-        back, holding the gathered, unpadded weights; ``parallel.tensor.restore``).
-        Evaluation and prediction then run the whole model on every rank."""
+        back, holding the gathered, unpadded weights; ``parallel.tensor.restore``); under
+        pipeline parallelism the blocks the split freed get the trained weights back
+        (``trainer.pipeline_step``). Evaluation and prediction then run the whole model
+        on every rank (under pp they keep running through the pipeline)."""
         self.engine.zero.release_module(self.engine.module)
         if self.topology.tp_size > 1:
             from meshtrain.parallel.tensor.restore import remove_tensor_parallel
 
             remove_tensor_parallel(self.engine.module, self.topology.tp_group)
             self._gather_vocab = None  # the logits are whole now
+        if self.engine.pipeline is not None:  # other stages' blocks: weights back
+            from meshtrain.trainer.pipeline_step import restore_user_model
+
+            restore_user_model(self)
 
 
 __all__ = ["TrainingLoop"]

@@ -38,7 +38,14 @@ from meshtrain.errors import ConfigError
 from meshtrain.parallel.pipeline.grads import global_grad_norm, sum_tied_shards
 from meshtrain.parallel.pipeline.runtime import PipelineRuntime
 
-__all__ = ["check_pipeline", "eval_batch", "global_grad_norm", "split_for_engine", "train_batch"]
+__all__ = [
+    "check_pipeline",
+    "eval_batch",
+    "global_grad_norm",
+    "run_window",
+    "split_for_engine",
+    "train_batch",
+]
 
 
 class PipelineStages(nn.Module):
@@ -165,11 +172,23 @@ def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
             engine.step()
             losses.append(loss.detach().float())
         return _dp_mean(engine, torch.stack(losses).mean())
+    loss = run_window(engine, batches)
+    engine.log.add_loss(loss)
+    engine.step()
+    return _dp_mean(engine, loss)
+
+
+def run_window(engine, batches: list, weights: list[float] | None = None) -> torch.Tensor:
+    """The schedule's forwards and backwards over the window ``batches`` (on the engine's
+    device), gradients reduced as the ZeRO stage says, up to (not including)
+    ``engine.step()``; returns this replica's loss on every pp rank: the mean over the
+    micro-batches, or ``sum_i weights[i] * loss_i`` (``PipelineRuntime.train_step``)."""
+    pipe: PipelineRuntime = engine.pipeline
     for b in batches:  # samples/s and tokens/s of the step log
         args, kwargs = ((), b) if isinstance(b, dict) else (tuple(b), {})
         engine.log.count_batch(args, kwargs)
     zero = engine.zero
-    engine.shorten_window(1)  # the schedule runs the whole window; step() below ends it
+    engine.shorten_window(1)  # the schedule runs the whole window; the next step() ends it
     zero.begin_window()
     # ZeRO 0-1: reduce once, after the schedule; ZeRO 2: after every micro-batch's
     # backward (no rank keeps a full gradient to accumulate into)
@@ -179,12 +198,11 @@ def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
             batches,
             loss_scale=engine.scaler.scale / zero.predivide,
             after_backward=zero.after_backward if zero.every_backward else None,
+            weights=weights,
         )
     if zero.every_backward:
         sum_tied_shards(pipe.tied, zero, engine.topology.dp_group)
-    engine.log.add_loss(loss)
-    engine.step()
-    return _dp_mean(engine, loss)
+    return loss
 
 
 def _dp_mean(engine, loss: torch.Tensor) -> torch.Tensor:

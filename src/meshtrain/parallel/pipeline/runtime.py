@@ -16,7 +16,13 @@ output, i.e. the autograd graph between them; ``schedules`` gives the peak count
 
 The loss of micro-batch ``i`` is divided by ``m`` before backward, so the gradients are
 those of the mean loss over the step's micro-batches (the same as one process running
-the whole batch with gradient accumulation).
+the whole batch with gradient accumulation). A caller that knows better weights passes
+``weights`` (the Trainer: each micro-batch's share of the window's label tokens); the
+step's loss is then ``sum_i w_i L_i``.
+
+``eval_outputs`` runs the forwards with the last stage returning the model's whole
+outputs (``SplitStage.whole_outputs``: loss and logits) and hands them to the caller on
+the rank holding the last stage; moving them to other ranks is the caller's choice.
 """
 
 from __future__ import annotations
@@ -108,11 +114,14 @@ class PipelineRuntime:
         batches: Sequence[Any],
         loss_scale: float = 1.0,
         after_backward: Callable[[list[nn.Parameter]], None] | None = None,
+        weights: Sequence[float] | None = None,
     ) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the mean loss (every rank).
+        """Forward and backward of every micro-batch; returns the mean loss (every rank),
+        or ``sum_i weights[i] * loss_i`` when ``weights`` are given.
 
         Gradients accumulate into the parameters' ``.grad`` as ``loss_scale x`` those of
-        the mean loss; tied parameters' gradients are summed over their ranks.
+        the mean loss (of the weighted sum); tied parameters' gradients are summed over
+        their ranks.
         ``after_backward``: called after each micro-batch's weight-gradient backward on a
         stage with the parameters whose ``.grad`` that backward wrote without autograd's
         accumulation hooks (ZB-H1), e.g. ``ZeroStage.after_backward`` (ZeRO 2
@@ -123,8 +132,12 @@ class PipelineRuntime:
             st.train()
         self._after_backward = after_backward
         try:
+            if weights is not None and len(weights) != len(batches):
+                raise ConfigError(
+                    f"train_step: {len(weights)} weights for {len(batches)} micro-batches"
+                )
             actions = self._actions(self.schedule, len(batches))
-            loss = self._run(actions, batches, True, loss_scale)
+            loss = self._run(actions, batches, True, loss_scale, weights)
         finally:
             self._after_backward = None
         if after_backward is not None:
@@ -142,7 +155,27 @@ class PipelineRuntime:
             st.eval()
         return self._run(self._actions("forward", len(batches)), batches, False, 1.0)
 
-    def _run(self, actions, batches, train: bool, loss_scale: float) -> torch.Tensor:
+    @torch.no_grad()
+    def eval_outputs(self, batches: Sequence[Any]) -> list[Any] | None:
+        """Forward of every micro-batch with the last stage returning the model's whole
+        outputs (``whole_outputs``); the list of them in micro-batch order on the rank
+        holding the last stage, None on the others. No collective beyond the p2p."""
+        last = self.stages.get(self.num_stages - 1)
+        for st in self.stages.values():
+            st.eval()
+        kept: dict[int, Any] = {}
+        if last is not None:
+            last.whole_outputs = True
+        try:
+            self._run(self._actions("forward", len(batches)), batches, False, 1.0, kept=kept)
+        finally:
+            if last is not None:
+                last.whole_outputs = False
+        return None if last is None else [kept[i] for i in range(len(batches))]
+
+    def _run(
+        self, actions, batches, train: bool, loss_scale: float, weights=None, kept=None
+    ) -> torch.Tensor:
         if self._midway:
             raise TrainingError(
                 "the previous pipeline step on this rank raised before it finished: its "
@@ -154,7 +187,7 @@ class PipelineRuntime:
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> stage input
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output / loss
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # grad of the stage's output
-        losses: list[torch.Tensor] = []
+        losses: dict[int, torch.Tensor] = {}  # mb -> its loss (last stage)
         links = StepLinks(self.group, actions, outputs, self.device)
         for i, a in enumerate(actions):
             key = (a.stage, a.mb)
@@ -165,10 +198,14 @@ class PipelineRuntime:
             if a.kind == F:
                 x = inputs.get(key) if a.stage > 0 else None
                 y = self.stages[a.stage](x, batches[a.mb])
-                if a.stage == last:
-                    losses.append(y.detach().float())
-                    y = y * (loss_scale / m)
-                if train:
+                if a.stage == last and kept is None:
+                    losses[a.mb] = y.detach().float()
+                    w = 1.0 / m if weights is None else float(weights[a.mb])
+                    y = y * (loss_scale * w)
+                if a.stage == last and kept is not None:  # eval_outputs: nothing goes on
+                    inputs.pop(key, None)
+                    kept[a.mb] = y
+                elif train:
                     outputs[key] = y
                 else:
                     inputs.pop(key, None)
@@ -194,7 +231,14 @@ class PipelineRuntime:
                 cpu = time.thread_time() - c0
                 self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
         links.wait_sends()
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        if kept is not None:
+            self._midway = False
+            return torch.zeros(())
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if losses and weights is None:
+            loss = torch.stack([losses[i] for i in sorted(losses)]).mean()
+        elif losses:
+            loss = sum(losses[i] * float(weights[i]) for i in sorted(losses))
         comm.broadcast(loss, src=self._peer(last), group=self.group, label="pp_loss")
         self._midway = False
         return loss

@@ -188,6 +188,9 @@ class SplitStage(nn.Module):
         super().__init__()
         self.index, self.num_stages = index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
+        # the last stage returns the model's whole outputs (loss, logits, ...) instead of
+        # its loss: ``PipelineRuntime.eval_outputs`` sets it around an evaluation
+        self.whole_outputs = False
         self._input = _Input()
         full = _get(model, layout.blocks)
         replace: dict[str, nn.Module] = {layout.blocks: nn.ModuleList(full[i] for i in blocks)}
@@ -244,7 +247,7 @@ class SplitStage(nn.Module):
             out = (runner or self.model)(*args, input_ids=ids, **kwargs)
         finally:
             self._input.value = None
-        if isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor) or (self.is_last and self.whole_outputs):
             return out
         key = "loss" if self.is_last and labels is not None else "logits"
         return out[key] if key in out else out[0]

@@ -1,0 +1,236 @@
+"""The Trainer under pipeline parallelism (``mesh={"pipeline_parallel_size": p}``).
+
+The engine splits the user's transformers model into ``p`` stages (``parallel.pipeline.
+split``: BERT, Llama, GPT-2 and their classifiers; the last stage computes the model's
+own loss) and frees the storage of the blocks other ranks run. Every rank of a pp group
+reads the same batches (the loader deals rows by data-parallel rank only).
+
+Training step: the window's ``k`` micro-batches (``gradient_accumulation_steps``, fewer at
+the end of an epoch) run through ``pipeline.schedule`` in one call. Micro-batch ``i`` of
+replica ``r`` has ``n_ir`` label items; instead of the runtime's fixed ``1 / k`` its loss
+``L_ir`` (the model's mean over its items) is weighted by ``w_ir = n_ir R / N`` with ``N``
+the window's items over all ``R`` replicas (one all-reduce of one number, as without
+pp): the gradient, averaged over replicas, is that of ``sum_ir n_ir L_ir / N``, the loss
+of one process on the whole window (``trainer.loss``). The runtime returns ``sum_i w_ir
+L_ir`` on every rank of the replica; divided by ``R`` it is the replica's share of the
+step's loss, which the Trainer logs and averages exactly as without pp. Callbacks: the
+micro-batches interleave in the schedule, so the window's ``on_substep_end`` events fire
+after it, before ``on_pre_optimizer_step``.
+
+Evaluation / prediction: groups of ``EVAL_GROUP * p`` batches run through the forward
+schedule (``PipelineRuntime.eval_outputs``), the last stage returning the model's whole
+outputs; it takes the loss and the logits (``logits_of``, as ``prediction_step``) and
+broadcasts them over the pp group: per group one pickled header (the shapes and dtypes)
+and one broadcast per tensor, i.e. ``4 + rows x logits-per-row x
+itemsize`` bytes per batch sent to each of the ``p - 1`` other ranks (a BERT classifier
+with 3 labels: 4 + 12 x rows bytes; a causal LM: ``rows x seq x vocab x 4``). Every rank
+then holds the same per-batch results and ``evaluation.prediction_loop`` gathers rows
+over the data-parallel group as without pp (exact rows on uneven tails).
+
+The end of training (``restore_user_model``): ``engine.module_state_dict()`` broadcasts
+every tensor from the pp rank owning it (the whole model's bytes, received once by each
+other pp rank); each parameter of the user's model whose storage the split freed gets
+the trained tensor back, so ``model`` runs whole on every rank (``pipeline(...)``,
+``generate``). Checkpoints are the engine's (sharded by stage, resharding).
+
+Refused (``check``): ``compute_loss`` / ``prediction_step`` overrides and
+``compute_loss_func`` (they need the whole model's outputs on one rank; under pp the last
+stage computes the model's own loss), and label names other than ``labels`` (the split
+hands only ``labels`` to the last stage). Tensor x pipeline parallelism is refused by
+``TrainingArguments``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from meshtrain.errors import ConfigError, TrainingError
+
+EVAL_GROUP = 4  # batches per pp rank in one evaluation call: bubble (p-1)/(4p+p-1) <= 0.2
+
+__all__ = ["EVAL_GROUP", "check", "prediction_steps", "restore_user_model", "training_step"]
+
+
+def check(trainer) -> None:
+    """Refuse what cannot run under pipeline parallelism (module docstring)."""
+    from meshtrain.trainer.trainer import Trainer
+
+    pp = trainer.topology.pp_size
+    cls = type(trainer)
+    why = (
+        "under pipeline parallelism the model is split into stages and the last stage "
+        "computes the model's own loss, so no rank holds the whole model's outputs"
+    )
+    for name in ("compute_loss", "prediction_step"):
+        if getattr(cls, name) is not getattr(Trainer, name):
+            raise ConfigError(
+                f"{cls.__name__}.{name} is overridden, but TrainingArguments.mesh."
+                f"pipeline_parallel_size={pp}: {why}; drop the override and return the loss "
+                "from the model's forward (labels=), or set pipeline_parallel_size to 1 "
+                "and fit the model with tensor_parallel_size or ZeRO (deepspeed=)"
+            )
+    if trainer.compute_loss_func is not None:
+        raise ConfigError(
+            f"Trainer(compute_loss_func=...) with TrainingArguments.mesh."
+            f"pipeline_parallel_size={pp}: {why}; let the model compute its loss from "
+            "labels=, or set pipeline_parallel_size to 1"
+        )
+    if list(trainer.label_names) != ["labels"]:
+        raise ConfigError(
+            f"TrainingArguments.label_names={trainer.label_names!r} with mesh."
+            f"pipeline_parallel_size={pp}: the pipeline hands only a batch's 'labels' to "
+            "the last stage; name the labels 'labels' (the data collators do) or set "
+            "pipeline_parallel_size to 1"
+        )
+
+
+def training_step(trainer, window: list[Any]) -> tuple[torch.Tensor, float, float]:
+    """``Trainer.training_step`` under pp: one optimizer step over ``window`` (module
+    docstring); returns (this replica's share of the step's loss, its summed item loss,
+    its item count)."""
+    from meshtrain.parallel.pipeline.engine_step import run_window
+
+    engine, replicas = trainer.engine, trainer.topology.dp_size
+    counts, local_items, total_items = trainer._window_items(window)
+    weights = [n * replicas / total_items if total_items else 0.0 for n in counts]
+    batches = [trainer._prepare_inputs(b) for b in window]
+    weighted = run_window(engine, batches, weights)  # sum_i w_i L_i, every rank
+    for _ in range(len(window) - 1):
+        trainer.control = trainer._event("on_substep_end")
+    trainer.control = trainer._event("on_pre_optimizer_step")
+    trainer._applied_lr = engine.get_lr()[0]
+    share = weighted.detach().float().to(engine.device) / replicas
+    local_sum = float(share) * total_items
+    engine.log.add_loss(torch.tensor(local_sum / local_items if local_items else 0.0))
+    engine.step()
+    trainer.control = trainer._event("on_optimizer_step")
+    return share, local_sum, local_items
+
+
+def _loss_and_logits(trainer, outputs: Any, inputs: Any, loss_only: bool, keys: list[str]):
+    """What ``Trainer.prediction_step`` takes from a whole model's ``outputs``."""
+    from meshtrain.trainer.evaluation import logits_of
+
+    loss = None
+    if _has_labels(trainer, inputs):
+        if isinstance(outputs, Mapping) and outputs.get("loss") is not None:
+            loss = outputs["loss"]
+        elif isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+            loss = outputs
+        elif isinstance(outputs, tuple | list):
+            loss = outputs[0]
+        else:
+            raise TrainingError(
+                f"the last pipeline stage of {type(trainer.model).__name__} returned no "
+                "loss for a batch with labels; give the model labels it accepts"
+            )
+        loss = loss.detach().float().mean()
+    logits = None if loss_only else logits_of(outputs, keys)
+    return loss, logits
+
+
+def _has_labels(trainer, inputs: Any) -> bool:
+    return isinstance(inputs, Mapping) and all(
+        inputs.get(n) is not None for n in trainer.label_names
+    )
+
+
+def prediction_steps(
+    trainer, loader, loss_only: bool, ignore_keys: list[str] | None
+) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """``(batch, loss, logits, labels)`` per batch of ``loader``, the same on every rank
+    of the pp group (module docstring)."""
+    if ignore_keys is None:  # as Trainer.prediction_step
+        config = getattr(trainer.model, "config", None)
+        ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["past_key_values"])
+    pipe, topo = trainer.engine.pipeline, trainer.topology
+    batches = iter(loader)
+    while group := list(itertools.islice(batches, EVAL_GROUP * topo.pp_size)):
+        inputs = [trainer._prepare_inputs(b) for b in group]
+        outs = pipe.eval_outputs(inputs)
+        mine = None
+        if outs is not None:  # the last stage
+            mine = [
+                _loss_and_logits(trainer, o, x, loss_only, ignore_keys)
+                for o, x in zip(outs, inputs, strict=True)
+            ]
+        results = _from_last_stage(mine, pipe, trainer.engine.device)
+        for batch, x, (loss, logits) in zip(group, inputs, results, strict=True):
+            labels = None
+            if _has_labels(trainer, x):
+                found = tuple(x[n] for n in trainer.label_names)
+                labels = found[0] if len(found) == 1 else found
+            yield batch, loss, logits, labels
+
+
+def _pack(x: Any, tensors: list[torch.Tensor]) -> Any:
+    """A picklable description of ``x`` with its tensors moved to ``tensors``."""
+    if isinstance(x, torch.Tensor):
+        tensors.append(x.detach().contiguous())
+        return ("tensor", tuple(x.shape), x.dtype)
+    if isinstance(x, list | tuple):
+        return (type(x).__name__, [_pack(v, tensors) for v in x])
+    if isinstance(x, Mapping):
+        return ("dict", {k: _pack(v, tensors) for k, v in x.items()})
+    return ("value", x)
+
+
+def _unpack(spec: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    kind, body = spec[0], spec[1]
+    if kind == "tensor":
+        return next(tensors)
+    if kind in ("list", "tuple"):
+        items = [_unpack(v, tensors) for v in body]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        return {k: _unpack(v, tensors) for k, v in body.items()}
+    return body
+
+
+def _from_last_stage(mine: list | None, pipe, device: torch.device) -> list:
+    """The last stage's ``mine`` on every rank of the pp group: a pickled header, then one
+    broadcast per tensor (module docstring)."""
+    import torch.distributed as dist
+
+    from meshtrain.distributed import comm
+
+    group = pipe.group
+    if group.size == 1:
+        return mine
+    src = (pipe.num_stages - 1) % group.size
+    tensors: list[torch.Tensor] = []
+    header = [_pack(mine, tensors) if mine is not None else None]
+    dist.broadcast_object_list(header, src=group.global_rank(src), group=group.pg)
+    if mine is None:  # allocate what the header describes, in its order
+        _collect_shapes(header[0], tensors, device)
+    for t in tensors:
+        comm.broadcast(t, src=src, group=group, label="pp_eval")
+    return _unpack(header[0], iter(tensors))
+
+
+def _collect_shapes(spec: Any, out: list[torch.Tensor], device: torch.device) -> None:
+    kind, body = spec[0], spec[1]
+    if kind == "tensor":
+        out.append(torch.empty(body, dtype=spec[2], device=device))
+    elif kind in ("list", "tuple"):
+        for v in body:
+            _collect_shapes(v, out, device)
+    elif kind == "dict":
+        for v in body.values():
+            _collect_shapes(v, out, device)
+
+
+def restore_user_model(trainer) -> None:
+    """Put the trained weights of the blocks other ranks ran back into the user's model
+    (module docstring). Collective over the pp group."""
+    state = trainer.engine.module_state_dict()
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            whole = state.get(name)
+            if p.numel() == 0 and whole is not None and whole.numel():
+                p.data = whole.to(p.device)
+                p.grad = None

@@ -1,0 +1,225 @@
+"""Trainer + pipeline parallelism (``mesh={"pipeline_parallel_size": 2}``) equals one
+process, at pp 2 (2 processes) and at pp 2 x dp 2 with ZeRO 2 (4 processes).
+
+Two models, each run once per mesh in one process group:
+
+* seed 000's shape: a BERT sentence classifier with a tokenizer, padded reviews, 18 rows
+  of 4 per device with gradient accumulation 3, so each epoch's windows are [4, 4, 4] and
+  a short [4, 2] (the pipeline runs 3, then 2 micro-batches, weighted 4/6 and 2/6 rather
+  than 1/2 each); evaluation each epoch on 11 rows in batches of 4 (an uneven tail);
+  checkpoints every 2 steps;
+* a Llama causal LM on rows of 3..12 tokens: the label tokens of a micro-batch depend on
+  its padding, so the window's loss is normalised by tokens, not micro-batches.
+
+Against the one-process run on the same rows per step (pp 2 x dp 2 halves the rows per
+device; the loader deals rows to replicas in turn, and the loss is normalised over the
+window's label items of both replicas):
+
+* every logged training loss within 1e-6 and the eval losses within 1e-6 (fp32, no
+  dropout: the same operations, split over two processes; ZeRO 2 reduce-scatters where
+  one process sums locally: the same sums in another order, ~1e-7);
+* ``evaluate()`` metrics within 1e-5 and ``predict()`` predictions (the last stage's
+  logits, broadcast over the pp group) within 1e-5, with exactly the dataset's rows and
+  label_ids equal;
+* the user's model object after ``train()`` holds the whole trained weights on every
+  rank (the split had freed the other stage's blocks) within 1e-5 (AdamW's 1/sqrt(v)
+  enlarges ~1e-7 gradient differences on near-zero entries), and seed 000's closing
+  ``pipeline("text-classification", ...)`` answers as the one-process model (scores
+  within 1e-5); the ``save_pretrained`` export in ``checkpoint-2`` within 1e-5;
+* resume under pp 2: a new Trainer resumed from ``checkpoint-2`` logs the same losses for
+  the remaining steps as the uninterrupted run, exactly (the same mesh: RNG, data
+  position, optimizer and schedule restored bit for bit);
+* a ``compute_loss`` override and ``compute_loss_func`` are refused under pp with a
+  ConfigError naming them and ``pipeline_parallel_size``; so is pp x tp.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+from tests.trainer.common import lm_rows, pad_collate
+from tests.trainer.test_transformers_model import REVIEWS, _tokenizer
+
+
+def _accuracy(p):
+    return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+
+
+def _reviews(tok, n: int, shift: int = 0):
+    rows = [REVIEWS[(i * 3 + shift) % len(REVIEWS)] for i in range(n)]
+    return [{**tok(text + "很" * (i % 4)), "labels": y} for i, (text, y) in enumerate(rows)]
+
+
+def _bert_trainer(tmp: str, tok, mesh, dp: int, deepspeed, cls=None, **kw):
+    from transformers import DataCollatorWithPadding
+
+    from meshtrain import Trainer, TrainingArguments
+    from tests.tiny_models import tiny_bert
+
+    model = tiny_bert(
+        vocab_size=len(tok), hidden_size=32, num_attention_heads=2,
+        intermediate_size=64, num_labels=2, attn_implementation=None,
+    )  # fmt: skip
+    args = TrainingArguments(
+        f"{tmp}/bert", per_device_train_batch_size=4 // dp, gradient_accumulation_steps=3,
+        per_device_eval_batch_size=4, num_train_epochs=2, learning_rate=5e-3,
+        logging_steps=1, eval_strategy="epoch", save_strategy="steps", save_steps=2,
+        disable_tqdm=True, mesh=mesh, deepspeed=deepspeed,
+    )  # fmt: skip
+    trainer = (cls or Trainer)(
+        model=model, args=args, train_dataset=_reviews(tok, 18),
+        eval_dataset=_reviews(tok, 11, shift=1), data_collator=DataCollatorWithPadding(tok),
+        compute_metrics=_accuracy, **kw,
+    )  # fmt: skip
+    return model, trainer
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _bert(tmp: str, mesh, dp: int, deepspeed, resume: bool) -> dict:
+    from safetensors.torch import load_file
+    from transformers import pipeline
+
+    tok = _tokenizer(tmp)
+    model, trainer = _bert_trainer(tmp, tok, mesh, dp, deepspeed)
+    trainer.train()
+    metrics = trainer.evaluate()
+    pred = trainer.predict(_reviews(tok, 7, shift=2))
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.config.id2label = {0: "差评!", 1: "好评!"}
+    answer = pipeline("text-classification", model=model, tokenizer=tok)("我觉得不错!")
+    out = {
+        "losses": _losses(trainer),
+        "evals": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+        "metrics": metrics,
+        "predictions": pred.predictions,
+        "label_ids": pred.label_ids,
+        "test_loss": pred.metrics["test_loss"],
+        "weights": weights,
+        "answer": answer,
+        "exported": load_file(f"{tmp}/bert/checkpoint-2/model.safetensors"),
+    }
+    if resume:  # a new Trainer, from the checkpoint of step 2 (mid epoch 0)
+        _, again = _bert_trainer(tmp, tok, mesh, dp, deepspeed)
+        again.train(resume_from_checkpoint=f"{tmp}/bert/checkpoint-2")
+        out["resumed"] = _losses(again)
+    return out
+
+
+def _llama(tmp: str, mesh, dp: int, deepspeed) -> dict:
+    from meshtrain import Trainer, TrainingArguments
+    from tests.tiny_models import tiny_llama
+
+    args = TrainingArguments(
+        f"{tmp}/llama", per_device_train_batch_size=4 // dp, gradient_accumulation_steps=2,
+        per_device_eval_batch_size=2, num_train_epochs=2, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", disable_tqdm=True, mesh=mesh,
+        deepspeed=deepspeed,
+    )  # fmt: skip
+    rows = [{"input_ids": r["input_ids"] % 64} for r in lm_rows(16, seed=4)]
+    model = tiny_llama()
+    trainer = Trainer(model, args, train_dataset=rows, data_collator=pad_collate)
+    trainer.train()
+    pred = trainer.predict(rows[:5], ignore_keys=["past_key_values"])
+    return {
+        "losses": _losses(trainer),
+        "logits": pred.predictions,
+        "test_loss": pred.metrics["test_loss"],
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+def _refusals(tmp: str) -> list[str]:
+    from meshtrain import Trainer
+    from meshtrain.errors import ConfigError
+
+    class MyTrainer(Trainer):  # seed 003's override
+        def compute_loss(self, model, inputs, return_outputs=False):
+            return super().compute_loss(model, inputs, return_outputs)
+
+    tok = _tokenizer(tmp)
+    mesh = {"pipeline_parallel_size": 2}
+    messages = []
+    for cls, kw in ((MyTrainer, {}), (Trainer, {"compute_loss_func": lambda o, y, **k: o})):
+        _, trainer = _bert_trainer(f"{tmp}/refused", tok, mesh, 1, None, cls, **kw)
+        with pytest.raises(ConfigError, match="pipeline_parallel_size") as err:
+            trainer.train()
+        messages.append(str(err.value))
+    return messages
+
+
+def _run(tmp: str, mesh, dp: int = 1, deepspeed=None, resume: bool = False) -> dict:
+    import os
+
+    os.makedirs(tmp, exist_ok=True)
+    out = {
+        "bert": _bert(tmp, mesh, dp, deepspeed, resume),
+        "llama": _llama(tmp, mesh, dp, deepspeed),
+    }
+    if resume:
+        out["refused"] = _refusals(tmp)
+    return out
+
+
+def _close(a: dict, b: dict, atol: float) -> None:
+    assert sorted(a) == sorted(b)
+    for k, v in b.items():
+        assert a[k].shape == v.shape and torch.allclose(a[k], v, atol=atol, rtol=0), k
+
+
+def _same_run(r: dict, ref: dict) -> None:
+    import numpy as np
+
+    for name in ("bert", "llama"):
+        got, want = r[name], ref[name]
+        assert len(got["losses"]) == len(want["losses"])
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"], strict=True)) <= 1e-6
+        assert abs(got["test_loss"] - want["test_loss"]) <= 1e-6
+        _close(got["weights"], want["weights"], 1e-5)
+    b, rb = r["bert"], ref["bert"]
+    assert max(abs(x - y) for x, y in zip(b["evals"], rb["evals"], strict=True)) <= 1e-6
+    for key in ("eval_loss", "eval_accuracy"):
+        assert abs(b["metrics"][key] - rb["metrics"][key]) <= 1e-5
+    assert b["predictions"].shape == rb["predictions"].shape == (7, 2)
+    assert np.abs(b["predictions"] - rb["predictions"]).max() <= 1e-5
+    assert np.array_equal(b["label_ids"], rb["label_ids"])
+    assert b["answer"][0]["label"] == rb["answer"][0]["label"]
+    assert abs(b["answer"][0]["score"] - rb["answer"][0]["score"]) <= 1e-5
+    _close(
+        {k: v.float() for k, v in b["exported"].items()},
+        {k: v.float() for k, v in rb["exported"].items()},
+        1e-5,
+    )
+    lg, rlg = r["llama"]["logits"], ref["llama"]["logits"]
+    assert lg.shape == rlg.shape and lg.shape[0] == 5 and lg.shape[2] == 64
+    assert np.abs(lg - rlg).max() <= 1e-5
+
+
+def test_pipeline_trainer_equals_one_process(tmp_path):
+    from meshtrain import TrainingArguments
+    from meshtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        TrainingArguments("x", mesh={"pipeline_parallel_size": 2, "tensor_parallel_size": 2})
+    (ref,) = run_ranks(_run, 1, str(tmp_path / "one"), None)
+    assert len(ref["bert"]["losses"]) == 4 and len(ref["llama"]["losses"]) == 4
+    pp = {"pipeline_parallel_size": 2}
+    pp2 = run_ranks(_run, 2, str(tmp_path / "pp2"), pp, 1, None, True)
+    zero2 = {"zero_optimization": {"stage": 2}}
+    pp2_dp2 = run_ranks(_run, 4, str(tmp_path / "pp2dp2"), pp, 2, zero2, timeout=600)
+    for r in pp2 + pp2_dp2:
+        _same_run(r, ref)
+    for r in pp2:
+        # resumed at step 3 (after checkpoint-2): the remaining steps as uninterrupted
+        assert r["bert"]["resumed"][-2:] == r["bert"]["losses"][2:]
+        for message in r["refused"]:
+            assert "compute_loss" in message and "pipeline_parallel_size=2" in message
+    # every rank's user model holds the same whole weights
+    for runs in (pp2, pp2_dp2):
+        for name in ("bert", "llama"):
+            for k, v in runs[0][name]["weights"].items():
+                assert all(torch.equal(v, r[name]["weights"][k]) for r in runs[1:]), k
