@@ -3,17 +3,24 @@ process, at pp 2 (2 processes) and at pp 2 x dp 2 with ZeRO 2 (4 processes).
 
 Two models, each run once per mesh in one process group:
 
-* seed 000's shape: a BERT sentence classifier with a tokenizer, padded reviews, 18 rows
-  of 4 per device with gradient accumulation 3, so each epoch's windows are [4, 4, 4] and
+* seed 000's shape: a BERT sentence classifier with a tokenizer, padded reviews, 18 rows of 4 per device with gradient accumulation 3, so each epoch's windows are [4, 4, 4] and
   a short [4, 2] (the pipeline runs 3, then 2 micro-batches, weighted 4/6 and 2/6 rather
   than 1/2 each); evaluation each epoch on 11 rows in batches of 4 (an uneven tail);
   checkpoints every 2 steps;
 * a Llama causal LM on rows of 3..12 tokens: the label tokens of a micro-batch depend on
-  its padding, so the window's loss is normalised by tokens, not micro-batches.
+  its padding, so the window's loss is normalised by tokens, not micro-batches. It
+  predicts in batches of one row (``test_loss`` is a mean of per-batch losses weighted by
+  rows, so it depends on how rows are batched: one process and dp 2 batch differently).
 
 Against the one-process run on the same rows per step (pp 2 x dp 2 halves the rows per
 device; the loader deals rows to replicas in turn, and the loss is normalised over the
 window's label items of both replicas):
+
+The BERT of pp 2 x dp 2 is compared with the same run at dp 2 without pp: the first
+steps' gradients are near zero (the classifier starts at ln 2), so one process's sum over
+4 rows and dp 2's average of two 2-row sums differ by ~1e-7 relative, which Adam's
+m / sqrt(v) turns into whole learning-rate steps on entries near zero: 2e-5 in step 4's
+loss between one process and dp 2, without pp as well. The Llama's are not near zero.
 
 * every logged training loss within 1e-6 and the eval losses within 1e-6 (fp32, no
   dropout: the same operations, split over two processes; ZeRO 2 reduce-scatters where
@@ -116,7 +123,7 @@ def _llama(tmp: str, mesh, dp: int, deepspeed) -> dict:
 
     args = TrainingArguments(
         f"{tmp}/llama", per_device_train_batch_size=4 // dp, gradient_accumulation_steps=2,
-        per_device_eval_batch_size=2, num_train_epochs=2, learning_rate=1e-3,
+        per_device_eval_batch_size=1, num_train_epochs=2, learning_rate=1e-3,
         logging_steps=1, save_strategy="no", disable_tqdm=True, mesh=mesh,
         deepspeed=deepspeed,
     )  # fmt: skip
@@ -152,14 +159,15 @@ def _refusals(tmp: str) -> list[str]:
     return messages
 
 
-def _run(tmp: str, mesh, dp: int = 1, deepspeed=None, resume: bool = False) -> dict:
+def _run(
+    tmp: str, mesh, dp: int = 1, deepspeed=None, resume: bool = False, llama: bool = True
+) -> dict:
     import os
 
     os.makedirs(tmp, exist_ok=True)
-    out = {
-        "bert": _bert(tmp, mesh, dp, deepspeed, resume),
-        "llama": _llama(tmp, mesh, dp, deepspeed),
-    }
+    out = {"bert": _bert(tmp, mesh, dp, deepspeed, resume)}
+    if llama:
+        out["llama"] = _llama(tmp, mesh, dp, deepspeed)
     if resume:
         out["refused"] = _refusals(tmp)
     return out
@@ -171,16 +179,18 @@ def _close(a: dict, b: dict, atol: float) -> None:
         assert a[k].shape == v.shape and torch.allclose(a[k], v, atol=atol, rtol=0), k
 
 
-def _same_run(r: dict, ref: dict) -> None:
+def _same_training(got: dict, want: dict) -> None:
+    assert len(got["losses"]) == len(want["losses"])
+    assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"], strict=True)) <= 1e-6
+    assert abs(got["test_loss"] - want["test_loss"]) <= 1e-6
+    _close(got["weights"], want["weights"], 1e-5)
+
+
+def _same_bert(b: dict, rb: dict) -> None:
+    """The BERT runs agree (tolerances: module docstring)."""
     import numpy as np
 
-    for name in ("bert", "llama"):
-        got, want = r[name], ref[name]
-        assert len(got["losses"]) == len(want["losses"])
-        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"], strict=True)) <= 1e-6
-        assert abs(got["test_loss"] - want["test_loss"]) <= 1e-6
-        _close(got["weights"], want["weights"], 1e-5)
-    b, rb = r["bert"], ref["bert"]
+    _same_training(b, rb)
     assert max(abs(x - y) for x, y in zip(b["evals"], rb["evals"], strict=True)) <= 1e-6
     for key in ("eval_loss", "eval_accuracy"):
         assert abs(b["metrics"][key] - rb["metrics"][key]) <= 1e-5
@@ -189,12 +199,15 @@ def _same_run(r: dict, ref: dict) -> None:
     assert np.array_equal(b["label_ids"], rb["label_ids"])
     assert b["answer"][0]["label"] == rb["answer"][0]["label"]
     assert abs(b["answer"][0]["score"] - rb["answer"][0]["score"]) <= 1e-5
-    _close(
-        {k: v.float() for k, v in b["exported"].items()},
-        {k: v.float() for k, v in rb["exported"].items()},
-        1e-5,
-    )
-    lg, rlg = r["llama"]["logits"], ref["llama"]["logits"]
+    _close(b["exported"], rb["exported"], 1e-5)
+
+
+def _same_llama(r: dict, ref: dict) -> None:
+    """The Llama runs agree: losses, weights, and predict()'s logits over the vocabulary."""
+    import numpy as np
+
+    _same_training(r, ref)
+    lg, rlg = r["logits"], ref["logits"]
     assert lg.shape == rlg.shape and lg.shape[0] == 5 and lg.shape[2] == 64
     assert np.abs(lg - rlg).max() <= 1e-5
 
@@ -211,8 +224,13 @@ def test_pipeline_trainer_equals_one_process(tmp_path):
     pp2 = run_ranks(_run, 2, str(tmp_path / "pp2"), pp, 1, None, True)
     zero2 = {"zero_optimization": {"stage": 2}}
     pp2_dp2 = run_ranks(_run, 4, str(tmp_path / "pp2dp2"), pp, 2, zero2, timeout=600)
-    for r in pp2 + pp2_dp2:
-        _same_run(r, ref)
+    (dp2, _) = run_ranks(_run, 2, str(tmp_path / "dp2"), None, 2, zero2, False, False)
+    for r in pp2:
+        _same_bert(r["bert"], ref["bert"])
+        _same_llama(r["llama"], ref["llama"])
+    for r in pp2_dp2:
+        _same_bert(r["bert"], dp2["bert"])
+        _same_llama(r["llama"], ref["llama"])
     for r in pp2:
         # resumed at step 3 (after checkpoint-2): the remaining steps as uninterrupted
         assert r["bert"]["resumed"][-2:] == r["bert"]["losses"][2:]
