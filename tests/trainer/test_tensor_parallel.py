@@ -24,7 +24,8 @@ rows, does not depend on how rows are batched). Compared with the one-process ru
   checkpoint (mid epoch 0) logs losses for steps 4..8 equal to the uninterrupted run's
   exactly (same mesh: RNG, data position, optimizer and schedule are restored bit for
   bit);
-* pipeline parallelism is refused with a ConfigError naming the field and what to do.
+* pipeline x tensor parallelism is refused with a ConfigError naming the fields and what
+  to do (pipeline parallelism alone: test_pipeline_trainer).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def _pipeline_refused():
     from meshtrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="pipeline_parallel_size") as err:
-        TrainingArguments("x", mesh={"pipeline_parallel_size": 2})
+        TrainingArguments("x", mesh={"pipeline_parallel_size": 2, "tensor_parallel_size": 2})
     return str(err.value)
 
 
@@ -150,6 +151,6 @@ def test_tensor_parallel_equals_one_process(tmp_path):
         assert len(r["resumed"]) >= 5 and r["resumed"][-5:] == r["losses"][3:]
 
 
-def test_pipeline_parallel_is_refused():
-    message = _pipeline_refused()
-    assert "engine.train_batch" in message
+def test_pipeline_with_tensor_parallel_is_refused():
+    message = _pipeline_refused()  # each alone works (tests/trainer/test_pipeline_trainer.py)
+    assert "tensor_parallel_size=2" in message and "engine.train_batch" in message
