@@ -1,5 +1,6 @@
 """Trainer + pipeline parallelism (``mesh={"pipeline_parallel_size": 2}``) equals one
-process, at pp 2 (2 processes) and at pp 2 x dp 2 with ZeRO 2 (4 processes).
+process, at pp 2 (2 processes, ZeRO 1's code path) and at pp 2 x dp 2 with ZeRO 2 (4
+processes).
 
 Two models, each run once per mesh in one process group:
 
@@ -221,7 +222,8 @@ def test_pipeline_trainer_equals_one_process(tmp_path):
     (ref,) = run_ranks(_run, 1, str(tmp_path / "one"), None)
     assert len(ref["bert"]["losses"]) == 4 and len(ref["llama"]["losses"]) == 4
     pp = {"pipeline_parallel_size": 2}
-    pp2 = run_ranks(_run, 2, str(tmp_path / "pp2"), pp, 1, None, True)
+    zero1 = {"zero_optimization": {"stage": 1}}  # ZeRO 1 at dp 1: its path, no sharding
+    pp2 = run_ranks(_run, 2, str(tmp_path / "pp2"), pp, 1, zero1, True)
     zero2 = {"zero_optimization": {"stage": 2}}
     pp2_dp2 = run_ranks(_run, 4, str(tmp_path / "pp2dp2"), pp, 2, zero2, timeout=600)
     (dp2, _) = run_ranks(_run, 2, str(tmp_path / "dp2"), None, 2, zero2, False, False)
