@@ -98,6 +98,8 @@ def training_step(trainer, window: list[Any]) -> tuple[torch.Tensor, float, floa
     counts, local_items, total_items = trainer._window_items(window)
     weights = [n * replicas / total_items if total_items else 0.0 for n in counts]
     batches = [trainer._prepare_inputs(b) for b in window]
+    if not trainer.model.training:  # after an evaluation, as without pp (the stages'
+        trainer.model.train()  # own copies of the model's root are set by the runtime)
     weighted = run_window(engine, batches, weights)  # sum_i w_i L_i, every rank
     for _ in range(len(window) - 1):
         trainer.control = trainer._event("on_substep_end")
