@@ -47,9 +47,11 @@ from meshtrain.parallel.pipeline.schedules import (
 
 # Op costs the receives are placed by (``schedules``: a receive sits before the first
 # compute that starts after the data's simulated arrival). A backward costs about two
-# forwards; placed with unit costs, interleaved 1F1B then blocks on receives it does not
-# need yet: its bubble at p 2, m 4 is 0.200 instead of 0.111 (benchmarks/
-# bench_pipeline_bubble.py; the placement stays deadlock-free whatever the real costs).
+# forwards. The placement decides when a receive is posted, not when it is waited on
+# (the consuming compute waits, ``p2p``): when ranks waited at the list position, unit
+# costs made interleaved 1F1B block on receives it did not need yet (bubble 0.200
+# instead of 0.111 at p 2, m 4, benchmarks/bench_pipeline_bubble.py). The placement stays
+# deadlock-free whatever the real costs.
 RUN_COSTS = {False: {F: 1, B: 2}, True: {F: 1, B: 1, W: 1}}  # key: backward split (ZB-H1)
 
 
