@@ -11,8 +11,16 @@ saved and walks towards the weights only (``w``; ``parallel/pipeline/zero_bubble
 on stage 0 ``B`` is a no-op and ``W`` the whole backward (``b + w``).
 
 Each rank runs the schedule through ``PipelineRuntime`` (real processes, gloo, real p2p)
-and records its compute actions' wall times (``runtime.trace``); idle = 1 - busy / step
-wall time, median over steps, mean over ranks. Printed beside the closed form of
+and records its compute actions' wall times (``runtime.trace``) and the step's start and
+end. Idle = 1 - (busy time summed over the ranks) / (p x the step's makespan), the
+makespan running from the first rank's start to the last rank's end (``perf_counter`` is
+the system-wide monotonic clock on Linux, so the ranks' times compare); median over
+steps. That is the quantity the formula gives: every rank idles over the whole step.
+Until session 6 each rank divided by its *own* start-to-end time instead and the ranks
+were averaged (``own_window_idle`` in the results, kept for comparison): the last stage
+leaves the step as soon as its loss broadcast is sent, while the first still drains its
+backwards, so its idle tail went uncounted and p 4 read below the formula (0.97x).
+Printed beside the closed form of
 ``schedules`` (unit op costs) and the idle fraction of the ranks' orders replayed with the
 sleep model's costs (``replayed_idle``; ``f = b = w`` = one unit), which equals the closed
 form for GPipe, 1F1B and interleaved 1F1B; for ZB-H1 it charges the re-walk. Communication, the loss broadcast and
@@ -37,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import meshtrain
 from meshtrain.launch.processes import run_on_ranks
 
 RESULTS = Path(__file__).parent / "results"
@@ -95,20 +104,34 @@ def _rank(unit: float, ms: tuple[int, ...], steps: int, cases, d: int = 16, rows
         g = torch.Generator().manual_seed(0)
         for m in ms:
             batches = [(torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g))] * m
-            idle = []
+            windows = []  # per step: (start, end, busy seconds) of this rank
             for step in range(steps + 1):  # the first step is a warm-up
                 dist.barrier()
                 rt.trace = []
                 t0 = time.perf_counter()
                 rt.train_step(batches)
-                wall = time.perf_counter() - t0
+                t1 = time.perf_counter()
                 busy = sum(e - s for _k, _st, _mb, s, e, _c in rt.trace)
                 if step:
-                    idle.append(1 - busy / wall)
+                    windows.append((t0, t1, busy))
                 for prm in pm.parameters():
                     prm.grad = None
-            out[(schedule, m)] = statistics.median(idle)
+            out[(schedule, m)] = windows
     return out
+
+
+def step_idle(per_rank: list[list[tuple[float, float, float]]]) -> tuple[float, float]:
+    """``(idle, own_window_idle)``, medians over steps, from every rank's ``(start, end,
+    busy)`` per step: idle over the global makespan (first start to last end, all ranks),
+    and the older per-rank measure (each rank over its own start-to-end, averaged)."""
+    p, steps = len(per_rank), len(per_rank[0])
+    idle, own = [], []
+    for k in range(steps):
+        rows = [r[k] for r in per_rank]
+        makespan = max(e for _s, e, _b in rows) - min(s for s, _e, _b in rows)
+        idle.append(1 - sum(b for _s, _e, b in rows) / (p * makespan))
+        own.append(sum(1 - b / (e - s) for s, e, b in rows) / p)
+    return statistics.median(idle), statistics.median(own)
 
 
 def replayed_idle(schedule: str, p: int, m: int, v: int) -> float:
@@ -149,7 +172,7 @@ def run(args) -> list[dict]:
         )
         for schedule, v in cases:
             for m in args.m:
-                measured = sum(r[(schedule, m)] for r in per_rank) / p
+                measured, own = step_idle([r[(schedule, m)] for r in per_rank])
                 formula = float(expected_idle_fraction(schedule, p, m, v))
                 replayed = replayed_idle(schedule, p, m, v)
                 row = {
@@ -158,6 +181,7 @@ def run(args) -> list[dict]:
                     "v": v,
                     "m": m,
                     "measured_idle": measured,
+                    "own_window_idle": own,
                     "formula_idle": formula,
                     "replayed_idle": replayed,
                     "ratio_to_formula": measured / formula,
@@ -166,7 +190,8 @@ def run(args) -> list[dict]:
                 print(
                     f"{schedule:16} p={p} v={v} m={m}: measured {measured:.3f}, formula "
                     f"{formula:.3f} ({measured / formula:.3f}x), orders replayed with the "
-                    f"sleep costs {replayed:.3f} ({measured / replayed:.3f}x)",
+                    f"sleep costs {replayed:.3f} ({measured / replayed:.3f}x); per-rank "
+                    f"windows (old measure) {own:.3f} ({own / formula:.3f}x)",
                     flush=True,
                 )
                 rows.append(row)
@@ -180,18 +205,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unit-ms", type=float, default=300.0)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--schedules", nargs="+", default=[s for s, _ in CASES])
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args(argv)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "load_before": os.getloadavg(),
         "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
+        "meshtrain": str(Path(meshtrain.__file__).parent),  # which runtime ran (PYTHONPATH)
         "args": vars(args),
         "bubble": run(args),
         "load_after": os.getloadavg(),
     }
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"pipeline-bubble-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}.json"
+    stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
+    path = RESULTS / f"pipeline-bubble-{stamp}{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
     return 0

@@ -27,10 +27,21 @@ stage crossing, and the header made it two (header, then the activation's receiv
   it costs one gradient buffer alive one compute early.
 
 The header still travels every time: a receiver cannot tell that a shape changed without
-a message, and posted at the start of the step it costs no wait. Posting a receive never
-blocks and the waits happen in the schedule's order, so the schedule's argument that the
-step cannot deadlock (``schedules``) is unchanged. Sends are non-blocking; the step waits
-on them at its end, which also keeps the sent tensors alive until then.
+a message, and posted at the start of the step it costs no wait.
+
+A receive is *waited on* by the compute that consumes it (``activation(stage, mb)``
+before a forward, ``gradient(stage, mb)`` before the backward that needs it), not at its
+place in the action list. The list places a receive before the first compute starting at
+or after the data's simulated arrival, so with a tie (arrival == start, common with equal
+stage costs) it stands before a compute that does not need it, and waiting there couples
+the ranks: any lateness of the sender stalls the receiver (measured: 6-11 ms per such
+wait at 100 ms units, the bulk of interleaved 1F1B's excess bubble at p 2, see
+docs/pipeline.md). The list still gives the order receives are *posted* in, per kind
+(all of a rank's activations come from one peer, all its gradients from the other, sent
+in that order), and a compute only waits for its own input, sent by a compute that
+precedes it in simulated time: the schedule's argument that the step cannot deadlock
+(``schedules``) holds unchanged. Sends are non-blocking; the step waits on them at its
+end, which also keeps the sent tensors alive until then.
 """
 
 from __future__ import annotations
@@ -70,7 +81,8 @@ class StepLinks:
 
     ``outputs``: the runtime's ``{(stage, mb): output}`` (read for the gradient buffers'
     shapes). Call ``post_ahead(i)`` before running the compute action at index ``i``;
-    ``activation(i)`` / ``gradient(i)`` at a receive action return its tensor.
+    ``activation(stage, mb)`` / ``gradient(stage, mb)`` return a received tensor (and
+    wait for it) when the compute that consumes it is about to run.
     """
 
     def __init__(
@@ -93,6 +105,7 @@ class StepLinks:
                 nxt = i
         self.recv_f = [i for i, a in enumerate(actions) if a.kind == RECV_F]
         self.recv_b = [i for i, a in enumerate(actions) if a.kind == RECV_B]
+        self.index = {(a.kind, a.stage, a.mb): i for i, a in enumerate(actions)}
         self.f_next = self.b_next = 0  # the next receive of each list to post
         self.posted: dict[int, tuple[torch.Tensor, list]] = {}  # action index -> (buf, works)
         self.headers: dict[int, tuple[torch.Tensor, list]] = {}
@@ -123,16 +136,21 @@ class StepLinks:
         can arrive while ``i`` runs), as far as their buffers' shapes are known."""
         self._post(self.next_compute[i], block=False)
 
-    def activation(self, i: int) -> torch.Tensor:
-        """The activation of receive action ``i`` (waits for it)."""
+    def activation(self, stage: int, mb: int) -> torch.Tensor:
+        """The input of ``stage`` for micro-batch ``mb`` (waits for it)."""
+        return self._take(self.index[(RECV_F, stage, mb)])
+
+    def gradient(self, stage: int, mb: int) -> torch.Tensor:
+        """The gradient of ``stage``'s output for micro-batch ``mb`` (waits for it)."""
+        return self._take(self.index[(RECV_B, stage, mb)])
+
+    def _take(self, i: int) -> torch.Tensor:
+        # posts (waiting for headers) the receives of the list up to i: in list order per
+        # kind, i.e. the order their one sender sent them in, so no extra wait
         self._post(i + 1, block=True)
         buf, works = self.posted.pop(i)
         _wait(works)
         return buf
-
-    def gradient(self, i: int) -> torch.Tensor:
-        """The gradient of receive action ``i`` (waits for it)."""
-        return self.activation(i)
 
     def _post(self, upto: int, block: bool) -> None:
         # in list order per kind: the order each channel's sender sends in

@@ -8,8 +8,9 @@ channels, and why every receive is posted early: ``p2p``):
 * after the last micro-batch: the mean loss broadcast from the last stage (4 bytes), and
   each tied parameter's gradient all-reduced over the ranks holding it (2 x its bytes).
 
-Receives are waited on in the order of the schedule, which places them in the global
-order of the sends (see ``schedules``), so the step cannot deadlock.
+Receives are posted in the order of the schedule, which places them in the global order
+of the sends (see ``schedules``), and each is waited on by the compute that consumes it
+(``p2p``), so the step cannot deadlock and no compute waits for data it does not need.
 
 Memory: a stage keeps, per alive micro-batch, its input (with ``requires_grad``) and its
 output, i.e. the autograd graph between them; ``schedules`` gives the peak count.
@@ -52,9 +53,11 @@ from meshtrain.parallel.pipeline.schedules import (
 
 # Op costs the receives are placed by (``schedules``: a receive sits before the first
 # compute that starts after the data's simulated arrival). A backward costs about two
-# forwards; placed with unit costs, interleaved 1F1B then blocks on receives it does not
-# need yet: its bubble at p 2, m 4 is 0.200 instead of 0.111 (benchmarks/
-# bench_pipeline_bubble.py; the placement stays deadlock-free whatever the real costs).
+# forwards. The placement decides when a receive is posted, not when it is waited on
+# (the consuming compute waits, ``p2p``): when ranks waited at the list position, unit
+# costs made interleaved 1F1B block on receives it did not need yet (bubble 0.200
+# instead of 0.111 at p 2, m 4, benchmarks/bench_pipeline_bubble.py). The placement stays
+# deadlock-free whatever the real costs.
 RUN_COSTS = {False: {F: 1, B: 2}, True: {F: 1, B: 1, W: 1}}  # key: backward split (ZB-H1)
 
 
@@ -193,6 +196,7 @@ class PipelineRuntime:
             key = (a.stage, a.mb)
             if a.kind in COMPUTE:
                 links.post_ahead(i)
+                self._fetch(a, links, inputs, out_grads, train)
             if self.trace is not None:
                 t0, c0 = time.perf_counter(), time.thread_time()
             if a.kind == F:
@@ -217,14 +221,10 @@ class PipelineRuntime:
                 links.send_activation(outputs[key], a.stage)
                 if not train:
                     del outputs[key]
-            elif a.kind == RECV_F:
-                inputs[key] = links.activation(i).requires_grad_(train)
-            elif a.kind == RECV_B:
-                out_grads[key] = links.gradient(i)
-            elif a.kind == B:
-                self._backward(key, inputs, outputs, out_grads, split=False)
-            elif a.kind == W:
-                self._backward(key, inputs, outputs, out_grads, split=True)
+            elif a.kind in (RECV_F, RECV_B):
+                pass  # posted by post_ahead, waited on by the compute that consumes it
+            elif a.kind in (B, W):
+                self._backward(key, inputs, outputs, out_grads, split=a.kind == W)
             elif a.kind == SEND_B:
                 links.send_gradient(inputs.pop(key).grad, a.stage)
             if self.trace is not None and a.kind in (F, B, W):
@@ -242,6 +242,20 @@ class PipelineRuntime:
         comm.broadcast(loss, src=self._peer(last), group=self.group, label="pp_loss")
         self._midway = False
         return loss
+
+    def _fetch(self, a, links: StepLinks, inputs, out_grads, train: bool) -> None:
+        """Wait for the data compute ``a`` consumes from another rank, if any: a forward's
+        input; a backward's output gradient (B's, except ZB-H1's B on stage 0, a no-op
+        with no input gradient to compute, whose W then needs it)."""
+        key, rank = (a.stage, a.mb), self.group.rank
+        if a.kind == F:
+            if a.stage > 0 and self._peer(a.stage - 1) != rank:
+                inputs[key] = links.activation(*key).requires_grad_(train)
+            return
+        remote = a.stage < self.num_stages - 1 and self._peer(a.stage + 1) != rank
+        zb_first = self.schedule == "zb_h1" and a.stage == 0
+        if remote and key not in out_grads and (a.kind == W or not zb_first):
+            out_grads[key] = links.gradient(*key)
 
     def _backward(self, key, inputs, outputs, out_grads, split: bool) -> None:
         """``B`` (and ``W`` for ZB-H1): ``B`` alone runs the whole backward; under ZB-H1
