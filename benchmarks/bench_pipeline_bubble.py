@@ -80,27 +80,33 @@ class SleepLayer(nn.Module):
         return _Sleep.apply(torch.tanh(x @ weight.T), self.f, self.b)
 
 
+def sleep_pipeline(topo, schedule: str, v: int, unit: float, d: int = 16):
+    """This rank's ``PipelineModule`` of ``p v`` equal sleep stages (each chunk sleeps
+    ``unit / v``) and the ``PipelineRuntime`` that runs ``schedule`` over them."""
+    from meshtrain.parallel.pipeline.runtime import PipelineRuntime
+    from meshtrain.pipe import LayerSpec, PipelineModule
+
+    p, c = topo.pp_size, unit / v
+    pm = PipelineModule(
+        [LayerSpec(SleepLayer, d, c, c, c) for _ in range(p * v)],
+        topology=topo,
+        loss_fn=lambda y, t: (y - t).pow(2).mean(),
+        partition_method="uniform",
+        virtual_stages=v,
+    )
+    return pm, PipelineRuntime(pm.stages, topo.pp_group, p * v, schedule)
+
+
 def _rank(unit: float, ms: tuple[int, ...], steps: int, cases, d: int = 16, rows: int = 4):
     import torch.distributed as dist
 
     from meshtrain.distributed.topology import Topology
-    from meshtrain.parallel.pipeline.runtime import PipelineRuntime
-    from meshtrain.pipe import LayerSpec, PipelineModule
 
     torch.set_num_threads(1)
     topo = Topology(pp=dist.get_world_size())
-    p = topo.pp_size
     out = {}
     for schedule, v in cases:
-        c = unit / v
-        pm = PipelineModule(
-            [LayerSpec(SleepLayer, d, c, c, c) for _ in range(p * v)],
-            topology=topo,
-            loss_fn=lambda y, t: (y - t).pow(2).mean(),
-            partition_method="uniform",
-            virtual_stages=v,
-        )
-        rt = PipelineRuntime(pm.stages, topo.pp_group, p * v, schedule)
+        pm, rt = sleep_pipeline(topo, schedule, v, unit, d)
         g = torch.Generator().manual_seed(0)
         for m in ms:
             batches = [(torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g))] * m

@@ -29,9 +29,9 @@ import torch
 from meshtrain.launch.processes import run_on_ranks
 
 try:  # run as a script from the repository root or as benchmarks.bubble_trace
-    from bench_pipeline_bubble import SleepLayer, step_idle
+    from bench_pipeline_bubble import sleep_pipeline, step_idle
 except ImportError:  # pragma: no cover
-    from benchmarks.bench_pipeline_bubble import SleepLayer, step_idle
+    from benchmarks.bench_pipeline_bubble import sleep_pipeline, step_idle
 
 TIMED = ("post_ahead", "activation", "gradient", "send_activation", "send_gradient")
 
@@ -46,8 +46,6 @@ def _rank(unit: float, schedule: str, v: int, m: int, steps: int):
 
     from meshtrain.distributed.topology import Topology
     from meshtrain.parallel.pipeline import p2p, runtime
-    from meshtrain.parallel.pipeline.runtime import PipelineRuntime
-    from meshtrain.pipe import LayerSpec, PipelineModule
 
     torch.set_num_threads(1)
     events: list[tuple] = []  # (name, start, end, cpu s, run-queue s)
@@ -70,15 +68,7 @@ def _rank(unit: float, schedule: str, v: int, m: int, steps: int):
     p2p.StepLinks.wait_sends = timed(p2p.StepLinks.wait_sends, "wait_sends")
 
     topo = Topology(pp=dist.get_world_size())
-    p, c = topo.pp_size, unit / v
-    pm = PipelineModule(
-        [LayerSpec(SleepLayer, 16, c, c, c) for _ in range(p * v)],
-        topology=topo,
-        loss_fn=lambda y, t: (y - t).pow(2).mean(),
-        partition_method="uniform",
-        virtual_stages=v,
-    )
-    rt = PipelineRuntime(pm.stages, topo.pp_group, p * v, schedule)
+    pm, rt = sleep_pipeline(topo, schedule, v, unit)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g))] * m
     out = []
