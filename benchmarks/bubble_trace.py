@@ -65,7 +65,7 @@ def _rank(unit: float, schedule: str, v: int, m: int, steps: int):
         if hasattr(p2p.StepLinks, name):
             setattr(p2p.StepLinks, name, timed(getattr(p2p.StepLinks, name), name))
     runtime.comm.broadcast = timed(runtime.comm.broadcast, "loss_broadcast")
-    p2p.StepLinks.wait_sends = timed(p2p.StepLinks.wait_sends, "wait_sends")
+    p2p.StepLinks.finish = timed(p2p.StepLinks.finish, "finish")
 
     topo = Topology(pp=dist.get_world_size())
     pm, rt = sleep_pipeline(topo, schedule, v, unit)

@@ -3,8 +3,8 @@
 For every schedule (GPipe, 1F1B, interleaved 1F1B with 2 stages per rank, ZB-H1) at pp 2
 and pp 4, on the reference decoder and tiny ``transformers`` Llama and GPT-2 (tied input
 embedding and LM head, summed over the first and last stage): 10 SGD steps of 4
-micro-batches whose sequence lengths differ (5..12 tokens), with an evaluation at another
-batch size and micro-batch count mixed in after step 4. One process runs the same
+micro-batches whose sequence lengths differ (5..12 tokens; every third step one length for
+all), with an evaluation at another batch size and micro-batch count mixed in after step 4. One process runs the same
 micro-batches with gradient accumulation (loss / m per micro-batch).
 
 Tolerances: losses 1e-6 relative; every parameter's gradient on every rank at steps 1 and
@@ -72,7 +72,11 @@ def batches(kind: str, step: int, m: int = MICRO, rows: int = 2) -> list:
     g = torch.Generator().manual_seed(1000 + step)
     out = []
     for i in range(m):
-        ids = torch.randint(0, 64, (rows, 5 + (3 * i + step) % 8), generator=g)
+        # every third step (and the evaluation, step 99) has one length for all its
+        # micro-batches: receives posted on a guessed shape (``p2p``) are hit, and missed
+        # at the next step's first length change
+        length = 5 + (3 * i + step) % 8 if step % 3 else 5 + step % 8
+        ids = torch.randint(0, 64, (rows, length), generator=g)
         out.append((ids, ids) if kind == "decoder" else {"input_ids": ids, "labels": ids})
     return out
 
@@ -139,8 +143,24 @@ def _pipeline_runs(n_layers: int):
                     grads[step] = {n: t.grad.clone() for n, t in named.items()}
                 opt.step()
             params = {n: t.detach().clone() for n, t in named.items()}
-            out[(kind, name)] = (losses, grads, params)
+            sh = rt.shapes
+            out[(kind, name)] = (losses, grads, params, (sh.hits, sh.misses, sh.dummies))
     return out
+
+
+def _expected_guesses(kind: str) -> tuple[int, int]:
+    """(hits, misses) of one activation channel, from the rule in ``p2p``: a receive is
+    posted on a guess when the channel's last two shapes were equal, and hits when the
+    next one is equal too. Every channel carries every micro-batch's ``(rows, length)``
+    of every call in order (the evaluation before step 5)."""
+    seq = []
+    for step in range(STEPS):
+        if step == 5:
+            seq += [tuple(mb[0].shape) for mb in batches("decoder", 99, m=3, rows=5)]
+        seq += [tuple(mb[0].shape) for mb in batches("decoder", step)]
+    guessed = [k for k in range(2, len(seq)) if seq[k - 1] == seq[k - 2]]
+    hits = sum(seq[k] == seq[k - 1] for k in guessed)
+    return hits, len(guessed) - hits
 
 
 def _normwise(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -154,12 +174,22 @@ def test_pipeline_matches_one_process(pp, n_layers):
 
     refs = {kind: reference(kind, n_layers) for kind in MODELS}
     per_rank = run_ranks(_pipeline_runs, pp, n_layers, timeout=400)
+    hits, misses = _expected_guesses("decoder")
+    assert hits >= 10 and misses >= 3, (hits, misses)  # the data exercises both paths
     for kind in MODELS:
         ref_losses, ref_grads, ref_params = refs[kind]
-        for name, _v in SCHEDULES:
+        for name, v in SCHEDULES:
+            # each of the p * v - 1 stage boundaries is one channel; all count exactly
+            counts = [got[(kind, name)][3] for got in per_rank]
+            channels = pp * v - 1
+            assert [sum(c[i] for c in counts) for i in range(3)] == [
+                channels * hits,
+                channels * misses,
+                channels * misses,
+            ], (kind, name, counts)
             seen = set()
             for rank, got in enumerate(per_rank):
-                losses, grads, params = got[(kind, name)]
+                losses, grads, params, _ = got[(kind, name)]
                 for a, b in zip(losses, ref_losses, strict=True):
                     assert abs(a - b) <= 1e-6 * abs(b), (kind, name, rank, losses, ref_losses)
                 for step, g in grads.items():

@@ -26,8 +26,25 @@ stage crossing, and the header made it two (header, then the activation's receiv
   action list starts (its buffer is the output's shape, known once the forward ran), so
   it costs one gradient buffer alive one compute early.
 
-The header still travels every time: a receiver cannot tell that a shape changed without
-a message, and posted at the start of the step it costs no wait.
+Speculative activation receives: the header is only known when it arrives, so an
+activation's receive posted on its header leaves two one-way trips on the path (the
+receive's "ready" notice to the sender, then the data), where a receive posted before the
+send leaves one (gloo moves a message once both ends are posted). So when a channel's last
+two messages had the same shape and dtype, the receiver posts the next activation's
+receive at once with that shape (at step start for a step's first micro-batch, else as
+soon as the previous header is read), before its header comes. Both ends know the rule:
+``ShapeMemory`` holds the last two shapes of every channel on both, updated per message
+in the one order both follow. The header still travels every time and decides:
+
+* it matches the speculation: that receive is the activation's (the common case, every
+  micro-batch the same shape);
+* it does not: the sender, knowing the receiver speculated, first sends a dummy of the
+  speculated shape, which that receive takes (its buffer is dropped), and the activation
+  goes to a receive posted on the header, as without speculation.
+
+So a shape change after a run of equal shapes costs one dummy message, shapes that vary
+every micro-batch never speculate (no two in a row are equal) and cost what they did, and
+nothing is cached wrongly: every buffer is checked against its header.
 
 A receive is *waited on* by the compute that consumes it (``activation(stage, mb)``
 before a forward, ``gradient(stage, mb)`` before the backward that needs it), not at its
@@ -76,13 +93,41 @@ def _tag(stage: int, kind: int) -> int:
     return 3 * stage + kind
 
 
+def _shape_of(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    ndim = int(header[0])
+    return tuple(header[2 : 2 + ndim].tolist()), _DTYPES[int(header[1])]
+
+
+class ShapeMemory:
+    """The last two ``(shape, dtype)`` sent over each activation channel (keyed by the
+    receiving stage), kept alike on its sender and its receiver: both record every
+    message in channel order, so both know whether the receiver speculated."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple] = {}
+        # this rank's receives posted on a guess that its header confirmed / refuted, and
+        # the dummies it sent for a guess it refuted (what the tests count exactly)
+        self.hits = self.misses = self.dummies = 0
+
+    def expected(self, stage: int) -> tuple | None:
+        """The shape the receiver of ``stage``'s channel posts its next receive with before
+        the header comes, or None (the last two messages differed, or fewer than two)."""
+        prev, last = self._last.get(stage, (None, None))
+        return last if last is not None and prev == last else None
+
+    def record(self, stage: int, shape: tuple) -> None:
+        self._last[stage] = (self._last.get(stage, (None, None))[1], shape)
+
+
 class StepLinks:
     """The sends and receives of one rank's action list for one step.
 
     ``outputs``: the runtime's ``{(stage, mb): output}`` (read for the gradient buffers'
-    shapes). Call ``post_ahead(i)`` before running the compute action at index ``i``;
+    shapes); ``shapes``: the runtime's ``ShapeMemory``, which outlives the step. Call
+    ``post_ahead(i)`` before running the compute action at index ``i``;
     ``activation(stage, mb)`` / ``gradient(stage, mb)`` return a received tensor (and
-    wait for it) when the compute that consumes it is about to run.
+    wait for it) when the compute that consumes it is about to run; ``finish()`` at the
+    end of the step.
     """
 
     def __init__(
@@ -91,8 +136,10 @@ class StepLinks:
         actions: Sequence[Action],
         outputs: dict,
         device: torch.device,
+        shapes: ShapeMemory,
     ) -> None:
         self.group, self.p, self.device, self.outputs = group, group.size, device, outputs
+        self.shapes = shapes
         self.actions = actions
         self.sends: list = []
         n = len(actions)
@@ -109,15 +156,31 @@ class StepLinks:
         self.f_next = self.b_next = 0  # the next receive of each list to post
         self.posted: dict[int, tuple[torch.Tensor, list]] = {}  # action index -> (buf, works)
         self.headers: dict[int, tuple[torch.Tensor, list]] = {}
+        self.guessed: dict[int, tuple[torch.Tensor, list]] = {}  # speculative receives
+        self.dummies: list[tuple[torch.Tensor, list]] = []  # guesses a dummy will fill
+        self.next_on_channel: dict[int, int] = {}  # RECV_F index -> the channel's next one
+        first: dict[int, int] = {}
         for i in self.recv_f:
             a = actions[i]
             h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
             self.headers[i] = (h, self._irecv(h, a.stage - 1, _tag(a.stage, HEADER)))
+            if a.stage in first:
+                self.next_on_channel[first[a.stage]] = i
+            else:
+                self._guess(i)
+            first[a.stage] = i
 
     # ---- sends -------------------------------------------------------------------------
     def send_activation(self, t: torch.Tensor, stage: int) -> None:
-        """``t``, the output of ``stage``, to ``stage + 1`` (header and data)."""
+        """``t``, the output of ``stage``, to ``stage + 1`` (header and data; first a dummy
+        when the receiver guessed another shape)."""
         t = t.detach().contiguous()
+        shape, guess = (tuple(t.shape), t.dtype), self.shapes.expected(stage + 1)
+        if guess is not None and guess != shape:
+            dummy = torch.empty(guess[0], dtype=guess[1], device=self.device)
+            self._isend(dummy, stage + 1, _tag(stage + 1, ACTIVATION))
+            self.shapes.dummies += 1
+        self.shapes.record(stage + 1, shape)
         self._isend(header_of(t), stage + 1, _tag(stage + 1, HEADER))
         self._isend(t, stage + 1, _tag(stage + 1, ACTIVATION))
 
@@ -125,10 +188,13 @@ class StepLinks:
         """``t``, the gradient of ``stage``'s input, to ``stage - 1``."""
         self._isend(t.detach().contiguous(), stage - 1, _tag(stage - 1, GRADIENT))
 
-    def wait_sends(self) -> None:
-        for w in self.sends:
-            w.wait()
-        self.sends = []
+    def finish(self) -> None:
+        """Wait for the step's sends (keeping their tensors alive until then) and for the
+        dummies that filled wrong guesses (gloo writes into those buffers)."""
+        for _, works in self.dummies:
+            _wait(works)
+        _wait(self.sends)
+        self.sends, self.dummies = [], []
 
     # ---- receives ----------------------------------------------------------------------
     def post_ahead(self, i: int) -> None:
@@ -161,10 +227,22 @@ class StepLinks:
                 break
             _wait(works)
             del self.headers[i]
-            ndim, dtype = int(h[0]), _DTYPES[int(h[1])]
-            buf = torch.empty(h[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
             a = self.actions[i]
-            self.posted[i] = (buf, self._irecv(buf, a.stage - 1, _tag(a.stage, ACTIVATION)))
+            shape = _shape_of(h)
+            guessed = self.guessed.pop(i, None)
+            if guessed is not None and (tuple(guessed[0].shape), guessed[0].dtype) == shape:
+                self.posted[i] = guessed
+                self.shapes.hits += 1
+            else:
+                if guessed is not None:  # the sender sends a dummy for it first
+                    self.dummies.append(guessed)
+                    self.shapes.misses += 1
+                buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
+                tag = _tag(a.stage, ACTIVATION)
+                self.posted[i] = (buf, self._irecv(buf, a.stage - 1, tag))
+            self.shapes.record(a.stage, shape)
+            if i in self.next_on_channel:
+                self._guess(self.next_on_channel[i])
             self.f_next += 1
         while self.b_next < len(self.recv_b) and self.recv_b[self.b_next] < upto:
             i = self.recv_b[self.b_next]
@@ -175,6 +253,15 @@ class StepLinks:
             buf = torch.empty_like(out, memory_format=torch.contiguous_format)
             self.posted[i] = (buf, self._irecv(buf, a.stage + 1, _tag(a.stage, GRADIENT)))
             self.b_next += 1
+
+    def _guess(self, i: int) -> None:
+        """Post the activation receive of RECV_F action ``i`` before its header, with the
+        shape its channel's sender will have sent twice in a row (if it has)."""
+        stage = self.actions[i].stage
+        guess = self.shapes.expected(stage)
+        if guess is not None:
+            buf = torch.empty(guess[0], dtype=guess[1], device=self.device)
+            self.guessed[i] = (buf, self._irecv(buf, stage - 1, _tag(stage, ACTIVATION)))
 
     def _peer(self, stage: int) -> int:
         return stage % self.p

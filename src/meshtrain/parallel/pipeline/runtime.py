@@ -38,7 +38,7 @@ from torch import nn
 from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.parallel.pipeline import zero_bubble
-from meshtrain.parallel.pipeline.p2p import StepLinks
+from meshtrain.parallel.pipeline.p2p import ShapeMemory, StepLinks
 from meshtrain.parallel.pipeline.schedules import (
     COMPUTE,
     RECV_B,
@@ -95,6 +95,8 @@ class PipelineRuntime:
         self._after_backward: Callable[[list[nn.Parameter]], None] | None = None
         self._midway = False  # a step raised before its end (its receives stay posted)
         self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # ZB-H1: B -> W
+        # activation shapes per channel across steps, and the guessed receives (``p2p``)
+        self.shapes = ShapeMemory()
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
         # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
         self.trace: list | None = None
@@ -191,7 +193,7 @@ class PipelineRuntime:
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output / loss
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # grad of the stage's output
         losses: dict[int, torch.Tensor] = {}  # mb -> its loss (last stage)
-        links = StepLinks(self.group, actions, outputs, self.device)
+        links = StepLinks(self.group, actions, outputs, self.device, self.shapes)
         for i, a in enumerate(actions):
             key = (a.stage, a.mb)
             if a.kind in COMPUTE:
@@ -230,7 +232,7 @@ class PipelineRuntime:
             if self.trace is not None and a.kind in (F, B, W):
                 cpu = time.thread_time() - c0
                 self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
-        links.wait_sends()
+        links.finish()
         if kept is not None:
             self._midway = False
             return torch.zeros(())
