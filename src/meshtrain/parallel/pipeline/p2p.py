@@ -83,10 +83,8 @@ def header_of(t: torch.Tensor) -> torch.Tensor:
             f"a pipeline stage output of shape {tuple(t.shape)} and dtype {t.dtype} cannot be "
             f"sent: stages must return one tensor of at most {_MAX_DIMS} dims in {_DTYPES}"
         )
-    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
-    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return h
+    pad = [0] * (_MAX_DIMS - t.dim())
+    return torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape, *pad], dtype=torch.int64)
 
 
 def _tag(stage: int, kind: int) -> int:
