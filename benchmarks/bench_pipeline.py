@@ -5,7 +5,8 @@ Two parts, each rank a real process on gloo with one thread (``run_on_ranks``):
 1. **Bubble.** A model of equal-cost stages (``PipelineModule`` of ``Linear(D, D) + tanh``
    layers, the same count per stage) runs GPipe and 1F1B at pp 2 for several micro-batch
    counts. Each rank records the wall time of its compute actions (``runtime.trace``);
-   idle = 1 - busy / step wall time, median over steps, mean over ranks. Printed beside
+   idle = 1 - busy summed over the ranks / (p x the step's makespan, first rank's start
+   to last rank's end), median over steps (``bench_pipeline_bubble.step_idle``). Printed beside
    ``(p - 1) / (m + p - 1)``; communication counts as idle, so measured >= formula. On a
    shared machine other jobs stretch single ops unevenly, so the schedule is also replayed
    with each op's median *CPU* time (``thread_time``) as its cost.
@@ -41,6 +42,11 @@ from torch import nn
 
 from meshtrain.launch.processes import run_on_ranks
 from meshtrain.parallel.pipeline.schedules import build_schedule
+
+try:  # run as a script from the repository root or as benchmarks.bench_pipeline
+    from bench_pipeline_bubble import step_idle
+except ImportError:  # pragma: no cover
+    from benchmarks.bench_pipeline_bubble import step_idle
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -81,21 +87,21 @@ def _bubble_rank(schedule: str, m: int, steps: int, d: int, rows: int, per_stage
     rt = PipelineRuntime(pm.stages, topo.pp_group, p, schedule)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g))] * m
-    idle, cpu = [], {"F": [], "B": []}
+    windows, cpu = [], {"F": [], "B": []}  # per timed step: (start, end, busy) seconds
     for step in range(steps + 2):
         dist.barrier()
         rt.trace = []
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # system-wide monotonic clock: the ranks' times compare
         rt.train_step(batches)
-        wall = time.perf_counter() - t0
+        t1 = time.perf_counter()
         busy = sum(e - s for _k, _st, _mb, s, e, _c in rt.trace)
         if step >= 2:
-            idle.append(1 - busy / wall)
+            windows.append((t0, t1, busy))
             for kind, _st, _mb, _s, _e, c in rt.trace:
                 cpu[kind].append(c)
         for prm in pm.parameters():
             prm.grad = None
-    return statistics.median(idle), {k: statistics.median(v) for k, v in cpu.items()}
+    return windows, {k: statistics.median(v) for k, v in cpu.items()}
 
 
 def bubble(args) -> list[dict]:
@@ -105,7 +111,7 @@ def bubble(args) -> list[dict]:
             per_rank = run_on_ranks(
                 _bubble_rank, args.pp, (schedule, m, args.steps, 512, 64, 4), timeout=600
             )
-            measured = sum(r[0] for r in per_rank) / len(per_rank)
+            measured, _ = step_idle([r[0] for r in per_rank])
             formula = (args.pp - 1) / (m + args.pp - 1)
             # the schedule replayed with each op's measured CPU time (immune to other
             # jobs taking the cores; communication excluded)

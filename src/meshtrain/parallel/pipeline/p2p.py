@@ -20,30 +20,30 @@ receive posted when the rank reaches it puts a round trip on the critical path o
 stage crossing, and the header made it two (header, then the activation's receive). Here:
 
 * every header receive of the step is posted when the step starts (80 bytes each);
-* an activation's receive is posted as soon as its header is in (checked between
-  computes), so the data flows while the rank computes;
+* an activation's receive is posted before its header comes when its shape can be
+  guessed (below), else as soon as its header is in (checked between computes), so the
+  data flows while the rank computes;
 * a gradient's receive is posted one compute ahead: when the compute before it in the
   action list starts (its buffer is the output's shape, known once the forward ran), so
   it costs one gradient buffer alive one compute early.
 
-Speculative activation receives: the header is only known when it arrives, so an
-activation's receive posted on its header leaves two one-way trips on the path (the
-receive's "ready" notice to the sender, then the data), where a receive posted before the
-send leaves one (gloo moves a message once both ends are posted). So when a channel's last
-two messages had the same shape and dtype, the receiver posts the next activation's
-receive at once with that shape (at step start for a step's first micro-batch, else as
-soon as the previous header is read), before its header comes. Both ends know the rule:
-``ShapeMemory`` holds the last two shapes of every channel on both, updated per message
-in the one order both follow. The header still travels every time and decides:
+Guessed activation receives: a receive posted on its header leaves two more one-way
+trips on the path (the receive's "ready" notice to the sender, then the data) than one
+posted before the send. So when a channel's last two activations had the same shape and
+dtype, the receiver posts the next one's receive with that shape at once (at step start
+for a step's first micro-batch, else as soon as the previous header is read). Both ends
+know the rule: ``ShapeMemory`` holds the last two shapes of every channel on each, updated
+per message in the one order both follow. The header still travels every time and
+decides:
 
-* it matches the speculation: that receive is the activation's (the common case, every
+* it matches the guess: the guessed receive is the activation's (the common case, every
   micro-batch the same shape);
-* it does not: the sender, knowing the receiver speculated, first sends a dummy of the
-  speculated shape, which that receive takes (its buffer is dropped), and the activation
-  goes to a receive posted on the header, as without speculation.
+* it does not: the sender, knowing the receiver guessed, first sends a dummy of the
+  guessed shape, which fills the guessed receive (its buffer is dropped), and the
+  activation goes to a receive posted on the header, as without a guess.
 
 So a shape change after a run of equal shapes costs one dummy message, shapes that vary
-every micro-batch never speculate (no two in a row are equal) and cost what they did, and
+every micro-batch never guess (no two in a row are equal) and cost what they did, and
 nothing is cached wrongly: every buffer is checked against its header.
 
 A receive is *waited on* by the compute that consumes it (``activation(stage, mb)``
@@ -99,7 +99,7 @@ def _shape_of(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 class ShapeMemory:
     """The last two ``(shape, dtype)`` sent over each activation channel (keyed by the
     receiving stage), kept alike on its sender and its receiver: both record every
-    message in channel order, so both know whether the receiver speculated."""
+    message in channel order, so both know whether the receiver guessed."""
 
     def __init__(self) -> None:
         self._last: dict[int, tuple] = {}
@@ -107,7 +107,7 @@ class ShapeMemory:
         # the dummies it sent for a guess it refuted (what the tests count exactly)
         self.hits = self.misses = self.dummies = 0
 
-    def expected(self, stage: int) -> tuple | None:
+    def guess(self, stage: int) -> tuple | None:
         """The shape the receiver of ``stage``'s channel posts its next receive with before
         the header comes, or None (the last two messages differed, or fewer than two)."""
         prev, last = self._last.get(stage, (None, None))
@@ -154,7 +154,7 @@ class StepLinks:
         self.f_next = self.b_next = 0  # the next receive of each list to post
         self.posted: dict[int, tuple[torch.Tensor, list]] = {}  # action index -> (buf, works)
         self.headers: dict[int, tuple[torch.Tensor, list]] = {}
-        self.guessed: dict[int, tuple[torch.Tensor, list]] = {}  # speculative receives
+        self.guessed: dict[int, tuple[torch.Tensor, list]] = {}  # receives posted on a guess
         self.dummies: list[tuple[torch.Tensor, list]] = []  # guesses a dummy will fill
         self.next_on_channel: dict[int, int] = {}  # RECV_F index -> the channel's next one
         first: dict[int, int] = {}
@@ -173,7 +173,7 @@ class StepLinks:
         """``t``, the output of ``stage``, to ``stage + 1`` (header and data; first a dummy
         when the receiver guessed another shape)."""
         t = t.detach().contiguous()
-        shape, guess = (tuple(t.shape), t.dtype), self.shapes.expected(stage + 1)
+        shape, guess = (tuple(t.shape), t.dtype), self.shapes.guess(stage + 1)
         if guess is not None and guess != shape:
             dummy = torch.empty(guess[0], dtype=guess[1], device=self.device)
             self._isend(dummy, stage + 1, _tag(stage + 1, ACTIVATION))
@@ -256,7 +256,7 @@ class StepLinks:
         """Post the activation receive of RECV_F action ``i`` before its header, with the
         shape its channel's sender will have sent twice in a row (if it has)."""
         stage = self.actions[i].stage
-        guess = self.shapes.expected(stage)
+        guess = self.shapes.guess(stage)
         if guess is not None:
             buf = torch.empty(guess[0], dtype=guess[1], device=self.device)
             self.guessed[i] = (buf, self._irecv(buf, stage - 1, _tag(stage, ACTIVATION)))
