@@ -20,12 +20,17 @@ reference proves the norm is global over stages and tp):
 * GPT-2 with sequence parallelism under the pipeline: refused with a ConfigError (GPT2Model
   reshapes to the full length after ``ln_f``, which stages before the last skip).
 
-Tolerances (fp32), against the same engine in one process: losses and global gradient
-norms within 1e-6 relative per step, every parameter (tp shards gathered to the full
-tensor) within 1e-6 normwise after the last step. The arithmetic is the one-process
-arithmetic summed in another order (tp partial sums in the row layers and the
-vocab-parallel loss, the norm weights' gradients summed over the tp ranks' tokens), a few
-ulps (~1e-7) per step, which 3 SGD steps do not amplify.
+Tolerances (fp32), against the same engine in one process: losses within 1e-6 relative
+per step, every parameter (tp shards gathered to the full tensor) within 1e-6 normwise
+after the last step. The arithmetic is the one-process arithmetic summed in another order
+(tp partial sums in the row layers and the vocab-parallel loss, the norm weights'
+gradients summed over the tp ranks' tokens), a few ulps (~1e-7) per step, which 3 SGD
+steps do not amplify (measured: losses 1.1e-7). The global gradient norm of every
+sequence-parallel run is held within 1e-6 relative of the pp 2 x tp 2 run without
+sequence parallelism, and every run's within 5e-6 of one process: for this 4-block model
+every tp 2 layout, pp 1 x tp 2 without a pipeline or sequence parallelism included,
+reports a norm 1.7-1.8e-6 above one process's (pp 2 x tp 1: 0.8-1.1e-6), so that part is
+the tensor-parallel norm's own summation, not what this file tests.
 
 Bytes, exact (``CommStats``, op label ``pp_p2p``, per rank and step): each rank of a
 pp 2 pipeline moves, per micro-batch ``i`` of ``b x t_i`` tokens, the activation one way
@@ -41,7 +46,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_pipeline_3d import _check, _data
+from tests.distributed.test_pipeline_3d import _data
 from tests.distributed.test_pipeline_combos import _full_params
 from tests.harness import run_ranks
 
@@ -146,11 +151,21 @@ def test_llama_sequence_parallel_under_pipeline(ref):
     per_rank = run_ranks(_four_ranks, 4, timeout=300)
     runs = [r for r, _, _ in per_rank]
     keys = ("sp_1f1b", "sp_interleaved", "sp_zb_h1", "no_sp_1f1b")
-    _check(
-        [{k: r[k][:3] for k in keys} for r in runs],
-        {"llama": ref[:3]},
-        dict.fromkeys(keys, "llama"),
-    )
+    ref_losses, ref_norms, ref_params, _ = ref
+    assert all(n > CLIP for n in ref_norms)  # clipping acts on every step
+    for r in runs:
+        for key in keys:
+            losses, norms, params, _ = r[key]
+            for a, b in zip(losses, ref_losses, strict=True):
+                assert abs(a - b) <= 1e-6 * abs(b), (key, losses, ref_losses)
+            for a, b in zip(norms, r["no_sp_1f1b"][1], strict=True):
+                assert abs(a - b) <= 1e-6 * b, (key, norms, r["no_sp_1f1b"][1])
+            for a, b in zip(norms, ref_norms, strict=True):
+                assert abs(a - b) <= 5e-6 * b, (key, norms, ref_norms)
+            for n, p in params.items():
+                err = ((p - ref_params[n]).norm() / ref_params[n].norm()).item()
+                assert err <= 1e-6, (key, n, err)
+    assert set().union(*(r["sp_1f1b"][2] for r in runs)) == set(ref_params)
     t = 2
     for r in runs:
         sp, inter, full = r["sp_1f1b"][3], r["sp_interleaved"][3], r["no_sp_1f1b"][3]
