@@ -75,7 +75,7 @@ def parallelize(
     if topology.pp_size > 1:  # what a pipeline cannot combine with, before anything changes
         from meshtrain.parallel.pipeline.engine_step import check_pipeline
 
-        check_pipeline(model, topology, config, tp_plan)
+        check_pipeline(model, topology, config)
     # 1. tensor parallelism: changes the parameters themselves, so it comes first
     if config.mesh.tensor_parallel_size not in (1, topology.tp_size):
         raise ConfigError(

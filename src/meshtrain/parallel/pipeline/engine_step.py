@@ -17,7 +17,11 @@ the stage's buckets into the gradient shard and drops ``.grad`` (``m`` reduce-sc
 step instead of one, as ZeRO 2 does with gradient accumulation; with ``v`` chunks per rank
 each chunk's backward reduces the rank's whole flat group, so ``v m``). ZeRO 3 is refused
 (``check_pipeline``). Tensor parallelism runs inside each stage (``parallelize``'s step 1
-shards before step 2 cuts; the vocab-parallel loss runs on the last stage).
+shards before step 2 cuts; the vocab-parallel loss runs on the last stage). With sequence
+parallelism the activation crossing a stage boundary is each tp rank's ``1/T`` sequence
+shard, ``b x t/T x d`` instead of ``b x t x d`` each way (``SplitStage.forward`` runs a
+later stage's blocks on it); every micro-batch's length must divide by ``T``, checked on
+every rank before the schedule starts (``check_sequence_lengths``).
 With dp > 1 each replica pulls its own micro-batches (the data loader deals them by dp
 rank; the stages of one replica must see the same batches) and the returned loss is
 the mean over replicas.
@@ -34,12 +38,13 @@ import torch
 from torch import nn
 
 from meshtrain.distributed import comm
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, TopologyError
 from meshtrain.parallel.pipeline.grads import global_grad_norm, sum_tied_shards
 from meshtrain.parallel.pipeline.runtime import PipelineRuntime
 
 __all__ = [
     "check_pipeline",
+    "check_sequence_lengths",
     "eval_batch",
     "global_grad_norm",
     "run_window",
@@ -64,11 +69,12 @@ class PipelineStages(nn.Module):
         )
 
 
-def check_pipeline(model: nn.Module, topology, config, tp_plan=None) -> None:
+def check_pipeline(model: nn.Module, topology, config) -> None:
     """What pipeline parallelism does not combine with, refused before ``parallelize``
     changes anything: ZeRO stage 3, a ``PipelineModule`` under tensor parallelism, and
-    sequence parallelism for plans that scatter the sequence inside the model (Llama)."""
+    sequence parallelism for a model whose layout cannot send sequence shards (GPT-2)."""
     from meshtrain.parallel.pipeline.module import PipelineModule
+    from meshtrain.parallel.pipeline.split import find_layout
 
     if int(config.zero_optimization.stage) >= 3:
         raise ConfigError(
@@ -84,18 +90,15 @@ def check_pipeline(model: nn.Module, topology, config, tp_plan=None) -> None:
             "PipelineModule is not implemented (its layers have no tensor-parallel plan); "
             "split a model with a built-in plan automatically, or set tensor_parallel_size 1"
         )
-    if getattr(config.tensor_parallel, "sequence_parallel", False):
-        from meshtrain.parallel.tensor.plans import TPPlan, plan_for
-
-        section = config.tensor_parallel.plan
-        plan = tp_plan or (TPPlan.from_dict(section) if section else plan_for(model))
-        if plan is not None and any(row[1] == "scatter_sequence" for row in plan.rows):
-            raise ConfigError(
-                f"tensor_parallel.sequence_parallel with mesh.pipeline_parallel_size > 1 is "
-                f"not implemented for the {plan.name!r} plan (it scatters the sequence after "
-                "the first block, which later stages do not run); set sequence_parallel to "
-                "false (the meshtrain decoder supports it)"
-            )
+    if config.tensor_parallel.sequence_parallel and not find_layout(model).sequence_shards:
+        raise ConfigError(
+            f"tensor_parallel.sequence_parallel with mesh.pipeline_parallel_size > 1 is not "
+            f"implemented for {type(model).__name__}: its forward reshapes the hidden states "
+            "to the full sequence length after the final norm, which a stage before the last "
+            "does not gather, so the sequence shard it sends would be misshaped; set "
+            "tensor_parallel.sequence_parallel to false (Llama, Qwen2, Mistral, BERT and the "
+            "meshtrain decoder support it under a pipeline)"
+        )
 
 
 def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages, PipelineRuntime]:
@@ -114,7 +117,12 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
             )
         stages, tied = model.stages, model.tied
     else:
-        every = split_model(model, p * v, method=pc.partition_method, cut_points=pc.cut_points)
+        # under sequence parallelism a stage's activation may be its tp rank's 1/T
+        # sequence shard (Megatron's): ``SplitStage.forward`` runs later stages on it
+        sp = topology.tp_size > 1 and bool(config.tensor_parallel.sequence_parallel)
+        every = split_model(
+            model, p * v, method=pc.partition_method, cut_points=pc.cut_points, sequence_parallel=sp
+        )
         stages = {k: s for k, s in enumerate(every) if k % p == topology.pp_rank}
         tied = tied_groups(every, topology)
         free_unused(model, list(stages.values()))  # other ranks' blocks: storage released
@@ -184,6 +192,7 @@ def run_window(engine, batches: list, weights: list[float] | None = None) -> tor
     ``engine.step()``; returns this replica's loss on every pp rank: the mean over the
     micro-batches, or ``sum_i weights[i] * loss_i`` (``PipelineRuntime.train_step``)."""
     pipe: PipelineRuntime = engine.pipeline
+    check_sequence_lengths(engine, batches)
     for b in batches:  # samples/s and tokens/s of the step log
         args, kwargs = ((), b) if isinstance(b, dict) else (tuple(b), {})
         engine.log.count_batch(args, kwargs)
@@ -205,6 +214,24 @@ def run_window(engine, batches: list, weights: list[float] | None = None) -> tor
     return loss
 
 
+def check_sequence_lengths(engine, batches: list) -> None:
+    """Under sequence parallelism every micro-batch's sequence length must split over the
+    tp ranks. Checked on every rank before the schedule posts a receive: otherwise only
+    the first stage's scatter raises, and the next stages wait on sends that never come."""
+    t = engine.topology.tp_size
+    if t == 1 or not engine.config.tensor_parallel.sequence_parallel:
+        return
+    for i, b in enumerate(batches):
+        ids = b.get("input_ids") if isinstance(b, dict) else b[0]
+        if isinstance(ids, torch.Tensor) and ids.dim() > 1 and ids.shape[1] % t:
+            raise TopologyError(
+                f"micro-batch {i} of this step has sequence length {ids.shape[1]}: with "
+                f"tensor_parallel.sequence_parallel the sequence length must be a multiple of "
+                f"tensor_parallel_size {t}; pad every batch to a multiple of {t} (e.g. a "
+                f"collator's pad_to_multiple_of={t})"
+            )
+
+
 def _dp_mean(engine, loss: torch.Tensor) -> torch.Tensor:
     """The loss averaged over data-parallel replicas (each ran its own micro-batches)."""
     dp = engine.topology.dp_group
@@ -222,6 +249,7 @@ def eval_batch(engine, data_iter: Iterator | None = None, num_micro_batches: int
     batches = _pull(engine, data_iter, num_micro_batches or engine.gas)
     pipe: PipelineRuntime | None = engine.pipeline
     if pipe is not None:
+        check_sequence_lengths(engine, batches)
         return _dp_mean(engine, pipe.eval_step(batches))
     was = engine.module.training
     engine.module.eval()

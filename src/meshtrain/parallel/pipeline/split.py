@@ -10,10 +10,13 @@ Stage ``k`` of ``S`` runs the model's own ``forward`` on a shallow copy of the m
 in which (1) the block list holds only blocks ``[a_k, b_k)``, (2) on stages after the
 first the embedding returns the activation received from stage ``k - 1`` (the dummy
 ``input_ids`` it is called with only carry the shape) and position embeddings add
-nothing, (3) on stages before the last the head modules are the identity, so the
-"logits" the model returns are the hidden states to send on. Blocks, embeddings and head
-are the user's own modules: nothing is copied, parameter names stay the model's names.
-Parameters of blocks on other ranks can be freed (``free_unused``).
+nothing; under sequence parallelism a received ``1/T`` sequence shard goes to the stage's
+first block instead, the embedding's stand-in returning a full-length placeholder so
+that positions, rotary tables and masks follow the whole sequence, (3) on stages before
+the last the head modules are the identity, so the "logits" the model returns are the
+hidden states to send on. Blocks, embeddings and head are the user's own modules:
+nothing is copied, parameter names stay the model's names. Parameters of blocks on other
+ranks can be freed (``free_unused``).
 
 Balancing (contiguous cuts, each stage at least one block): ``"parameters"`` minimises
 the largest stage's parameter count (embedding counted on the first stage, head on the
@@ -45,12 +48,17 @@ class Layout:
     the backbone that stages before the last call instead of the whole model (its first
     output is the hidden states): a task head may do more than its modules, e.g. a
     sequence classifier pools the last non-padding token after ``score``.
+    ``sequence_shards``: whether a stage before the last may return a sequence shard under
+    sequence parallelism; False where the model's forward reshapes its output to the full
+    length after the final norm (GPT2Model's ``view(-1, t, d)``, which would fold a
+    ``[b, t/T, d]`` shard into ``b/T`` rows on a stage whose final norm is the identity).
     """
 
     blocks: str
     first: dict[str, str] = field(default_factory=dict)
     last: tuple[str, ...] = ()
     body: str | None = None
+    sequence_shards: bool = True
 
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -66,6 +74,7 @@ LAYOUTS: tuple[Layout, ...] = (
         {"transformer.wte": "input", "transformer.wpe": "zero", "transformer.drop": "identity"},
         ("transformer.ln_f", "lm_head", "score"),
         body="transformer",
+        sequence_shards=False,
     ),
     Layout(
         "bert.encoder.layer",
@@ -181,12 +190,37 @@ def _rewire(root: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
     return new_root
 
 
-class SplitStage(nn.Module):
-    """Stage ``index`` of ``num_stages``: calls the model's forward on its rewired copy."""
+def _replace_first_input(x: torch.Tensor):
+    """A forward pre-hook (``with_kwargs``) putting ``x`` in place of a block's first input
+    (positional, or ``hidden_states=``), as the tensor-parallel plans' hooks do."""
 
-    def __init__(self, model: nn.Module, layout: Layout, index: int, num_stages: int, blocks):
+    def pre(_mod, args, kwargs):
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    return pre
+
+
+class SplitStage(nn.Module):
+    """Stage ``index`` of ``num_stages``: calls the model's forward on its rewired copy.
+
+    ``sequence_parallel``: the tensor-parallel plan scatters the sequence (Megatron's
+    sequence parallelism), so a later stage may receive this tp rank's ``1/T`` sequence
+    shard ``[b, t/T, d]`` instead of ``[b, t, d]`` (see ``forward``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout,
+        index: int,
+        num_stages: int,
+        blocks,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.index, self.num_stages = index, num_stages
+        self.sequence_parallel = sequence_parallel
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         # the last stage returns the model's whole outputs (loss, logits, ...) instead of
         # its loss: ``PipelineRuntime.eval_outputs`` sets it around an evaluation
@@ -233,6 +267,7 @@ class SplitStage(nn.Module):
         else:
             ids, labels, kwargs = batch[0], (batch[1] if len(batch) > 1 else None), {}
             args = ()
+        swap = None
         if not self.is_first:
             self._input.value = x
             # the batch's own ids, not x's shape: under sequence parallelism x holds 1/T
@@ -240,6 +275,15 @@ class SplitStage(nn.Module):
             # length; and a sequence classifier's head finds each row's last non-padding
             # token in them. The embedding's stand-in ignores them.
             ids = ids.to(x.device)
+            if self.sequence_parallel and x.dim() > 2 and x.shape[1] != ids.shape[1]:
+                # x is a sequence shard, but a transformers model derives its position
+                # ids, rotary tables and masks from its embedding's output length: the
+                # stand-in returns a full-length zero-stride placeholder (no storage), and
+                # the stage's first block takes x in its place (a hook outside any
+                # activation checkpoint, so a recomputation sees x too)
+                self._input.value = x.new_zeros(()).expand(*ids.shape[:2], *x.shape[2:])
+                first = _get(self.model, self.blocks_path)[0]
+                swap = first.register_forward_pre_hook(_replace_first_input(x), with_kwargs=True)
         if self.is_last and labels is not None:
             kwargs["labels"] = labels
         try:
@@ -247,6 +291,8 @@ class SplitStage(nn.Module):
             out = (runner or self.model)(*args, input_ids=ids, **kwargs)
         finally:
             self._input.value = None
+            if swap is not None:
+                swap.remove()
         if isinstance(out, torch.Tensor) or (self.is_last and self.whole_outputs):
             return out
         key = "loss" if self.is_last and labels is not None else "logits"
@@ -260,8 +306,10 @@ def split_model(
     method: str = "parameters",
     cut_points: Sequence[int] | None = None,
     layout: Layout | None = None,
+    sequence_parallel: bool = False,
 ) -> list[SplitStage]:
-    """All ``num_stages`` stages of ``model`` (cheap: modules are shared, not copied)."""
+    """All ``num_stages`` stages of ``model`` (cheap: modules are shared, not copied);
+    ``sequence_parallel``: the model's tensor-parallel plan scatters the sequence."""
     layout = layout or find_layout(model)
     blocks = _get(model, layout.blocks)
     if not isinstance(blocks, nn.ModuleList):
@@ -288,7 +336,7 @@ def split_model(
             "'parameters', 'uniform' or give cut_points"
         )
     return [
-        SplitStage(model, layout, k, num_stages, range(bounds[k], bounds[k + 1]))
+        SplitStage(model, layout, k, num_stages, range(bounds[k], bounds[k + 1]), sequence_parallel)
         for k in range(num_stages)
     ]
 
