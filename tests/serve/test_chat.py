@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -137,9 +138,13 @@ def test_full_queue_is_503_and_slow_request_is_504(chat_dir):
     assert "busy" in busy[0].json()["error"]
 
     served.model.generation_config.min_new_tokens = 60
+    # each decoding step sleeps 10 ms, so 60 tokens take >= 0.6 s whatever the machine: on
+    # a quiet one the tiny model alone made 60 tokens inside the 0.05 s timeout (got 200)
+    slow = served.model.register_forward_pre_hook(lambda *_: time.sleep(0.01))
     with live_server(served, timeout_s=0.05, max_new_tokens=60) as url:
         late = httpx.post(url, json={"prompt": "hi"}, timeout=60)
         assert late.status_code == 504 and "no answer within" in late.json()["error"]
+        slow.remove()
         served.model.generation_config.min_new_tokens = None
         ok = httpx.post(url, json={"prompt": "hi", "max_new_tokens": 1}, timeout=60)
         # the request may itself hit 0.05 s on a loaded machine; the server must be healthy
