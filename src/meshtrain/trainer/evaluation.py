@@ -4,7 +4,8 @@ dataset's rows in dataset order.
 Rank ``r`` of ``R`` takes rows ``r, r + R, r + 2R, ...`` (no padding rows, so nothing is
 duplicated on an uneven tail: ranks differ by at most one row). Under ZeRO-3 the forward
 gathers parameters with collectives, so a rank that runs out of batches repeats its
-first one and discards the result until every rank has run the same number of forwards.
+first one (row 0 of the dataset when it had no rows) and discards the result until every
+rank has run the same number of forwards.
 Under pipeline parallelism the forwards run through the pipeline and the last stage's
 outputs are broadcast over the pp group (``trainer.pipeline_step``), so every rank of a
 replica holds the same per-batch results. Predictions stay on the CPU as numpy arrays; batches of different sequence lengths are
@@ -167,7 +168,9 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
             labels.append(to_numpy(lab))
         seen += size
         trainer.control = trainer._event("on_prediction_step")
-    if getattr(trainer.engine.zero, "gatherer", None) is not None and first is not None:
+    if getattr(trainer.engine.zero, "gatherer", None) is not None and n:
+        if first is None:  # fewer rows than ranks: this rank had none; any row will do
+            first = trainer.data_collator([dataset[0]])
         for _ in range(max_batches(n, ranks, args.per_device_eval_batch_size) - batches):
             with torch.no_grad():  # ZeRO-3: match the other ranks' collectives
                 trainer.prediction_step(
