@@ -204,3 +204,35 @@ def test_bad_states_and_arguments():
     with pytest.raises(DataError, match="rank must be in"):
         DistributedSampler(range(10), num_replicas=2, rank=2)
     assert DistributedSampler(range(5)).num_replicas == 1  # no process group: world of 1
+
+
+@SETTINGS
+@given(
+    n=st.integers(1, 40),
+    world=st.integers(1, 5),
+    start=st.integers(0, 40),
+    batch=st.integers(1, 6),
+    shuffle=st.booleans(),
+)
+def test_exact_rows_order_undeals_every_pass_once(n, world, start, batch, shuffle):
+    """Gathering a pass batch by batch (rank-major, with the sampler's padding) and keeping
+    ``exact_rows_order`` gives the pass's positions ``P_e[C0:]`` once each, in order; so
+    does the whole pass dealt without padding (the Trainer's evaluation)."""
+    import numpy as np
+
+    from meshtrain.data.sampler import exact_rows_order
+
+    start = min(start, n)
+    samplers = ranks(n, world, shuffle=shuffle, seed=3)
+    mine = [s.indices(start) for s in samplers]
+    want = samplers[0]._permutation()[start:].tolist()
+    got: list[int] = []
+    for lo in range(0, len(mine[0]), batch):
+        parts = [m[lo : lo + batch] for m in mine]
+        gathered = np.concatenate(parts)
+        got += gathered[exact_rows_order([len(p) for p in parts], lo, n - start)].tolist()
+    assert got == want
+    # no padding: rank r holds ceil((M - r) / R) rows, the whole pass gathered at once
+    dealt = [np.arange(r, n, world) for r in range(world)]
+    order = exact_rows_order([len(d) for d in dealt], 0, n)
+    assert np.concatenate(dealt)[order].tolist() == list(range(n))

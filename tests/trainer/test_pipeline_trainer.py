@@ -13,6 +13,25 @@ Two models, each run once per mesh in one process group:
   predicts in batches of one row (``test_loss`` is a mean of per-batch losses weighted by
   rows, so it depends on how rows are batched: one process and dp 2 batch differently).
 
+At pp 2 only (with their one-process references), in the same process groups:
+
+* a GPT-2 LM whose input embedding and LM head are one tensor on the first and the last
+  stage, with ``gradient_checkpointing=True``, cut into 4 stages run as interleaved
+  virtual stages (``pipeline.schedule`` interleaved_1f1b, ``virtual_stages`` 2 through
+  ``deepspeed=``), evaluated in batches of 3 while training in batches of 2 (padded LM
+  rows: the logits of padding positions are compared too), then ``save_model`` and
+  ``GPT2LMHeadModel.from_pretrained``: the reloaded model equals the user's model exactly
+  and one process's within 1e-5, and keeps the tie; every block of both of a rank's
+  stages is checkpointed;
+* a Qwen2 sequence classifier on right-padded rows with an attention mask (the head pools
+  each row's last non-padding token), evaluation batch 3 vs training batch 2.
+
+The bytes ``restore_user_model`` moves are asserted exactly (comm stats, every pp run):
+rank r receives the user model's state-dict bytes minus those its stages hold, and sends
+what the other stage's rank of its replica receives (``module_state_dict``, which
+``save_model`` still uses, broadcasts the whole model to every rank: asserted for the
+GPT-2).
+
 Against the one-process run on the same rows per step (pp 2 x dp 2 halves the rows per
 device; the loader deals rows to replicas in turn, and the loss is normalised over the
 window's label items of both replicas):
@@ -28,7 +47,7 @@ loss between one process and dp 2, without pp as well. The Llama's are not near 
   one process sums locally: the same sums in another order, ~1e-7);
 * ``evaluate()`` metrics within 1e-5 and ``predict()`` predictions (the last stage's
   logits, broadcast over the pp group) within 1e-5, with exactly the dataset's rows and
-  label_ids equal;
+  label_ids equal; the Llama also predicts a single row (at dp 2 one replica has none);
 * the user's model object after ``train()`` holds the whole trained weights on every
   rank (the split had freed the other stage's blocks) within 1e-5 (AdamW's 1/sqrt(v)
   enlarges ~1e-7 gradient differences on near-zero entries), and seed 000's closing
@@ -94,7 +113,9 @@ def _bert(tmp: str, mesh, dp: int, deepspeed, resume: bool) -> dict:
 
     tok = _tokenizer(tmp)
     model, trainer = _bert_trainer(tmp, tok, mesh, dp, deepspeed)
+    whole = _state_bytes(model.state_dict(keep_vars=True).values())
     trainer.train()
+    restore = _restore_bytes(trainer, whole) if mesh else None  # before save_model
     metrics = trainer.evaluate()
     pred = trainer.predict(_reviews(tok, 7, shift=2))
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -110,6 +131,7 @@ def _bert(tmp: str, mesh, dp: int, deepspeed, resume: bool) -> dict:
         "weights": weights,
         "answer": answer,
         "exported": load_file(f"{tmp}/bert/checkpoint-2/model.safetensors"),
+        "restore": restore,
     }
     if resume:  # a new Trainer, from the checkpoint of step 2 (mid epoch 0)
         _, again = _bert_trainer(tmp, tok, mesh, dp, deepspeed)
@@ -130,14 +152,148 @@ def _llama(tmp: str, mesh, dp: int, deepspeed) -> dict:
     )  # fmt: skip
     rows = [{"input_ids": r["input_ids"] % 64} for r in lm_rows(16, seed=4)]
     model = tiny_llama()
+    whole = _state_bytes(model.state_dict(keep_vars=True).values())
     trainer = Trainer(model, args, train_dataset=rows, data_collator=pad_collate)
     trainer.train()
     pred = trainer.predict(rows[:5], ignore_keys=["past_key_values"])
+    # fewer rows than data-parallel ranks: one replica evaluates nothing
+    single = trainer.predict(rows[:1], ignore_keys=["past_key_values"])
     return {
+        "single": single.predictions,
         "losses": _losses(trainer),
         "logits": pred.predictions,
         "test_loss": pred.metrics["test_loss"],
         "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "restore": _restore_bytes(trainer, whole) if mesh else None,
+    }
+
+
+def _state_bytes(tensors) -> int:
+    """Bytes of the distinct tensors among ``tensors`` (a tied weight counted once)."""
+    unique = {id(t): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _restore_bytes(trainer, whole: int) -> dict:
+    """What ``restore_user_model`` moved on this rank, beside what its theory needs: the
+    user model's state-dict bytes (``whole``, measured before the split) minus those this
+    rank's stages hold (``held``)."""
+    stats = trainer.topology.stats
+    return {
+        "pp_rank": trainer.topology.pp_rank,
+        "dp_rank": trainer.topology.dp_rank,
+        "whole": whole,
+        "held": _state_bytes(trainer.engine.module.state_dict(keep_vars=True).values()),
+        "sent": stats.total(op="pp_restore_send"),
+        "received": stats.total(op="pp_restore_recv"),
+        "broadcast": stats.total(op="checkpoint"),
+    }
+
+
+def _lm_rows() -> list[dict]:
+    return [{"input_ids": r["input_ids"] % 64} for r in lm_rows(14, seed=4)]
+
+
+def _gpt2(tmp: str, mesh, deepspeed) -> dict:
+    """A GPT-2 LM (input embedding tied to the LM head across the first and last stage)
+    with gradient checkpointing, evaluated in batches of 3 (training: 2), saved with
+    ``save_model`` and reloaded with ``from_pretrained``; under pp in interleaved
+    virtual stages (4 blocks, 2 stages per rank)."""
+    from transformers import GPT2LMHeadModel
+
+    from meshtrain import Trainer, TrainingArguments
+    from tests.tiny_models import tiny_gpt2
+
+    args = TrainingArguments(
+        f"{tmp}/gpt2", per_device_train_batch_size=2, gradient_accumulation_steps=3,
+        per_device_eval_batch_size=3, num_train_epochs=2, learning_rate=0.05, optim="sgd",
+        logging_steps=1, eval_strategy="epoch", save_strategy="no", disable_tqdm=True,
+        gradient_checkpointing=True, mesh=mesh, deepspeed=deepspeed,
+    )  # fmt: skip
+    rows = _lm_rows()
+    model = tiny_gpt2(n_layer=4)
+    whole = _state_bytes(model.state_dict(keep_vars=True).values())
+    trainer = Trainer(model, args, train_dataset=rows, eval_dataset=rows[:7],
+                      data_collator=pad_collate)  # fmt: skip
+    trainer.train()
+    pred = trainer.predict(rows[:5])
+    trainer.save_model(f"{tmp}/gpt2/saved")
+    reloaded = GPT2LMHeadModel.from_pretrained(f"{tmp}/gpt2/saved")
+    stages = trainer.engine.module.stages.values() if mesh else ()
+    return {
+        "losses": _losses(trainer),
+        "evals": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+        "logits": pred.predictions,
+        "test_loss": pred.metrics["test_loss"],
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "reloaded": {k: v.detach().clone() for k, v in reloaded.state_dict().items()},
+        "tied": model.lm_head.weight is model.transformer.wte.weight
+        and reloaded.lm_head.weight is reloaded.transformer.wte.weight,
+        "checkpointed": sum(getattr(m, "_meshtrain_checkpointed", False) for m in model.modules()),
+        "local_blocks": sum(len(st.block_ids) for st in stages),
+        "restore": _restore_bytes(trainer, whole) if mesh else None,
+    }
+
+
+def _cls_rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(1, 64, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g)
+        rows.append({"input_ids": ids, "labels": int(ids.sum()) % 3})
+    return rows
+
+
+def _cls_collate(features: list[dict]) -> dict:
+    """Right-padded with 0 (the model's pad_token_id) and an attention mask."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    mask = torch.zeros(len(features), width, dtype=torch.long)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = f["input_ids"]
+        mask[i, : len(f["input_ids"])] = 1
+    labels = torch.tensor([f["labels"] for f in features])
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _qwen2_classifier(tmp: str, mesh, deepspeed) -> dict:
+    """A Qwen2 sequence classifier on padded rows (its head pools each row's last
+    non-padding token, found in the real input_ids the last stage sees); eval batch 3,
+    training batch 2."""
+    import transformers
+
+    from meshtrain import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.Qwen2ForSequenceClassification(config)
+    whole = _state_bytes(model.state_dict(keep_vars=True).values())
+    args = TrainingArguments(
+        f"{tmp}/qwen2", per_device_train_batch_size=2, gradient_accumulation_steps=3,
+        per_device_eval_batch_size=3, num_train_epochs=2, learning_rate=1e-3,
+        logging_steps=1, eval_strategy="epoch", save_strategy="no", disable_tqdm=True,
+        mesh=mesh, deepspeed=deepspeed,
+    )  # fmt: skip
+    trainer = Trainer(
+        model, args, train_dataset=_cls_rows(14, 1), eval_dataset=_cls_rows(7, 2),
+        data_collator=_cls_collate, compute_metrics=_accuracy,
+    )  # fmt: skip
+    trainer.train()
+    metrics = trainer.evaluate()
+    pred = trainer.predict(_cls_rows(5, 3))
+    return {
+        "losses": _losses(trainer),
+        "evals": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+        "metrics": metrics,
+        "predictions": pred.predictions,
+        "label_ids": pred.label_ids,
+        "test_loss": pred.metrics["test_loss"],
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "restore": _restore_bytes(trainer, whole) if mesh else None,
     }
 
 
@@ -161,7 +317,13 @@ def _refusals(tmp: str) -> list[str]:
 
 
 def _run(
-    tmp: str, mesh, dp: int = 1, deepspeed=None, resume: bool = False, llama: bool = True
+    tmp: str,
+    mesh,
+    dp: int = 1,
+    deepspeed=None,
+    resume: bool = False,
+    llama: bool = True,
+    more: bool = False,
 ) -> dict:
     import os
 
@@ -169,6 +331,10 @@ def _run(
     out = {"bert": _bert(tmp, mesh, dp, deepspeed, resume)}
     if llama:
         out["llama"] = _llama(tmp, mesh, dp, deepspeed)
+    if more:  # pp: interleaved virtual stages for the GPT-2
+        interleaved = {"pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}
+        out["gpt2"] = _gpt2(tmp, mesh, {**(deepspeed or {}), **interleaved} if mesh else None)
+        out["qwen2"] = _qwen2_classifier(tmp, mesh, deepspeed)
     if resume:
         out["refused"] = _refusals(tmp)
     return out
@@ -211,6 +377,45 @@ def _same_llama(r: dict, ref: dict) -> None:
     lg, rlg = r["logits"], ref["logits"]
     assert lg.shape == rlg.shape and lg.shape[0] == 5 and lg.shape[2] == 64
     assert np.abs(lg - rlg).max() <= 1e-5
+    assert r["single"].shape == ref["single"].shape and r["single"].shape[0] == 1
+    assert np.abs(r["single"] - ref["single"]).max() <= 1e-5
+
+
+def _same_gpt2(g: dict, ref: dict) -> None:
+    """The GPT-2 runs agree; the tie survives train(), save_model and from_pretrained."""
+    import numpy as np
+
+    _same_training(g, ref)
+    assert max(abs(x - y) for x, y in zip(g["evals"], ref["evals"], strict=True)) <= 1e-6
+    assert g["logits"].shape == ref["logits"].shape and g["logits"].shape[::2] == (5, 250)
+    assert np.abs(g["logits"] - ref["logits"]).max() <= 1e-5
+    _close(g["reloaded"], ref["reloaded"], 1e-5)
+    _close(g["reloaded"], g["weights"], 0.0)
+    assert g["tied"] and ref["tied"]
+
+
+def _same_classifier(q: dict, ref: dict) -> None:
+    import numpy as np
+
+    _same_training(q, ref)
+    assert max(abs(x - y) for x, y in zip(q["evals"], ref["evals"], strict=True)) <= 1e-6
+    for key in ("eval_loss", "eval_accuracy"):
+        assert abs(q["metrics"][key] - ref["metrics"][key]) <= 1e-5
+    assert q["predictions"].shape == ref["predictions"].shape == (5, 3)
+    assert np.abs(q["predictions"] - ref["predictions"]).max() <= 1e-5
+    assert np.array_equal(q["label_ids"], ref["label_ids"])
+
+
+def _same_restore(runs: list[dict], name: str) -> None:
+    """``restore_user_model`` moves exactly what each rank lacks, each tensor once from its
+    owner: rank r receives the user model's bytes minus those its stages hold (a tied
+    embedding both stages hold: not at all), and at pp 2 sends what the other stage's rank
+    of its replica receives."""
+    got = [r[name]["restore"] for r in runs]
+    for b in got:
+        assert b["received"] == b["whole"] - b["held"] > 0, (name, b)
+        (other,) = [o for o in got if o["dp_rank"] == b["dp_rank"] and o is not b]
+        assert b["sent"] == other["received"], (name, b, other)
 
 
 def test_pipeline_trainer_equals_one_process(tmp_path):
@@ -219,11 +424,11 @@ def test_pipeline_trainer_equals_one_process(tmp_path):
 
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         TrainingArguments("x", mesh={"pipeline_parallel_size": 2, "tensor_parallel_size": 2})
-    (ref,) = run_ranks(_run, 1, str(tmp_path / "one"), None)
+    (ref,) = run_ranks(_run, 1, str(tmp_path / "one"), None, more=True)
     assert len(ref["bert"]["losses"]) == 4 and len(ref["llama"]["losses"]) == 4
     pp = {"pipeline_parallel_size": 2}
     zero1 = {"zero_optimization": {"stage": 1}}  # ZeRO 1 at dp 1: its path, no sharding
-    pp2 = run_ranks(_run, 2, str(tmp_path / "pp2"), pp, 1, zero1, True)
+    pp2 = run_ranks(_run, 2, str(tmp_path / "pp2"), pp, 1, zero1, True, more=True)
     zero2 = {"zero_optimization": {"stage": 2}}
     pp2_dp2 = run_ranks(_run, 4, str(tmp_path / "pp2dp2"), pp, 2, zero2, timeout=600)
     (dp2, _) = run_ranks(_run, 2, str(tmp_path / "dp2"), None, 2, zero2, False, False)
@@ -233,6 +438,18 @@ def test_pipeline_trainer_equals_one_process(tmp_path):
     for r in pp2_dp2:
         _same_bert(r["bert"], dp2["bert"])
         _same_llama(r["llama"], ref["llama"])
+    assert ref["gpt2"]["checkpointed"] == 4  # every GPT-2 block checkpointed
+    for r in pp2:
+        _same_gpt2(r["gpt2"], ref["gpt2"])
+        _same_classifier(r["qwen2"], ref["qwen2"])
+        # interleaved: both of the rank's stages have their blocks checkpointed
+        assert r["gpt2"]["checkpointed"] == r["gpt2"]["local_blocks"] == 2
+        # save_model gathers with module_state_dict: the whole model broadcast, per rank
+        assert r["gpt2"]["restore"]["broadcast"] == r["gpt2"]["restore"]["whole"]
+    for name in ("bert", "llama", "gpt2", "qwen2"):
+        _same_restore(pp2, name)
+    for name in ("bert", "llama"):
+        _same_restore(pp2_dp2, name)
     for r in pp2:
         # resumed at step 3 (after checkpoint-2): the remaining steps as uninterrupted
         assert r["bert"]["resumed"][-2:] == r["bert"]["losses"][2:]

@@ -133,3 +133,8 @@ def test_interleave_restores_dataset_order_with_ragged_shapes():
     out = interleave([r0, r1], 5)
     assert out.tolist() == [[0, 0, -100], [1, 1, 1], [2, 2, -100], [3, 3, 3], [4, 4, -100]]
     assert pad_concat([np.ones((1, 1)), np.zeros((2, 2))]).shape == (3, 2)
+    # fewer rows than ranks: rank 2 evaluated nothing (None), leaves nested in a tuple too
+    out = interleave([np.array([[0.0]]), np.array([[1.0]]), None], 2)
+    assert out.tolist() == [[0.0], [1.0]]
+    pair = interleave([(np.array([0]), np.array([[5, 5]])), None], 1)
+    assert pair[0].tolist() == [0] and pair[1].tolist() == [[5, 5]]

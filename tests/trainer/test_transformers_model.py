@@ -2,7 +2,9 @@
 equal ZeRO-0, the user's model holds the full trained weights afterwards (under tensor
 parallelism: its original modules again, no tensor-parallel layer left), seed 000's
 closing pipeline works on it, and ``trainer.save_model()`` writes what ``from_pretrained``
-loads (the same logits, exactly: the same fp32 weights in the same model).
+loads (the same logits, exactly: the same fp32 weights in the same model). A one-row
+evaluation during training (fewer rows than ranks: rank 1 has none) gives the same loss
+under every layout.
 
 The tp 2 run has one data-parallel rank, so it reads 8 rows per device where ZeRO-0
 reads 4 on each of 2 ranks: the same rows per step (the loader deals rows to ranks in
@@ -59,13 +61,22 @@ def _run(tmp: str):
 
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, pipeline
 
-    from meshtrain import Trainer, TrainingArguments
+    from meshtrain import Trainer, TrainerCallback, TrainingArguments
 
     tok = _tokenizer(tmp)
     out = {}
+
+    class EvalOneRow(TrainerCallback):  # mid-training, under ZeRO-3 too: rank 1 has no row
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                self.metrics = self.trainer.evaluate(_data(tok, 1))
+
     for stage in (0, 3, "tp"):
         model = _bert(tok)
         tp = stage == "tp"  # ZeRO 0 on one data-parallel rank: twice the rows per device
+        zero = {"stage": 0 if tp else stage}
+        if stage == 3:  # every parameter gathered in the forward (by default the tiny
+            zero["stage3_param_persistence_threshold"] = 0  # BERT's all stay whole)
         args = TrainingArguments(
             f"{tmp}/z{stage}",
             per_device_train_batch_size=8 if tp else 4,
@@ -78,7 +89,7 @@ def _run(tmp: str):
             save_total_limit=1,
             metric_for_best_model="accuracy",
             load_best_model_at_end=True,
-            deepspeed={"zero_optimization": {"stage": 0 if tp else stage}},
+            deepspeed={"zero_optimization": zero},
             mesh={"tensor_parallel_size": 2} if tp else None,
             disable_tqdm=True,
         )
@@ -87,6 +98,9 @@ def _run(tmp: str):
             data_collator=DataCollatorWithPadding(tok),
             compute_metrics=lambda p: {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())},
         )  # fmt: skip
+        one_row = EvalOneRow()
+        one_row.trainer = trainer
+        trainer.add_callback(one_row)
         trainer.train()
         plain = not any("Parallel" in type(m).__name__ for m in model.modules())
         metrics = trainer.evaluate()
@@ -108,6 +122,7 @@ def _run(tmp: str):
             same = same and torch.equal(final(**batch).logits, mine)
         same = same and os.path.isfile(f"{tmp}/final{stage}/training_args.json")
         out[stage] = (losses, weights, metrics, answer, kept, best, same and plain)
+        out[f"one_row_{stage}"] = one_row.metrics["eval_loss"]
     return out
 
 
@@ -122,6 +137,10 @@ def test_zero3_bert_pipeline_and_exports(tmp_path):
         for k in w0:
             assert torch.allclose(w0[k], w3[k], atol=1e-5, rtol=0), k
         assert abs(m0["eval_loss"] - m3["eval_loss"]) <= 1e-5
+        # a one-row evaluation at step 1 (rank 1 evaluates nothing; under ZeRO-3 it still
+        # runs the forward's collectives, on row 0)
+        assert abs(out["one_row_0"] - out["one_row_3"]) <= 1e-5
+        assert abs(out["one_row_0"] - out["one_row_tp"]) <= 1e-5
         assert a0[0]["label"] in ("差评!", "好评!") and a3[0]["label"] == a0[0]["label"]
         # 2 epochs, limit 1: the best (with load_best_model_at_end) and the newest survive
         assert best0.endswith(kept0[0]) or best0.endswith(kept0[-1])

@@ -11,7 +11,8 @@ is row ``j // R`` on rank ``j % R``. After gathering a batch that held this rank
 ``[s, s + n)``, row ``i`` from rank ``r`` is slot ``(s + i) * R + r``; slots ``>= M`` are
 the padding and are dropped, and the rest are put in slot order -- the dataset's order for
 an unshuffled loader. Each row of the dataset is therefore returned exactly once.
-(The Trainer has its own gathering; the two can merge on this slot rule.)
+The slot rule is ``meshtrain.data.sampler``'s ("Undealing"), which the Trainer's
+evaluation uses too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from meshtrain.data import sampler
 
 
 def _map(fn, data: Any) -> Any:
@@ -106,12 +109,11 @@ def pad_across_processes(
 
 def exact_rows_order(local_start: int, rows: int, replicas: int, remaining: int) -> torch.Tensor:
     """Indices into a rank-major gathered batch that keep each real slot once, in slot
-    order (module docstring): ``gathered[order]`` drops the sampler's padding."""
-    rank = torch.arange(replicas).repeat_interleave(rows)
-    local = torch.arange(rows).repeat(replicas) + local_start
-    slot = local * replicas + rank
-    keep = torch.nonzero(slot < remaining).flatten()
-    return keep[torch.argsort(slot[keep])]
+    order (module docstring): ``gathered[order]`` drops the sampler's padding. The rule
+    is the sampler's (``meshtrain.data.sampler.exact_rows_order``), every rank holding
+    ``rows`` rows of the batch."""
+    order = sampler.exact_rows_order([rows] * replicas, local_start, remaining)
+    return torch.from_numpy(order)
 
 
 __all__ = [

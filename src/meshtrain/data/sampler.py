@@ -17,6 +17,14 @@ Let ``N = len(dataset)``, ``R`` the number of data-parallel replicas and ``r`` t
   ``P_e[0], P_e[1], ...``. With ``drop_last`` each rank gets ``floor(M / R)`` and the
   ``M mod R`` tail is left out. From ``C0 = 0`` this is exactly the order of
   ``torch.utils.data.DistributedSampler``.
+* **Undealing (exact rows).** Gathering what the ranks computed on a pass puts rank
+  ``r``'s rows after those of ranks ``0..r-1``. Local row ``l`` of rank ``r`` is slot
+  ``j = l R + r`` of the pass; slots ``j >= M`` are the padding. ``exact_rows_order``
+  gives the indices into that rank-major concatenation that keep each slot ``< M`` once,
+  in slot order (the dataset's order for an unshuffled pass). One rule for the
+  Accelerator's ``gather_for_metrics`` (a batch at a time, padded pass) and the Trainer's
+  evaluation (the whole pass at once, dealt without padding: ranks hold ``ceil((M -
+  r) / R)`` rows).
 * **Resume / reshard.** ``state_dict()`` stores ``(seed, epoch, C)``; loading it starts
   the next pass at ``C0 = C`` and re-deals the remaining positions over whatever ``R``
   the new run has. The ranks are therefore disjoint within a pass, and over a whole epoch
@@ -233,3 +241,18 @@ class DistributedSampler(Sampler[int]):
         self.epoch = int(state["epoch"])
         self._next_start = self._pass_start = self._consumed = consumed
         self._local = 0
+
+
+def exact_rows_order(counts: list[int], local_start: int, remaining: int) -> np.ndarray:
+    """Indices into the rank-major concatenation of ``counts[r]`` rows from each rank
+    ``r`` (its local rows ``local_start, local_start + 1, ...`` of a pass dealing
+    ``remaining`` slots over ``len(counts)`` ranks) that keep every real slot once, in slot
+    order: ``concatenated[order]`` drops the padding (module docstring, "Undealing")."""
+    replicas = len(counts)
+    rank = np.repeat(np.arange(replicas, dtype=np.int64), counts)
+    local = np.concatenate(
+        [np.arange(c, dtype=np.int64) for c in counts] or [np.zeros(0, np.int64)]
+    )
+    slot = (local + local_start) * replicas + rank
+    keep = np.flatnonzero(slot < remaining)
+    return keep[np.argsort(slot[keep], kind="stable")]

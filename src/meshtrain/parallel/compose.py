@@ -105,7 +105,12 @@ def parallelize(
     if ac.enabled:
         from meshtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model, ac.module_classes)
+        # the default blocks are a module's first block list: a rank running several
+        # stages (interleaved) has one list per stage, each to be checkpointed
+        stages = getattr(model, "stages", None) if pipeline is not None else None
+        parts = [model] if stages is None or ac.module_classes else list(stages.values())
+        for part in parts:
+            apply_activation_checkpointing(part, ac.module_classes)
     # 4. compile: lazy, so the hooks installed in step 5 are traced at the first forward
     c = config.compile
     if c.active:

@@ -4,7 +4,8 @@ dataset's rows in dataset order.
 Rank ``r`` of ``R`` takes rows ``r, r + R, r + 2R, ...`` (no padding rows, so nothing is
 duplicated on an uneven tail: ranks differ by at most one row). Under ZeRO-3 the forward
 gathers parameters with collectives, so a rank that runs out of batches repeats its
-first one and discards the result until every rank has run the same number of forwards.
+first one (row 0 of the dataset when it had no rows) and discards the result until every
+rank has run the same number of forwards.
 Under pipeline parallelism the forwards run through the pipeline and the last stage's
 outputs are broadcast over the pp group (``trainer.pipeline_step``), so every rank of a
 replica holds the same per-batch results. Predictions stay on the CPU as numpy arrays; batches of different sequence lengths are
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshtrain.data.sampler import exact_rows_order
 from meshtrain.trainer.loss import batch_rows
 from meshtrain.trainer.state import EvalPrediction, PredictionOutput
 
@@ -91,23 +93,25 @@ def nested_rows(x: Any, n: int) -> Any:
 
 def interleave(per_rank: list[Any], total: int) -> Any:
     """Row ``i`` of the result is row ``i // R`` of ``per_rank[i % R]`` (see module doc)."""
-    ranks = len(per_rank)
     first = next((p for p in per_rank if p is not None), None)
     if first is None:
         return None
-    if isinstance(first, list | tuple):
-        return type(first)(interleave([p[i] for p in per_rank], total) for i in range(len(first)))
+    if isinstance(first, list | tuple):  # a rank without rows (fewer rows than ranks): None
+        return type(first)(
+            interleave([None if p is None else p[i] for p in per_rank], total)
+            for i in range(len(first))
+        )
     if isinstance(first, dict):
-        return {k: interleave([p[k] for p in per_rank], total) for k in first}
-    # one common shape over ranks (sequence lengths may differ between ranks)
+        return {
+            k: interleave([None if p is None else p[k] for p in per_rank], total) for k in first
+        }
+    empty = np.zeros((0, *np.shape(first)[1:]), dtype=np.asarray(first).dtype)
+    per_rank = [empty if p is None else p for p in per_rank]
+    # one common shape over ranks (sequence lengths may differ between ranks); rank r
+    # holds slots r, r + R, ... of the pass (no padding): the sampler's undealing rule
     padded = pad_concat(per_rank)
-    out = np.empty((total, *padded.shape[1:]), dtype=padded.dtype)
-    row = 0
-    for r, part in enumerate(per_rank):
-        n = len(part)
-        out[r::ranks][:n] = padded[row : row + n]
-        row += n
-    return out
+    order = exact_rows_order([len(part) for part in per_rank], 0, total)
+    return padded[order]
 
 
 def rank_rows(n: int, ranks: int, rank: int) -> list[int]:
@@ -164,7 +168,9 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
             labels.append(to_numpy(lab))
         seen += size
         trainer.control = trainer._event("on_prediction_step")
-    if getattr(trainer.engine.zero, "gatherer", None) is not None and first is not None:
+    if getattr(trainer.engine.zero, "gatherer", None) is not None and n:
+        if first is None:  # fewer rows than ranks: this rank had none; any row will do
+            first = trainer.data_collator([dataset[0]])
         for _ in range(max_batches(n, ranks, args.per_device_eval_batch_size) - batches):
             with torch.no_grad():  # ZeRO-3: match the other ranks' collectives
                 trainer.prediction_step(
@@ -178,8 +184,9 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
         everyone = [mine]
     total_loss = sum(e[0] for e in everyone)
     counted = sum(e[1] for e in everyone)
-    predictions = interleave([e[3] for e in everyone], n) if preds else None
-    label_ids = interleave([e[4] for e in everyone], n) if labels else None
+    # from every rank's parts: a rank may have had no rows (fewer rows than ranks)
+    predictions = interleave([e[3] for e in everyone], n)
+    label_ids = interleave([e[4] for e in everyone], n)
     runtime = time.perf_counter() - t0
     metrics: dict[str, float] = {}
     if trainer.compute_metrics is not None and predictions is not None and label_ids is not None:

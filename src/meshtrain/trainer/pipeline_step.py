@@ -27,11 +27,19 @@ with 3 labels: 4 + 12 x rows bytes; a causal LM: ``rows x seq x vocab x 4``). Ev
 then holds the same per-batch results and ``evaluation.prediction_loop`` gathers rows
 over the data-parallel group as without pp (exact rows on uneven tails).
 
-The end of training (``restore_user_model``): ``engine.module_state_dict()`` broadcasts
-every tensor from the pp rank owning it (the whole model's bytes, received once by each
-other pp rank); each parameter of the user's model whose storage the split freed gets
-the trained tensor back, so ``model`` runs whole on every rank (``pipeline(...)``,
-``generate``). Checkpoints are the engine's (sharded by stage, resharding).
+The end of training (``restore_user_model``): each pp rank's stages hold the trained
+tensors of their blocks (the stages share the user's modules); the parameters of the
+other ranks' blocks were freed by the split. One ``all_gather_object`` of the names (and
+shapes) each rank holds and lacks, then every tensor goes once, point to point, from its
+owner (the lowest pp rank holding it) to each pp rank that lacks it: rank ``r`` receives
+``sum`` of the bytes of the user model's state-dict tensors its stages do not hold and
+sends each tensor it owns once per rank lacking it (at pp 2: each rank receives the other
+stage's bytes; a tied embedding both stages hold moves not at all). Recorded as
+``pp_restore_send`` / ``pp_restore_recv``. ``engine.module_state_dict()`` (what
+``save_model`` gathers) broadcasts every tensor instead, the whole model on every rank.
+The received tensors replace the freed ones, so ``model`` runs whole on every rank
+(``pipeline(...)``, ``generate``). Checkpoints are the engine's (sharded by stage,
+resharding).
 
 Refused (``check``): ``compute_loss`` / ``prediction_step`` overrides and
 ``compute_loss_func`` (they need the whole model's outputs on one rank; under pp the last
@@ -47,6 +55,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from meshtrain.errors import ConfigError, TrainingError
 
@@ -226,13 +235,61 @@ def _collect_shapes(spec: Any, out: list[torch.Tensor], device: torch.device) ->
             _collect_shapes(v, out, device)
 
 
-def restore_user_model(trainer) -> None:
-    """Put the trained weights of the blocks other ranks ran back into the user's model
-    (module docstring). Collective over the pp group."""
-    state = trainer.engine.module_state_dict()
+RESTORE_TAG = 1 << 16  # apart from the pipeline's own channels (tags 3 s + k, ``p2p``)
+
+
+def restore_user_model(trainer) -> dict[str, int]:
+    """Put the trained tensors of the stages other pp ranks ran back into the user's model
+    (module docstring): each tensor goes once from its owner (the lowest pp rank holding
+    it) to each pp rank that lacks it. Collective over the pp group; returns ``{"sent":
+    bytes, "received": bytes}`` of this rank."""
+    import torch.distributed as dist
+
+    from meshtrain.distributed import comm
+
+    engine, model = trainer.engine, trainer.model
+    group = engine.pipeline.group
+    user: dict[int, tuple[str, torch.Tensor]] = {}  # id -> (first state-dict key, tensor)
+    for key, t in model.state_dict(keep_vars=True).items():
+        user.setdefault(id(t), (key, t))
+    # the stages share the user's modules, so what this rank's stages hold is named by
+    # the user's keys; a PipelineModule's other layers do not exist here, so none is wanted
+    held = {id(t) for t in engine.module.state_dict(keep_vars=True).values()}
+    mine = {k: (tuple(t.shape), t.dtype) for i, (k, t) in user.items() if i in held}
+    wanted = sorted(k for i, (k, _) in user.items() if i not in held)
+    tables: list[Any] = [None] * group.size
+    dist.all_gather_object(tables, (mine, wanted), group=group.pg)
+    owner: dict[str, int] = {}
+    for r, (has, _) in enumerate(tables):
+        for k in has:
+            owner.setdefault(k, r)
+    tensors = {k: t for k, t in user.values()}
+    sends: list[tuple[torch.Tensor, int]] = []
+    recvs: list[tuple[str, torch.Tensor, int]] = []
+    for r, (_, want) in enumerate(tables):  # per (owner, receiver) pair: sorted key order
+        for k in want:
+            src = owner.get(k)
+            if src is None:  # no stage holds it (cannot happen for a split model)
+                continue
+            if src == group.rank:
+                sends.append((tensors[k].detach().contiguous(), r))
+            elif r == group.rank:
+                shape, dtype = tables[src][0][k]
+                buf = torch.empty(shape, dtype=dtype, device=engine.device)
+                recvs.append((k, buf, src))
+    works = comm.batch_p2p(group, sends=sends, label="pp_restore_send", tag=RESTORE_TAG)
+    works += comm.batch_p2p(
+        group, recvs=[(b, s) for _, b, s in recvs], label="pp_restore_recv", tag=RESTORE_TAG
+    )
+    for w in works:
+        w.wait()
     with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
-            whole = state.get(name)
-            if p.numel() == 0 and whole is not None and whole.numel():
-                p.data = whole.to(p.device)
-                p.grad = None
+        for k, buf, _ in recvs:
+            t = tensors[k]
+            t.data = buf.to(t.device)
+            if isinstance(t, nn.Parameter):
+                t.grad = None
+    return {
+        "sent": sum(t.numel() * t.element_size() for t, _ in sends),
+        "received": sum(b.numel() * b.element_size() for _, b, _ in recvs),
+    }
