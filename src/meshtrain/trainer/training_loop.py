@@ -41,20 +41,9 @@ class TrainingLoop:
         """Train to ``max_steps`` / ``num_train_epochs``; see the module docstring."""
         if self.train_dataset is None:
             raise ConfigError("Trainer.train() needs train_dataset=")
-        # gradient checkpointing recomputes each block in backward; a transformers decoder
-        # with its key/value cache on would append the block's keys a second time (its
-        # attention then fails against the mask, or keeps every layer's keys alive). So
-        # the cache is off while training, as transformers' own checkpointed layers do,
-        # and the user's setting comes back at the end.
-        config = getattr(self.model, "config", None)
-        cached = bool(getattr(config, "use_cache", False)) and self.args.gradient_checkpointing
-        if cached:
-            config.use_cache = False
-        try:
-            return self._train(resume_from_checkpoint, ignore_keys_for_eval)
-        finally:
-            if cached:
-                config.use_cache = True
+        # (gradient checkpointing with a transformers key/value cache on: the checkpointed
+        # blocks get no cache while training, ``parallel/activation_checkpointing.py``)
+        return self._train(resume_from_checkpoint, ignore_keys_for_eval)
 
     def _train(self, resume_from_checkpoint, ignore_keys_for_eval) -> TrainOutput:
         from meshtrain.distributed import comm
