@@ -355,15 +355,7 @@ def _same_training(got: dict, want: dict) -> None:
 
 def _same_bert(b: dict, rb: dict) -> None:
     """The BERT runs agree (tolerances: module docstring)."""
-    import numpy as np
-
-    _same_training(b, rb)
-    assert max(abs(x - y) for x, y in zip(b["evals"], rb["evals"], strict=True)) <= 1e-6
-    for key in ("eval_loss", "eval_accuracy"):
-        assert abs(b["metrics"][key] - rb["metrics"][key]) <= 1e-5
-    assert b["predictions"].shape == rb["predictions"].shape == (7, 2)
-    assert np.abs(b["predictions"] - rb["predictions"]).max() <= 1e-5
-    assert np.array_equal(b["label_ids"], rb["label_ids"])
+    _same_classifier(b, rb, rows_labels=(7, 2))
     assert b["answer"][0]["label"] == rb["answer"][0]["label"]
     assert abs(b["answer"][0]["score"] - rb["answer"][0]["score"]) <= 1e-5
     _close(b["exported"], rb["exported"], 1e-5)
@@ -394,14 +386,15 @@ def _same_gpt2(g: dict, ref: dict) -> None:
     assert g["tied"] and ref["tied"]
 
 
-def _same_classifier(q: dict, ref: dict) -> None:
+def _same_classifier(q: dict, ref: dict, rows_labels: tuple[int, int] = (5, 3)) -> None:
+    """A classifier's runs agree: training, evaluations, metrics and predict()."""
     import numpy as np
 
     _same_training(q, ref)
     assert max(abs(x - y) for x, y in zip(q["evals"], ref["evals"], strict=True)) <= 1e-6
     for key in ("eval_loss", "eval_accuracy"):
         assert abs(q["metrics"][key] - ref["metrics"][key]) <= 1e-5
-    assert q["predictions"].shape == ref["predictions"].shape == (5, 3)
+    assert q["predictions"].shape == ref["predictions"].shape == rows_labels
     assert np.abs(q["predictions"] - ref["predictions"]).max() <= 1e-5
     assert np.array_equal(q["label_ids"], ref["label_ids"])
 
