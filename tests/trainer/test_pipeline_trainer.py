@@ -103,6 +103,18 @@ def _bert_trainer(tmp: str, tok, mesh, dp: int, deepspeed, cls=None, **kw):
     return model, trainer
 
 
+def _classifier_results(trainer, metrics: dict, pred) -> dict:
+    """What the classifier runs compare: logged losses, evaluations, metrics, predict()."""
+    return {
+        "losses": _losses(trainer),
+        "evals": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+        "metrics": metrics,
+        "predictions": pred.predictions,
+        "label_ids": pred.label_ids,
+        "test_loss": pred.metrics["test_loss"],
+    }
+
+
 def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
@@ -122,12 +134,7 @@ def _bert(tmp: str, mesh, dp: int, deepspeed, resume: bool) -> dict:
     model.config.id2label = {0: "差评!", 1: "好评!"}
     answer = pipeline("text-classification", model=model, tokenizer=tok)("我觉得不错!")
     out = {
-        "losses": _losses(trainer),
-        "evals": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
-        "metrics": metrics,
-        "predictions": pred.predictions,
-        "label_ids": pred.label_ids,
-        "test_loss": pred.metrics["test_loss"],
+        **_classifier_results(trainer, metrics, pred),
         "weights": weights,
         "answer": answer,
         "exported": load_file(f"{tmp}/bert/checkpoint-2/model.safetensors"),
@@ -286,12 +293,7 @@ def _qwen2_classifier(tmp: str, mesh, deepspeed) -> dict:
     metrics = trainer.evaluate()
     pred = trainer.predict(_cls_rows(5, 3))
     return {
-        "losses": _losses(trainer),
-        "evals": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
-        "metrics": metrics,
-        "predictions": pred.predictions,
-        "label_ids": pred.label_ids,
-        "test_loss": pred.metrics["test_loss"],
+        **_classifier_results(trainer, metrics, pred),
         "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "restore": _restore_bytes(trainer, whole) if mesh else None,
     }
