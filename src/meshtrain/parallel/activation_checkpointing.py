@@ -59,6 +59,12 @@ def apply_activation_checkpointing(model: nn.Module, class_names: list[str] | No
             sig = inspect.signature(inner)
         except (TypeError, ValueError):  # a builtin or C forward: no cache to drop
             sig = None
+        # only a forward that can be handed a cache pays for binding its arguments
+        if sig is not None and not any(
+            p.kind is p.VAR_KEYWORD or p.name in (*_CACHE_ARGS, "use_cache")
+            for p in sig.parameters.values()
+        ):
+            sig = None
 
         @functools.wraps(inner)
         def forward(*args, _inner=inner, _sig=sig, **kwargs):

@@ -238,11 +238,11 @@ def _collect_shapes(spec: Any, out: list[torch.Tensor], device: torch.device) ->
 RESTORE_TAG = 1 << 16  # apart from the pipeline's own channels (tags 3 s + k, ``p2p``)
 
 
-def restore_user_model(trainer) -> dict[str, int]:
+def restore_user_model(trainer) -> None:
     """Put the trained tensors of the stages other pp ranks ran back into the user's model
     (module docstring): each tensor goes once from its owner (the lowest pp rank holding
-    it) to each pp rank that lacks it. Collective over the pp group; returns ``{"sent":
-    bytes, "received": bytes}`` of this rank."""
+    it) to each pp rank that lacks it. Collective over the pp group; the bytes are in the
+    comm stats (``pp_restore_send`` / ``pp_restore_recv``)."""
     import torch.distributed as dist
 
     from meshtrain.distributed import comm
@@ -289,7 +289,3 @@ def restore_user_model(trainer) -> dict[str, int]:
             t.data = buf.to(t.device)
             if isinstance(t, nn.Parameter):
                 t.grad = None
-    return {
-        "sent": sum(t.numel() * t.element_size() for t, _ in sends),
-        "received": sum(b.numel() * b.element_size() for _, b, _ in recvs),
-    }

@@ -41,11 +41,6 @@ class TrainingLoop:
         """Train to ``max_steps`` / ``num_train_epochs``; see the module docstring."""
         if self.train_dataset is None:
             raise ConfigError("Trainer.train() needs train_dataset=")
-        # (gradient checkpointing with a transformers key/value cache on: the checkpointed
-        # blocks get no cache while training, ``parallel/activation_checkpointing.py``)
-        return self._train(resume_from_checkpoint, ignore_keys_for_eval)
-
-    def _train(self, resume_from_checkpoint, ignore_keys_for_eval) -> TrainOutput:
         from meshtrain.distributed import comm
 
         args = self.args
