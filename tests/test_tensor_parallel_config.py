@@ -64,6 +64,20 @@ def test_shard_unshard_roundtrip_with_padding(t):
     assert torch.equal(pieces[t - 1][: u * 2].view(u, 2, 7), q[(t - 1) * u : t * u])
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_shards_own_exactly_their_bytes(dim):
+    """A shard is a copy of its own size: a dim-0 shard of an unfused weight is a contiguous
+    slice, and a view there would keep the whole unsharded tensor alive with the model."""
+    import torch
+
+    full = torch.randn(8, 6)
+    spec = ShardSpec(dim=dim, units=full.shape[dim], unit=1, blocks=1, size=2)
+    for r in range(2):
+        piece = shard_tensor(full, spec, r)
+        assert piece.untyped_storage().nbytes() == piece.numel() * piece.element_size()
+        assert piece.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize(("t", "dim"), [(2, 0), (3, 1), (4, 0), (4, 1)])
 def test_full_runs_map_shard_elements_to_full_indices(t, dim):
     import torch

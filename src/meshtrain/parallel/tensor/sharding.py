@@ -74,7 +74,9 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor
         x = torch.cat((x, pad), dim=1)
     u = spec.local_units
     x = x[:, rank * u : (rank + 1) * u].reshape(spec.local, *rest)
-    return x.movedim(0, spec.dim).contiguous()
+    # clone, not contiguous(): a shard along dim 0 is already a contiguous view, and keeping
+    # it would keep the whole unsharded storage alive (69.2M decoder at tp 2: +99 MiB a rank)
+    return x.movedim(0, spec.dim).clone(memory_format=torch.contiguous_format)
 
 
 def unshard_pieces(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
