@@ -17,8 +17,9 @@ thread), same global batch, the 3.7M model), and ends with one line per pair::
 peak RSS). DP/ZeRO runs also record CPU ms per step. ``--ledger-off-too`` runs each
 meshtrain DP/ZeRO framework again right after itself with ``MESHTRAIN_LEDGER=0`` and
 prints ``ledger <framework> on vs off: speed <r>x rss <r>x cpu <r>x``. ``--quick`` (3.7M model everywhere, 1 repeat, 6 steps) aims at < 5 minutes on
-an idle 2-core machine; the default uses the 69.2M decoder for the ZeRO roles, and at least
-40 steps where a step is short (the 3.7M model of DP and scaling, the script roles).
+an idle 2-core machine; the default trains the 69.2M decoder in every decoder role (DP, ZeRO,
+TP, PP: the model of issue 12's targets) for ``--steps`` (12), and takes at least 40 steps
+where a step is short (the 3.7M model of the scaling run, the Trainer and the Accelerator).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ ZERO = {
 }
 
 
-# Steps of a full-mode run whose steps are short (the 3.7M model, the script roles): at the
+# Steps of a full-mode run whose steps are short (the 3.7M scaling run, Trainer, Accelerator): at the
 # default 12 such a run lasts about 1 s, and start-up jitter then swings one pair by 10-20%
 # (the full suite of 2026-11-23 16:53: the Accelerator's two rounds read 0.83x and 0.99x).
 SHORT_RUN_STEPS = 40
@@ -210,7 +211,7 @@ def _pair(mine: list[dict], peer: list[dict], cpu: bool = False) -> tuple | None
 
 
 def driver(args) -> int:
-    from benchmarks.external import RUNNERS
+    from benchmarks.external import DECODER, RUNNERS
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     os.environ.update(_env())  # the standalone scripts' launchers inherit it
@@ -233,10 +234,9 @@ def driver(args) -> int:
         for rep in range(args.repeats):
             order = names if rep % 2 == 0 else names[::-1]
             for n in order:
-                base = n.removesuffix(NOLEDGER)
-                model = "small" if args.quick or base in ("mt-z0", "ddp", "ds-z0") else "large"
+                model = "small" if args.quick else "large"
                 batch = 16 if model == "small" else 8
-                steps = _steps(args, short=model == "small" or n in RUNNERS)
+                steps = _steps(args, short=n in RUNNERS and n not in DECODER)
                 if n in RUNNERS:
                     r = _external(n, args.nproc, steps, args.quick, tmp)
                 else:

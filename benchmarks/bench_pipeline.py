@@ -143,23 +143,26 @@ def bubble(args) -> list[dict]:
 MICRO, ROWS, SEQ = 4, 4, 32
 
 
-def _decoder():
+# the PEERS.md decoder (default) and the 69.2M decoder of python -m benchmarks' full mode
+MODELS = {
+    "small": dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688),
+    "large": dict(vocab_size=8192, dim=768, n_layers=8, n_heads=12, ffn_dim=2048),
+}
+
+
+def _decoder(model: str):
     from meshtrain.models import Decoder, DecoderConfig
 
-    return Decoder(
-        DecoderConfig(
-            vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=SEQ, seed=1234
-        )
-    )
+    return Decoder(DecoderConfig(**MODELS[model], max_seq_len=SEQ, seed=1234))
 
 
-def _data(step: int):
+def _data(step: int, vocab: int):
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, 1024, (MICRO * ROWS, SEQ), generator=g)
+    ids = torch.randint(0, vocab, (MICRO * ROWS, SEQ), generator=g)
     return [(ids[i * ROWS : (i + 1) * ROWS], ids[i * ROWS : (i + 1) * ROWS]) for i in range(MICRO)]
 
 
-def _peer_rank(peer: str, steps: int, adam_fused: bool = False):
+def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str = "small"):
     import torch.distributed as dist
 
     import meshtrain
@@ -167,7 +170,8 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False):
 
     rank = dist.get_rank()
     opt_params = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
-    model = _decoder()
+    model = _decoder(model_name)
+    vocab, half = MODELS[model_name]["vocab_size"], MODELS[model_name]["n_layers"] // 2
     times, losses = [], []
     if peer.startswith("meshtrain"):
         config = {
@@ -184,7 +188,7 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False):
         engine, *_ = meshtrain.initialize(model=model, config=config)
         for step in range(steps + 2):
             t0 = time.perf_counter()
-            loss = engine.train_batch(iter(_data(step)))
+            loss = engine.train_batch(iter(_data(step, vocab)))
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
     else:
@@ -193,7 +197,7 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False):
         class First(nn.Module):
             def __init__(self, m):
                 super().__init__()
-                self.embed, self.layers = m.embed, nn.ModuleList(m.layers[:2])
+                self.embed, self.layers = m.embed, nn.ModuleList(m.layers[:half])
                 self.register_buffer("cos", m.rope_cos, persistent=False)
                 self.register_buffer("sin", m.rope_sin, persistent=False)
 
@@ -207,7 +211,7 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False):
             def __init__(self, m):
                 super().__init__()
                 self.layers, self.norm, self.lm_head = (
-                    nn.ModuleList(m.layers[2:]),
+                    nn.ModuleList(m.layers[half:]),
                     m.norm,
                     m.lm_head,
                 )
@@ -227,7 +231,7 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False):
         sched = cls(stage, n_microbatches=MICRO, loss_fn=causal_lm_loss)
         opt = torch.optim.AdamW(mod.parameters(), **opt_params)
         for step in range(steps + 2):
-            data = _data(step)
+            data = _data(step, vocab)
             ids = torch.cat([x for x, _ in data])
             t0 = time.perf_counter()
             opt.zero_grad()
@@ -252,7 +256,7 @@ def peers(args) -> dict:
     for _ in range(args.repeats):
         for peer in PEERS:
             per_rank = run_on_ranks(
-                _peer_rank, args.pp, (peer, args.steps, args.adam_fused), timeout=600
+                _peer_rank, args.pp, (peer, args.steps, args.adam_fused, args.model), timeout=600
             )
             sec = max(r["seconds"] for r in per_rank)
             runs[peer].append(
@@ -299,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="bubble,peers")
+    ap.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="small",
+        help="the peers' decoder: small = PEERS.md's 3.7M, large = the 69.2M of the suite",
+    )
     ap.add_argument(
         "--adam-fused",
         action="store_true",

@@ -26,7 +26,10 @@ largest rank's ``VmHWM``. The per-step losses must agree within ``--loss-tol``. 
 samples/s and peak RSS of each, and the ratios meshtrain/torch (target: samples/s ratio
 >= 1.0). Results: ``benchmarks/results/tensor_parallel-<date>-<HHMM>.json``.
 
-    python benchmarks/bench_tensor_parallel.py [--repeats 3] [--steps 20]
+    python benchmarks/bench_tensor_parallel.py [--repeats 3] [--steps 20] [--model large]
+
+``--model large`` runs the 69.2M decoder of ``python -m benchmarks`` instead (vocab 8192,
+d 768, 8 layers, 12 heads, SwiGLU 2048), the model of issue 12's targets.
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL = dict(
-    vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=64, seed=1234
-)
+# the PEERS.md decoder (default) and the 69.2M decoder of python -m benchmarks' full mode
+MODELS = {
+    "small": dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688),
+    "large": dict(vocab_size=8192, dim=768, n_layers=8, n_heads=12, ffn_dim=2048),
+}
 GLOBAL_BATCH, SEQ_LEN, SEED = 16, 32, 1234
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 FRAMEWORKS = ("meshtrain", "torch")
@@ -86,10 +91,11 @@ def _worker(args: argparse.Namespace) -> None:
 
     from meshtrain.models import Decoder, DecoderConfig
 
+    cfg = MODELS[args.model]
     gen = torch.Generator().manual_seed(SEED)
-    data = torch.randint(0, MODEL["vocab_size"], (args.steps, GLOBAL_BATCH, SEQ_LEN), generator=gen)
+    data = torch.randint(0, cfg["vocab_size"], (args.steps, GLOBAL_BATCH, SEQ_LEN), generator=gen)
     torch.manual_seed(SEED)
-    model = Decoder(DecoderConfig(**MODEL))
+    model = Decoder(DecoderConfig(**cfg, max_seq_len=64, seed=SEED))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if args.worker == "meshtrain":
@@ -155,6 +161,7 @@ def _run(name: str, args: argparse.Namespace) -> dict | None:
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(args.nproc), __file__, "--worker", name,
             "--result", str(result), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--model", args.model,
         ]  # fmt: skip
         for _attempt in range(2):
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -190,7 +197,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--loss-tol", type=float, default=1e-5)
+    p.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="small",
+        help="small = PEERS.md's 3.7M decoder, large = the 69.2M of python -m benchmarks",
+    )
+    p.add_argument(
+        "--loss-tol",
+        type=float,
+        default=None,
+        help="largest |loss difference| allowed. Default 1e-5 for small, 1e-3 for large: "
+        "the 69.2M model's losses are about 9, its sums of 768-2048 terms round differently "
+        "once split over two ranks, and Adam turns those ~1e-7 relative differences into "
+        "lr-sized steps where a gradient is near zero (12 steps measured 8.2e-5)",
+    )
     p.add_argument("--out")
     args = p.parse_args()
     if args.worker:
@@ -232,8 +253,9 @@ def main() -> None:
     out.write_text(json.dumps({"date": now.isoformat(), "versions": _versions(),
                                "args": vars(args), "runs": runs, "summary": summary}, indent=1))  # fmt: skip
     print(f"wrote {out}")
-    if diff is not None and diff > args.loss_tol:
-        raise SystemExit(f"losses differ by {diff:.2e} > --loss-tol {args.loss_tol}")
+    tol = args.loss_tol if args.loss_tol is not None else (1e-5 if args.model == "small" else 1e-3)
+    if diff is not None and diff > tol:
+        raise SystemExit(f"losses differ by {diff:.2e} > --loss-tol {tol}")
 
 
 if __name__ == "__main__":

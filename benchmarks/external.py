@@ -7,8 +7,9 @@ copy of those set-ups in ``peers.setup``, the suite calls the scripts' own launc
 ``RUNNERS[framework](nproc, steps, quick, tmp)`` runs one framework once, in fresh
 processes, and returns ``samples_per_s`` and ``peak_rss_mib`` (the larger rank's), which
 the suite pairs, tables and charts like every other role. The workloads are the scripts'
-(see their docstrings): TP and PP on the 3.7M decoder (tp 2 / pp 2, global batch 16),
-the Trainer on a 2-layer BERT classifier, the Accelerator on the MNIST BasicNet.
+(see their docstrings): TP and PP (``DECODER``) train the suite's decoder at tp 2 / pp 2 with
+a global batch of 16 (the 69.2M one in full mode, the 3.7M one with ``--quick``), the
+Trainer a 2-layer BERT classifier, the Accelerator the MNIST BasicNet.
 """
 
 from __future__ import annotations
@@ -21,20 +22,26 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _model(quick: bool) -> str:
+    return "small" if quick else "large"
+
+
 def _tp(name: str):
     def run(nproc: int, steps: int, quick: bool, tmp: str) -> dict | None:
         from benchmarks import bench_tensor_parallel as b
 
-        args = argparse.Namespace(nproc=nproc, steps=steps, warmup=1 if quick else 2)
+        args = argparse.Namespace(
+            nproc=nproc, steps=steps, warmup=1 if quick else 2, model=_model(quick)
+        )
         return b._run(name, args)
 
     return run
 
 
-def _pipeline_rank(peer: str, steps: int) -> dict:
+def _pipeline_rank(peer: str, steps: int, model: str) -> dict:
     from benchmarks import bench_pipeline as b
 
-    out = b._peer_rank(peer, steps)
+    out = b._peer_rank(peer, steps, model_name=model)
     out["rss_mib"] = max(out["rss_mib"], _rss_mib())
     return out
 
@@ -44,7 +51,7 @@ def _pp(peer: str):
         from benchmarks import bench_pipeline as b
         from meshtrain.launch.processes import run_on_ranks
 
-        per_rank = run_on_ranks(_pipeline_rank, nproc, (peer, steps), timeout=900)
+        per_rank = run_on_ranks(_pipeline_rank, nproc, (peer, steps, _model(quick)), timeout=900)
         sec = max(r["seconds"] for r in per_rank)
         return {
             "samples_per_s": steps * b.MICRO * b.ROWS / sec,
@@ -95,6 +102,8 @@ def _accelerate(backend: str):
     return run
 
 
+# frameworks whose workload is the suite's decoder (69.2M in full mode, 3.7M with --quick)
+DECODER = ("mt-tp", "torch-tp", "mt-gpipe", "torch-gpipe", "mt-1f1b", "torch-1f1b")
 RUNNERS = {
     "mt-tp": _tp("meshtrain"),
     "torch-tp": _tp("torch"),
