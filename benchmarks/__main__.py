@@ -16,10 +16,12 @@ thread), same global batch, the 3.7M model), and ends with one line per pair::
 (medians over repeats of the same-round ratio meshtrain/peer; rss is the larger rank's
 peak RSS). DP/ZeRO runs also record CPU ms per step. ``--ledger-off-too`` runs each
 meshtrain DP/ZeRO framework again right after itself with ``MESHTRAIN_LEDGER=0`` and
-prints ``ledger <framework> on vs off: speed <r>x rss <r>x cpu <r>x``. ``--quick`` (3.7M model everywhere, 1 repeat, 6 steps) aims at < 5 minutes on
-an idle 2-core machine; the default trains the 69.2M decoder in every decoder role (DP, ZeRO,
-TP, PP: the model of issue 12's targets) for ``--steps`` (12), and takes at least 40 steps
-where a step is short (the 3.7M model of the scaling run, the Trainer and the Accelerator).
+prints ``ledger <framework> on vs off: speed <r>x rss <r>x cpu <r>x``.
+
+``--quick`` (3.7M model everywhere, 1 round, 6 steps) aims at < 5 minutes on an idle
+2-core machine. The default (3 rounds) trains the 69.2M decoder in every decoder role (DP,
+ZeRO, TP, PP: the model of issue 12's targets) for ``--steps`` (12), and takes at least 40
+steps where a step is short (the 3.7M scaling runs, the Trainer, the Accelerator).
 """
 
 from __future__ import annotations
@@ -164,6 +166,26 @@ def _launch(name: str, nproc: int, model: str, steps: int, batch: int, tmp: str)
     return {"framework": name, "error": (proc.stdout + proc.stderr)[-2000:], "load1_before": load}
 
 
+def _scaling(args, tmp: str) -> dict | None:
+    """Scaling efficiency of meshtrain data parallelism: samples/s of ``mt-z0`` at N ranks /
+    (N x one rank at one thread), the 3.7M model, the same global batch of 16. Each round
+    runs both (the order alternating); the efficiency is the median of the rounds'."""
+    steps, n = _steps(args, short=True), args.nproc
+    rounds = []
+    for rep in range(args.repeats):
+        runs = {k: _launch("mt-z0", k, "small", steps, 16, tmp) for k in ((1, n), (n, 1))[rep % 2]}
+        if any("error" in r for r in runs.values()):
+            continue
+        one, many = runs[1]["samples_per_s"], runs[n]["samples_per_s"]
+        rounds.append({"one_rank_samples_per_s": one, "n_rank_samples_per_s": many,
+                       "efficiency": many / (n * one),
+                       "load1_before": max(r["load1_before"] for r in runs.values())})  # fmt: skip
+    if not rounds:
+        return None
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    return {**med, "n": n, "rounds": rounds}
+
+
 def _chart(summary: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -261,14 +283,7 @@ def driver(args) -> int:
                 )
         scaling = None
         if "mt-z0" in names and not args.no_scaling:
-            one = _launch("mt-z0", 1, "small", _steps(args, short=True), 16, tmp)
-            two = [r for r in runs["mt-z0"] if "error" not in r]
-            if "error" not in one and two:
-                sps2 = statistics.median(r["samples_per_s"] for r in two)
-                scaling = {"one_rank_samples_per_s": one["samples_per_s"], "n": args.nproc,
-                           "n_rank_samples_per_s": sps2,
-                           "efficiency": sps2 / (args.nproc * one["samples_per_s"]),
-                           "load1_before": one["load1_before"]}  # fmt: skip
+            scaling = _scaling(args, tmp)
 
     summary = {}
     for n, rs in runs.items():
@@ -322,7 +337,8 @@ def driver(args) -> int:
         lines.append(
             f"\nScaling efficiency (mt-z0, 3.7M model): {scaling['efficiency']:.2f} "
             f"({scaling['n_rank_samples_per_s']:.1f} samples/s at N={scaling['n']} vs "
-            f"{scaling['one_rank_samples_per_s']:.1f} at 1 rank, load {scaling['load1_before']:.1f})"
+            f"{scaling['one_rank_samples_per_s']:.1f} at 1 rank; median of {len(scaling['rounds'])} "
+            f"paired rounds, load up to {scaling['load1_before']:.1f})"
         )
     cpu_children = sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])
     wall = time.monotonic() - t_start
@@ -354,7 +370,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3.7M model, 1 repeat, 6 steps")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="rounds (default: 1 with --quick, else 3)"
+    )
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument(
         "--roles", default="", help="comma-separated subset of " + ",".join(peers.ROLES)
@@ -374,7 +392,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.repeats is None:
-        args.repeats = 1 if args.quick else 2
+        args.repeats = 1 if args.quick else 3
     if args.steps is None:
         args.steps = 6 if args.quick else 12
     if args.worker:

@@ -171,6 +171,7 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
     rank = dist.get_rank()
     opt_params = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     model = _decoder(model_name)
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model's
     vocab, half = MODELS[model_name]["vocab_size"], MODELS[model_name]["n_layers"] // 2
     times, losses = [], []
     if peer.startswith("meshtrain"):
@@ -245,7 +246,12 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
             loss = torch.stack(out).mean() if out else torch.zeros(())
             dist.broadcast(loss, src=dist.get_world_size() - 1)
             losses.append(float(loss))
-    return {"seconds": sum(times[2:]), "losses": losses, "rss_mib": _vm_hwm_mib()}
+    return {
+        "seconds": sum(times[2:]),
+        "losses": losses,
+        "rss_mib": _vm_hwm_mib(),
+        "n_params": n_params,
+    }
 
 
 PEERS = ("meshtrain-gpipe", "torch-gpipe", "meshtrain-1f1b", "torch-1f1b")

@@ -96,6 +96,7 @@ def _worker(args: argparse.Namespace) -> None:
     data = torch.randint(0, cfg["vocab_size"], (args.steps, GLOBAL_BATCH, SEQ_LEN), generator=gen)
     torch.manual_seed(SEED)
     model = Decoder(DecoderConfig(**cfg, max_seq_len=64, seed=SEED))
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model's
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if args.worker == "meshtrain":
@@ -143,6 +144,7 @@ def _worker(args: argparse.Namespace) -> None:
             json.dumps(
                 {
                     "framework": args.worker,
+                    "n_params": n_params,
                     "samples_per_s": timed * GLOBAL_BATCH / float(elapsed),
                     "steps_per_s": timed / float(elapsed),
                     "peak_rss_mib": float(rss),

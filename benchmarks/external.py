@@ -57,6 +57,7 @@ def _pp(peer: str):
             "samples_per_s": steps * b.MICRO * b.ROWS / sec,
             "peak_rss_mib": max(r["rss_mib"] for r in per_rank),
             "losses": per_rank[0]["losses"],
+            "n_params": per_rank[0]["n_params"],
         }
 
     return run
