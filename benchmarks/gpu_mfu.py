@@ -3,6 +3,7 @@ torch.compile, through the meshtrain engine. Not run in CI; needs CUDA.
 
     python -m benchmarks.gpu_mfu                      # ~0.95B params, seq 2048, 20 steps
     python -m benchmarks.gpu_mfu --layers 4 --steps 5 # a quick check
+    python -m benchmarks.gpu_mfu --zero-stage 2 --offload   # ZeRO-Offload: AdamW on the CPU
 
 The model is ``meshtrain.models.Decoder`` (pre-norm, RoPE, SwiGLU,
 ``F.scaled_dot_product_attention`` with ``is_causal=True``, which dispatches to the flash
@@ -32,7 +33,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--fused", action="store_true", help="fused AdamW (default on CUDA anyway)")
+    ap.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    ap.add_argument(
+        "--offload",
+        action="store_true",
+        help="ZeRO-Offload: optimizer states and step on the CPU (needs --zero-stage >= 1)",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -62,6 +68,10 @@ def main(argv=None) -> int:
         "gradient_clipping": 1.0,
         "compile": {"enabled": not args.no_compile},
         "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": args.zero_stage,
+            **({"offload_optimizer": {"device": "cpu"}} if args.offload else {}),
+        },
     }
     engine, *_ = meshtrain.initialize(
         model=model, model_parameters=model.parameters(), config=config
@@ -90,6 +100,8 @@ def main(argv=None) -> int:
                 "peak_source": source,
                 "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 "compile": not args.no_compile,
+                "zero_stage": args.zero_stage,
+                "offload": args.offload,
                 "loss": float(loss),
             }
         )
