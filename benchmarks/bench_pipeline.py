@@ -10,18 +10,18 @@ Two parts, each rank a real process on gloo with one thread (``run_on_ranks``):
    ``(p - 1) / (m + p - 1)``; communication counts as idle, so measured >= formula. On a
    shared machine other jobs stretch single ops unevenly, so the schedule is also replayed
    with each op's median *CPU* time (``thread_time``) as its cost.
-2. **Peers.** The PEERS.md decoder (4 layers, d 256, vocab 1024, seq 32, global batch 16 in
-   4 micro-batches of 4, AdamW, fp32) split 2 + 2 layers over pp 2: meshtrain
-   (``engine.train_batch`` with the same split) against ``torch.distributed.pipelining``
-   ``ScheduleGPipe`` / ``Schedule1F1B`` on hand-written stage modules. samples/s (rank
-   clocks, first 2 steps untimed, slowest rank) and peak RSS (VmHWM, largest rank); the
-   peers run interleaved, ``--repeats`` rounds, medians. Losses are compared too.
-   ``--adam-fused`` gives meshtrain's AdamW ``fused: true``: its default (foreach, for
-   bit-identical results) steps one flat tensor per stage, whose ``sqrt(v)`` temporary
-   is the size of the stage's parameters (torch's per-tensor loop: one weight's size),
-   most of meshtrain's peak-RSS difference here.
+2. **Peers.** The PEERS.md decoder (4 layers, d 256, vocab 1024; ``--model large``: the
+   69.2M decoder of ``python -m benchmarks``, 8 layers, d 768, vocab 8192), seq 32, global
+   batch 16 in 4 micro-batches of 4, AdamW, fp32, its layers split in half over pp 2:
+   meshtrain (``engine.train_batch`` with the same split) against
+   ``torch.distributed.pipelining`` ``ScheduleGPipe`` / ``Schedule1F1B`` on hand-written
+   stage modules. samples/s (rank clocks, first 2 steps untimed, slowest rank) and peak
+   RSS (VmHWM, largest rank); the peers run interleaved, ``--repeats`` rounds, medians.
+   Losses are compared too. ``--adam-fused`` gives meshtrain's AdamW ``fused: true``
+   (about 3x faster on CPU, ~1 ulp off torch's AdamW); the default steps each stage's
+   flat parameters slice by slice, bit-identical to torch's.
 
-    python benchmarks/bench_pipeline.py [--repeats 3] [--steps 20]
+    python benchmarks/bench_pipeline.py [--repeats 3] [--steps 20] [--model large]
 
 Results go to ``benchmarks/results/pipeline-<date>.json``.
 """
@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--adam-fused",
         action="store_true",
-        help="meshtrain's AdamW with fused: true (no step temporary the size of the stage's "
-        "flat parameters; rounds ~1 ulp differently from torch's default AdamW)",
+        help="meshtrain's AdamW with fused: true (about 3x faster on CPU; rounds ~1 ulp "
+        "differently from torch's default AdamW)",
     )
     args = ap.parse_args(argv)
     result = {
