@@ -43,8 +43,6 @@ from benchmarks import peers
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 SEED, SEQ_LEN = 1234, 32
-SMALL = dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=64)
-LARGE = dict(vocab_size=8192, dim=768, n_layers=8, n_heads=12, ffn_dim=2048, max_seq_len=64)
 ZERO = {
     "reduce_bucket_size": 10_000_000,
     "allgather_bucket_size": 10_000_000,
@@ -74,7 +72,7 @@ def worker(args) -> None:
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     micro = args.batch // world
-    cfg = dict(LARGE if args.model == "large" else SMALL, seed=SEED)
+    cfg = dict(peers.DECODERS[args.model], max_seq_len=64, seed=SEED)
     gen = torch.Generator().manual_seed(SEED)
     data = torch.randint(0, cfg["vocab_size"], (args.steps, args.batch, SEQ_LEN), generator=gen)
     shards = data[:, rank * micro : (rank + 1) * micro].contiguous()

@@ -45,8 +45,10 @@ from meshtrain.parallel.pipeline.schedules import build_schedule
 
 try:  # run as a script from the repository root or as benchmarks.bench_pipeline
     from bench_pipeline_bubble import step_idle
+    from peers import DECODERS, add_model_argument
 except ImportError:  # pragma: no cover
     from benchmarks.bench_pipeline_bubble import step_idle
+    from benchmarks.peers import DECODERS, add_model_argument
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -143,17 +145,10 @@ def bubble(args) -> list[dict]:
 MICRO, ROWS, SEQ = 4, 4, 32
 
 
-# the PEERS.md decoder (default) and the 69.2M decoder of python -m benchmarks' full mode
-MODELS = {
-    "small": dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688),
-    "large": dict(vocab_size=8192, dim=768, n_layers=8, n_heads=12, ffn_dim=2048),
-}
-
-
 def _decoder(model: str):
     from meshtrain.models import Decoder, DecoderConfig
 
-    return Decoder(DecoderConfig(**MODELS[model], max_seq_len=SEQ, seed=1234))
+    return Decoder(DecoderConfig(**DECODERS[model], max_seq_len=SEQ, seed=1234))
 
 
 def _data(step: int, vocab: int):
@@ -172,7 +167,7 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
     opt_params = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     model = _decoder(model_name)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model's
-    vocab, half = MODELS[model_name]["vocab_size"], MODELS[model_name]["n_layers"] // 2
+    vocab, half = DECODERS[model_name]["vocab_size"], DECODERS[model_name]["n_layers"] // 2
     times, losses = [], []
     if peer.startswith("meshtrain"):
         config = {
@@ -309,12 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="bubble,peers")
-    ap.add_argument(
-        "--model",
-        choices=tuple(MODELS),
-        default="small",
-        help="the peers' decoder: small = PEERS.md's 3.7M, large = the 69.2M of the suite",
-    )
+    add_model_argument(ap)  # the peers' decoder
     ap.add_argument(
         "--adam-fused",
         action="store_true",

@@ -46,15 +46,14 @@ import tempfile
 import time
 from pathlib import Path
 
-# the PEERS.md decoder (default) and the 69.2M decoder of python -m benchmarks' full mode
-MODELS = {
-    "small": dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688),
-    "large": dict(vocab_size=8192, dim=768, n_layers=8, n_heads=12, ffn_dim=2048),
-}
 GLOBAL_BATCH, SEQ_LEN, SEED = 16, 32, 1234
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 FRAMEWORKS = ("meshtrain", "torch")
 ROOT = Path(__file__).resolve().parent
+try:  # run as a script (its folder on sys.path) or as benchmarks.bench_tensor_parallel
+    from peers import DECODERS, add_model_argument
+except ImportError:  # pragma: no cover
+    from benchmarks.peers import DECODERS, add_model_argument
 
 
 def _vm_hwm_mib() -> float:
@@ -91,7 +90,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from meshtrain.models import Decoder, DecoderConfig
 
-    cfg = MODELS[args.model]
+    cfg = DECODERS[args.model]
     gen = torch.Generator().manual_seed(SEED)
     data = torch.randint(0, cfg["vocab_size"], (args.steps, GLOBAL_BATCH, SEQ_LEN), generator=gen)
     torch.manual_seed(SEED)
@@ -199,12 +198,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--model",
-        choices=tuple(MODELS),
-        default="small",
-        help="small = PEERS.md's 3.7M decoder, large = the 69.2M of python -m benchmarks",
-    )
+    add_model_argument(p)
     p.add_argument(
         "--loss-tol",
         type=float,

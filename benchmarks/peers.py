@@ -22,6 +22,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+# the reference Decoder's sizes: PEERS.md's 3.7M workload, and the 69.2M decoder of
+# issue 12's targets (python -m benchmarks' full mode, the scripts' --model large)
+DECODERS = {
+    "small": dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688),
+    "large": dict(vocab_size=8192, dim=768, n_layers=8, n_heads=12, ffn_dim=2048),
+}
+
+
+def add_model_argument(parser) -> None:
+    """``--model small|large``: which of ``DECODERS`` a benchmark script trains."""
+    parser.add_argument(
+        "--model",
+        choices=tuple(DECODERS),
+        default="small",
+        help="small = PEERS.md's 3.7M decoder, large = the 69.2M one of python -m benchmarks",
+    )
+
+
 ADAMW = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
 MESHTRAIN = ("mt-z0", "mt-z1", "mt-z2", "mt-z3")
