@@ -51,9 +51,9 @@ ZERO = {
 }
 
 
-# Steps of a full-mode run whose steps are short (the 3.7M scaling run, Trainer, Accelerator): at the
-# default 12 such a run lasts about 1 s, and start-up jitter then swings one pair by 10-20%
-# (the full suite of 2026-11-23 16:53: the Accelerator's two rounds read 0.83x and 0.99x).
+# Steps of a full-mode run whose steps are short (the 3.7M scaling runs, the Trainer, the
+# Accelerator): at the default 12 such a run lasts about 1 s, and start-up jitter then swings
+# one pair by 10-20% (the suite of 2026-11-23 16:53: the Accelerator read 0.83x and 0.99x).
 SHORT_RUN_STEPS = 40
 
 
@@ -366,7 +366,7 @@ def driver(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3.7M model, 1 repeat, 6 steps")
+    ap.add_argument("--quick", action="store_true", help="3.7M model, 1 round, 6 steps")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument(
         "--repeats", type=int, default=None, help="rounds (default: 1 with --quick, else 3)"

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+ADAMW = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 # the reference Decoder's sizes: PEERS.md's 3.7M workload, and the 69.2M decoder of
 # issue 12's targets (python -m benchmarks' full mode, the scripts' --model large)
 DECODERS = {
@@ -39,8 +40,6 @@ def add_model_argument(parser) -> None:
         help="small = PEERS.md's 3.7M decoder, large = the 69.2M one of python -m benchmarks",
     )
 
-
-ADAMW = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
 MESHTRAIN = ("mt-z0", "mt-z1", "mt-z2", "mt-z3")
 FRAMEWORKS = (
