@@ -45,10 +45,10 @@ from meshtrain.parallel.pipeline.schedules import build_schedule
 
 try:  # run as a script from the repository root or as benchmarks.bench_pipeline
     from bench_pipeline_bubble import step_idle
-    from peers import DECODERS, add_model_argument
+    from peers import ADAMW, DECODERS, add_model_argument
 except ImportError:  # pragma: no cover
     from benchmarks.bench_pipeline_bubble import step_idle
-    from benchmarks.peers import DECODERS, add_model_argument
+    from benchmarks.peers import ADAMW, DECODERS, add_model_argument
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -164,7 +164,6 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
     from meshtrain.models.decoder import causal_lm_loss
 
     rank = dist.get_rank()
-    opt_params = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     model = _decoder(model_name)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model's
     vocab, half = DECODERS[model_name]["vocab_size"], DECODERS[model_name]["n_layers"] // 2
@@ -175,7 +174,7 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
             "gradient_accumulation_steps": MICRO,
             "optimizer": {
                 "type": "AdamW",
-                "params": {**opt_params, "betas": [0.9, 0.999], "fused": adam_fused},
+                "params": {**ADAMW, "betas": list(ADAMW["betas"]), "fused": adam_fused},
             },
             "steps_per_print": 100000,
             "mesh": {"pipeline_parallel_size": dist.get_world_size()},
@@ -225,7 +224,7 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
         stage = PipelineStage(mod, rank, dist.get_world_size(), torch.device("cpu"))
         cls = ScheduleGPipe if peer == "torch-gpipe" else Schedule1F1B
         sched = cls(stage, n_microbatches=MICRO, loss_fn=causal_lm_loss)
-        opt = torch.optim.AdamW(mod.parameters(), **opt_params)
+        opt = torch.optim.AdamW(mod.parameters(), **ADAMW)
         for step in range(steps + 2):
             data = _data(step, vocab)
             ids = torch.cat([x for x, _ in data])

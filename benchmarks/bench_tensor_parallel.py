@@ -47,13 +47,12 @@ import time
 from pathlib import Path
 
 GLOBAL_BATCH, SEQ_LEN, SEED = 16, 32, 1234
-ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 FRAMEWORKS = ("meshtrain", "torch")
 ROOT = Path(__file__).resolve().parent
 try:  # run as a script (its folder on sys.path) or as benchmarks.bench_tensor_parallel
-    from peers import DECODERS, add_model_argument
+    from peers import ADAMW, DECODERS, add_model_argument
 except ImportError:  # pragma: no cover
-    from benchmarks.peers import DECODERS, add_model_argument
+    from benchmarks.peers import ADAMW, DECODERS, add_model_argument
 
 
 def _vm_hwm_mib() -> float:
