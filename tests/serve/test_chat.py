@@ -7,10 +7,11 @@ server's ``model.generate`` and the reference's pick the same argmax at every st
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -115,25 +116,45 @@ def test_openai_endpoint_with_template_and_streaming(chat_template_dir):
 
 
 def test_full_queue_is_503_and_slow_request_is_504(chat_dir):
-    """One worker, a queue of one: of several concurrent long requests, one runs, one waits
-    and the rest get 503 with Retry-After at once. A timeout answers 504 and stops the
-    generation, after which the server answers normally."""
+    """One worker, a queue of one: while the worker is held inside a generation and one
+    request waits, every further request gets 503 with Retry-After at once; released, the
+    two accepted requests answer 200. A timeout answers 504 and stops the generation,
+    after which the server answers normally.
+
+    The worker is held by a gate in the model's forward, not by the model being slow, so
+    the test proves the queue's behaviour on a machine of any speed or load."""
     from meshtrain.serve.loading import load
 
     served = load(chat_dir)
-    # the tiny model must not stop early: the worker has to stay busy for the test
-    served.model.generation_config.min_new_tokens = 64
-    long = {"prompt": "hi", "max_new_tokens": 64}
+    req = {"prompt": "hi", "max_new_tokens": 4}
+    started, release = threading.Event(), threading.Event()
 
-    async def burst(url: str) -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            return await asyncio.gather(*(client.post("/", json=long) for _ in range(6)))
+    def gate(*_):
+        started.set()
+        if not release.wait(120):
+            raise RuntimeError("the test never released the worker")
 
-    with live_server(served, max_queue=1, max_new_tokens=64, retry_after_s=3) as url:
-        rs = asyncio.run(burst(url))
-        codes = sorted(r.status_code for r in rs)
-        busy = [r for r in rs if r.status_code == 503]
-    assert codes.count(200) >= 2 and codes.count(503) >= 1 and set(codes) <= {200, 503}, codes
+    hook = served.model.register_forward_pre_hook(gate)
+    try:
+        with (
+            live_server(served, max_queue=1, max_new_tokens=4, retry_after_s=3) as url,
+            ThreadPoolExecutor(2) as pool,
+        ):
+            first = pool.submit(httpx.post, url, json=req, timeout=120)
+            assert started.wait(60), "the worker never started the first request"
+            second = pool.submit(httpx.post, url, json=req, timeout=120)
+            deadline = time.monotonic() + 60
+            while httpx.get(f"{url}/health").json()["waiting"] < 1:
+                assert time.monotonic() < deadline, "the second request never queued"
+                time.sleep(0.01)
+            busy = [httpx.post(url, json=req, timeout=60) for _ in range(4)]
+            release.set()
+            accepted = [first.result().status_code, second.result().status_code]
+    finally:
+        release.set()
+        hook.remove()
+    assert accepted == [200, 200], accepted
+    assert [r.status_code for r in busy] == [503] * 4
     assert all(r.headers["retry-after"] == "3" for r in busy)
     assert "busy" in busy[0].json()["error"]
 

@@ -10,9 +10,12 @@ A transformers block appends its keys and values to the key/value cache it is ha
 place: recomputed in backward it would append them a second time, and its attention
 would then see twice the keys its mask covers (GPT-2 with padding fails in backward with
 "size of tensor a (12) must match ... (6)"). So while gradients are recorded the wrapped
-block gets no cache (``past_key_values``, ``past_key_value`` or ``layer_past`` None,
-``use_cache`` False), as transformers' own checkpointed layers do; under ``no_grad``
-(evaluation, ``generate``) it gets its arguments unchanged and the cache works.
+block gets no cache (``use_cache`` False, and the cache argument None), as transformers'
+own checkpointed layers do; under ``no_grad`` (evaluation, ``generate``) it gets its
+arguments unchanged and the cache works.
+
+The cache argument is found by what it holds (``meshtrain.models.kv_cache``), since
+transformers has renamed it over its releases, and by its known names for legacy tuples.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from meshtrain.models.kv_cache import CACHE_NAMES, is_kv_cache
 from meshtrain.parallel.blocks import blocks
 
 FIELD = "activation_checkpointing.module_classes"
-_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
 
 
 def _without_cache(sig: inspect.Signature | None, args: tuple, kwargs: dict):
@@ -40,8 +43,8 @@ def _without_cache(sig: inspect.Signature | None, args: tuple, kwargs: dict):
         return args, kwargs
     var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     for place in (bound.arguments, bound.arguments.get(var_kw, {})):  # named, then **kwargs
-        for k in _CACHE_ARGS:
-            if k in place:
+        for k, v in place.items():
+            if k in CACHE_NAMES or is_kv_cache(v):
                 place[k] = None
         if "use_cache" in place:
             place["use_cache"] = False
@@ -61,7 +64,7 @@ def apply_activation_checkpointing(model: nn.Module, class_names: list[str] | No
             sig = None
         # only a forward that can be handed a cache pays for binding its arguments
         if sig is not None and not any(
-            p.kind is p.VAR_KEYWORD or p.name in (*_CACHE_ARGS, "use_cache")
+            p.kind is p.VAR_KEYWORD or p.name in (*CACHE_NAMES, "use_cache")
             for p in sig.parameters.values()
         ):
             sig = None

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from meshtrain.data.sampler import exact_rows_order
+from meshtrain.models.kv_cache import is_kv_cache
 from meshtrain.trainer.loss import batch_rows
 from meshtrain.trainer.state import EvalPrediction, PredictionOutput
 
@@ -252,9 +253,16 @@ def plain(value: Any) -> Any:
 
 
 def logits_of(outputs: Any, ignore_keys: list[str]) -> Any:
-    """The prediction part of a model's outputs (transformers: everything but the loss)."""
+    """The prediction part of a model's outputs (transformers: everything but the loss).
+
+    A key/value cache is never a prediction: it is dropped by what it is, whatever the
+    output field is called in this transformers release (``models/kv_cache.py``)."""
     if isinstance(outputs, Mapping):
-        items = tuple(v for k, v in outputs.items() if k != "loss" and k not in ignore_keys)
+        items = tuple(
+            v
+            for k, v in outputs.items()
+            if k != "loss" and k not in ignore_keys and not is_kv_cache(v)
+        )
     elif isinstance(outputs, tuple | list):
         items = tuple(outputs[1:]) if len(outputs) > 1 else tuple(outputs)
     elif isinstance(outputs, torch.Tensor) and outputs.dim() == 0:

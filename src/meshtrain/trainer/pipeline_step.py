@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.models.kv_cache import CACHE_NAMES
 
 EVAL_GROUP = 4  # batches per pp rank in one evaluation call: bubble (p-1)/(4p+p-1) <= 0.2
 
@@ -157,7 +158,7 @@ def prediction_steps(
     of the pp group (module docstring)."""
     if ignore_keys is None:  # as Trainer.prediction_step
         config = getattr(trainer.model, "config", None)
-        ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["past_key_values"])
+        ignore_keys = getattr(config, "keys_to_ignore_at_inference", list(CACHE_NAMES))
     pipe, topo = trainer.engine.pipeline, trainer.topology
     batches = iter(loader)
     while group := list(itertools.islice(batches, EVAL_GROUP * topo.pp_size)):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.models.kv_cache import CACHE_NAMES
 from meshtrain.trainer import checkpoints as ckpt
 from meshtrain.trainer import evaluation as ev
 from meshtrain.trainer import setup
@@ -355,7 +356,7 @@ class Trainer(TrainingLoop, ModelSaving):
             outputs = self._gather_vocab(outputs)
         if ignore_keys is None:  # as transformers: e.g. a decoder's key/value cache
             config = getattr(self.model, "config", None)
-            ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["past_key_values"])
+            ignore_keys = getattr(config, "keys_to_ignore_at_inference", list(CACHE_NAMES))
         logits = ev.logits_of(outputs, ignore_keys)
         labels = None
         if has_labels:
