@@ -38,18 +38,18 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
 from meshtrain.accelerate import collectives as col
-from meshtrain.accelerate.prepared import (
-    PreparedDataLoader,
-    PreparedModel,
-    PreparedOptimizer,
-    PreparedScheduler,
-)
-from meshtrain.accelerate.setup import (
+from meshtrain.accelerate.engine_config import (
     config_dict,
     engine_config,
     int_argument,
     load_rng_state,
     save_rng_state,
+)
+from meshtrain.accelerate.prepared import (
+    PreparedDataLoader,
+    PreparedModel,
+    PreparedOptimizer,
+    PreparedScheduler,
 )
 from meshtrain.errors import ConfigError
 

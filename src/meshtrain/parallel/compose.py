@@ -44,10 +44,10 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
+from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import ConfigError
-from meshtrain.optim.setup import param_groups
+from meshtrain.optim.builders import param_groups
 from meshtrain.parallel.zero.stage import ZeroStage
-from meshtrain.precision import DTYPES
 
 
 @dataclass
@@ -70,7 +70,7 @@ def parallelize(
     param-group dicts (default: every parameter of the model in one group). ``tp_plan``: a
     ``meshtrain.parallel.tensor.TPPlan`` for a model without a built-in plan.
     """
-    model = model.to(device=topology.device, dtype=DTYPES[config.precision])
+    model = model.to(device=topology.device, dtype=PRECISIONS[config.precision])
 
     if topology.pp_size > 1:  # what a pipeline cannot combine with, before anything changes
         from meshtrain.parallel.pipeline.engine_step import check_pipeline

@@ -85,7 +85,7 @@ def build_engine(trainer) -> None:
     config = args.to_engine_config(total_steps=trainer.max_steps, world_size=topology.world_size)
     scheduler = trainer.lr_scheduler
     if scheduler is None and "scheduler" not in config:
-        from meshtrain.trainer.schedules import scheduler_factory
+        from meshtrain.optim.lr_scheduler_types import scheduler_factory
 
         warmup = args.warmup_for(trainer.max_steps)
         scheduler = scheduler_factory(args.lr_scheduler_type, warmup, trainer.max_steps)
