@@ -198,7 +198,7 @@ def _classifier() -> Path:
 
 def _served(damage: Callable[[Path], object]) -> Callable[[Path], object]:
     def run(tmp: Path) -> object:
-        from meshtrain.serve.loading import load
+        from meshtrain.serve.model_loading import load
 
         folder = tmp / "model"
         shutil.copytree(_classifier(), folder)

@@ -69,7 +69,7 @@ def _sse(lines: list[str]) -> list:
 def test_openai_endpoint_with_template_and_streaming(chat_template_dir):
     from transformers import AutoTokenizer
 
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     messages = [
         {"role": "system", "content": "be brief"},
@@ -118,7 +118,7 @@ def test_full_queue_is_503_and_slow_request_is_504(chat_dir):
     """One worker, a queue of one: of several concurrent long requests, one runs, one waits
     and the rest get 503 with Retry-After at once. A timeout answers 504 and stops the
     generation, after which the server answers normally."""
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     served = load(chat_dir)
     # the tiny model must not stop early: the worker has to stay busy for the test
@@ -157,7 +157,7 @@ def test_chatglm_turn_format(chat_dir, fmt):
     """--chat-format chatglm builds the seeds' [Round i]/问/答 prompt."""
     from transformers import AutoTokenizer
 
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     tok = AutoTokenizer.from_pretrained(chat_dir)
     history = [["你好", "你好!"]]

@@ -24,8 +24,8 @@ _LAZY = {
     "Seq2SeqCollator": "meshtrain.data.collators",
     "MaskedLMCollator": "meshtrain.data.collators",
     "TokenClassificationCollator": "meshtrain.data.collators",
-    "ChatCollator": "meshtrain.data.chat",
-    "ChatTemplate": "meshtrain.data.chat",
+    "ChatCollator": "meshtrain.data.chat_data",
+    "ChatTemplate": "meshtrain.data.chat_data",
 }
 
 __all__ = [
@@ -62,7 +62,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from meshtrain.data.chat import ChatCollator, ChatTemplate
+    from meshtrain.data.chat_data import ChatCollator, ChatTemplate
     from meshtrain.data.collators import (
         CausalLMCollator,
         MaskedLMCollator,
