@@ -46,16 +46,13 @@ def build_engine(trainer) -> None:
         return
     import meshtrain
     from meshtrain.data.loader import ResumableDataLoader
-    from meshtrain.distributed.env import init_distributed
-    from meshtrain.distributed.topology import Topology
+    from meshtrain.distributed.env import read_env
+    from meshtrain.engine.start import join_mesh
 
     args = trainer.args
-    init_distributed()
-    mesh = args.mesh or {}
-    topology = Topology(
-        pp=int(mesh.get("pipeline_parallel_size", 1)),
-        tp=int(mesh.get("tensor_parallel_size", 1)),
-    )
+    # the one set-up path (engine/start.py): the process group from the config's
+    # distributed section, the mesh from its mesh section (deepspeed= and mesh= merged)
+    topology = join_mesh(args.to_engine_config(world_size=read_env().world_size))
     trainer.topology = topology
     trainer.state.is_world_process_zero = topology.rank == 0
     trainer.state.is_local_process_zero = int(os.environ.get("LOCAL_RANK", "0")) == 0
