@@ -35,14 +35,17 @@ from meshtrain.engine.engine import Engine
 
 log = logging.getLogger("meshtrain")
 
-_JOIN_SECTIONS = ("distributed", "mesh")  # all that joining and the mesh read
+# all that joining and the mesh read (tensor_parallel.autotp_size is DeepSpeed's name for
+# mesh.tensor_parallel_size)
+_JOIN_SECTIONS = ("distributed", "mesh", "tensor_parallel")
 
 
 def join_mesh(config: Config | Mapping[str, Any]) -> Topology:
     """Join the process group (``distributed.backend``, ``distributed.timeout_minutes``)
     and build the Topology of ``mesh``. ``config``: a Config, or a config dict of which
-    only the ``distributed`` and ``mesh`` sections are read (and validated: a mesh
-    dimension that is not built raises ConfigError here, before any process group)."""
+    only the ``distributed``, ``mesh`` and ``tensor_parallel`` sections are read (and
+    validated: a mesh dimension that is not built raises ConfigError here, before any
+    process group)."""
     if not isinstance(config, Config):
         config = load_config({k: config[k] for k in _JOIN_SECTIONS if k in config})
     d, mesh = config.distributed, config.mesh
