@@ -70,7 +70,7 @@ def worker(name: str, steps: int, out: str) -> None:
     import torch
 
     import meshtrain
-    from meshtrain.estimate.model import model_states_bytes
+    from meshtrain.estimate.model_states import model_states_bytes
     from meshtrain.models.decoder import Decoder, DecoderConfig
 
     torch.set_num_threads(1)

@@ -118,8 +118,8 @@ def _worker(peer: str, steps: int, out: str) -> dict:
     if peer == "engine-loop":
         import meshtrain
         from meshtrain.data.loader import ResumableDataLoader
+        from meshtrain.optim.lr_scheduler_types import scheduler_factory
         from meshtrain.trainer import TrainingArguments
-        from meshtrain.trainer.schedules import scheduler_factory
         from meshtrain.trainer.setup import param_groups
 
         args = _args(TrainingArguments, out, steps)

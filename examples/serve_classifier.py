@@ -147,7 +147,7 @@ def main() -> None:
     tok.save_pretrained(args.save_dir)  # beside `latest`: where `meshtrain serve` looks
 
     from meshtrain.serve.classify import Classifier
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     served = load(args.save_dir)  # what `meshtrain serve` does: no conversion step
     classify = Classifier(served)

@@ -2,11 +2,13 @@
 module-level mutable state.
 
 * No module over 400 lines (one job per module).
-* The graph of module-level imports between meshtrain modules has no cycle (imports
-  inside functions are how optional and heavy pieces load lazily, and are allowed to
-  point anywhere).
+* The graph of imports between meshtrain modules has no cycle, counting the imports
+  inside functions too: a lazy import still ties the two modules together, it only hides
+  the circle from Python's import machinery (and from a reader).
 * No ``global`` statement, and a module-level name bound to a list, dict or set is a
-  constant: UPPER_CASE (or ``__all__``), never rebound or mutated by the code.
+  constant: UPPER_CASE (or ``__all__``), and no code mutates it after import: not its own
+  functions, not another module that imported it (a registry filled from elsewhere), and
+  no ``globals()[...]`` writes.
 """
 
 from __future__ import annotations
@@ -28,14 +30,33 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _top_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every meshtrain module ``name`` imports, at module level or inside a function
+    (``if TYPE_CHECKING:`` blocks are never run and do not count)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
+    unrun = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in tree.body:  # module level only; TYPE_CHECKING blocks are not run
+    for node in ast.walk(tree):
+        if id(node) in unrun:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module
+            if node.level:  # relative: resolve against this package
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                module = f"{base}.{module}" if module else base
+            if not module:
+                continue
+            targets = [module] + [f"{module}.{a.name}" for a in node.names]
         else:
             continue
         for t in targets:
@@ -44,6 +65,57 @@ def _top_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
             if t and t != name and t.startswith("meshtrain"):
                 found.add(t)
     return found
+
+
+def _tangles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected sets of more than one module (each holds a cycle)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+# The circle inside trainer/ (issue 28, "A Trainer you read top to bottom") is being taken
+# apart in its own branch. Listed by name so nothing else can join it unseen; when it is
+# gone this test fails until the entry is deleted.
+KNOWN_TANGLES = [
+    frozenset(
+        {
+            "meshtrain.trainer.evaluation",
+            "meshtrain.trainer.pipeline_step",
+            "meshtrain.trainer.setup",
+            "meshtrain.trainer.trainer",
+            "meshtrain.trainer.training_loop",
+        }
+    )
+]
 
 
 def test_no_module_over_400_lines() -> None:
@@ -58,47 +130,132 @@ def test_no_module_over_400_lines() -> None:
 def test_no_import_cycles() -> None:
     mods = _modules()
     known = set(mods)
-    graph = {n: _top_level_imports(n, p, known) for n, p in mods.items()}
-    # a package's __init__ importing its own submodules is not a cycle through them
-    state: dict[str, int] = {}
-    stack: list[str] = []
+    graph = {
+        n: {
+            m
+            for m in _imports(n, p, known)
+            # a package's __init__ importing its own submodules is not a cycle through them
+            if not (n.startswith(m + ".") or m.startswith(n + "."))
+        }
+        for n, p in mods.items()
+    }
+    tangles = _tangles(graph)
+    new = [sorted(t) for t in tangles if t not in KNOWN_TANGLES]
+    assert new == [], f"import cycles (function-local imports count): {new}"
+    gone = [sorted(t) for t in KNOWN_TANGLES if t not in tangles]
+    assert gone == [], (
+        f"these tangles are gone (or changed): delete them from KNOWN_TANGLES: {gone}"
+    )
 
-    def visit(n: str) -> None:
-        state[n] = 1
-        stack.append(n)
-        for m in graph[n]:
-            if n.startswith(m + ".") or m.startswith(n + "."):
-                continue
-            if state.get(m) == 1:
-                cycle = stack[stack.index(m) :] + [m]
-                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
-            if m not in state:
-                visit(m)
-        stack.pop()
-        state[n] = 2
 
-    for n in graph:
-        if n not in state:
-            visit(n)
+def test_the_cycle_check_sees_function_local_imports() -> None:
+    """The check would catch a circle closed by a lazy import (the shape it used to miss)."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": set()}
+    assert _tangles(graph) == [frozenset({"a", "b"})]
+    mods = _modules()
+    lazy = _imports("meshtrain.engine.engine", mods["meshtrain.engine.engine"], set(mods))
+    assert "meshtrain.parallel.pipeline.engine_step" in lazy  # imported inside a method
+
+
+_MUTATORS = {
+    "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update",
+    "setdefault", "add", "discard", "sort", "reverse", "appendleft", "extendleft", "popleft",
+    "difference_update", "intersection_update", "symmetric_difference_update",
+    "__setitem__", "__delitem__",
+}  # fmt: skip
+_CONTAINERS = {"dict", "list", "set", "defaultdict", "deque", "OrderedDict", "Counter", "bytearray"}
+# A process-pool worker's own inputs, set once by the pool's initializer inside each worker
+# process (never in a training process): the one place a module container is written.
+WORKER_STATE = {("meshtrain.data.prepare_store", "_WORKER")}
+
+
+def _containers(tree: ast.Module) -> set[str]:
+    """Module-level names bound to a list, dict or set (literal, comprehension or call)."""
+    out = set()
+    for node in tree.body:
+        if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
+            continue
+        value = node.value
+        mutable = isinstance(value, ast.List | ast.Dict | ast.Set | ast.ListComp | ast.DictComp)
+        mutable = mutable or isinstance(value, ast.SetComp)
+        if isinstance(value, ast.Call):
+            f = value.func
+            called = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+            mutable = mutable or called in _CONTAINERS
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        out |= {t.id for t in targets if isinstance(t, ast.Name) and mutable}
+    return out
+
+
+def _base_name(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _mutations(name: str, tree: ast.Module, owned: dict[str, set[str]]) -> list[str]:
+    """Where ``tree`` mutates a module container: its own from inside a function, or one it
+    imported from another module anywhere; and every ``globals()[...]`` write."""
+    imported = {
+        (a.asname or a.name): f"{node.module}.{a.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module in owned
+        for a in node.names
+        if a.name in owned[node.module]
+    }
+    found = []
+
+    def check(node: ast.AST, in_function: bool) -> None:
+        watched = (owned[name] if in_function else set()) | set(imported)
+        hits = []
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+            hits += [_base_name(t) for t in targets if isinstance(t, ast.Subscript)]
+            for t in targets:
+                call = t.value if isinstance(t, ast.Subscript) else None
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "globals":
+                    found.append(f"{name}:{node.lineno} globals()[...] written")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in _MUTATORS:
+                hits.append(_base_name(node.func.value))
+        for h in hits:
+            if h in watched and (name, h) not in WORKER_STATE:
+                found.append(f"{name}:{node.lineno} mutates {imported.get(h, f'{name}.{h}')}")
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(
+                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+            )
+            check(child, inner)
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
 
 
 def test_no_module_level_mutable_state() -> None:
     problems = []
-    for name, path in _modules().items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+    trees = {n: ast.parse(p.read_text(encoding="utf-8")) for n, p in _modules().items()}
+    owned = {n: _containers(t) for n, t in trees.items()}
+    for name, tree in trees.items():
         for node in ast.walk(tree):
             if isinstance(node, ast.Global):
                 problems.append(f"{name}:{node.lineno} global {node.names}")
-        for node in tree.body:
-            if not isinstance(node, ast.Assign | ast.AnnAssign):
-                continue
-            value = node.value
-            mutable = isinstance(value, ast.List | ast.Dict | ast.Set | ast.ListComp | ast.DictComp)
-            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
-                mutable = mutable or value.func.id in ("dict", "list", "set", "defaultdict")
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                if isinstance(t, ast.Name) and mutable:
-                    if not (t.id.isupper() or t.id == "__all__" or t.id.lstrip("_").isupper()):
-                        problems.append(f"{name}:{node.lineno} {t.id}")
+        for t in owned[name]:
+            if not (t.isupper() or t == "__all__" or t.lstrip("_").isupper()):
+                problems.append(f"{name}: {t} (a module-level container must be a constant)")
+        problems += _mutations(name, tree, owned)
     assert problems == [], f"module-level mutable state: {problems}"
+
+
+def test_the_state_check_sees_a_registry_filled_from_elsewhere() -> None:
+    """The shape the UPPER_CASE rule let through (``SECTION_PATHS.update(...)`` in another
+    module) and a function appending to its own module's list are both caught."""
+    owner = ast.parse("REGISTRY = {}\nITEMS = []\ndef f():\n    ITEMS.append(1)\n")
+    user = ast.parse("from pkg.owner import REGISTRY\nREGISTRY.update({int: 'x'})\n")
+    cache = ast.parse("def g(v):\n    globals()['x'] = v\n")
+    owned = {"pkg.owner": _containers(owner), "pkg.user": set(), "pkg.cache": set()}
+    assert _mutations("pkg.owner", owner, owned) == ["pkg.owner:4 mutates pkg.owner.ITEMS"]
+    assert _mutations("pkg.user", user, owned) == ["pkg.user:2 mutates pkg.owner.REGISTRY"]
+    assert _mutations("pkg.cache", cache, owned) == ["pkg.cache:2 globals()[...] written"]

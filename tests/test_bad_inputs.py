@@ -198,7 +198,7 @@ def _classifier() -> Path:
 
 def _served(damage: Callable[[Path], object]) -> Callable[[Path], object]:
     def run(tmp: Path) -> object:
-        from meshtrain.serve.loading import load
+        from meshtrain.serve.model_loading import load
 
         folder = tmp / "model"
         shutil.copytree(_classifier(), folder)
@@ -345,7 +345,7 @@ CASES: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
      r"^TrainingArguments\.seed: '42' is not allowed; use an integer"),
     ("TrainingArguments mesh typo (issue 18)", _args(mesh={"tp": 2}), ConfigError,
      r"^TrainingArguments\.mesh\.tp: unknown key; valid keys: pipeline_parallel_size, "
-     r"tensor_parallel_size$"),
+     r"tensor_parallel_size, context_parallel_size, expert_parallel_size$"),
     ("TrainingArguments best without evaluation (issue 18)", _args(save_strategy="best"),
      ConfigError, r'^TrainingArguments\.save_strategy "best" saves after an evaluation .*'
      r'eval_strategy is "no", so nothing would ever be saved; set eval_strategy to "steps"'),

@@ -16,7 +16,7 @@ import torch
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError
 from meshtrain.estimate.cli import parse_count
-from meshtrain.estimate.model import (
+from meshtrain.estimate.model_states import (
     ModelStates,
     count_params,
     estimate_table,
@@ -235,7 +235,7 @@ def test_bad_counts_and_cli_errors(capsys):
 
 
 def test_import_is_light():
-    code = "import sys, meshtrain.estimate.model; print(json.dumps('transformers' in sys.modules))"
+    code = "import sys, meshtrain.estimate.model_states; print(json.dumps('transformers' in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True
     ).stdout

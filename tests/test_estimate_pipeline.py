@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshtrain.cli import main
-from meshtrain.estimate.model import count_params, model_states_bytes
+from meshtrain.estimate.model_states import count_params, model_states_bytes
 from meshtrain.estimate.pipeline import (
     TransformerDims,
     block_activation_bytes,

@@ -1,4 +1,4 @@
-"""FlatGroup's optimizer slices and gradient landing (meshtrain.parallel.flat_group), in one
+"""FlatGroup's optimizer slices and gradient landing (meshtrain.parallel.zero.flat_group), in one
 process (partitions 1: plain data parallelism's layout, no process group needed).
 
 Every comparison is bit-exact (``torch.equal``): slicing a master chunk changes which
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtrain.parallel.flat_group import FlatGroup
+from meshtrain.parallel.zero.flat_group import FlatGroup
 
 
 def _model() -> nn.Module:
@@ -108,7 +108,7 @@ def test_optimizer_state_joins_and_cuts_slices_exactly():
 def _reducer(group: FlatGroup):
     from meshtrain.distributed.comm import Group
     from meshtrain.distributed.comm_stats import CommStats
-    from meshtrain.parallel.grad_reducer import GradReducer
+    from meshtrain.parallel.zero.grad_reducer import GradReducer
 
     dp = Group("dp", None, (0,), 0, CommStats())  # size 1: collectives are no-ops
     return GradReducer([group], dp)

@@ -103,7 +103,7 @@ def test_full_runs_map_shard_elements_to_full_indices(t, dim):
 
 
 def test_estimate_counts_tensor_parallel_shards_exactly():
-    from meshtrain.estimate.model import model_states_bytes
+    from meshtrain.estimate.model_states import model_states_bytes
     from meshtrain.models import Decoder, DecoderConfig
 
     cfg = DecoderConfig(vocab_size=250, dim=48, n_layers=2, n_heads=6, ffn_dim=98, seed=3)

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 import meshtrain as deepspeed
-from meshtrain.data.chat import ChatCollator
+from meshtrain.data.chat_data import ChatCollator
 from meshtrain.models import Decoder, DecoderConfig
 
 

@@ -80,9 +80,8 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
     module_name, attr = target.split(":")
-    value = getattr(importlib.import_module(module_name), attr)
-    globals()[name] = value  # cache: later lookups skip __getattr__
-    return value
+    # not cached in globals(): no module state; import_module is a dict lookup once loaded
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def __dir__() -> list[str]:

@@ -2,7 +2,7 @@
 
 Policy (DeepSpeed's): with ``bf16`` or ``fp16`` enabled the model's parameters,
 activations and gradients are 16-bit and the optimizer steps fp32 *master* copies that
-the engine keeps beside them (see ``meshtrain.parallel.flat_group``). bf16 has fp32's exponent
+the engine keeps beside them (see ``meshtrain.parallel.zero.flat_group``). bf16 has fp32's exponent
 range, so it needs no loss scaling; fp16 does.
 
 Dynamic loss scaling (DeepSpeed's ``DynamicLossScaler``, same knobs and meaning):
@@ -31,13 +31,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from meshtrain.errors import TrainingError
 
 log = logging.getLogger("meshtrain")
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class LossScaler:

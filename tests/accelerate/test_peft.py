@@ -106,7 +106,7 @@ def _stage(stage: int, world: int, tmp: str) -> dict:
 
     from safetensors.torch import load_file
 
-    from meshtrain.estimate.model import model_states_bytes
+    from meshtrain.estimate.model_states import model_states_bytes
 
     acc, model, opt, loader, base0 = _setup(stage, world)
     phi, phi_emb = base0.pop("frozen_numel")

@@ -91,3 +91,82 @@ def test_mismatch_names_all_four_numbers():
         MeshLayout.for_world(6, pp=4)
     with pytest.raises(TopologyError, match="tp=0"):
         MeshLayout(tp=0)
+
+
+# The drawing of docs/architecture.md and of topology.py's docstring, world 8 as
+# dp=2 x cp=2 x tp=2 with ep=2: asserted here so the pictures cannot drift.
+WORLD8_CP_EP = {
+    "tp": [(0, 1), (2, 3), (4, 5), (6, 7)],
+    "cp": [(0, 2), (1, 3), (4, 6), (5, 7)],
+    "dp": [(0, 4), (1, 5), (2, 6), (3, 7)],
+    "dp_cp": [(0, 2, 4, 6), (1, 3, 5, 7)],
+    "ep": [(0, 2), (1, 3), (4, 6), (5, 7)],
+    "edp": [(0, 4), (1, 5), (2, 6), (3, 7)],
+    "pp": [(r,) for r in range(8)],
+}
+
+
+def test_world8_cp_ep_groups_as_drawn():
+    layout = MeshLayout(dp=2, cp=2, tp=2, ep=2)
+    for dim, groups in WORLD8_CP_EP.items():
+        assert sorted(layout.all_groups(dim)) == groups, dim
+    assert [layout.coords(r)["cp"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [layout.coords(r)["ep"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [layout.coords(r)["edp"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 2, 1, 2, 4), (1, 4, 2, 1, 2), (2, 1, 2, 2, 2), (1, 2, 2, 2, 4)]
+)
+def test_ep_is_carved_out_of_dp_cp(shape):
+    """Every ep group lies inside one dp_cp group; ep x edp = dp x cp; every group kind
+    partitions the world; a rank's coordinates give back the rank."""
+    pp, dp, tp, cp, ep = shape
+    layout = MeshLayout(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep)
+    assert layout.size("ep") * layout.size("edp") == dp * cp == layout.size("dp_cp")
+    for dim in ("pp", "dp", "cp", "tp", "ep", "edp", "dp_cp"):
+        flat = sorted(r for g in layout.all_groups(dim) for r in g)
+        assert flat == list(range(layout.world_size)), dim
+    for r in range(layout.world_size):
+        assert set(layout.group_ranks("ep", r)) <= set(layout.group_ranks("dp_cp", r))
+        assert set(layout.group_ranks("edp", r)) <= set(layout.group_ranks("dp_cp", r))
+        assert set(layout.group_ranks("ep", r)) & set(layout.group_ranks("edp", r)) == {r}
+        assert layout.rank(**layout.coords(r)) == r
+
+
+def test_ep_must_divide_dp_cp():
+    with pytest.raises(TopologyError, match=r"expert parallel size 3 must divide dp 2 x cp 2 = 4"):
+        MeshLayout(dp=2, cp=2, ep=3)
+    with pytest.raises(TopologyError, match=r"pp 1 x dp 2 x cp 2 x tp 1 = 4 != world size 8"):
+        MeshLayout.for_world(8, dp=2, cp=2)
+
+
+def _cp_ep_groups():
+    """On every rank: the new dimensions' groups reduce over exactly their ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from meshtrain.distributed import comm
+    from meshtrain.distributed.topology import GROUPS, Topology
+
+    out = []
+    for kw in (dict(cp=2, ep=2), dict(tp=2, ep=2), dict(cp=2, ep=4)):
+        topo = Topology(**kw)
+        sums = {}
+        for d in GROUPS:
+            t = torch.tensor([float(dist.get_rank())])
+            comm.all_reduce(t, topo.group(d))
+            sums[d] = (topo.group(d).ranks, float(t))
+        out.append((kw, topo.coords, sums, repr(topo)))
+    return out
+
+
+def test_cp_ep_groups_at_4_ranks():
+    for rank, seen in enumerate(run_ranks(_cp_ep_groups, 4, timeout=300)):
+        for kw, coords, sums, text in seen:
+            layout = MeshLayout.for_world(4, **kw)
+            assert coords == layout.coords(rank)
+            for d, (ranks, total) in sums.items():
+                assert ranks == layout.group_ranks(d, rank), (kw, d)
+                assert total == sum(ranks), (kw, d)
+            assert f"cp={layout.cp}" in text and f"ep={layout.ep}" in text

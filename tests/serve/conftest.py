@@ -60,13 +60,13 @@ def live_server(served, **settings):
 
 @pytest.fixture(scope="session")
 def served_classifier(classifier_dir):
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     return load(classifier_dir)
 
 
 @pytest.fixture(scope="session")
 def served_chat(chat_dir):
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     return load(chat_dir)

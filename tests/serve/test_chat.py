@@ -70,7 +70,7 @@ def _sse(lines: list[str]) -> list:
 def test_openai_endpoint_with_template_and_streaming(chat_template_dir):
     from transformers import AutoTokenizer
 
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     messages = [
         {"role": "system", "content": "be brief"},
@@ -123,7 +123,7 @@ def test_full_queue_is_503_and_slow_request_is_504(chat_dir):
 
     The worker is held by a gate in the model's forward, not by the model being slow, so
     the test proves the queue's behaviour on a machine of any speed or load."""
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     served = load(chat_dir)
     req = {"prompt": "hi", "max_new_tokens": 4}
@@ -178,7 +178,7 @@ def test_chatglm_turn_format(chat_dir, fmt):
     """--chat-format chatglm builds the seeds' [Round i]/问/答 prompt."""
     from transformers import AutoTokenizer
 
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     tok = AutoTokenizer.from_pretrained(chat_dir)
     history = [["你好", "你好!"]]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from meshtrain.serve.loading import load
+from meshtrain.serve.model_loading import load
 from tests.serve.conftest import live_server
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_classifier.py"

@@ -16,7 +16,7 @@ import pytest
 
 from meshtrain import cli
 from meshtrain.errors import ServeError
-from meshtrain.serve.loading import load, resolve
+from meshtrain.serve.model_loading import load, resolve
 
 
 def _free_port() -> int:

@@ -60,7 +60,7 @@ def _answers(url: str, task: str) -> list:
 @pytest.mark.parametrize("task", ["classifier", "chat"])
 def test_sharded_checkpoint_serves_like_its_export(trained, task, tmp_path):
     from meshtrain.checkpoint import consolidate
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     root, states = trained
     save_dir = root / task

@@ -38,18 +38,18 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
 from meshtrain.accelerate import collectives as col
-from meshtrain.accelerate.prepared import (
-    PreparedDataLoader,
-    PreparedModel,
-    PreparedOptimizer,
-    PreparedScheduler,
-)
-from meshtrain.accelerate.setup import (
+from meshtrain.accelerate.engine_config import (
     config_dict,
     engine_config,
     int_argument,
     load_rng_state,
     save_rng_state,
+)
+from meshtrain.accelerate.prepared import (
+    PreparedDataLoader,
+    PreparedModel,
+    PreparedOptimizer,
+    PreparedScheduler,
 )
 from meshtrain.errors import ConfigError
 
@@ -74,20 +74,16 @@ class Accelerator:
         *,
         seed: int = 0,
     ) -> None:
-        from meshtrain.distributed.env import init_distributed
-        from meshtrain.distributed.topology import Topology
+        from meshtrain.distributed.env import read_env
+        from meshtrain.engine.start import join_mesh
 
         gas = int_argument("gradient_accumulation_steps", gradient_accumulation_steps, 1)
         self._config = config_dict(config, mixed_precision, gas)
         self.mixed_precision = mixed_precision or "no"
         self.gradient_accumulation_steps = int(self._config["gradient_accumulation_steps"])
         self.seed = int_argument("seed", seed, 0)
-        self._env = init_distributed()
-        mesh = self._config.get("mesh") or {}
-        self.topology = Topology(
-            pp=int(mesh.get("pipeline_parallel_size", 1)),
-            tp=int(mesh.get("tensor_parallel_size", 1)),
-        )
+        self.topology = join_mesh(self._config)  # the one set-up path (engine/start.py)
+        self._env = read_env()
         self.engine = None
         self._optimizer: PreparedOptimizer | None = None
         self._loaders: list[PreparedDataLoader] = []
@@ -213,10 +209,10 @@ class Accelerator:
         self._active_loader = loader
 
     def _build_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        from meshtrain.engine.engine import Engine
+        from meshtrain.engine.start import start_engine
 
         cfg = engine_config(self._config, self._loaders, self.topology)
-        self.engine = Engine(model, cfg, self.topology, optimizer=optimizer)
+        self.engine = start_engine(model, cfg, topology=self.topology, optimizer=optimizer)
         return self.engine
 
     def _prepare_scheduler(self, scheduler) -> PreparedScheduler:

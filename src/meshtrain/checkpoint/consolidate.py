@@ -43,22 +43,10 @@ import torch
 from meshtrain.checkpoint import storage
 from meshtrain.checkpoint.manifest import dtype_from_name, dtype_name
 from meshtrain.checkpoint.reader import CheckpointReader
+from meshtrain.dtypes import PRECISIONS, SAFETENSORS_CODES
 from meshtrain.errors import CheckpointError
 
 CHUNK_NUMEL = 1 << 22  # elements per streamed chunk: 16 MiB of fp32
-CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ST_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 def _plan(
@@ -83,7 +71,7 @@ def _header(plan: list[tuple[str, str, torch.dtype, tuple[int, ...]]]) -> bytes:
     for key, _canon, dtype, shape in plan:
         nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
         header[key] = {
-            "dtype": _ST_CODES[dtype],
+            "dtype": SAFETENSORS_CODES[dtype],
             "shape": list(shape),
             "data_offsets": [pos, pos + nbytes],
         }
@@ -142,12 +130,12 @@ def _write_streamed(
 def _cast_arg(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None:
         return None
-    cast = CAST_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    cast = PRECISIONS.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if isinstance(cast, str) and cast in ("float32", "bfloat16", "float16"):
         cast = dtype_from_name(cast)
-    if cast not in CAST_DTYPES.values():
+    if cast not in PRECISIONS.values():
         raise CheckpointError(
-            f"consolidate: dtype {dtype!r} is not supported; use one of {sorted(CAST_DTYPES)}"
+            f"consolidate: dtype {dtype!r} is not supported; use one of {sorted(PRECISIONS)}"
         )
     return cast
 
@@ -252,7 +240,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default=None,
-        choices=sorted(CAST_DTYPES),
+        choices=sorted(PRECISIONS),
         help="cast floating tensors (default: the model dtype in the checkpoint)",
     )
     p.add_argument(

@@ -52,7 +52,6 @@ from meshtrain.checkpoint.model_names import model_names
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.checkpoint.writer import save_shards
 from meshtrain.errors import CheckpointError
-from meshtrain.parallel.flat_group import Bucket, FlatGroup
 from meshtrain.parallel.tensor.sharding import (
     ShardSpec,
     full_runs,
@@ -60,6 +59,7 @@ from meshtrain.parallel.tensor.sharding import (
     specs_by_param,
     unshard_tensor,
 )
+from meshtrain.parallel.zero.flat_group import Bucket, FlatGroup
 from meshtrain.parallel.zero.frozen import whole_state_items
 
 log = logging.getLogger("meshtrain")

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from meshtrain.dtypes import BY_MANIFEST_NAME
 from meshtrain.errors import CheckpointError
 
 FORMAT = "meshtrain-checkpoint"
@@ -61,18 +62,6 @@ TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 KINDS = ("param", "buffer", "frozen")
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*$")
 
 
@@ -89,10 +78,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str, where: str = "dtype") -> torch.dtype:
     """The torch dtype of a manifest dtype string; CheckpointError names ``where``."""
     try:
-        return DTYPES[name]
+        return BY_MANIFEST_NAME[name]
     except KeyError:
         raise CheckpointError(
-            f"{where}: unknown dtype {name!r}; use one of {sorted(DTYPES)}"
+            f"{where}: unknown dtype {name!r}; use one of {sorted(BY_MANIFEST_NAME)}"
         ) from None
 
 

@@ -52,7 +52,6 @@ import torch.distributed as dist
 
 from meshtrain.checkpoint import storage
 from meshtrain.checkpoint.manifest import (
-    DTYPES,
     LATEST,
     MANIFEST,
     OLD_PREFIX,
@@ -68,6 +67,7 @@ from meshtrain.checkpoint.manifest import (
     rank_file,
 )
 from meshtrain.distributed.comm import Group
+from meshtrain.dtypes import BY_MANIFEST_NAME
 from meshtrain.errors import CheckpointError
 
 PHASES = ("shard_written", "manifest_written", "moved_aside", "renamed", "latest_written")
@@ -137,9 +137,9 @@ def _check_local(
     for key, t in tensors.items():
         if not isinstance(key, str) or not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{where}: tensors[{key!r}] must be a tensor under a str key")
-        if t.dtype not in DTYPES.values():
+        if t.dtype not in BY_MANIFEST_NAME.values():
             raise CheckpointError(
-                f"{where}: tensors[{key!r}] has dtype {t.dtype}; supported: {sorted(DTYPES)}"
+                f"{where}: tensors[{key!r}] has dtype {t.dtype}; supported: {sorted(BY_MANIFEST_NAME)}"
             )
     for i, p in enumerate(pieces):
         if not isinstance(p, Piece):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from meshtrain.config._types import AUTO
 from meshtrain.config.loading import detect_world_size, load_config, read_config_file
-from meshtrain.config.model import Config
 from meshtrain.config.optimizer import (
     OPTIMIZERS,
     SCHEDULERS,
@@ -36,6 +35,7 @@ from meshtrain.config.optimizer import (
     WarmupLRParams,
 )
 from meshtrain.config.resolve import AUTO_DEFAULTS, BATCH_KEYS, derive_batch_sizes
+from meshtrain.config.root import Config
 from meshtrain.config.sections import (
     ActivationCheckpointingConfig,
     AmpConfig,

@@ -17,7 +17,15 @@ import math
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Strict, ValidationError
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PrivateAttr,
+    Strict,
+    ValidationError,
+)
 
 AUTO = "auto"
 Auto = Literal["auto"]
@@ -88,8 +96,15 @@ def canonical_choice(choices: tuple[str, ...]) -> Any:
     return Annotated[Literal[choices], BeforeValidator(canon)]  # type: ignore[valid-type]
 
 
-# section class -> its dotted path in the config (filled by the modules defining them)
-SECTION_PATHS: dict[type, str] = {}
+def label_paths(model: BaseModel, prefix: str = "") -> None:
+    """Tell every section below ``model`` its dotted path (``zero_optimization.offload_param``),
+    so an assignment error names it. Instance state, set by the root config's validator:
+    no registry of classes to fill from other modules."""
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, Section):
+            value._path = f"{prefix}{name}"
+            label_paths(value, f"{prefix}{name}.")
 
 
 class Section(BaseModel):
@@ -102,11 +117,12 @@ class Section(BaseModel):
         extra="forbid", use_attribute_docstrings=True, validate_assignment=True
     )
 
+    _path: str = PrivateAttr(default="")  # dotted place in the config, for error messages
+
     def __setattr__(self, name: str, value: Any) -> None:
         try:
             super().__setattr__(name, value)
         except ValidationError as exc:
             from meshtrain.config._errors import translate
 
-            prefix = SECTION_PATHS.get(type(self), "")
-            raise translate(exc, type(self), prefix, {name: value}) from None
+            raise translate(exc, type(self), self._path, {name: value}) from None

@@ -11,8 +11,8 @@ import yaml
 
 from meshtrain.config._errors import show
 from meshtrain.config._types import AUTO
-from meshtrain.config.model import Config
 from meshtrain.config.resolve import BATCH_KEYS
+from meshtrain.config.root import Config
 from meshtrain.errors import ConfigError
 
 

@@ -17,9 +17,9 @@ from pydantic_core import PydanticUndefined
 
 from meshtrain.config._errors import _bounds, _members, _models_in, _strip
 from meshtrain.config.loading import load_config
-from meshtrain.config.model import Config
 from meshtrain.config.optimizer import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
 from meshtrain.config.resolve import AUTO_DEFAULTS
+from meshtrain.config.root import Config
 from meshtrain.errors import ConfigError
 
 _SIMPLE = {int: "int", float: "float", bool: "bool", str: "string", type(None): "null"}

@@ -23,7 +23,7 @@ from meshtrain.config.optimizer import (
 from meshtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from meshtrain.config.model import Config
+    from meshtrain.config.root import Config
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 

@@ -229,12 +229,32 @@ class CompileConfig(Section):
 
 
 class MeshConfig(Section):
-    """``mesh`` (meshtrain): the parallel layout; data parallelism takes the remaining ranks."""
+    """``mesh`` (meshtrain): the parallel layout pp x dp x cp x tp, with expert parallelism (ep) carved out of dp x cp; data parallelism takes the remaining ranks."""
 
     pipeline_parallel_size: PosInt = 1
     """Pipeline stages (pp); the model's layers are split into this many stages."""
     tensor_parallel_size: PosInt = 1
-    """Tensor-parallel ranks (tp) sharing each layer; data-parallel size = world size / (pp * tp)."""
+    """Tensor-parallel ranks (tp) sharing each layer; data-parallel size = world size / (pp * cp * tp)."""
+    context_parallel_size: PosInt = 1
+    """Context-parallel ranks (cp) holding different chunks of each sequence. Not built yet: only 1 is accepted."""
+    expert_parallel_size: PosInt = 1
+    """Expert-parallel ranks (ep), carved out of dp x cp, each holding a slice of the experts. Not built yet: only 1 is accepted."""
+
+    @model_validator(mode="after")
+    def _built(self) -> MeshConfig:
+        # refused at load, before any process group or model exists: a run that asked for
+        # a dimension must never silently run without it
+        for key, issue in (
+            ("context_parallel_size", "context"),
+            ("expert_parallel_size", "expert"),
+        ):
+            value = getattr(self, key)
+            if value > 1:
+                raise ConfigError(
+                    f"mesh.{key}: {value} is not supported yet ({issue} parallelism is not "
+                    f"built); remove mesh.{key} or set it to 1"
+                )
+        return self
 
 
 class PipelineConfig(Section):

@@ -24,8 +24,8 @@ _LAZY = {
     "Seq2SeqCollator": "meshtrain.data.collators",
     "MaskedLMCollator": "meshtrain.data.collators",
     "TokenClassificationCollator": "meshtrain.data.collators",
-    "ChatCollator": "meshtrain.data.chat",
-    "ChatTemplate": "meshtrain.data.chat",
+    "ChatCollator": "meshtrain.data.chat_data",
+    "ChatTemplate": "meshtrain.data.chat_data",
 }
 
 __all__ = [
@@ -52,9 +52,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'meshtrain.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return getattr(importlib.import_module(module), name)  # not cached: no module state
 
 
 def __dir__() -> list[str]:
@@ -62,7 +60,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from meshtrain.data.chat import ChatCollator, ChatTemplate
+    from meshtrain.data.chat_data import ChatCollator, ChatTemplate
     from meshtrain.data.collators import (
         CausalLMCollator,
         MaskedLMCollator,

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshtrain.distributed.ledger import STORE_PREFIX
+from meshtrain.distributed.rank_records import read_store
 
 _PACKAGE_DIRS = (
     os.sep + os.path.join("meshtrain", "distributed") + os.sep,
@@ -131,23 +131,6 @@ def _newest_attempt(records: dict[int, dict]) -> dict[int, dict]:
         return records
     newest = max(r.get("attempt", 0) for r in records.values())
     return {k: v for k, v in records.items() if v.get("attempt", 0) == newest}
-
-
-def read_store(store: Any, world_size: int, wait_s: float = 0.0) -> dict[int, dict]:
-    """The records published to a rendezvous store (``meshtrain/doctor/rank<R>``)."""
-    from datetime import timedelta
-
-    records: dict[int, dict] = {}
-    for rank in range(world_size):
-        key = f"{STORE_PREFIX}rank{rank}"
-        try:
-            if wait_s:
-                store.wait([key], timedelta(seconds=wait_s))
-            if store.check([key]):
-                records[rank] = json.loads(store.get(key))
-        except Exception:  # noqa: BLE001 - a rank that never published
-            continue
-    return records
 
 
 def read_job(

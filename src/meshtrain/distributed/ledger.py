@@ -47,9 +47,10 @@ import weakref
 from collections import deque
 from typing import Any
 
+from meshtrain.distributed.rank_records import read_store, record_key
+
 CAPACITY = 64
 STALL_FRACTION = 0.75  # of the collective timeout, before the watchdog reports a stall
-STORE_PREFIX = "meshtrain/doctor/"
 DOCTOR_DIR_ENV = "MESHTRAIN_DOCTOR_DIR"
 RUN_DIR_ENV = "MESHTRAIN_RUN_DIR"
 
@@ -181,7 +182,7 @@ class Ledger:
         if folder:
             _write_atomic(os.path.join(folder, f"rank{self._rank}.json"), text)
         if store:
-            _store_set(f"{STORE_PREFIX}rank{self._rank}", text)
+            _store_set(record_key(self._rank), text)
         return rec
 
     def capture_stack(self) -> None:
@@ -312,8 +313,6 @@ def _start_watchdog(ledger: Ledger) -> None:
 def _peer_first(ledger: Ledger) -> dict | None:
     """The first record of a peer that raised outside a collective or left the job (an
     exit record), from the store, if any: why this rank's collective failed."""
-    from meshtrain.distributed.doctor import read_store
-
     found: list[dict] = []
 
     def look() -> None:

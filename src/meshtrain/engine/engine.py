@@ -29,13 +29,14 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
+from meshtrain.dtypes import PRECISIONS
 from meshtrain.engine.queries import EngineQueries
 from meshtrain.engine.step_log import StepLog
-from meshtrain.errors import TrainingError
-from meshtrain.optim.setup import make_optimizer, make_scheduler
+from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.optim.builders import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.zero.partition import adopt
-from meshtrain.precision import DTYPES, scaler_from_config
+from meshtrain.precision import scaler_from_config
 
 log = logging.getLogger("meshtrain")
 
@@ -61,7 +62,7 @@ class Engine(EngineQueries):
         self.config = config
         self.topology = topology
         self.device = topology.device
-        self.dtype = DTYPES[config.precision]
+        self.dtype = PRECISIONS[config.precision]
         self.zero_stage = int(config.zero_optimization.stage)
         self.gas = int(config.gradient_accumulation_steps)
         self.micro_batch_size = int(config.train_micro_batch_size_per_gpu)
@@ -69,6 +70,7 @@ class Engine(EngineQueries):
         self._clip_once: float | None = None  # clip_grad_norm_'s max_norm for one step
         self._norm_once: float | None = None  # and the norm it computed (reused by step)
         self.training_dataloader = training_dataloader
+        self._train_iter = None  # train_batch()'s own pass over training_dataloader
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -143,6 +145,22 @@ class Engine(EngineQueries):
         with self.log.timed("backward"):
             (loss.float() * multiplier).backward()
             self.zero.after_backward()
+
+    def micro_batches(self, data_iter, m: int) -> list:
+        """``m`` batches of ``data_iter`` (None: of the training loader), on device."""
+        if data_iter is None and self.training_dataloader is None:
+            raise ConfigError("give train_batch() a data iterator, or initialize training_data")
+        if data_iter is None:
+            if self._train_iter is None:
+                self._train_iter = iter(self.training_dataloader)
+            data_iter = self._train_iter
+        try:
+            return [self._to_device(next(data_iter)) for _ in range(m)]
+        except StopIteration:
+            raise ConfigError(
+                f"the data iterator ran out before giving {m} micro-batches "
+                "(gradient_accumulation_steps) for this step"
+            ) from None
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from

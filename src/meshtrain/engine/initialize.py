@@ -16,15 +16,11 @@ Scripts written for DeepSpeed port with an import change::
 from __future__ import annotations
 
 import argparse
-import logging
 
 from torch import nn
 
 from meshtrain.distributed.topology import Topology
-from meshtrain.engine.engine import Engine
 from meshtrain.errors import ConfigError
-
-log = logging.getLogger("meshtrain")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -107,8 +103,7 @@ def initialize(
     ``tp_plan``: a tensor-parallel plan (``meshtrain.parallel.tensor.TPPlan``) for a model
     without a built-in one, used when ``mesh.tensor_parallel_size`` > 1.
     """
-    from meshtrain.config.ignored import warn_ignored
-    from meshtrain.distributed.env import init_distributed
+    from meshtrain.engine.start import start_engine
 
     if model is None:
         raise ConfigError("model: meshtrain.initialize needs model= (a torch.nn.Module)")
@@ -118,26 +113,18 @@ def initialize(
             "config's mesh section (mesh.tensor_parallel_size, mesh.pipeline_parallel_size)"
         )
     cfg = _choose_config(config, config_params, args)
-    init_distributed(timeout_minutes=cfg.distributed.timeout_minutes)
-    if topology is None:
-        topology = Topology(pp=cfg.mesh.pipeline_parallel_size, tp=cfg.mesh.tensor_parallel_size)
-    cfg = cfg.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
-    if topology.rank == 0:
-        warn_ignored(cfg, log)
-    from meshtrain.data.loader import ResumableDataLoader
-
-    loader = training_data if isinstance(training_data, ResumableDataLoader) else None
-    if training_data is not None and loader is None:
-        loader = ResumableDataLoader(
-            training_data,
-            cfg.train_micro_batch_size_per_gpu,
-            num_replicas=topology.dp_size,
-            rank=topology.dp_rank,
-            collate_fn=collate_fn,
-        )
-    engine = Engine(
-        model, cfg, topology, model_parameters, optimizer, lr_scheduler, loader, tp_plan=tp_plan
+    engine = start_engine(
+        model,
+        cfg,
+        topology=topology,
+        model_parameters=model_parameters,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+        tp_plan=tp_plan,
     )
+    loader = engine.training_dataloader
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtrain.estimate.model import ModelStates, model_states_bytes
+from meshtrain.estimate.model_states import ModelStates, model_states_bytes
 
 _OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad"}
 

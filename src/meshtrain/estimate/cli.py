@@ -1,4 +1,4 @@
-"""``meshtrain estimate``: the model-state memory table of :mod:`meshtrain.estimate.model` from
+"""``meshtrain estimate``: the model-state memory table of :mod:`meshtrain.estimate.model_states` from
 the command line, for a parameter count (``7.5e9``, ``7.5B``) or a model (a reference
 decoder spec or a transformers config), without building the model's weights."""
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import ConfigError
-from meshtrain.estimate.model import OPTIMIZERS, estimate_table
+from meshtrain.estimate.model_states import OPTIMIZERS, estimate_table
 
 __all__ = ["add_parser", "model_from_spec", "parse_count"]
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshtrain.estimate.model import ModelStates, _positive_int, model_states_bytes
+from meshtrain.estimate.model_states import ModelStates, _positive_int, model_states_bytes
 
 __all__ = ["StageMemory", "TransformerDims", "block_activation_bytes", "pipeline_memory"]
 
@@ -193,7 +193,7 @@ def rank_activations(
 
 def pipeline_table(rows: list[StageMemory], *, schedule: str, m: int, seq_len, b: int) -> str:
     """The per-rank table ``meshtrain estimate --pp P --model ...`` prints (GB = 1e9)."""
-    from meshtrain.estimate.model import _gb
+    from meshtrain.estimate.model_states import _gb
 
     head = ["pp rank", "stages", "blocks", "params", "model states", "peak mb", "activations"]
     head.append("total")

@@ -158,7 +158,7 @@ class Decoder(nn.Module):
         Built under ``meshtrain.zero.Init`` the children's parameters are already
         partitioned here; ``GatheredParameters`` makes each one whole while it is set (a
         no-op otherwise), so both builds get the same values."""
-        from meshtrain.zero import GatheredParameters
+        from meshtrain.deepspeed_zero import GatheredParameters
 
         gen = torch.Generator().manual_seed(self.config.seed)
         out_std = 0.02 / math.sqrt(2 * self.config.n_layers)

@@ -7,7 +7,7 @@ CUDA where torch has a fused kernel for that optimizer (Adam, AdamW, SGD), the m
 own CPU default; torch's CPU ``foreach`` is a loop over the tensors anyway). On CPU
 ``foreach`` allocates each temporary for *all* tensors at once (``sqrt(v)`` of every master
 slice: the size of the whole shard), the single-tensor loop one slice's worth at a time,
-which keeps the step's peak memory at ``2 x`` one slice (``parallel/flat_group.py``); the
+which keeps the step's peak memory at ``2 x`` one slice (``parallel/zero/flat_group.py``); the
 results are bit-identical. DeepSpeed's names and semantics are kept:
 
 * type ``Adam`` means *decoupled* weight decay (AdamW), as DeepSpeed's FusedAdam does by

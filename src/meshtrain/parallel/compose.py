@@ -4,17 +4,26 @@
 
     place      model.to(device, dtype)
     1. TP      tensor-parallel plan: swap linears/embeddings for sharded ones
-    2. PP      pipeline split: keep this stage's layers only
-    3. AC      activation checkpointing of each block
-    4. compile torch.compile (lazy: traced at the first forward)
-    5. DP/ZeRO broadcast rank 0's weights over dp, flatten into buckets, install the
+    2. CP      context-parallel attention (not built: a cp > 1 mesh is refused here)
+    3. EP      expert sharding: each ep rank keeps its slice of the experts (not built)
+    4. PP      pipeline split: keep this stage's layers only
+    5. AC      activation checkpointing of each block
+    6. compile torch.compile (lazy: traced at the first forward)
+    7. DP/ZeRO broadcast rank 0's weights over dp, flatten into buckets, install the
                gradient reducer (and ZeRO-3's gathering hooks)
 
-Why this order:
+Why this order (torchtitan's, for the same reasons):
 
 * TP first: it changes what the parameters *are* (shapes, which rank holds what). Every
   later step (the pipeline's balance by parameter count, the checkpointed blocks, the
   flat buffers) must see the sharded parameters, never the full ones.
+* CP after TP: it swaps the attention *computation* (ring or all-to-all over the cp
+  group) inside the already tensor-parallel attention module, whose heads are this tp
+  rank's; it adds no parameters, so nothing after it sees a difference in shapes.
+* EP after CP, before PP: expert sharding, like TP, changes which parameters a rank holds
+  (its slice of the experts), so the pipeline's balance and the flat buffers must see it;
+  it comes after TP and CP because the router and dispatch see the activations those
+  produce (tokens of this rank's sequence chunk).
 * PP before AC and DP: a rank checkpoints, flattens and reduces only the layers of its
   own stage; flattening first would allocate buffers for layers the rank drops.
 * AC before compile: the checkpoint wrapper is part of what gets traced, so the compiled
@@ -26,7 +35,10 @@ Why this order:
   sees the module exactly as it will run. Compiling the module after the wrap would be
   equivalent; this order keeps the documented one.
 * DP/ZeRO last: it owns the parameters' storage (flat buckets, shards), which must be
-  laid out over the final set of parameters.
+  laid out over the final set of parameters. With CP the replicas are dp x cp (the
+  ``dp_cp`` group); expert parameters are reduced over ``edp`` instead.
+
+A step that is not built raises ConfigError naming its key before the model changes.
 
 Pipeline parallelism (``meshtrain.parallel.pipeline``) composes with tensor parallelism
 inside each stage and data parallelism with ZeRO 0-2 over dp (pp x dp x tp on one mesh):
@@ -44,10 +56,10 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
+from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import ConfigError
-from meshtrain.optim.setup import param_groups
+from meshtrain.optim.builders import param_groups
 from meshtrain.parallel.zero.stage import ZeroStage
-from meshtrain.precision import DTYPES
 
 
 @dataclass
@@ -70,7 +82,7 @@ def parallelize(
     param-group dicts (default: every parameter of the model in one group). ``tp_plan``: a
     ``meshtrain.parallel.tensor.TPPlan`` for a model without a built-in plan.
     """
-    model = model.to(device=topology.device, dtype=DTYPES[config.precision])
+    model = model.to(device=topology.device, dtype=PRECISIONS[config.precision])
 
     if topology.pp_size > 1:  # what a pipeline cannot combine with, before anything changes
         from meshtrain.parallel.pipeline.engine_step import check_pipeline
@@ -88,7 +100,21 @@ def parallelize(
 
         apply_tensor_parallel(model, topology, config, plan=tp_plan)
         model_parameters = remap_parameters(model_parameters, model)
-    # 2. pipeline split: a rank keeps only its stages before anything is allocated for them
+    # 2. context-parallel attention: replaces how attention is computed (not what the
+    # parameters are), inside the tp-sharded attention of step 1
+    if topology.cp_size > 1:
+        raise ConfigError(
+            f"mesh.context_parallel_size: the topology has cp={topology.cp_size}, but "
+            "context-parallel attention is not built yet; build the Topology with cp=1"
+        )
+    # 3. expert sharding: changes which expert parameters a rank holds, so it comes
+    # before anything that counts or lays out parameters (pipeline balance, flat buffers)
+    if topology.ep_size > 1:
+        raise ConfigError(
+            f"mesh.expert_parallel_size: the topology has ep={topology.ep_size}, but "
+            "expert parallelism is not built yet; build the Topology with ep=1"
+        )
+    # 4. pipeline split: a rank keeps only its stages before anything is allocated for them
     pipeline = None
     if topology.pp_size > 1:
         from meshtrain.parallel.pipeline.engine_step import local_parameters, split_for_engine
@@ -100,7 +126,7 @@ def parallelize(
             f"mesh.pipeline_parallel_size: {config.mesh.pipeline_parallel_size} but the "
             f"topology has pp={topology.pp_size}; build the Topology from the config"
         )
-    # 3. activation checkpointing: wraps each block's forward, before it is traced
+    # 5. activation checkpointing: wraps each block's forward, before it is traced
     ac = config.activation_checkpointing
     if ac.enabled:
         from meshtrain.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -111,7 +137,7 @@ def parallelize(
         parts = [model] if stages is None or ac.module_classes else list(stages.values())
         for part in parts:
             apply_activation_checkpointing(part, ac.module_classes)
-    # 4. compile: lazy, so the hooks installed in step 5 are traced at the first forward
+    # 6. compile: lazy, so the hooks installed in step 7 are traced at the first forward
     c = config.compile
     if c.active:
         model.compile(
@@ -122,7 +148,7 @@ def parallelize(
             options=c.options,
             **c.kwargs,
         )
-    # 5. data parallelism / ZeRO: every replica starts from rank 0's weights, then the
+    # 7. data parallelism / ZeRO: every replica starts from rank 0's weights, then the
     # trainable parameters move into flat buckets (sharded by stage)
     _broadcast(model, topology)
     groups = param_groups(model, model_parameters)
@@ -130,7 +156,8 @@ def parallelize(
 
 
 def _broadcast(model: nn.Module, topology: Topology) -> None:
-    """Start every data-parallel replica from rank 0's weights and buffers."""
+    """Start every data-parallel replica from rank 0's weights and buffers (over dp;
+    over dp_cp once context parallelism is built: cp ranks hold the same weights too)."""
     if topology.dp_size == 1:
         return
     with torch.no_grad():

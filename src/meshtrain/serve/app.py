@@ -31,7 +31,7 @@ from typing import Any
 
 from meshtrain.serve.batching import DynamicBatcher, QueueFull
 from meshtrain.serve.http_errors import ApiError, BodyLimit, error_body, validation_answer
-from meshtrain.serve.loading import ServedModel
+from meshtrain.serve.model_loading import ServedModel
 
 log = logging.getLogger("meshtrain.serve")
 

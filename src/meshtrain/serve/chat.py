@@ -3,7 +3,7 @@
 Prompt format. When the tokenizer has a chat template, the conversation goes through it
 (``apply_chat_template(messages, add_generation_prompt=True)``; history pairs become
 user/assistant turns). Otherwise the text is built exactly as meshtrain's
-``ChatCollator`` built it for training (``meshtrain.data.chat``)::
+``ChatCollator`` built it for training (``meshtrain.data.chat_data``)::
 
     [bos] + "<|user|>\\n{q1}\\n<|assistant|>\\n{a1}\\n" + ... + "<|user|>\\n{prompt}\\n<|assistant|>\\n"
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from meshtrain.serve.generation import GenerationJob
-from meshtrain.serve.loading import ServedModel
+from meshtrain.serve.model_loading import ServedModel
 
 CHAT_FORMATS = ("meshtrain", "chatglm")
 
@@ -53,7 +53,7 @@ class Chat:
     def __init__(self, served: ServedModel, *, chat_format: str = "meshtrain") -> None:
         from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-        from meshtrain.data.chat import ChatCollator, ChatTemplate
+        from meshtrain.data.chat_data import ChatCollator, ChatTemplate
         from meshtrain.data.tokenizer import HFTokenizer
 
         if chat_format not in CHAT_FORMATS:

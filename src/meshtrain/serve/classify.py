@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from meshtrain.serve.loading import ServedModel
+from meshtrain.serve.model_loading import ServedModel
 
 
 class Classifier:

@@ -18,7 +18,7 @@ from meshtrain.errors import MeshtrainError
 
 
 def _main(args: argparse.Namespace) -> int:
-    from meshtrain.serve.loading import load
+    from meshtrain.serve.model_loading import load
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:

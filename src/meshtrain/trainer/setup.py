@@ -46,16 +46,13 @@ def build_engine(trainer) -> None:
         return
     import meshtrain
     from meshtrain.data.loader import ResumableDataLoader
-    from meshtrain.distributed.env import init_distributed
-    from meshtrain.distributed.topology import Topology
+    from meshtrain.distributed.env import read_env
+    from meshtrain.engine.start import join_mesh
 
     args = trainer.args
-    init_distributed()
-    mesh = args.mesh or {}
-    topology = Topology(
-        pp=int(mesh.get("pipeline_parallel_size", 1)),
-        tp=int(mesh.get("tensor_parallel_size", 1)),
-    )
+    # the one set-up path (engine/start.py): the process group from the config's
+    # distributed section, the mesh from its mesh section (deepspeed= and mesh= merged)
+    topology = join_mesh(args.to_engine_config(world_size=read_env().world_size))
     trainer.topology = topology
     trainer.state.is_world_process_zero = topology.rank == 0
     trainer.state.is_local_process_zero = int(os.environ.get("LOCAL_RANK", "0")) == 0
@@ -85,7 +82,7 @@ def build_engine(trainer) -> None:
     config = args.to_engine_config(total_steps=trainer.max_steps, world_size=topology.world_size)
     scheduler = trainer.lr_scheduler
     if scheduler is None and "scheduler" not in config:
-        from meshtrain.trainer.schedules import scheduler_factory
+        from meshtrain.optim.lr_scheduler_types import scheduler_factory
 
         warmup = args.warmup_for(trainer.max_steps)
         scheduler = scheduler_factory(args.lr_scheduler_type, warmup, trainer.max_steps)

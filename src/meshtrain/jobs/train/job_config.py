@@ -34,7 +34,6 @@ import yaml
 from meshtrain.config import Config, load_config, read_config_file
 from meshtrain.config._types import (
     AUTO,
-    SECTION_PATHS,
     Auto,
     Bool,
     NonNegInt,
@@ -158,9 +157,6 @@ class JobConfig(Config):
     """meshtrain train: reference decoder sizes."""
     data: DataSection = DataSection()
     """meshtrain train: corpus, tokenizer, sequence length."""
-
-
-SECTION_PATHS.update({TrainSection: "train", ModelSection: "model", DataSection: "data"})
 
 
 # -- merging -------------------------------------------------------------------------------

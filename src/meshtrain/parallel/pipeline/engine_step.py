@@ -144,25 +144,6 @@ def local_parameters(model_parameters, module: nn.Module):
     return [p for p in items if id(p) in mine]
 
 
-def _pull(engine, data_iter: Iterator | None, m: int) -> list:
-    if data_iter is None:
-        if engine.training_dataloader is None:
-            raise ConfigError(
-                "train_batch() needs a data iterator, or a training_data/dataloader given "
-                "to meshtrain.initialize"
-            )
-        if getattr(engine, "_pipe_iter", None) is None:
-            engine._pipe_iter = iter(engine.training_dataloader)
-        data_iter = engine._pipe_iter
-    try:
-        return [engine._to_device(next(data_iter)) for _ in range(m)]
-    except StopIteration:
-        raise ConfigError(
-            f"the data iterator ran out before giving {m} micro-batches "
-            "(gradient_accumulation_steps) for this step"
-        ) from None
-
-
 def _loss_of(out: Any) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") else out
 
@@ -170,7 +151,7 @@ def _loss_of(out: Any) -> torch.Tensor:
 def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
     mean loss on every rank. Without a pipeline it is the usual forward/backward/step."""
-    batches = _pull(engine, data_iter, engine.gas)
+    batches = engine.micro_batches(data_iter, engine.gas)
     pipe: PipelineRuntime | None = engine.pipeline
     if pipe is None:
         losses = []
@@ -246,7 +227,7 @@ def _dp_mean(engine, loss: torch.Tensor) -> torch.Tensor:
 def eval_batch(engine, data_iter: Iterator | None = None, num_micro_batches: int | None = None):
     """Mean loss over ``num_micro_batches`` (default gradient_accumulation_steps)
     micro-batches of any shapes, on every rank; no gradients, parameters unchanged."""
-    batches = _pull(engine, data_iter, num_micro_batches or engine.gas)
+    batches = engine.micro_batches(data_iter, num_micro_batches or engine.gas)
     pipe: PipelineRuntime | None = engine.pipeline
     if pipe is not None:
         check_sequence_lengths(engine, batches)

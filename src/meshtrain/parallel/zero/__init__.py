@@ -1,2 +1,15 @@
-"""ZeRO stages 0-3: the stage plan and lifecycle (``stage``), the byte/memory table
-(``plan``) and stage-3 unit gathering (``stage3``)."""
+"""Everything that owns data-parallel gradient and optimizer storage, ZeRO stages 0-3.
+
+One package because one concern: where a parameter's gradient, its fp32 master and its
+optimizer state live across the data-parallel group, and how they get there. Stage 0
+(plain DP) is the same storage with nothing sharded, so it lives here too.
+
+* ``flat_group`` - flat buffers: buckets, per-rank chunks, shards, fp32 masters
+* ``grad_reducer`` - bucketed gradient reduction overlapped with backward
+* ``plan`` - the per-stage storage plan, its byte table and ``comm_bytes_theory``
+* ``stage`` - the ZeRO lifecycle the Engine calls
+* ``stage3`` / ``gather_ahead`` - stage-3 unit gathering, prefetch and freeing
+* ``frozen`` - frozen (e.g. LoRA base) parameters under every stage
+* ``partition`` - parameters partitioned at construction (``meshtrain.zero.Init``; the
+  user-facing API is ``meshtrain.deepspeed_zero``)
+"""

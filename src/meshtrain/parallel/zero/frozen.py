@@ -33,7 +33,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from meshtrain.parallel.flat_group import FlatGroup
+from meshtrain.parallel.zero.flat_group import FlatGroup
 from meshtrain.parallel.zero.partition import full_numel
 
 

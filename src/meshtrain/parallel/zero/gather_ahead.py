@@ -36,7 +36,7 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
-from meshtrain.parallel.flat_group import Bucket, FlatGroup
+from meshtrain.parallel.zero.flat_group import Bucket, FlatGroup
 
 
 class GatherAhead:

@@ -50,7 +50,7 @@ from torch import nn
 
 from meshtrain.distributed.topology import Topology
 from meshtrain.parallel.blocks import gather_units
-from meshtrain.parallel.flat_group import FlatGroup
+from meshtrain.parallel.zero.flat_group import FlatGroup
 from meshtrain.parallel.zero.frozen import FrozenGroup, frozen_groups
 from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
 

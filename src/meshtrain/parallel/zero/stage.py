@@ -38,11 +38,11 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Topology
+from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import TrainingError
-from meshtrain.parallel.grad_reducer import GradReducer
 from meshtrain.parallel.zero.gather_ahead import GatherAhead
+from meshtrain.parallel.zero.grad_reducer import GradReducer
 from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory
-from meshtrain.precision import DTYPES
 
 
 class ZeroStage:
@@ -65,7 +65,7 @@ class ZeroStage:
         )
         self.grad_divisor = dp / self.predivide
         comm_dtype = config.communication_data_type
-        self.comm_dtype = DTYPES[comm_dtype] if comm_dtype else None
+        self.comm_dtype = PRECISIONS[comm_dtype] if comm_dtype else None
         names = {p: n for n, p in reversed(list(model.named_parameters()))}
         gatherer = self.gatherer
         self.reducer = GradReducer(

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
-from meshtrain.parallel.flat_group import Bucket, FlatGroup
+from meshtrain.parallel.zero.flat_group import Bucket, FlatGroup
 from meshtrain.parallel.zero.partition import full_numel
 
 

@@ -11,10 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel, PrivateAttr, ValidationError, model_validator
 
-from meshtrain.config._errors import _members, _models_in, show, translate
+from meshtrain.config._errors import _members, show, translate
 from meshtrain.config._types import (
     AUTO,
-    SECTION_PATHS,
     Auto,
     Bool,
     NonNegFloat,
@@ -22,10 +21,9 @@ from meshtrain.config._types import (
     PosInt,
     Section,
     canonical_choice,
+    label_paths,
 )
 from meshtrain.config.optimizer import (
-    OPTIMIZER_PARAMS,
-    SCHEDULER_PARAMS,
     OptimizerConfig,
     SchedulerConfig,
 )
@@ -44,9 +42,6 @@ from meshtrain.config.sections import (
     DistributedConfig,
     FP16Config,
     MeshConfig,
-    OffloadOptimizerConfig,
-    OffloadParamConfig,
-    ParallelWriteConfig,
     PipelineConfig,
     TensorBoardConfig,
     TensorParallelConfig,
@@ -143,6 +138,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _coherent(self) -> Config:
+        label_paths(self)  # first: an assignment below that fails names its section
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
         if self.amp.enabled is True:
@@ -300,21 +296,3 @@ class Config(Section):
         triple = derive_batch_sizes(dp_size, **given)
         data = {**self.to_dict(), **dict(zip(BATCH_KEYS, triple, strict=True))}
         return self._rebuild(data, frozenset(k for k in BATCH_KEYS if k not in given))
-
-
-SECTION_PATHS.update(
-    {
-        model: name
-        for name, field in Config.model_fields.items()
-        for model in _models_in(field.annotation)
-    }
-)
-SECTION_PATHS.update({m: "optimizer.params" for m in OPTIMIZER_PARAMS.values()})
-SECTION_PATHS.update({m: "scheduler.params" for m in SCHEDULER_PARAMS.values()})
-SECTION_PATHS.update(
-    {
-        OffloadOptimizerConfig: "zero_optimization.offload_optimizer",
-        OffloadParamConfig: "zero_optimization.offload_param",
-        ParallelWriteConfig: "checkpoint.parallel_write",
-    }
-)

@@ -1,5 +1,7 @@
-"""The ``lr_scheduler_type`` schedules, with transformers' formulas (``optimization.py``),
-as ``torch.optim.lr_scheduler.LambdaLR`` factors of the optimizer's learning rate.
+"""transformers' ``lr_scheduler_type`` schedules (the names ``TrainingArguments`` takes;
+the DeepSpeed config's ``scheduler`` section is ``lr_schedules``), with transformers'
+formulas (``optimization.py``), as ``torch.optim.lr_scheduler.LambdaLR`` factors of the
+optimizer's learning rate.
 
 ``w`` = warmup steps, ``T`` = total optimizer steps, ``s`` = steps taken so far:
 

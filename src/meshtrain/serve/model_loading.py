@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
+from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import CheckpointError, ServeError
 from meshtrain.serve import diagnose
 
 TASKS = ("text-classification", "chat")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model")
 _CHECKPOINT_N = re.compile(r"^checkpoint-(\d+)$")
 _TASK_SUFFIXES = {
@@ -137,9 +137,11 @@ def _pick_task(task: str | None, architectures: list[str] | None, where: Path) -
 def _dtype_arg(dtype: str | None) -> torch.dtype | None:
     if dtype in (None, "auto"):
         return None
-    if dtype not in DTYPES:
-        raise ServeError(f"--dtype {dtype!r} is not supported; use auto or one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in PRECISIONS:
+        raise ServeError(
+            f"--dtype {dtype!r} is not supported; use auto or one of {sorted(PRECISIONS)}"
+        )
+    return PRECISIONS[dtype]
 
 
 def _load_pretrained(res: Resolved, task: str | None, dtype: torch.dtype | None):

@@ -72,7 +72,7 @@ import torch
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
 from meshtrain.errors import TrainingError
-from meshtrain.parallel.flat_group import Bucket, FlatGroup
+from meshtrain.parallel.zero.flat_group import Bucket, FlatGroup
 
 
 class GradReducer:

@@ -1,7 +1,7 @@
 """How the Engine builds its optimizer and LR scheduler over the fp32 master chunks.
 
 The optimizer never sees the model's parameters: each param group's ``params`` become
-the master chunks of its ``FlatGroup``s (``meshtrain.parallel.flat_group``). A client optimizer
+the master chunks of its ``FlatGroup``s (``meshtrain.parallel.zero.flat_group``). A client optimizer
 or scheduler stays the object the user holds: its param groups are re-pointed.
 """
 

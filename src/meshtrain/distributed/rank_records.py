@@ -1,0 +1,36 @@
+"""Where each rank's ledger record lives in the rendezvous store, and reading them all.
+
+The ledger (``ledger.py``) publishes a rank's record under ``meshtrain/doctor/rank<R>``;
+the ledger (to learn why a collective failed: a peer's earlier record) and the doctor
+(to report on the whole job) read them back. The key layout lives here, once, so the two
+never import each other.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+STORE_PREFIX = "meshtrain/doctor/"
+
+
+def record_key(rank: int) -> str:
+    """The store key of ``rank``'s record."""
+    return f"{STORE_PREFIX}rank{rank}"
+
+
+def read_store(store: Any, world_size: int, wait_s: float = 0.0) -> dict[int, dict]:
+    """The records published to a rendezvous store (``meshtrain/doctor/rank<R>``)."""
+    from datetime import timedelta
+
+    records: dict[int, dict] = {}
+    for rank in range(world_size):
+        key = record_key(rank)
+        try:
+            if wait_s:
+                store.wait([key], timedelta(seconds=wait_s))
+            if store.check([key]):
+                records[rank] = json.loads(store.get(key))
+        except Exception:  # noqa: BLE001 - a rank that never published
+            continue
+    return records
