@@ -42,6 +42,7 @@ from meshtrain.config.sections import (
     CheckpointConfig,
     CompileConfig,
     DistributedConfig,
+    FP8Config,
     FP16Config,
     MeshConfig,
     OffloadOptimizerConfig,
@@ -100,6 +101,8 @@ class Config(Section):
     """Checkpoint saving and retention."""
     compile: CompileConfig = CompileConfig()
     """torch.compile."""
+    fp8: FP8Config = FP8Config()
+    """meshtrain: float8 linear layers (torchao, tensorwise scaling)."""
     mesh: MeshConfig = MeshConfig()
     """meshtrain: pipeline and tensor parallel sizes."""
     pipeline: PipelineConfig = PipelineConfig()

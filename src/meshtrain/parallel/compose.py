@@ -5,6 +5,7 @@
     place      model.to(device, dtype)
     1. TP      tensor-parallel plan: swap linears/embeddings for sharded ones
     2. PP      pipeline split: keep this stage's layers only
+    2b. fp8    float8 linear layers (torchao), when fp8.enabled
     3. AC      activation checkpointing of each block
     4. compile torch.compile (lazy: traced at the first forward)
     5. DP/ZeRO broadcast rank 0's weights over dp, flatten into buckets, install the
@@ -100,6 +101,11 @@ def parallelize(
             f"mesh.pipeline_parallel_size: {config.mesh.pipeline_parallel_size} but the "
             f"topology has pp={topology.pp_size}; build the Topology from the config"
         )
+    # 2b. float8 linears (fp8.enabled): this rank's layers only, before AC and compile trace them
+    if config.fp8.enabled:
+        from meshtrain.parallel.float8 import apply_float8
+
+        apply_float8(model, config.fp8, topology.device, topology.tp_size)
     # 3. activation checkpointing: wraps each block's forward, before it is traced
     ac = config.activation_checkpointing
     if ac.enabled:
