@@ -352,7 +352,17 @@ def _load(
                     for s in states:
                         fresh[s][dst] = reader.read(name, s, start, n).to(master.dtype)
                 if states:
-                    step = torch.tensor(step_values[-1], dtype=torch.float32)
+                    # torch keeps ``step`` beside the parameters for fused/capturable
+                    # kernels (which refuse a CPU step), on the CPU otherwise
+                    on_device = any(
+                        pg.get("fused") or pg.get("capturable")
+                        for pg in engine.optimizer.param_groups
+                    )
+                    step = torch.tensor(
+                        step_values[-1],
+                        dtype=torch.float32,
+                        device=master.device if on_device else "cpu",
+                    )
                     g.set_optimizer_state(b, engine.optimizer.state, {"step": step, **fresh})
         engine.zero.reload_params()
         frozen_specs = _frozen_specs(engine)

@@ -315,10 +315,17 @@ class FlatGroup:
         """Give each master chunk its fp32 gradient, multiplied by ``factor``
         (1 / (loss scale x dp size) x clip coefficient)."""
         for slices, g in zip(self.master_slices, self.grad_chunks, strict=True):
-            if g.dtype != torch.float32 or g.device != self.master_device:
-                g = g.to(device=self.master_device, dtype=torch.float32, non_blocking=True)
-            if factor != 1.0:
-                g.mul_(factor)
+            if g.device != self.master_device and g.device.type != "cpu":
+                # offload: cast and scale on the accelerator, then one copy down; scaling
+                # the host copy was a second pass over it on the CPU (same fp32 products)
+                g = g.float() * factor if factor != 1.0 else g.float()
+                # blocking: the CPU optimizer reads it next
+                g = g.to(device=self.master_device)
+            else:
+                if g.dtype != torch.float32 or g.device != self.master_device:
+                    g = g.to(device=self.master_device, dtype=torch.float32, non_blocking=True)
+                if factor != 1.0:
+                    g.mul_(factor)
             for master, part in zip(slices, g.split(self.slice_numel), strict=True):
                 master.grad = part
 
