@@ -340,6 +340,8 @@ def _load(
         states = []
     rank0 = reader.rank_state(0)
     step_values = rank0.get("optimizer_step") or [0.0]
+    # torch keeps ``step`` beside the parameters for fused/capturable kernels, else on the CPU
+    fused = any(pg.get("fused") or pg.get("capturable") for pg in engine.optimizer.param_groups)
     with torch.no_grad():
         for g in engine.zero.flat_groups:
             for b, master in zip(g.buckets, g.master_chunks, strict=True):
@@ -352,17 +354,8 @@ def _load(
                     for s in states:
                         fresh[s][dst] = reader.read(name, s, start, n).to(master.dtype)
                 if states:
-                    # torch keeps ``step`` beside the parameters for fused/capturable
-                    # kernels (which refuse a CPU step), on the CPU otherwise
-                    on_device = any(
-                        pg.get("fused") or pg.get("capturable")
-                        for pg in engine.optimizer.param_groups
-                    )
-                    step = torch.tensor(
-                        step_values[-1],
-                        dtype=torch.float32,
-                        device=master.device if on_device else "cpu",
-                    )
+                    dev = master.device if fused else "cpu"
+                    step = torch.tensor(step_values[-1], dtype=torch.float32, device=dev)
                     g.set_optimizer_state(b, engine.optimizer.state, {"step": step, **fresh})
         engine.zero.reload_params()
         frozen_specs = _frozen_specs(engine)
