@@ -340,6 +340,8 @@ def _load(
         states = []
     rank0 = reader.rank_state(0)
     step_values = rank0.get("optimizer_step") or [0.0]
+    # torch keeps ``step`` beside the parameters for fused/capturable kernels, else on the CPU
+    fused = any(pg.get("fused") or pg.get("capturable") for pg in engine.optimizer.param_groups)
     with torch.no_grad():
         for g in engine.zero.flat_groups:
             for b, master in zip(g.buckets, g.master_chunks, strict=True):
@@ -352,7 +354,8 @@ def _load(
                     for s in states:
                         fresh[s][dst] = reader.read(name, s, start, n).to(master.dtype)
                 if states:
-                    step = torch.tensor(step_values[-1], dtype=torch.float32)
+                    dev = master.device if fused else "cpu"
+                    step = torch.tensor(step_values[-1], dtype=torch.float32, device=dev)
                     g.set_optimizer_state(b, engine.optimizer.state, {"step": step, **fresh})
         engine.zero.reload_params()
         frozen_specs = _frozen_specs(engine)

@@ -40,6 +40,7 @@ from meshtrain.config.sections import (
     CheckpointConfig,
     CompileConfig,
     DistributedConfig,
+    FP8Config,
     FP16Config,
     MeshConfig,
     PipelineConfig,
@@ -95,6 +96,8 @@ class Config(Section):
     """Checkpoint saving and retention."""
     compile: CompileConfig = CompileConfig()
     """torch.compile."""
+    fp8: FP8Config = FP8Config()
+    """meshtrain: float8 linear layers (torchao, tensorwise scaling)."""
     mesh: MeshConfig = MeshConfig()
     """meshtrain: pipeline and tensor parallel sizes."""
     pipeline: PipelineConfig = PipelineConfig()

@@ -228,6 +228,17 @@ class CompileConfig(Section):
         return self.enabled and not self.disable
 
 
+class FP8Config(Section):
+    """``fp8`` (meshtrain): float8 matmuls in the model's linear layers, through torchao."""
+
+    enabled: Bool = False
+    """meshtrain: swap the model's nn.Linear layers for torchao's Float8Linear with dynamic tensorwise scaling (inputs, weights and output gradients cast to float8 per tensor for each matmul; parameters, gradients and optimizer states keep their dtype). Needs the torchao package and a CUDA GPU of compute capability 8.9 or more (H100, H200, L4, L40S), else ConfigError. Not combined with tensor parallelism."""
+    emulate: Bool = False
+    """meshtrain: run the float8 casts and matmuls in emulation, on any device and without a speed-up (for tests on a CPU)."""
+    skip_modules: list[Str] = ["lm_head"]
+    """meshtrain: linear layers whose qualified name contains one of these strings stay in the model's dtype (the output projection is the most precision-sensitive matmul, as torchtitan keeps it). Layers whose in/out features are not multiples of 16 always stay."""
+
+
 class MeshConfig(Section):
     """``mesh`` (meshtrain): the parallel layout pp x dp x cp x tp, with expert parallelism (ep) carved out of dp x cp; data parallelism takes the remaining ranks."""
 

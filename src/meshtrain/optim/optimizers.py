@@ -96,6 +96,16 @@ def _betas(value: Any, path: str) -> tuple[float, float]:
     return (value[0], value[1])
 
 
+def runs_fused(opt_type: str, params: dict[str, Any], device_type: str) -> bool:
+    """Whether ``build_optimizer`` gives torch's fused kernel for this type, ``params``
+    (``optimizer.params``) and device type (module docstring)."""
+    key = opt_type.lower()
+    fused = params.get("fused") if key in ("adam", "adamw") else None
+    if fused is None:
+        fused = device_type == "cuda" and key in _FUSED_ON_CUDA
+    return bool(fused)
+
+
 def build_optimizer(
     opt_type: str,
     params: dict[str, Any],
@@ -140,9 +150,7 @@ def build_optimizer(
     else:
         cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[key]
 
-    fused = params.get("fused") if key in ("adam", "adamw") else None
-    if fused is None:
-        fused = device_type == "cuda" and key in _FUSED_ON_CUDA
+    fused = runs_fused(key, params, device_type)
     if fused:
         kwargs["fused"] = True
     else:  # CPU: torch's own default there (module docstring: temporaries)

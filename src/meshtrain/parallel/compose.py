@@ -7,6 +7,7 @@
     2. CP      context-parallel attention (not built: a cp > 1 mesh is refused here)
     3. EP      expert sharding: each ep rank keeps its slice of the experts (not built)
     4. PP      pipeline split: keep this stage's layers only
+    4b. fp8    float8 linear layers (torchao), when fp8.enabled
     5. AC      activation checkpointing of each block
     6. compile torch.compile (lazy: traced at the first forward)
     7. DP/ZeRO broadcast rank 0's weights over dp, flatten into buckets, install the
@@ -126,6 +127,11 @@ def parallelize(
             f"mesh.pipeline_parallel_size: {config.mesh.pipeline_parallel_size} but the "
             f"topology has pp={topology.pp_size}; build the Topology from the config"
         )
+    # 4b. float8 linears (fp8.enabled): this rank's layers only, before AC and compile trace them
+    if config.fp8.enabled:
+        from meshtrain.parallel.float8 import apply_float8
+
+        apply_float8(model, config.fp8, topology.device, topology.tp_size)
     # 5. activation checkpointing: wraps each block's forward, before it is traced
     ac = config.activation_checkpointing
     if ac.enabled:

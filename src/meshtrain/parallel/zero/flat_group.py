@@ -314,13 +314,25 @@ class FlatGroup:
     def load_master_grads(self, factor: float) -> None:
         """Give each master chunk its fp32 gradient, multiplied by ``factor``
         (1 / (loss scale x dp size) x clip coefficient)."""
+        pending = None  # the accelerator whose copies to the host are in flight
         for slices, g in zip(self.master_slices, self.grad_chunks, strict=True):
-            if g.dtype != torch.float32 or g.device != self.master_device:
-                g = g.to(device=self.master_device, dtype=torch.float32, non_blocking=True)
-            if factor != 1.0:
-                g.mul_(factor)
+            if g.device != self.master_device and g.device.type == "cuda":
+                # offload: cast and scale on the GPU, copy asynchronously into pinned
+                # memory, wait once below. Scaling the host copy right after a non_blocking
+                # copy read it in flight (H200: losses off a plain loop's by up to 1%); a
+                # blocking copy into pageable memory was 4.9x slower (docs/performance.md)
+                pending = g.device
+                g = g.float() * factor if factor != 1.0 else g.float()
+                g = g.to(device=self.master_device, non_blocking=True)
+            else:
+                if g.dtype != torch.float32 or g.device != self.master_device:
+                    g = g.to(device=self.master_device, dtype=torch.float32)
+                if factor != 1.0:
+                    g.mul_(factor)
             for master, part in zip(slices, g.split(self.slice_numel), strict=True):
                 master.grad = part
+        if pending is not None:
+            torch.cuda.current_stream(pending).synchronize()
 
     def optimizer_state(self, bucket: Bucket, state: dict) -> dict:
         """The optimizer state of ``bucket``'s master chunk, from the per-slice ``state``
