@@ -76,6 +76,22 @@ class TrainerState:
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
     total_flos: float = 0.0
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
+
+    def compute_steps(self, args: Any, max_steps: int) -> None:
+        """``logging_steps`` / ``eval_steps`` / ``save_steps`` in steps: a value below 1
+        is a fraction of ``max_steps``, rounded up (transformers' rule)."""
+        import math
+
+        for name in ("logging", "eval", "save"):
+            value = getattr(args, f"{name}_steps")
+            if value is not None and value < 1:
+                value = math.ceil(max_steps * value)
+            setattr(self, f"{name}_steps", value)
+
+    @classmethod
+    def load_from_json(cls, path: str | Path) -> TrainerState:
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -93,6 +93,7 @@ class TrainingLoop:
         if path is not None and epoch_done and sampler.consumed >= len(self.train_dataset):
             start_epoch += 1
         n_rows = len(self.train_dataset)
+        dp = self.topology.dp_size  # each rank's share is x dp: the sum over ranks / dp
         for epoch in range(start_epoch, self.num_epochs):
             if st.global_step >= self.max_steps or self.control.should_training_stop:
                 break
@@ -104,9 +105,9 @@ class TrainingLoop:
                 if not window:
                     break
                 self.control = self._event("on_step_begin")
-                share, local_sum, local_items = self.training_step(window)
-                if engine.log.last and local_items and not self._loss_is_share():
-                    engine.log.last["loss"] = local_sum / local_items  # rank 0's item mean
+                share, local_mean = self._run_window(window)
+                if engine.log.last and local_mean is not None:
+                    engine.log.last["loss"] = local_mean  # rank 0's item mean
                 run_loss += share
                 log_loss += share
                 log_steps += 1
@@ -115,7 +116,7 @@ class TrainingLoop:
                 self.control = self._event("on_step_end")
                 if self.control.should_log and log_steps:
                     comm.all_reduce(log_loss, self.topology.dp_group, label="control")
-                    self._log_train(float(log_loss) / log_steps)
+                    self._log_train(float(log_loss) / dp / log_steps)
                     log_loss.zero_()
                     log_steps = 0
                 self._evaluate_and_save(ignore_keys_for_eval, epoch_done=False)
@@ -129,7 +130,7 @@ class TrainingLoop:
             self.control = self._event("on_epoch_end")
             if self.control.should_log and log_steps:
                 comm.all_reduce(log_loss, self.topology.dp_group, label="control")
-                self._log_train(float(log_loss) / log_steps)
+                self._log_train(float(log_loss) / dp / log_steps)
                 log_loss.zero_()
                 log_steps = 0
             self._evaluate_and_save(ignore_keys_for_eval, epoch_done=True)
@@ -185,11 +186,12 @@ class TrainingLoop:
             st.best_model_checkpoint = os.path.join(root, tag)
         client = {"trainer_state": st.to_dict(), "epoch_done": epoch_done}
         path = engine.save_checkpoint(root, tag=tag, client_state=client)
-        export = hasattr(self.model, "save_pretrained")
-        state_dict = engine.module_state_dict() if export else None  # every rank gathers
+        state_dict = engine.module_state_dict()  # every rank gathers the whole weights
         if self.topology.rank == 0:
-            if export:
-                self._export(path, state_dict)
+            # transformers' files beside the shards: the model (``from_pretrained`` loads
+            # the folder), the tokenizer / processor, the arguments as JSON, the state
+            self._export(path, state_dict)
+            self._write_args(path)
             st.save_to_json(path / "trainer_state.json")
             best = ckpt.step_of(st.best_model_checkpoint, prefix)
             steps = ckpt.checkpoint_steps(root, prefix)
@@ -203,12 +205,19 @@ class TrainingLoop:
         st, args = self.state, self.args
         comm.all_reduce(run_loss, self.topology.dp_group, label="control")
         steps = max(1, st.global_step - start_step)
-        train_loss = float(run_loss) / steps
+        train_loss = float(run_loss) / self.topology.dp_size / steps
         if args.load_best_model_at_end and st.best_model_checkpoint:
             best = ckpt.resolve_resume(st.best_model_checkpoint, self.checkpoint_dir)
             if best is not None and best.is_dir():
                 self._say(f"Loading best model from {best} (score: {st.best_metric}).")
                 self.engine.load_checkpoint(str(best.parent), tag=best.name, load_module_only=True)
+        if args.save_total_limit == 1 and st.best_model_checkpoint and self.topology.rank == 0:
+            # transformers: with a limit of 1 only the best checkpoint outlives training
+            best = ckpt.step_of(st.best_model_checkpoint, self.checkpoint_prefix)
+            steps = ckpt.checkpoint_steps(self.checkpoint_dir, self.checkpoint_prefix)
+            others = [s for s in steps if s != best] if best in steps else []
+            ckpt.delete(self.checkpoint_dir, others, self.checkpoint_prefix)
+        self._barrier()
         self._sync_user_model()
         runtime = time.perf_counter() - t0
         samples = steps * self.engine.config.train_batch_size
@@ -244,10 +253,8 @@ class TrainingLoop:
 
             remove_tensor_parallel(self.engine.module, self.topology.tp_group)
             self._gather_vocab = None  # the logits are whole now
-        if self.engine.pipeline is not None:  # other stages' blocks: weights back
-            from meshtrain.trainer.pipeline_step import restore_user_model
-
-            restore_user_model(self)
+        if self._pipeline is not None:  # other stages' blocks: weights back
+            self._pipeline.restore_user_model()
 
 
 __all__ = ["TrainingLoop"]
