@@ -214,8 +214,8 @@ class TrainingLoop:
         if args.save_total_limit == 1 and st.best_model_checkpoint and self.topology.rank == 0:
             # transformers: with a limit of 1 only the best checkpoint outlives training
             best = ckpt.step_of(st.best_model_checkpoint, self.checkpoint_prefix)
-            steps = ckpt.checkpoint_steps(self.checkpoint_dir, self.checkpoint_prefix)
-            others = [s for s in steps if s != best] if best in steps else []
+            saved = ckpt.checkpoint_steps(self.checkpoint_dir, self.checkpoint_prefix)
+            others = [s for s in saved if s != best] if best in saved else []
             ckpt.delete(self.checkpoint_dir, others, self.checkpoint_prefix)
         self._barrier()
         self._sync_user_model()
