@@ -123,17 +123,21 @@ class TrainingLoop:
                 if self.control.should_training_stop or self.control.should_epoch_stop:
                     break
             self.control.should_epoch_stop = False
-            if st.global_step >= self.max_steps or self.control.should_training_stop:
-                if sampler.consumed < n_rows:
-                    break
-            st.epoch = float(epoch + 1)
+            # transformers fires on_epoch_end (and its log / evaluate / save) also when
+            # training stops inside the epoch; the epoch then is not done
+            stopped = st.global_step >= self.max_steps or self.control.should_training_stop
+            epoch_done = not (stopped and sampler.consumed < n_rows)
+            if epoch_done:
+                st.epoch = float(epoch + 1)
             self.control = self._event("on_epoch_end")
             if self.control.should_log and log_steps:
                 comm.all_reduce(log_loss, self.topology.dp_group, label="control")
                 self._log_train(float(log_loss) / dp / log_steps)
                 log_loss.zero_()
                 log_steps = 0
-            self._evaluate_and_save(ignore_keys_for_eval, epoch_done=True)
+            self._evaluate_and_save(ignore_keys_for_eval, epoch_done=epoch_done)
+            if not epoch_done:
+                break
         return self._finish_training(run_loss, start_step, t0)
 
     def _log_train(self, loss: float) -> None:
@@ -245,7 +249,7 @@ class TrainingLoop:
         tensor parallelism its layers are tensor-parallel ones (the original modules go
         back, holding the gathered, unpadded weights; ``parallel.tensor.restore``); under
         pipeline parallelism the blocks the split freed get the trained weights back
-        (``trainer.pipeline_step``). Evaluation and prediction then run the whole model
+        (``PipelineSteps.restore_user_model``). Evaluation and prediction then run the whole model
         on every rank (under pp they keep running through the pipeline)."""
         self.engine.zero.release_module(self.engine.module)
         if self.topology.tp_size > 1:
