@@ -12,9 +12,10 @@ default learning rate its model is further along. Given the same run -- transfor
 really data-parallel (``use_cpu=True``), the same global batch and step count -- the
 two agree.
 
-Tolerance: 5% of the eval loss. The libraries deal shuffled rows to the ranks in
-different orders, so the runs are not bit-comparable; on this tiny model the spread
-between data orders is about 1-3% (measured on this test's data).
+Tolerance: 1e-5 relative on the eval loss. Both deal the seed-42 permutation to the
+ranks the same way here, so the runs see the same batches; what differs is the order of
+fp32 sums (gradient all-reduce, loss weighting), measured at 8e-8 relative on this test
+(1.1659591 both).
 """
 
 from __future__ import annotations
@@ -80,10 +81,9 @@ def _all() -> dict:
 
 def test_seed003_trainer_agrees_with_transformers_data_parallel():
     out = run_ranks(_all, 2, timeout=600)[0]
-    print(out)
     mesh, ddp, default = out["meshtrain"], out["transformers_ddp"], out["transformers_default"]
     # the cause: transformers' default on CPU is one whole run per process
     assert default["steps"] == 2 * mesh["steps"] == 2 * 512 // (16 * 2)
     # the same run agrees
     assert ddp["steps"] == mesh["steps"] == 16
-    assert abs(mesh["eval_loss"] - ddp["eval_loss"]) <= 0.05 * ddp["eval_loss"], out
+    assert abs(mesh["eval_loss"] - ddp["eval_loss"]) <= 1e-5 * ddp["eval_loss"], out
