@@ -343,7 +343,6 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         schedule. Returns (this rank's step loss x dp, its mean loss per label item)."""
         engine = self.engine
         counts, local_items, total_items = self._window_items(window)
-        engine.shorten_window(len(window))  # the epoch's short last window steps too
         if engine.pipeline is not None:  # the window runs in the pipeline's schedule
             batches = [self._prepare_inputs(b) for b in window]
             if not self.model.training:
@@ -356,6 +355,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             engine.step()
             self.control = self._event("on_optimizer_step")
             return share, self._local_mean(share, local_items, total_items)
+        engine.shorten_window(len(window))  # the epoch's short last window steps too
         num_items = torch.tensor(total_items, device=engine.device)
         share = torch.zeros((), device=engine.device)  # read once: no sync per micro-batch
         last = len(window) - 1
