@@ -130,3 +130,25 @@ def test_early_stopping(impl, tmp_path):
     )
     trainer.train()
     assert trainer.state.global_step == 4
+
+
+def test_event_flow_with_gradient_accumulation(impl, tmp_path):
+    """Restates test_trainer_callback.py's event flow at gradient_accumulation_steps=2
+    (transformers' ``_inner_training_loop``: ``on_substep_end`` after each micro-batch but
+    the last, then the optimizer events)."""
+    recorder = _recorder(impl)
+    trainer = regression_trainer(
+        impl,
+        tmp_path,
+        callbacks=[recorder],
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+    )
+    trainer.train()
+    step = ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step",
+            "on_step_end"]  # fmt: skip
+    expected = ["on_init_end", "on_train_begin", "on_epoch_begin", *step, *step,
+                "on_epoch_end", "on_log", "on_train_end"]  # fmt: skip
+    assert recorder.events == expected
