@@ -19,7 +19,7 @@ from typing import Any
 
 from meshtrain.errors import ConfigError
 from meshtrain.trainer.arguments import TrainingArguments
-from meshtrain.trainer.state import TrainerControl, TrainerState
+from meshtrain.trainer.state import ExportableState, TrainerControl, TrainerState
 
 EVENTS = (
     "on_init_end",
@@ -132,7 +132,7 @@ class DefaultFlowCallback(TrainerCallback):
         return control
 
 
-class EarlyStoppingCallback(TrainerCallback):
+class EarlyStoppingCallback(TrainerCallback, ExportableState):
     """Stop when ``metric_for_best_model`` has not improved by more than
     ``early_stopping_threshold`` for ``early_stopping_patience`` evaluations."""
 
@@ -140,6 +140,15 @@ class EarlyStoppingCallback(TrainerCallback):
         self.early_stopping_patience = early_stopping_patience
         self.early_stopping_threshold = early_stopping_threshold
         self.early_stopping_patience_counter = 0
+
+    def state(self) -> dict:
+        return {
+            "args": {
+                "early_stopping_patience": self.early_stopping_patience,
+                "early_stopping_threshold": self.early_stopping_threshold,
+            },
+            "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
+        }
 
     def on_train_begin(self, args: TrainingArguments, state, control, **kwargs):
         if args.metric_for_best_model is None:

@@ -25,7 +25,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.trainer import checkpoints as ckpt
 from meshtrain.trainer.callbacks import RunLogCallback
 from meshtrain.trainer.report import end_table, training_header
-from meshtrain.trainer.state import TrainerControl, TrainerState, TrainOutput
+from meshtrain.trainer.state import TrainerControl, TrainerState, TrainOutput, exported_states
 
 
 class TrainingLoop:
@@ -83,6 +83,8 @@ class TrainingLoop:
             )
         )
         self.control = TrainerControl()
+        if path is not None and args.restore_callback_states_from_checkpoint:
+            self._restore_callback_states()
         self.control = self._event("on_train_begin")
         t0 = time.perf_counter()
         run_loss = torch.zeros((), device=engine.device)  # this run's summed step shares
@@ -140,6 +142,34 @@ class TrainingLoop:
                 break
         return self._finish_training(run_loss, start_step, t0)
 
+    def _restore_callback_states(self) -> None:
+        """transformers' ``_load_callback_state``: each saved ``ExportableState`` whose
+        class the Trainer has again is rebuilt from its saved state (instances of one
+        class in order); saved ones the Trainer lacks are named in a warning."""
+        import warnings
+
+        current = [*self.callback_handler.callbacks, self.control]
+        missing = []
+        for name, data in self.state.stateful_callbacks.items():
+            saved = data if isinstance(data, list) else [data]
+            same = [c for c in current if type(c).__name__ == name]
+            if not same:
+                missing.append(name)
+                continue
+            for old, state in zip(same, saved, strict=False):
+                new = type(old).from_state(state)
+                if isinstance(old, TrainerControl):
+                    self.control = new
+                else:
+                    i = self.callback_handler.callbacks.index(old)
+                    self.callback_handler.callbacks[i] = new
+        if missing:
+            warnings.warn(
+                "the checkpoint holds the state of callbacks this Trainer does not have; "
+                f"ignored: {', '.join(missing)}",
+                stacklevel=3,
+            )
+
     def _log_train(self, loss: float) -> None:
         grad_norm = self.engine.get_global_grad_norm()
         self.log(
@@ -188,6 +218,7 @@ class TrainingLoop:
         tag = f"{prefix}{st.global_step}"
         if st.best_global_step == st.global_step:
             st.best_model_checkpoint = os.path.join(root, tag)
+        st.stateful_callbacks = exported_states([*self.callback_handler.callbacks, self.control])
         client = {"trainer_state": st.to_dict(), "epoch_done": epoch_done}
         path = engine.save_checkpoint(root, tag=tag, client_state=client)
         state_dict = engine.module_state_dict()  # every rank gathers the whole weights

@@ -30,6 +30,7 @@ def implementation(name: str) -> types.SimpleNamespace:
             DefaultFlowCallback=DefaultFlowCallback,
             TrainerState=state.TrainerState,
             TrainerControl=state.TrainerControl,
+            ExportableState=state.ExportableState,
             EvalPrediction=state.EvalPrediction,
             set_seed=meshtrain.trainer.set_seed,
             get_last_checkpoint=checkpoints.get_last_checkpoint,
@@ -38,7 +39,7 @@ def implementation(name: str) -> types.SimpleNamespace:
             args_file="training_args.json",
         )
     import transformers
-    from transformers import trainer_utils
+    from transformers import trainer_callback, trainer_utils
 
     return types.SimpleNamespace(
         name=name,
@@ -49,6 +50,7 @@ def implementation(name: str) -> types.SimpleNamespace:
         DefaultFlowCallback=transformers.DefaultFlowCallback,
         TrainerState=transformers.TrainerState,
         TrainerControl=transformers.TrainerControl,
+        ExportableState=trainer_callback.ExportableState,
         EvalPrediction=transformers.EvalPrediction,
         set_seed=transformers.set_seed,
         get_last_checkpoint=trainer_utils.get_last_checkpoint,

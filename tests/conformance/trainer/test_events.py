@@ -152,3 +152,71 @@ def test_event_flow_with_gradient_accumulation(impl, tmp_path):
     expected = ["on_init_end", "on_train_begin", "on_epoch_begin", *step, *step,
                 "on_epoch_end", "on_log", "on_train_end"]  # fmt: skip
     assert recorder.events == expected
+
+
+def _stateful_kwargs():
+    return dict(
+        load_best_model_at_end=True,
+        save_strategy="steps",
+        eval_strategy="steps",
+        save_steps=2,
+        eval_steps=2,
+        max_steps=2,
+    )
+
+
+def test_early_stopping_state_persists(impl, tmp_path):
+    """Restates test_trainer_callback.py::StatefulCallbackTest::
+    test_early_stopping_state_persists: with restore_callback_states_from_checkpoint the
+    resumed run's EarlyStoppingCallback has the saved patience and threshold."""
+    cb = impl.EarlyStoppingCallback(early_stopping_patience=5, early_stopping_threshold=0.2)
+    regression_trainer(impl, tmp_path, callbacks=[cb], **_stateful_kwargs()).train()
+    trainer = regression_trainer(
+        impl,
+        tmp_path,
+        callbacks=[impl.EarlyStoppingCallback()],
+        restore_callback_states_from_checkpoint=True,
+        **_stateful_kwargs(),
+    )
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    restored = next(
+        c for c in trainer.callback_handler.callbacks if isinstance(c, impl.EarlyStoppingCallback)
+    )
+    assert (restored.early_stopping_patience, restored.early_stopping_threshold) == (5, 0.2)
+
+
+def test_multiple_instances_of_same_stateful_callback(impl, tmp_path):
+    """Restates test_trainer_callback.py::StatefulCallbackTest::
+    test_multiple_instances_of_same_stateful_callback: each instance gets its own state."""
+
+    class Stateful(impl.TrainerCallback, impl.ExportableState):
+        def __init__(self, my_value="default"):
+            self.my_value = my_value
+
+        def state(self):
+            return {"args": {"my_value": self.my_value}, "attributes": {}}
+
+    first = [Stateful("first"), Stateful("second")]
+    regression_trainer(impl, tmp_path, callbacks=first, **_stateful_kwargs()).train()
+    trainer = regression_trainer(
+        impl,
+        tmp_path,
+        callbacks=[Stateful(), Stateful()],
+        restore_callback_states_from_checkpoint=True,
+        **_stateful_kwargs(),
+    )
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    values = [c.my_value for c in trainer.callback_handler.callbacks if isinstance(c, Stateful)]
+    assert values == ["first", "second"]
+
+
+def test_trainer_state_holds_stateful_callbacks(impl, tmp_path):
+    """Restates test_trainer_callback.py::StatefulCallbackTest::
+    test_trainer_control_state_persists's file check: trainer_state.json of a checkpoint
+    holds the TrainerControl and EarlyStoppingCallback states."""
+    cb = impl.EarlyStoppingCallback(early_stopping_patience=3)
+    regression_trainer(impl, tmp_path, callbacks=[cb], **_stateful_kwargs()).train()
+    state = impl.TrainerState.load_from_json(str(tmp_path / "checkpoint-2" / "trainer_state.json"))
+    saved = state.stateful_callbacks
+    assert saved["EarlyStoppingCallback"]["args"]["early_stopping_patience"] == 3
+    assert "TrainerControl" in saved
