@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from meshtrain.jobs.train.run_log import METRICS, RunLog, plot_loss, read_metrics
+from meshtrain.trainer.run_log import METRICS, RunLog, plot_loss, read_metrics
 
 
 def _last(step: int, loss: float) -> dict:

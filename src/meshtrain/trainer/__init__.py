@@ -8,6 +8,7 @@ from meshtrain.trainer.arguments import TrainingArguments
 from meshtrain.trainer.callbacks import EarlyStoppingCallback, TrainerCallback
 from meshtrain.trainer.state import (
     EvalPrediction,
+    ExportableState,
     PredictionOutput,
     TrainerControl,
     TrainerState,
@@ -18,6 +19,7 @@ from meshtrain.trainer.trainer import Trainer, set_seed
 __all__ = [
     "EarlyStoppingCallback",
     "EvalPrediction",
+    "ExportableState",
     "PredictionOutput",
     "TrainOutput",
     "Trainer",

@@ -99,6 +99,7 @@ class TrainingArguments:
     run_name: str | None = None
     disable_tqdm: bool | None = None
     resume_from_checkpoint: str | None = None
+    restore_callback_states_from_checkpoint: bool = False
     deepspeed: str | dict | None = None
     mesh: dict | None = None
     """meshtrain: ``{"tensor_parallel_size": t, "pipeline_parallel_size": p}``."""

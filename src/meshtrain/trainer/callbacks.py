@@ -6,7 +6,7 @@ Every hook gets ``(args, state, control, **kwargs)`` with ``model``, ``engine``,
 ``metrics``; a hook may return a ``TrainerControl`` to replace the current one (as in
 transformers). Hooks run on every process; ``state.is_world_process_zero`` tells rank 0.
 
-``RunLogCallback`` reuses ``meshtrain.jobs.train.run_log`` (the progress bar,
+``RunLogCallback`` reuses ``meshtrain.trainer.run_log`` (the progress bar,
 ``metrics.jsonl``, TensorBoard and ``loss.png`` that ``meshtrain train`` writes), so both
 ways of training show and write the same things.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from meshtrain.errors import ConfigError
 from meshtrain.trainer.arguments import TrainingArguments
-from meshtrain.trainer.state import TrainerControl, TrainerState
+from meshtrain.trainer.state import ExportableState, TrainerControl, TrainerState
 
 EVENTS = (
     "on_init_end",
@@ -110,6 +110,14 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
+            # transformers 5: a step-based evaluation also runs at the last step when that
+            # step is not already an evaluation step
+            if (
+                args.eval_strategy == "steps"
+                and step % every(args.eval_steps, state.max_steps) != 0
+                and step >= args.eval_delay
+            ):
+                control.should_evaluate = True
             if args.save_strategy == "steps":
                 control.should_save = True
         return control
@@ -124,7 +132,7 @@ class DefaultFlowCallback(TrainerCallback):
         return control
 
 
-class EarlyStoppingCallback(TrainerCallback):
+class EarlyStoppingCallback(TrainerCallback, ExportableState):
     """Stop when ``metric_for_best_model`` has not improved by more than
     ``early_stopping_threshold`` for ``early_stopping_patience`` evaluations."""
 
@@ -132,6 +140,15 @@ class EarlyStoppingCallback(TrainerCallback):
         self.early_stopping_patience = early_stopping_patience
         self.early_stopping_threshold = early_stopping_threshold
         self.early_stopping_patience_counter = 0
+
+    def state(self) -> dict:
+        return {
+            "args": {
+                "early_stopping_patience": self.early_stopping_patience,
+                "early_stopping_threshold": self.early_stopping_threshold,
+            },
+            "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
+        }
 
     def on_train_begin(self, args: TrainingArguments, state, control, **kwargs):
         if args.metric_for_best_model is None:
@@ -180,7 +197,7 @@ class RunLogCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        from meshtrain.jobs.train.run_log import RunLog
+        from meshtrain.trainer.run_log import RunLog
 
         tb = None
         if "tensorboard" in args.report_to:
@@ -212,7 +229,7 @@ class RunLogCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.run_log is None:
             return
-        from meshtrain.jobs.train.run_log import METRICS, PLOT, plot_loss
+        from meshtrain.trainer.run_log import METRICS, PLOT, plot_loss
 
         self.run_log.__exit__(None, None, None)
         self.rows = [r for r in self.run_log.rows if "loss" in r]

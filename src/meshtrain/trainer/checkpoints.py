@@ -8,10 +8,10 @@ rank 0 writes ``trainer_state.json`` and, for a transformers model, a ``save_pre
 export (``config.json`` + ``model.safetensors``, plus the tokenizer when the Trainer has
 one), so ``AutoModel.from_pretrained("out/checkpoint-500")`` works as with transformers.
 
-Retention (``save_total_limit``): transformers' rule -- the best checkpoint counts as the
-newest, so the newest ``limit - 1`` and the best survive, and with a limit of 1 and a best
-that is not the newest both are kept (resuming needs the newest) -- with the guarantee
-its issues #15089/#39560 ask for: the best checkpoint is never deleted.
+Retention (``save_total_limit``): transformers 5's rule -- the newest checkpoint (to
+resume from) and the best one are never deleted; the oldest others go until
+``max(limit, protected)`` remain; with a limit of 1 the end of training keeps only the
+best (``load_best_model_at_end``'s).
 """
 
 from __future__ import annotations
@@ -82,17 +82,66 @@ def is_better(value: float, best: float | None, greater_is_better: bool) -> bool
 
 
 def to_delete(steps: list[int], limit: int | None, best: int | None) -> list[int]:
-    """Steps whose checkpoints rotation removes (see the module docstring)."""
-    if not limit or len(steps) <= limit:
+    """Steps whose checkpoints rotation removes: transformers' ``rotate_checkpoints`` --
+    the newest (to resume from) and the best are protected, and the oldest others go
+    until ``max(limit, protected)`` remain."""
+    if not limit or limit <= 0 or len(steps) <= limit:
         return []
     ordered = sorted(steps)
-    if best is not None and best in ordered:
-        ordered.remove(best)
-        ordered.append(best)  # the best counts as the newest
-    if limit == 1 and best is not None and best in steps and best != max(steps):
-        limit = 2  # keep the newest too, or there is nothing to resume from
-    doomed = ordered[: max(0, len(ordered) - limit)]
-    return sorted(s for s in doomed if s != best)
+    protected = {ordered[-1]} | ({best} if best is not None and best in ordered else set())
+    keep = max(limit, len(protected))
+    remaining, doomed = len(ordered), []
+    for step in ordered:
+        if remaining <= keep:
+            break
+        if step not in protected:
+            doomed.append(step)
+            remaining -= 1
+    return doomed
+
+
+def sort_checkpoints(
+    output_dir: str | Path, checkpoint_prefix: str = "checkpoint", best_model_checkpoint=None
+) -> list[str]:
+    """transformers' ``sort_checkpoints``: ``<prefix>-<step>`` folders, oldest first, with
+    the best moved just before the newest (protected from deletion)."""
+    root = Path(output_dir)
+    found = []
+    for d in root.glob(f"{checkpoint_prefix}-*"):
+        m = re.match(rf".*{re.escape(checkpoint_prefix)}-([0-9]+)$", str(d))
+        if d.is_dir() and m:
+            found.append((int(m.group(1)), str(d)))
+    ordered = [path for _, path in sorted(found)]
+    if best_model_checkpoint is not None:
+        best = str(Path(best_model_checkpoint))
+        if best in ordered and ordered[-1] != best:
+            newest = ordered[-1]
+            ordered = [c for c in ordered if c not in (best, newest)] + [best, newest]
+    return ordered
+
+
+def rotate_checkpoints(
+    output_dir: str | Path,
+    save_total_limit: int | None = None,
+    best_model_checkpoint: str | None = None,
+    checkpoint_prefix: str = "checkpoint",
+) -> None:
+    """transformers' ``rotate_checkpoints`` on ``<prefix>-<step>`` folders (``to_delete``)."""
+    prefix = f"{checkpoint_prefix}-"
+    ordered = sort_checkpoints(output_dir, checkpoint_prefix)
+    steps = [step_of(c, prefix) for c in ordered]
+    delete(
+        output_dir,
+        to_delete(steps, save_total_limit, step_of(best_model_checkpoint, prefix)),
+        prefix,
+    )
+
+
+def get_last_checkpoint(folder: str | Path) -> str | None:
+    """transformers' ``get_last_checkpoint``: the ``checkpoint-<step>`` folder with the
+    highest step (complete or not), or None."""
+    ordered = sort_checkpoints(folder)
+    return ordered[-1] if ordered else None
 
 
 def delete(output_dir: str | Path, steps: list[int], prefix: str = PREFIX) -> None:
@@ -120,6 +169,9 @@ __all__ = [
     "PREFIX",
     "checkpoint_steps",
     "delete",
+    "get_last_checkpoint",
+    "rotate_checkpoints",
+    "sort_checkpoints",
     "is_better",
     "last_checkpoint",
     "resolve_resume",

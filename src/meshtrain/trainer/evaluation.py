@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -125,35 +125,46 @@ def max_batches(n: int, ranks: int, batch_size: int) -> int:
     return math.ceil(math.ceil(n / ranks) / batch_size) if n else 0
 
 
-def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix: str):
-    """Evaluate or predict ``dataset`` on every data-parallel rank (module docstring);
-    returns a ``PredictionOutput`` with ``<prefix>_`` metrics, identical on every rank."""
-    import torch.distributed as dist
+class PredictionHooks(NamedTuple):
+    """What ``prediction_loop`` asks of the Trainer: ``steps(loader, loss_only,
+    ignore_keys)`` yields ``(batch, loss, logits, labels)``; ``on_step()`` runs after each
+    batch; ``pad_forward(batch)`` is a forward whose result is dropped (ZeRO-3)."""
 
-    trainer._setup()
-    args, topo = trainer.args, trainer.topology
-    dataset = trainer._prepare_dataset(dataset)
-    n, ranks, rank = len(dataset), topo.dp_size, topo.dp_rank
-    rows = rank_rows(n, ranks, rank)
-    loader = torch.utils.data.DataLoader(
+    steps: Callable[..., Any]
+    on_step: Callable[[], None]
+    pad_forward: Callable[[Any], None]
+
+
+def eval_loader(dataset: Any, args: Any, topo: Any, collate: Any):
+    """The rows this data-parallel rank evaluates (``rank_rows``), in batches."""
+    return torch.utils.data.DataLoader(
         dataset,
         batch_size=args.per_device_eval_batch_size,
-        sampler=rows,
-        collate_fn=trainer.data_collator,
+        sampler=rank_rows(len(dataset), topo.dp_size, topo.dp_rank),
+        collate_fn=collate,
         num_workers=args.dataloader_num_workers,
     )
+
+
+def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix: str, hooks):
+    """Evaluate or predict ``dataset`` (already column-filtered) on every data-parallel
+    rank (module docstring); returns a ``PredictionOutput`` with ``<prefix>_`` metrics,
+    identical on every rank. ``hooks``: the Trainer's ``steps(loader, loss_only,
+    ignore_keys)`` iterator of ``(batch, loss, logits, labels)``, ``on_step()`` after each
+    batch and ``pad_forward(batch)`` (a ZeRO-3 forward whose result is dropped); the
+    Trainer's public members are read, none of its private ones."""
+    import torch.distributed as dist
+
+    args, topo = trainer.args, trainer.engine.topology
+    n, ranks = len(dataset), topo.dp_size
+    loader = eval_loader(dataset, args, topo, trainer.data_collator)
     loss_only = args.prediction_loss_only
     preds, labels, loss_sum, seen, had_loss = [], [], 0.0, 0, False
     t0 = time.perf_counter()
     trainer.model.eval()
     batches = 0
     first = None
-    if trainer.engine.pipeline is not None:  # the pipeline's forwards, several at once
-        from meshtrain.trainer.pipeline_step import prediction_steps
-
-        steps = prediction_steps(trainer, loader, loss_only, ignore_keys)
-    else:
-        steps = _prediction_steps(trainer, loader, loss_only, ignore_keys)
+    steps = hooks.steps(loader, loss_only, ignore_keys)
     for batch, loss, logits, lab in steps:
         first = first if first is not None else batch
         size = batch_rows(batch)
@@ -168,15 +179,13 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
         if lab is not None:
             labels.append(to_numpy(lab))
         seen += size
-        trainer.control = trainer._event("on_prediction_step")
+        hooks.on_step()
     if getattr(trainer.engine.zero, "gatherer", None) is not None and n:
         if first is None:  # fewer rows than ranks: this rank had none; any row will do
             first = trainer.data_collator([dataset[0]])
         for _ in range(max_batches(n, ranks, args.per_device_eval_batch_size) - batches):
             with torch.no_grad():  # ZeRO-3: match the other ranks' collectives
-                trainer.prediction_step(
-                    trainer.model, trainer._prepare_inputs(first), True, ignore_keys
-                )
+                hooks.pad_forward(first)
     mine = (loss_sum, seen, had_loss, nested_concat(preds), nested_concat(labels))
     if ranks > 1:
         everyone: list[Any] = [None] * ranks
@@ -206,18 +215,11 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
     return PredictionOutput(predictions, label_ids, metrics)
 
 
-def _prediction_steps(trainer, loader, loss_only: bool, ignore_keys):
-    """``(batch, loss, logits, labels)`` per batch, from ``trainer.prediction_step``."""
-    for batch in loader:
-        inputs = trainer._prepare_inputs(batch)
-        yield batch, *trainer.prediction_step(trainer.model, inputs, loss_only, ignore_keys)
-
-
-def vocab_gatherer(trainer) -> Any:
+def vocab_gatherer(engine, model) -> Any:
     """Under tensor parallelism with a vocab-parallel LM head: a function turning a
     model's outputs' sharded ``logits`` into full-vocabulary logits (module docstring);
     otherwise None."""
-    topo = trainer.topology
+    topo = engine.topology
     if topo.tp_size == 1:
         return None
     import operator
@@ -225,11 +227,11 @@ def vocab_gatherer(trainer) -> Any:
     from meshtrain.parallel.tensor.mappings import gather_from_region
     from meshtrain.parallel.tensor.plans import TPPlan, plan_for
 
-    custom = getattr(getattr(trainer.engine.config, "tensor_parallel", None), "plan", None)
-    plan = TPPlan.from_dict(custom) if custom else plan_for(trainer.model)
+    custom = getattr(getattr(engine.config, "tensor_parallel", None), "plan", None)
+    plan = TPPlan.from_dict(custom) if custom else plan_for(model)
     if plan is None or "vocab" not in plan.sizes or all(r[1] != "lm_head" for r in plan.rows):
         return None  # e.g. BERT classification: its logits are whole on every rank
-    vocab = int(operator.attrgetter(plan.sizes["vocab"])(trainer.model))
+    vocab = int(operator.attrgetter(plan.sizes["vocab"])(model))
     local = -(-vocab // topo.tp_size)
 
     def full(x: Any) -> Any:

@@ -59,76 +59,86 @@ from torch import nn
 
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.models.kv_cache import CACHE_NAMES
+from meshtrain.trainer.evaluation import logits_of
+from meshtrain.trainer.inputs import move_to_device
 
 EVAL_GROUP = 4  # batches per pp rank in one evaluation call: bubble (p-1)/(4p+p-1) <= 0.2
 
-__all__ = ["EVAL_GROUP", "check", "prediction_steps", "restore_user_model", "training_step"]
+__all__ = ["EVAL_GROUP", "PipelineSteps", "check", "prediction_steps", "restore_user_model"]
 
 
-def check(trainer) -> None:
-    """Refuse what cannot run under pipeline parallelism (module docstring)."""
-    from meshtrain.trainer.trainer import Trainer
-
-    pp = trainer.topology.pp_size
-    cls = type(trainer)
+def check(
+    overridden: list[str], compute_loss_func: Any, label_names: list[str], pp: int, cls_name: str
+) -> None:
+    """Refuse what cannot run under pipeline parallelism (module docstring).
+    ``overridden``: the names of ``compute_loss`` / ``prediction_step`` the Trainer
+    subclass ``cls_name`` overrides."""
     why = (
         "under pipeline parallelism the model is split into stages and the last stage "
         "computes the model's own loss, so no rank holds the whole model's outputs"
     )
-    for name in ("compute_loss", "prediction_step"):
-        if getattr(cls, name) is not getattr(Trainer, name):
-            raise ConfigError(
-                f"{cls.__name__}.{name} is overridden, but TrainingArguments.mesh."
-                f"pipeline_parallel_size={pp}: {why}; drop the override and return the loss "
-                "from the model's forward (labels=), or set pipeline_parallel_size to 1 "
-                "and fit the model with tensor_parallel_size or ZeRO (deepspeed=)"
-            )
-    if trainer.compute_loss_func is not None:
+    for name in overridden:
+        raise ConfigError(
+            f"{cls_name}.{name} is overridden, but TrainingArguments.mesh."
+            f"pipeline_parallel_size={pp}: {why}; drop the override and return the loss "
+            "from the model's forward (labels=), or set pipeline_parallel_size to 1 "
+            "and fit the model with tensor_parallel_size or ZeRO (deepspeed=)"
+        )
+    if compute_loss_func is not None:
         raise ConfigError(
             f"Trainer(compute_loss_func=...) with TrainingArguments.mesh."
             f"pipeline_parallel_size={pp}: {why}; let the model compute its loss from "
             "labels=, or set pipeline_parallel_size to 1"
         )
-    if list(trainer.label_names) != ["labels"]:
+    if list(label_names) != ["labels"]:
         raise ConfigError(
-            f"TrainingArguments.label_names={trainer.label_names!r} with mesh."
+            f"TrainingArguments.label_names={label_names!r} with mesh."
             f"pipeline_parallel_size={pp}: the pipeline hands only a batch's 'labels' to "
             "the last stage; name the labels 'labels' (the data collators do) or set "
             "pipeline_parallel_size to 1"
         )
 
 
-def training_step(trainer, window: list[Any]) -> tuple[torch.Tensor, float, float]:
-    """``Trainer.training_step`` under pp: one optimizer step over ``window`` (module
-    docstring); returns (this replica's share of the step's loss, its summed item loss,
-    its item count)."""
-    from meshtrain.parallel.pipeline.engine_step import run_window
+class PipelineSteps:
+    """What the Trainer's loop calls under pipeline parallelism: ``train_window`` (one
+    optimizer step's forwards and backwards through the schedule), ``prediction_steps``
+    (evaluation through the forward schedule) and ``restore_user_model`` (the end of
+    training). It holds the engine, the user's model and the label names, never the
+    Trainer."""
 
-    engine, replicas = trainer.engine, trainer.topology.dp_size
-    counts, local_items, total_items = trainer._window_items(window)
-    weights = [n * replicas / total_items if total_items else 0.0 for n in counts]
-    batches = [trainer._prepare_inputs(b) for b in window]
-    if not trainer.model.training:  # after an evaluation, as without pp (the stages'
-        trainer.model.train()  # own copies of the model's root are set by the runtime)
-    weighted = run_window(engine, batches, weights)  # sum_i w_i L_i, every rank
-    for _ in range(len(window) - 1):
-        trainer.control = trainer._event("on_substep_end")
-    trainer.control = trainer._event("on_pre_optimizer_step")
-    trainer._applied_lr = engine.get_lr()[0]
-    share = weighted.detach().float().to(engine.device) / replicas
-    local_sum = float(share) * total_items
-    engine.log.add_loss(torch.tensor(local_sum / local_items if local_items else 0.0))
-    engine.step()
-    trainer.control = trainer._event("on_optimizer_step")
-    return share, local_sum, local_items
+    def __init__(self, engine, model: nn.Module, label_names: list[str]) -> None:
+        self.engine = engine
+        self.model = model
+        self.label_names = list(label_names)
+
+    def train_window(self, batches: list[Any], counts: list[int], total_items: float):
+        """Forwards and backwards of ``batches`` (on the engine's device) through the
+        schedule, weighted as the module docstring says; returns this replica's step loss
+        x its data-parallel size (``sum_i w_i L_i``), as ``Trainer.training_step``'s
+        shares sum to. The optimizer step is the caller's."""
+        from meshtrain.parallel.pipeline.engine_step import run_window
+
+        engine = self.engine
+        replicas = engine.topology.dp_size
+        weights = [n * replicas / total_items if total_items else 0.0 for n in counts]
+        weighted = run_window(engine, batches, weights)  # sum_i w_i L_i, every rank
+        share = weighted.detach().float().to(engine.device)
+        local_items = float(sum(counts))
+        local_mean = float(share) * total_items / replicas / local_items if local_items else 0.0
+        engine.log.add_loss(torch.tensor(local_mean))
+        return share
+
+    def prediction_steps(self, loader, loss_only: bool, ignore_keys: list[str] | None):
+        return prediction_steps(self, loader, loss_only, ignore_keys)
+
+    def restore_user_model(self) -> None:
+        restore_user_model(self.engine, self.model)
 
 
-def _loss_and_logits(trainer, outputs: Any, inputs: Any, loss_only: bool, keys: list[str]):
+def _loss_and_logits(steps, outputs: Any, inputs: Any, loss_only: bool, keys: list[str]):
     """What ``Trainer.prediction_step`` takes from a whole model's ``outputs``."""
-    from meshtrain.trainer.evaluation import logits_of
-
     loss = None
-    if _has_labels(trainer, inputs):
+    if _has_labels(steps.label_names, inputs):
         if isinstance(outputs, Mapping) and outputs.get("loss") is not None:
             loss = outputs["loss"]
         elif isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
@@ -137,7 +147,7 @@ def _loss_and_logits(trainer, outputs: Any, inputs: Any, loss_only: bool, keys: 
             loss = outputs[0]
         else:
             raise TrainingError(
-                f"the last pipeline stage of {type(trainer.model).__name__} returned no "
+                f"the last pipeline stage of {type(steps.model).__name__} returned no "
                 "loss for a batch with labels; give the model labels it accepts"
             )
         loss = loss.detach().float().mean()
@@ -145,36 +155,35 @@ def _loss_and_logits(trainer, outputs: Any, inputs: Any, loss_only: bool, keys: 
     return loss, logits
 
 
-def _has_labels(trainer, inputs: Any) -> bool:
-    return isinstance(inputs, Mapping) and all(
-        inputs.get(n) is not None for n in trainer.label_names
-    )
+def _has_labels(label_names: list[str], inputs: Any) -> bool:
+    return isinstance(inputs, Mapping) and all(inputs.get(n) is not None for n in label_names)
 
 
 def prediction_steps(
-    trainer, loader, loss_only: bool, ignore_keys: list[str] | None
+    steps: PipelineSteps, loader, loss_only: bool, ignore_keys: list[str] | None
 ) -> Iterator[tuple[Any, Any, Any, Any]]:
     """``(batch, loss, logits, labels)`` per batch of ``loader``, the same on every rank
     of the pp group (module docstring)."""
     if ignore_keys is None:  # as Trainer.prediction_step
-        config = getattr(trainer.model, "config", None)
+        config = getattr(steps.model, "config", None)
         ignore_keys = getattr(config, "keys_to_ignore_at_inference", list(CACHE_NAMES))
-    pipe, topo = trainer.engine.pipeline, trainer.topology
+    engine = steps.engine
+    pipe, topo = engine.pipeline, engine.topology
     batches = iter(loader)
     while group := list(itertools.islice(batches, EVAL_GROUP * topo.pp_size)):
-        inputs = [trainer._prepare_inputs(b) for b in group]
+        inputs = [move_to_device(b, engine.device, engine.dtype) for b in group]
         outs = pipe.eval_outputs(inputs)
         mine = None
         if outs is not None:  # the last stage
             mine = [
-                _loss_and_logits(trainer, o, x, loss_only, ignore_keys)
+                _loss_and_logits(steps, o, x, loss_only, ignore_keys)
                 for o, x in zip(outs, inputs, strict=True)
             ]
-        results = _from_last_stage(mine, pipe, trainer.engine.device)
+        results = _from_last_stage(mine, pipe, engine.device)
         for batch, x, (loss, logits) in zip(group, inputs, results, strict=True):
             labels = None
-            if _has_labels(trainer, x):
-                found = tuple(x[n] for n in trainer.label_names)
+            if _has_labels(steps.label_names, x):
+                found = tuple(x[n] for n in steps.label_names)
                 labels = found[0] if len(found) == 1 else found
             yield batch, loss, logits, labels
 
@@ -239,7 +248,7 @@ def _collect_shapes(spec: Any, out: list[torch.Tensor], device: torch.device) ->
 RESTORE_TAG = 1 << 16  # apart from the pipeline's own channels (tags 3 s + k, ``p2p``)
 
 
-def restore_user_model(trainer) -> None:
+def restore_user_model(engine, model: nn.Module) -> None:
     """Put the trained tensors of the stages other pp ranks ran back into the user's model
     (module docstring): each tensor goes once from its owner (the lowest pp rank holding
     it) to each pp rank that lacks it. Collective over the pp group; the bytes are in the
@@ -248,7 +257,6 @@ def restore_user_model(trainer) -> None:
 
     from meshtrain.distributed import comm
 
-    engine, model = trainer.engine, trainer.model
     group = engine.pipeline.group
     user: dict[int, tuple[str, torch.Tensor]] = {}  # id -> (first state-dict key, tensor)
     for key, t in model.state_dict(keep_vars=True).items():

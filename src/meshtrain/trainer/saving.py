@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+ARGS_FILE = "training_args.json"
+
 
 class ModelSaving:
     """``save_model`` / ``save_state`` / ``is_world_process_zero`` of the Trainer (a mixin
@@ -46,10 +48,12 @@ class ModelSaving:
         if self.is_world_process_zero():
             path.mkdir(parents=True, exist_ok=True)
             self._export(path, state_dict)
-            (path / "training_args.json").write_text(
-                json.dumps(self.args.to_dict(), indent=2, default=str) + "\n"
-            )
+            self._write_args(path)
         self._barrier()
+
+    def _write_args(self, path: Path) -> None:
+        """``training_args.json`` (transformers pickles ``training_args.bin``)."""
+        (path / ARGS_FILE).write_text(json.dumps(self.args.to_dict(), indent=2, default=str) + "\n")
 
     def save_state(self) -> None:
         """``trainer_state.json`` (log history, best checkpoint, step) in ``output_dir``."""

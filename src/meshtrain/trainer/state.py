@@ -76,6 +76,22 @@ class TrainerState:
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
     total_flos: float = 0.0
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
+
+    def compute_steps(self, args: Any, max_steps: int) -> None:
+        """``logging_steps`` / ``eval_steps`` / ``save_steps`` in steps: a value below 1
+        is a fraction of ``max_steps``, rounded up (transformers' rule)."""
+        import math
+
+        for name in ("logging", "eval", "save"):
+            value = getattr(args, f"{name}_steps")
+            if value is not None and value < 1:
+                value = math.ceil(max_steps * value)
+            setattr(self, f"{name}_steps", value)
+
+    @classmethod
+    def load_from_json(cls, path: str | Path) -> TrainerState:
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,8 +105,41 @@ class TrainerState:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, default=float) + "\n")
 
 
+class ExportableState:
+    """An object whose state travels in checkpoints (transformers' ``ExportableState``):
+    ``state()`` returns ``{"args": ..., "attributes": ...}`` (JSON values), and
+    ``from_state`` rebuilds it as ``cls(**args)`` with the attributes set. Saved in
+    ``TrainerState.stateful_callbacks`` under the class name (a list for several
+    instances); restored on resume when ``restore_callback_states_from_checkpoint``."""
+
+    def state(self) -> dict:
+        raise NotImplementedError("ExportableState subclasses implement state()")
+
+    @classmethod
+    def from_state(cls, state: dict):
+        instance = cls(**state.get("args", {}))
+        for key, value in state.get("attributes", {}).items():
+            setattr(instance, key, value)
+        return instance
+
+
+def exported_states(objects: list[Any]) -> dict[str, Any]:
+    """``stateful_callbacks`` for ``objects``: each ``ExportableState``'s ``state()`` by
+    class name, a list where one class has several instances."""
+    out: dict[str, Any] = {}
+    for obj in objects:
+        if not isinstance(obj, ExportableState):
+            continue
+        name = type(obj).__name__
+        if name in out:
+            out[name] = (out[name] if isinstance(out[name], list) else [out[name]]) + [obj.state()]
+        else:
+            out[name] = obj.state()
+    return out
+
+
 @dataclass
-class TrainerControl:
+class TrainerControl(ExportableState):
     """Flags callbacks set to steer the loop; the Trainer resets each after acting on it."""
 
     should_training_stop: bool = False
@@ -99,11 +148,16 @@ class TrainerControl:
     should_evaluate: bool = False
     should_log: bool = False
 
+    def state(self) -> dict:
+        return {"args": dataclasses.asdict(self), "attributes": {}}
+
 
 __all__ = [
     "EvalPrediction",
+    "ExportableState",
     "PredictionOutput",
     "TrainOutput",
     "TrainerControl",
     "TrainerState",
+    "exported_states",
 ]

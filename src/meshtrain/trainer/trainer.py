@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError, TrainingError
-from meshtrain.models.kv_cache import CACHE_NAMES
 from meshtrain.trainer import checkpoints as ckpt
 from meshtrain.trainer import evaluation as ev
 from meshtrain.trainer import setup
@@ -35,15 +35,18 @@ from meshtrain.trainer.callbacks import (
     RunLogCallback,
     TrainerCallback,
 )
+from meshtrain.trainer.inputs import move_to_device
 from meshtrain.trainer.loss import (
     forward_names,
     label_items,
     loss_shifts_labels,
     takes_argument,
 )
+from meshtrain.trainer.pipeline_step import PipelineSteps
+from meshtrain.trainer.pipeline_step import check as check_pipeline
+from meshtrain.trainer.prediction import Prediction
 from meshtrain.trainer.saving import ModelSaving
 from meshtrain.trainer.state import (
-    PredictionOutput,
     TrainerControl,
     TrainerState,
 )
@@ -57,7 +60,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(TrainingLoop, ModelSaving):
+class Trainer(Prediction, TrainingLoop, ModelSaving):
     """Train, evaluate and predict with transformers' Trainer API on meshtrain's engine.
 
     Args follow transformers: ``model``, ``args`` (:class:`TrainingArguments`),
@@ -108,7 +111,8 @@ class Trainer(TrainingLoop, ModelSaving):
         self._forward_names = names
         self._shift = loss_shifts_labels(model)
         self.engine = None
-        self._gather_vocab = None  # set by setup.build_engine under tensor parallelism
+        self._gather_vocab = None  # set by _setup under tensor parallelism
+        self._pipeline: PipelineSteps | None = None  # set by _setup under pp
         self._new_signature: tuple[Any, bool] = (None, False)  # compute_loss's signature
         # where checkpoints go and how they are named (``meshtrain train`` uses its own)
         self.checkpoint_dir = self.args.output_dir
@@ -128,6 +132,14 @@ class Trainer(TrainingLoop, ModelSaving):
     def pop_callback(self, callback: TrainerCallback | type) -> Any:
         return self.callback_handler.pop(callback)
 
+    def set_checkpoint_location(self, directory: str, prefix: str = ckpt.PREFIX) -> None:
+        """Where checkpoints go and how their folders are named (default:
+        ``output_dir/checkpoint-<step>``; ``meshtrain train`` uses ``global_step<N>``)."""
+        self.checkpoint_dir, self.checkpoint_prefix = directory, prefix
+
+    def remove_callback(self, callback: TrainerCallback | type) -> None:
+        self.callback_handler.pop(callback)
+
     def _event(self, name: str, **kwargs: Any) -> TrainerControl:
         return self.callback_handler.call(
             name,
@@ -144,36 +156,71 @@ class Trainer(TrainingLoop, ModelSaving):
 
     # -- set-up ---------------------------------------------------------------------------
     def _prepare_dataset(self, dataset: Any) -> Any:
-        return setup.prepare_dataset(self, dataset)
+        return setup.prepare_dataset(dataset, self.args, self._forward_names, self.label_names)
 
     def prepare_engine(self):
         """Process group, mesh, engine and training loader (once); returns the engine."""
-        setup.build_engine(self)
+        self._setup()
         return self.engine
 
     def _setup(self) -> None:
-        setup.build_engine(self)
+        """The one call into set-up (``trainer.setup.build_engine``); everything it builds
+        is assigned here, by the Trainer itself."""
+        if self.engine is not None:
+            return
+        built = setup.build_engine(
+            model=self.model,
+            args=self.args,
+            train_dataset=self.train_dataset,
+            data_collator=self.data_collator,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            forward_names=self._forward_names,
+            label_names=self.label_names,
+            check_pipeline=self._check_pipeline,
+        )
+        self.engine, self.topology = built.engine, built.topology
+        self.train_dataset, self.train_dataloader = built.train_dataset, built.train_dataloader
+        self.steps_per_epoch, self.max_steps = built.steps_per_epoch, built.max_steps
+        self.num_epochs, self.num_parameters = built.num_epochs, built.num_parameters
+        self.state.is_world_process_zero = self.topology.rank == 0
+        self.state.is_local_process_zero = self.is_local_process_zero()
+        self._gather_vocab = ev.vocab_gatherer(self.engine, self.model)
+        if self.engine.pipeline is not None:
+            self._pipeline = PipelineSteps(self.engine, self.model, self.label_names)
+        self.optimizer = self.engine.optimizer
+        self.lr_scheduler = self.engine.lr_scheduler
+
+    def _check_pipeline(self, pp: int) -> None:
+        cls = type(self)
+        overridden = [
+            n
+            for n in ("compute_loss", "prediction_step")
+            if getattr(cls, n) is not getattr(Trainer, n)
+        ]
+        check_pipeline(overridden, self.compute_loss_func, self.label_names, pp, cls.__name__)
+
+    def create_optimizer(self, model: nn.Module | None = None):
+        """The optimizer (transformers' contract: build it once from ``args`` unless one
+        was given, keep it in ``self.optimizer``, return it). Before ``train()`` it is a
+        torch optimizer of ``args.optim`` over transformers' weight-decay groups, which
+        the engine then wraps; after set-up it is the engine's optimizer."""
+        if self.optimizer is None:
+            spec = self.args._optimizer_section()  # the engine config's optimizer section
+            cls = getattr(torch.optim, spec["type"])
+            groups = setup.param_groups(model if model is not None else self.model)
+            self.optimizer = cls(groups, **spec["params"])
+        return self.optimizer
+
+    def get_train_dataloader(self):
+        """The resumable training loader (deals rows by data-parallel rank)."""
+        self._setup()
+        return self.train_dataloader
 
     # -- one step -------------------------------------------------------------------------
     def _prepare_inputs(self, inputs: Any) -> Any:
         """Move a batch to the engine's device (floats to the training dtype)."""
-        device, dtype = self.engine.device, self.engine.dtype
-
-        def move(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                x = x.to(device, non_blocking=True)
-                return x.to(dtype) if x.is_floating_point() and dtype != torch.float32 else x
-            if isinstance(x, Mapping):
-                return (
-                    type(x)({k: move(v) for k, v in x.items()})
-                    if isinstance(x, dict)
-                    else {k: move(v) for k, v in x.items()}
-                )
-            if isinstance(x, list | tuple):
-                return type(x)(move(v) for v in x)
-            return x
-
-        return move(inputs)
+        return move_to_device(inputs, self.engine.device, self.engine.dtype)
 
     def compute_loss(
         self,
@@ -213,7 +260,9 @@ class Trainer(TrainingLoop, ModelSaving):
             )
         return (loss, outputs) if return_outputs else loss
 
-    def _call_compute_loss(self, inputs: Any, return_outputs: bool, num_items: Any = None):
+    def _call_compute_loss(
+        self, model: nn.Module, inputs: Any, return_outputs: bool, num_items: Any = None
+    ):
         """Call ``compute_loss`` with the new signature, or the old one (no
         ``num_items_in_batch``) that seed scripts override it with."""
         fn = self.compute_loss
@@ -221,10 +270,8 @@ class Trainer(TrainingLoop, ModelSaving):
         if self._new_signature[0] is not key:  # inspect once per override, not per step
             self._new_signature = (key, takes_argument(fn, "num_items_in_batch"))
         if self._new_signature[1]:
-            return fn(
-                self.model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items
-            )
-        return fn(self.model, inputs, return_outputs=return_outputs)
+            return fn(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
+        return fn(model, inputs, return_outputs=return_outputs)
 
     def _loss_is_share(self) -> bool:
         if self.loss_is_scaled_for_ga is not None:
@@ -238,54 +285,96 @@ class Trainer(TrainingLoop, ModelSaving):
         local_items = float(sum(counts))
         total_items = local_items
         if self.topology.dp_size > 1:
-            from meshtrain.distributed import comm
-
             total = torch.tensor(local_items, device=self.engine.device)
             comm.all_reduce(total, self.topology.dp_group, label="control")
             total_items = float(total)
         return counts, local_items, total_items
 
-    def training_step(self, window: list[Any]) -> tuple[torch.Tensor, float, float]:
-        """One optimizer step over the micro-batches of ``window``; returns (this rank's
-        share of the step's loss, this rank's summed item loss, its item count)."""
-        if self.engine.pipeline is not None:  # the window runs in the pipeline's schedule
-            from meshtrain.trainer import pipeline_step
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch (transformers' signature and contract);
+        the optimizer step is the loop's. Returns the detached loss this micro-batch adds
+        to the step's logged loss: ``loss / gradient_accumulation_steps`` when the
+        micro-batches carry equal label items (exactly transformers' value then).
 
-            return pipeline_step.training_step(self, window)
-        engine, gas, dp = self.engine, self.args.gradient_accumulation_steps, self.topology.dp_size
+        With ``num_items_in_batch`` (the label items of the whole optimizer step over every
+        data-parallel rank, what the loop passes) the loss is weighted by this
+        micro-batch's items so the step equals one big batch (``meshtrain.trainer.loss``);
+        without it each micro-batch counts ``1 / gradient_accumulation_steps``, as in
+        transformers."""
+        engine = self.engine
+        if engine is None:
+            raise TrainingError(
+                "Trainer.training_step needs the engine: call trainer.train() or "
+                "trainer.prepare_engine() first"
+            )
+        if not model.training:  # after an evaluation (train() walks every module)
+            model.train()
+        inputs = self._prepare_inputs(inputs)
+        if isinstance(inputs, Mapping):  # samples/s and tokens/s of the engine's step log
+            engine.log.count_batch((), inputs)
+        loss = self._call_compute_loss(model, inputs, False, num_items_in_batch)
+        if isinstance(loss, tuple | list):
+            loss = loss[0]
+        gas, dp = self.args.gradient_accumulation_steps, self.topology.dp_size
+        total = None if num_items_in_batch is None else float(num_items_in_batch)
+        if self._loss_is_share():  # already S / N: undo the engine's 1 / (gas * dp)
+            factor, logged = float(gas * dp), float(dp)
+        elif total:  # this micro-batch's share n / N, and the engine's 1 / (gas * dp) undone
+            n = label_items(inputs, self.label_names, self._shift)
+            factor = n / total * gas * dp
+            logged = n / total * dp
+        elif total is None:  # transformers without item counts: the engine's 1 / gas
+            factor, logged = 1.0, 1.0 / gas
+        else:  # a window without label items contributes nothing
+            factor, logged = 0.0, 0.0
+        engine.backward(loss if factor == 1.0 else loss * factor)
+        return loss.detach().float() * logged
+
+    def _run_window(self, window: list[Any]) -> tuple[torch.Tensor, float]:
+        """One optimizer step over the micro-batches of ``window``: ``training_step`` per
+        micro-batch and ``engine.step``, with transformers' events (``on_substep_end``
+        after each micro-batch but the last, then ``on_pre_optimizer_step`` /
+        ``on_optimizer_step`` around the step), or the whole window through the pipeline
+        schedule. Returns (this rank's step loss x dp, its mean loss per label item)."""
+        engine = self.engine
         counts, local_items, total_items = self._window_items(window)
+        if engine.pipeline is not None:  # the window runs in the pipeline's schedule
+            batches = [self._prepare_inputs(b) for b in window]
+            if not self.model.training:
+                self.model.train()
+            share = self._pipeline.train_window(batches, counts, total_items)
+            for _ in range(len(window) - 1):  # the micro-batches interleave in the schedule
+                self.control = self._event("on_substep_end")
+            self.control = self._event("on_pre_optimizer_step")
+            self._applied_lr = engine.get_lr()[0]
+            engine.step()
+            self.control = self._event("on_optimizer_step")
+            return share, self._local_mean(share, local_items, total_items)
         engine.shorten_window(len(window))  # the epoch's short last window steps too
         num_items = torch.tensor(total_items, device=engine.device)
-        is_share = self._loss_is_share()
-        share = torch.zeros((), device=engine.device)
-        local_sum = torch.zeros((), device=engine.device)  # read once: no sync per micro-batch
-        if not self.model.training:  # after an evaluation (train() walks every module)
-            self.model.train()
+        share = torch.zeros((), device=engine.device)  # read once: no sync per micro-batch
         last = len(window) - 1
-        for i, (batch, n) in enumerate(zip(window, counts, strict=True)):
-            inputs = self._prepare_inputs(batch)
-            if isinstance(inputs, Mapping):  # samples/s and tokens/s of the engine's step log
-                engine.log.count_batch((), inputs)
-            loss = self._call_compute_loss(inputs, False, num_items)
-            if isinstance(loss, tuple | list):
-                loss = loss[0]
-            # this micro-batch's share of the step (module docstring of trainer.loss), and
-            # the engine's 1 / (gas * dp) undone, in one multiplication (none when it is 1)
-            weight = 1.0 if is_share else (n / total_items if total_items else 0.0)
-            factor = weight * gas * dp
-            engine.backward(loss if factor == 1.0 else loss * factor)
+        for i, batch in enumerate(window):
+            share += self.training_step(self.model, batch, num_items)
             if i == last:
                 self.control = self._event("on_pre_optimizer_step")
                 self._applied_lr = engine.get_lr()[0]  # what this step uses (logged as such)
             engine.step()
             if i < last:
                 self.control = self._event("on_substep_end")
-            detached = loss.detach().float()
-            share += detached if is_share else detached * weight
-            if not is_share:
-                local_sum += detached * n
         self.control = self._event("on_optimizer_step")
-        return share, float(local_sum), local_items
+        return share, self._local_mean(share, local_items, total_items)
+
+    def _local_mean(self, share: torch.Tensor, local: float, total: float) -> float | None:
+        """This rank's mean loss per label item (what the engine's step log shows)."""
+        if not local or self._loss_is_share():
+            return None
+        return float(share) * total / self.topology.dp_size / local
 
     # -- logging --------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -299,70 +388,6 @@ class Trainer(TrainingLoop, ModelSaving):
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self._event("on_log", logs=logs)
-
-    # -- evaluation -----------------------------------------------------------------------
-    def evaluate(
-        self,
-        eval_dataset: Any = None,
-        ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "eval",
-    ) -> dict[str, float]:
-        """Loss and ``compute_metrics`` on ``eval_dataset``; keys start with ``eval_``."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ConfigError("Trainer.evaluate() needs eval_dataset= (here or in the Trainer)")
-        if isinstance(dataset, dict):
-            metrics: dict[str, float] = {}
-            for name, ds in dataset.items():
-                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        out = ev.prediction_loop(self, dataset, ignore_keys, metric_key_prefix)
-        self.log(out.metrics)
-        self.control = self._event("on_evaluate", metrics=out.metrics)
-        return out.metrics
-
-    def predict(
-        self,
-        test_dataset: Any,
-        ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "test",
-    ) -> PredictionOutput:
-        """Predictions for exactly the rows of ``test_dataset``, in order, on every rank."""
-        out = ev.prediction_loop(self, test_dataset, ignore_keys, metric_key_prefix)
-        self.control = self._event("on_predict", metrics=out.metrics)
-        return out
-
-    def prediction_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ) -> tuple[torch.Tensor | None, Any, Any]:
-        """(loss, logits, labels) of one batch; the loss goes through ``compute_loss``
-        whenever the batch has labels, so custom losses and label-less forwards work."""
-        has_labels = isinstance(inputs, Mapping) and all(
-            inputs.get(n) is not None for n in self.label_names
-        )
-        with torch.no_grad():
-            if has_labels:
-                loss, outputs = self._call_compute_loss(inputs, True)
-                loss = loss.detach().float().mean()
-            else:
-                loss, outputs = None, model(**inputs)
-        if prediction_loss_only:
-            return loss, None, None
-        if self._gather_vocab is not None:  # tensor parallelism: whole-vocabulary logits
-            outputs = self._gather_vocab(outputs)
-        if ignore_keys is None:  # as transformers: e.g. a decoder's key/value cache
-            config = getattr(self.model, "config", None)
-            ignore_keys = getattr(config, "keys_to_ignore_at_inference", list(CACHE_NAMES))
-        logits = ev.logits_of(outputs, ignore_keys)
-        labels = None
-        if has_labels:
-            found = tuple(inputs[n] for n in self.label_names)
-            labels = found[0] if len(found) == 1 else found
-        return loss, logits, labels
 
 
 __all__ = ["Trainer", "set_seed"]

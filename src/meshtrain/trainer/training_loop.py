@@ -25,7 +25,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.trainer import checkpoints as ckpt
 from meshtrain.trainer.callbacks import RunLogCallback
 from meshtrain.trainer.report import end_table, training_header
-from meshtrain.trainer.state import TrainerControl, TrainerState, TrainOutput
+from meshtrain.trainer.state import TrainerControl, TrainerState, TrainOutput, exported_states
 
 
 class TrainingLoop:
@@ -83,6 +83,8 @@ class TrainingLoop:
             )
         )
         self.control = TrainerControl()
+        if path is not None and args.restore_callback_states_from_checkpoint:
+            self._restore_callback_states()
         self.control = self._event("on_train_begin")
         t0 = time.perf_counter()
         run_loss = torch.zeros((), device=engine.device)  # this run's summed step shares
@@ -93,6 +95,7 @@ class TrainingLoop:
         if path is not None and epoch_done and sampler.consumed >= len(self.train_dataset):
             start_epoch += 1
         n_rows = len(self.train_dataset)
+        dp = self.topology.dp_size  # each rank's share is x dp: the sum over ranks / dp
         for epoch in range(start_epoch, self.num_epochs):
             if st.global_step >= self.max_steps or self.control.should_training_stop:
                 break
@@ -104,9 +107,9 @@ class TrainingLoop:
                 if not window:
                     break
                 self.control = self._event("on_step_begin")
-                share, local_sum, local_items = self.training_step(window)
-                if engine.log.last and local_items and not self._loss_is_share():
-                    engine.log.last["loss"] = local_sum / local_items  # rank 0's item mean
+                share, local_mean = self._run_window(window)
+                if engine.log.last and local_mean is not None:
+                    engine.log.last["loss"] = local_mean  # rank 0's item mean
                 run_loss += share
                 log_loss += share
                 log_steps += 1
@@ -115,25 +118,57 @@ class TrainingLoop:
                 self.control = self._event("on_step_end")
                 if self.control.should_log and log_steps:
                     comm.all_reduce(log_loss, self.topology.dp_group, label="control")
-                    self._log_train(float(log_loss) / log_steps)
+                    self._log_train(float(log_loss) / dp / log_steps)
                     log_loss.zero_()
                     log_steps = 0
                 self._evaluate_and_save(ignore_keys_for_eval, epoch_done=False)
                 if self.control.should_training_stop or self.control.should_epoch_stop:
                     break
             self.control.should_epoch_stop = False
-            if st.global_step >= self.max_steps or self.control.should_training_stop:
-                if sampler.consumed < n_rows:
-                    break
-            st.epoch = float(epoch + 1)
+            # transformers fires on_epoch_end (and its log / evaluate / save) also when
+            # training stops inside the epoch; the epoch then is not done
+            stopped = st.global_step >= self.max_steps or self.control.should_training_stop
+            epoch_done = not (stopped and sampler.consumed < n_rows)
+            if epoch_done:
+                st.epoch = float(epoch + 1)
             self.control = self._event("on_epoch_end")
             if self.control.should_log and log_steps:
                 comm.all_reduce(log_loss, self.topology.dp_group, label="control")
-                self._log_train(float(log_loss) / log_steps)
+                self._log_train(float(log_loss) / dp / log_steps)
                 log_loss.zero_()
                 log_steps = 0
-            self._evaluate_and_save(ignore_keys_for_eval, epoch_done=True)
+            self._evaluate_and_save(ignore_keys_for_eval, epoch_done=epoch_done)
+            if not epoch_done:
+                break
         return self._finish_training(run_loss, start_step, t0)
+
+    def _restore_callback_states(self) -> None:
+        """transformers' ``_load_callback_state``: each saved ``ExportableState`` whose
+        class the Trainer has again is rebuilt from its saved state (instances of one
+        class in order); saved ones the Trainer lacks are named in a warning."""
+        import warnings
+
+        current = [*self.callback_handler.callbacks, self.control]
+        missing = []
+        for name, data in self.state.stateful_callbacks.items():
+            saved = data if isinstance(data, list) else [data]
+            same = [c for c in current if type(c).__name__ == name]
+            if not same:
+                missing.append(name)
+                continue
+            for old, state in zip(same, saved, strict=False):
+                new = type(old).from_state(state)
+                if isinstance(old, TrainerControl):
+                    self.control = new
+                else:
+                    i = self.callback_handler.callbacks.index(old)
+                    self.callback_handler.callbacks[i] = new
+        if missing:
+            warnings.warn(
+                "the checkpoint holds the state of callbacks this Trainer does not have; "
+                f"ignored: {', '.join(missing)}",
+                stacklevel=3,
+            )
 
     def _log_train(self, loss: float) -> None:
         grad_norm = self.engine.get_global_grad_norm()
@@ -183,13 +218,15 @@ class TrainingLoop:
         tag = f"{prefix}{st.global_step}"
         if st.best_global_step == st.global_step:
             st.best_model_checkpoint = os.path.join(root, tag)
+        st.stateful_callbacks = exported_states([*self.callback_handler.callbacks, self.control])
         client = {"trainer_state": st.to_dict(), "epoch_done": epoch_done}
         path = engine.save_checkpoint(root, tag=tag, client_state=client)
-        export = hasattr(self.model, "save_pretrained")
-        state_dict = engine.module_state_dict() if export else None  # every rank gathers
+        state_dict = engine.module_state_dict()  # every rank gathers the whole weights
         if self.topology.rank == 0:
-            if export:
-                self._export(path, state_dict)
+            # transformers' files beside the shards: the model (``from_pretrained`` loads
+            # the folder), the tokenizer / processor, the arguments as JSON, the state
+            self._export(path, state_dict)
+            self._write_args(path)
             st.save_to_json(path / "trainer_state.json")
             best = ckpt.step_of(st.best_model_checkpoint, prefix)
             steps = ckpt.checkpoint_steps(root, prefix)
@@ -203,12 +240,19 @@ class TrainingLoop:
         st, args = self.state, self.args
         comm.all_reduce(run_loss, self.topology.dp_group, label="control")
         steps = max(1, st.global_step - start_step)
-        train_loss = float(run_loss) / steps
+        train_loss = float(run_loss) / self.topology.dp_size / steps
         if args.load_best_model_at_end and st.best_model_checkpoint:
             best = ckpt.resolve_resume(st.best_model_checkpoint, self.checkpoint_dir)
             if best is not None and best.is_dir():
                 self._say(f"Loading best model from {best} (score: {st.best_metric}).")
                 self.engine.load_checkpoint(str(best.parent), tag=best.name, load_module_only=True)
+        if args.save_total_limit == 1 and st.best_model_checkpoint and self.topology.rank == 0:
+            # transformers: with a limit of 1 only the best checkpoint outlives training
+            best = ckpt.step_of(st.best_model_checkpoint, self.checkpoint_prefix)
+            saved = ckpt.checkpoint_steps(self.checkpoint_dir, self.checkpoint_prefix)
+            others = [s for s in saved if s != best] if best in saved else []
+            ckpt.delete(self.checkpoint_dir, others, self.checkpoint_prefix)
+        self._barrier()
         self._sync_user_model()
         runtime = time.perf_counter() - t0
         samples = steps * self.engine.config.train_batch_size
@@ -236,7 +280,7 @@ class TrainingLoop:
         tensor parallelism its layers are tensor-parallel ones (the original modules go
         back, holding the gathered, unpadded weights; ``parallel.tensor.restore``); under
         pipeline parallelism the blocks the split freed get the trained weights back
-        (``trainer.pipeline_step``). Evaluation and prediction then run the whole model
+        (``PipelineSteps.restore_user_model``). Evaluation and prediction then run the whole model
         on every rank (under pp they keep running through the pipeline)."""
         self.engine.zero.release_module(self.engine.module)
         if self.topology.tp_size > 1:
@@ -244,10 +288,8 @@ class TrainingLoop:
 
             remove_tensor_parallel(self.engine.module, self.topology.tp_group)
             self._gather_vocab = None  # the logits are whole now
-        if self.engine.pipeline is not None:  # other stages' blocks: weights back
-            from meshtrain.trainer.pipeline_step import restore_user_model
-
-            restore_user_model(self)
+        if self._pipeline is not None:  # other stages' blocks: weights back
+            self._pipeline.restore_user_model()
 
 
 __all__ = ["TrainingLoop"]

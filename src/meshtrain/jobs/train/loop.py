@@ -188,7 +188,7 @@ def _trainer(job: JobConfig, job_dict: dict[str, Any], model, dataset, out: Path
         data_seed=0,  # the order initialize()'s loader used
     )
     trainer = Trainer(model, args, train_dataset=dataset, data_collator=collate_packed)
-    trainer.checkpoint_dir, trainer.checkpoint_prefix = str(out / CHECKPOINTS), "global_step"
+    trainer.set_checkpoint_location(str(out / CHECKPOINTS), "global_step")
     return trainer
 
 
@@ -205,8 +205,8 @@ def _finish(engine, rank, out, start, max_steps, n_params, job, tag, t0, run_log
         return None
     import json
 
-    from meshtrain.jobs.train.run_log import METRICS, PLOT, plot_loss, read_metrics
     from meshtrain.jobs.train.summary import build_summary
+    from meshtrain.trainer.run_log import METRICS, PLOT, plot_loss, read_metrics
 
     m = job.model
     model_line = (
