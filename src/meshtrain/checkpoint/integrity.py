@@ -14,24 +14,15 @@ Every message ends with what to do: load the previous complete tag (named), or s
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint import storage, tensor_files
 from meshtrain.errors import CheckpointError
 from meshtrain.files import checksums
+from meshtrain.files.checksums import VERIFY_ENV, verify_default
 from meshtrain.files.structured import parse_json
 from meshtrain.files.text import decode, read_bytes
-
-VERIFY_ENV = "MESHTRAIN_VERIFY"
-
-
-def verify_default(verify: bool | None) -> bool:
-    """``verify`` if given, else False only when ``MESHTRAIN_VERIFY=0`` is set."""
-    if verify is not None:
-        return bool(verify)
-    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def fix_for(tag_dir: Path) -> str:
@@ -82,3 +73,6 @@ def verify_rank_file(path: Path, entry: dict[str, Any]) -> None:
             f"checkpoint file {path} (rank {entry['rank']}) is corrupted: its sha256 differs "
             f"from the manifest's {entry['sha256'][:16]}...; {fix}"
         )
+
+
+__all__ = ["VERIFY_ENV", "fix_for", "read_manifest", "verify_default", "verify_rank_file"]

@@ -272,3 +272,41 @@ def verify_export(path: str | os.PathLike, error: type[Exception]) -> bool:
                 f"{f}: the file is corrupted (its {checksums.ALGO} checksum differs); {fix}"
             )
     return True
+
+
+def check_folder(
+    path: str | os.PathLike, error: type[Exception], verify: bool | None = None
+) -> str:
+    """Check a ``save_pretrained`` folder before it is loaded; return what was checked.
+
+    A meshtrain export is verified against its checksums (every byte). Any other folder
+    gets what its format allows: ``config.json`` read strictly (encoding, duplicate keys),
+    the index's weight map pointing at files that exist, and every safetensors file's
+    header, sizes and dtypes (``check_foreign``)."""
+    from meshtrain.files.structured import load_json
+
+    path = Path(path)
+    if checksums.verify_default(verify) and verify_export(path, error):
+        return "checksums verified"
+    config = None
+    if (path / "config.json").is_file():
+        config = load_json(
+            path / "config.json", error, what="model config", fix="save the model again"
+        )
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = load_json(index, error, what="weight index", fix="save the model again")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise error(f"{index}: no 'weight_map' object; save the model again")
+        for name in sorted(set(weight_map.values())):
+            if not isinstance(name, str) or not (path / name).is_file():
+                raise error(
+                    f"{index}: its weight_map names {name!r}, which is not in {path}; copy "
+                    f"the missing shard or save the model again"
+                )
+    declared = config_dtype(config if isinstance(config, dict) else None)
+    files = sorted(path.glob("*.safetensors"))
+    for f in files:
+        check_foreign(f, error, declared)
+    return f"{len(files)} safetensors file(s): header, sizes and dtypes checked"

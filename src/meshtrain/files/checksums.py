@@ -29,9 +29,17 @@ import xxhash
 from meshtrain.errors import MeshtrainError
 
 ALGO = "xxh3_128"
+VERIFY_ENV = "MESHTRAIN_VERIFY"  # =0: open damaged artifacts anyway, to inspect them
 CHUNK = 1 << 22  # 4 MiB reads: large enough to run at memory speed, small in RSS
 SEAL_KEY = "_checksum"
 _SEAL = re.compile(rb',\n[ \t]*"_checksum": "xxh3_128:([0-9a-f]{32})"\n\}\n\Z')
+
+
+def verify_default(verify: bool | None) -> bool:
+    """``verify`` if given, else True unless the environment sets ``MESHTRAIN_VERIFY=0``."""
+    if verify is not None:
+        return bool(verify)
+    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def hasher() -> Any:
