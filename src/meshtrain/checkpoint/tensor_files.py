@@ -50,29 +50,39 @@ def tensor_digest(t: torch.Tensor) -> str:
     return checksums.digest(t.view(torch.uint8).numpy())
 
 
-def header_bytes(f: Any, where: str, error: type[Exception]) -> bytes:
+FOREIGN_FIX = "save the model again with save_pretrained"
+
+
+def damaged(where: str, detail: str, fix: str) -> str:
+    """The one-line message for a safetensors file that cannot be what it claims."""
+    return f"{where} is damaged (truncated or not a safetensors file: {detail}); {fix}"
+
+
+def header_bytes(f: Any, where: str, error: type[Exception], fix: str = FOREIGN_FIX) -> bytes:
     """The first 8 + N bytes of an open safetensors file; ``error`` if they cannot be."""
     f.seek(0)
     head = f.read(8)
     if len(head) < 8:
-        raise error(f"{where}: {len(head)} bytes, too short for a safetensors header")
+        raise error(damaged(where, f"{len(head)} bytes, too short for a header", fix))
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER:
-        raise error(f"{where}: header length field says {n} bytes, more than any real header")
+        raise error(damaged(where, f"the header length field says {n} bytes", fix))
     body = f.read(n)
     if len(body) < n:
-        raise error(f"{where}: the file ends inside its header (truncated)")
+        raise error(damaged(where, "the file ends inside its header", fix))
     return head + body
 
 
-def parse_header(raw: bytes, where: str, error: type[Exception]) -> dict[str, Any]:
+def parse_header(
+    raw: bytes, where: str, error: type[Exception], fix: str = FOREIGN_FIX
+) -> dict[str, Any]:
     """The header JSON as a dict (``__metadata__`` removed)."""
     try:
         header = json.loads(raw[8:].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise error(f"{where}: the safetensors header is not valid JSON ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise error(damaged(where, f"the header is not valid JSON, {exc}", fix)) from None
     if not isinstance(header, dict):
-        raise error(f"{where}: the safetensors header is not a JSON object")
+        raise error(damaged(where, "the header is not a JSON object", fix))
     header.pop("__metadata__", None)
     return header
 
@@ -90,16 +100,20 @@ def record_from_tensors(path: str | os.PathLike, host: Mapping[str, torch.Tensor
     }
 
 
-def _ranges(header: dict[str, Any], where: str, error: type[Exception]) -> list[tuple]:
+def _ranges(
+    header: dict[str, Any], where: str, error: type[Exception], fix: str = FOREIGN_FIX
+) -> list[tuple]:
     spans = []
     for key, spec in header.items():
         try:
             begin, end = spec["data_offsets"]
             dtype, shape = spec["dtype"], spec["shape"]
+            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise error(f"{where}: header entry {key!r} is malformed ({spec!r})") from None
-        spans.append((int(begin), int(end), key, dtype, shape))
-    return sorted(spans)
+            raise error(damaged(where, f"header entry {key!r} is malformed", fix)) from None
+        spans.append((begin, end, key, dtype, shape))
+    return sorted(spans, key=lambda s: (s[0], s[1]))
 
 
 def verify(
@@ -121,18 +135,18 @@ def verify(
                 f"{where}: {size} bytes, but {record['size']} were written: the file is "
                 f"truncated or was modified; {fix}"
             )
-        head = header_bytes(f, where, error)
+        head = header_bytes(f, where, error, fix)
         if checksums.digest(head) != record["header"]:
             raise error(
                 f"{where}: the safetensors header (bytes 0..{len(head)}, which say where each "
                 f"tensor lies) is corrupted: its {checksums.ALGO} checksum differs from the "
                 f"one recorded at save; {fix}"
             )
-        header = parse_header(head, where, error)
+        header = parse_header(head, where, error, fix)
         expected = record["tensors"]
         buf = bytearray(checksums.CHUNK)
         base = len(head)
-        for begin, end, key, _dtype, _shape in _ranges(header, where, error):
+        for begin, end, key, _dtype, _shape in _ranges(header, where, error, fix):
             want = expected.get(key)
             if want is None:
                 raise error(f"{where}: tensor {key!r} has no recorded checksum; {fix}")
@@ -164,27 +178,32 @@ def check_foreign(
     the data offsets tile the data area exactly and end at the end of the file; floating
     tensors are in ``declared_dtype`` (or float32, which some models keep for norms)."""
     where = os.fspath(path)
-    fix = "re-download or re-export it (save_pretrained)"
+    fix = FOREIGN_FIX
     with open(path, "rb") as f:
         head = header_bytes(f, where, error)
         size = os.fstat(f.fileno()).st_size
     header = parse_header(head, where, error)
     pos = 0
     for begin, end, key, dtype, shape in _ranges(header, where, error):
-        item = _ST_ITEMSIZE.get(dtype)
+        item = _ST_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
         if item is None:
-            raise error(f"{where}: tensor {key!r} has unknown dtype {dtype!r}; {fix}")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise error(f"{where}: tensor {key!r} has a malformed shape {shape!r}; {fix}")
+            raise error(damaged(where, f"tensor {key!r} has unknown dtype {dtype!r}", fix))
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
+            raise error(damaged(where, f"tensor {key!r} has a malformed shape {shape!r}", fix))
         if end - begin != math.prod(shape) * item:
             raise error(
-                f"{where}: tensor {key!r} ({dtype}, shape {shape}) needs "
-                f"{math.prod(shape) * item} bytes, its offsets give {end - begin}; {fix}"
+                damaged(
+                    where,
+                    f"tensor {key!r} ({dtype}, shape {shape}) needs {math.prod(shape) * item} "
+                    f"bytes, its offsets give {end - begin}",
+                    fix,
+                )
             )
         if begin != pos:
             raise error(
-                f"{where}: tensor {key!r} starts at data byte {begin}, expected {pos} "
-                f"(overlapping or gapped offsets); {fix}"
+                damaged(where, f"tensor {key!r} starts at data byte {begin}, expected {pos}", fix)
             )
         pos = end
         if (
@@ -202,10 +221,9 @@ def check_foreign(
                 f"exports: {fix}"
             )
     if len(head) + pos != size:
-        what = "truncated" if len(head) + pos > size else "longer than its header says"
+        what = "cut short" if len(head) + pos > size else "longer than its header says"
         raise error(
-            f"{where}: {size} bytes, but its header describes {len(head) + pos}: the file "
-            f"is {what}; {fix}"
+            damaged(where, f"{size} bytes, its header describes {len(head) + pos}: {what}", fix)
         )
     return header
 
@@ -290,9 +308,14 @@ def check_folder(
         return "checksums verified"
     config = None
     if (path / "config.json").is_file():
-        config = load_json(
-            path / "config.json", error, what="model config", fix="save the model again"
-        )
+        try:
+            json.loads((path / "config.json").read_bytes())
+        except (ValueError, RecursionError):
+            pass  # not JSON at all: the loader's own diagnosis names file, line and column
+        else:  # JSON, but maybe with a key given twice (the last value would win silently)
+            config = load_json(
+                path / "config.json", error, what="model config", fix="save the model again"
+            )
     index = path / "model.safetensors.index.json"
     if index.is_file():
         data = load_json(index, error, what="weight index", fix="save the model again")

@@ -90,8 +90,8 @@ def _dup_message(where: str, text: str, key: str, first: int, second: int, fix: 
     l1, c1 = line_col(text, first)
     l2, c2 = line_col(text, second)
     return (
-        f"{where}:{l2}:{c2}: duplicate key {key!r} (first at line {l1}, column {c1}); JSON "
-        f"would keep only the last value silently: {fix}"
+        f"{where}: duplicate key {key!r} at line {l2}, column {c2} (first at line {l1}, "
+        f"column {c1}); JSON would keep only the last value silently: {fix}"
     )
 
 
@@ -111,10 +111,12 @@ def parse_json(
         raise error(_dup_message(where, text, key, first, second, dup_fix)) from None
     except json.JSONDecodeError as exc:
         if exc.pos >= len(text.rstrip()):
-            problem = f"the JSON ends early ({exc.msg}): the file is truncated or incomplete"
+            problem = "the JSON ends early (the file is truncated or incomplete)"
         else:
-            problem = f"invalid JSON: {exc.msg}"
-        raise error(f"{where}:{exc.lineno}:{exc.colno}: {problem}; {fix}") from None
+            problem = "invalid JSON"
+        raise error(
+            f"{where}: {problem} at line {exc.lineno}, column {exc.colno}: {exc.msg}; {fix}"
+        ) from None
     except RecursionError:
         raise error(f"{where}: JSON nested too deeply to read; {fix}") from None
 
@@ -168,32 +170,34 @@ def parse_yaml(
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except _YamlDuplicate as d:
         raise error(
-            f"{where}:{d.l2}:{d.c2}: duplicate key {d.key!r} (first at line {d.l1}, column "
-            f"{d.c1}); YAML would keep only the last value silently: keep one of them"
+            f"{where}: duplicate key {d.key!r} at line {d.l2}, column {d.c2} (first at line "
+            f"{d.l1}, column {d.c1}); YAML would keep only the last value silently: keep one "
+            "of them"
         ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        pos = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         ctx = getattr(exc, "context", None)
         ends = mark is not None and mark.index >= len(text.rstrip())
         kind = "the YAML ends early" if ends else "invalid YAML"
-        raise error(f"{where}{pos}: {kind}: {problem}{f' ({ctx})' if ctx else ''}; {fix}") from None
+        raise error(f"{where}: {kind}{pos}: {problem}{f' ({ctx})' if ctx else ''}; {fix}") from None
     except RecursionError:
         raise error(f"{where}: YAML nested too deeply to read; {fix}") from None
 
 
-def parse_json_line(line: str, where: str, error: type[MeshtrainError]) -> Any:
-    """One JSON-lines record; ``where`` is ``file:line``. Duplicate keys refused."""
+def json_row(line: str) -> tuple[Any, str | None]:
+    """One JSON-lines record: ``(object, None)``, or ``(None, reason)`` for a bad row
+    (malformed JSON, or a key given twice, with the columns of both)."""
     try:
-        return json.loads(line, object_pairs_hook=_pairs)
+        return json.loads(line, object_pairs_hook=_pairs), None
     except _Duplicate:
         key, first, second = _first_duplicate(line)
-        raise error(
-            f"{where}:{second + 1}: duplicate key {key!r} (first at column {first + 1}); "
+        return None, (
+            f"duplicate key {key!r} at column {second + 1} (first at column {first + 1}); "
             "keep one of them"
-        ) from None
+        )
     except json.JSONDecodeError as exc:
-        raise error(f"{where}:{exc.colno}: malformed JSON ({exc.msg})") from None
+        return None, f"malformed JSON ({exc.msg} at column {exc.colno})"
     except RecursionError:
-        raise error(f"{where}: JSON nested too deeply") from None
+        return None, "malformed JSON (nested too deeply)"

@@ -2,7 +2,7 @@
 
 Accepted: UTF-8 with or without a byte-order mark, and UTF-16/UTF-32 *with* a BOM (what
 Windows editors write as "Unicode"). Refused with file, line, column and the fix in one
-line: bytes that are not UTF-8 (a Latin-1 or Windows-1252 file), UTF-16 without a BOM
+line (``FILE: problem at line L, column C; fix``): bytes that are not UTF-8 (a Latin-1 or Windows-1252 file), UTF-16 without a BOM
 (NUL bytes every other byte), and an empty file (a truncated copy or the wrong path).
 """
 
@@ -76,8 +76,8 @@ def decode(
         pos = raw.index(b"\x00")
         line, col = line_col(raw, pos)
         raise error(
-            f"{where}:{line}:{col}: a NUL byte: this is a binary file, not a text {what}; "
-            "pass the text file"
+            f"{where}: a NUL byte at line {line}, column {col}: this is a binary file, not a "
+            f"text {what}; pass the text file"
         )
     try:
         return raw.decode(encoding)
@@ -85,7 +85,7 @@ def decode(
         line, col = line_col(raw, exc.start)
         bad = raw[exc.start : exc.start + 1].hex()
         raise error(
-            f"{where}:{line}:{col}: byte 0x{bad} is not valid {encoding.upper()} "
+            f"{where}: byte 0x{bad} at line {line}, column {col} is not valid {encoding.upper()} "
             f"(the {what} is in another encoding, e.g. Latin-1 or Windows-1252); "
             + _CONVERT.format(enc="LATIN1" if encoding == "utf-8" else encoding.upper())
         ) from None
