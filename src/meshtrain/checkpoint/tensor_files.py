@@ -269,8 +269,8 @@ def verify_export(path: str | os.PathLike, error: type[Exception]) -> bool:
     if not side.is_file():
         return False
     fix = (
-        "export it again from the checkpoint (meshtrain consolidate), or pass --no-verify "
-        "(verify=False) to load it anyway and inspect it"
+        "export it again from the checkpoint (meshtrain consolidate); to load it anyway and "
+        f"inspect it, set {checksums.VERIFY_ENV}=0"
     )
     raw = read_bytes(side, error, "checksum file")
     checksums.unseal(raw, str(side), error, fix)

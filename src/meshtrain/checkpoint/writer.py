@@ -71,6 +71,7 @@ from meshtrain.checkpoint.manifest import (
 from meshtrain.distributed.comm import Group
 from meshtrain.errors import CheckpointError
 from meshtrain.files import checksums
+from meshtrain.files.writable import check_writable
 
 PHASES = ("shard_written", "manifest_written", "moved_aside", "renamed", "latest_written")
 
@@ -287,7 +288,9 @@ def _save(chan, save_dir, tag, tensors, pieces, rank_state, meta, keep_last, pha
     try:
         check_tag(tag)
         _check_local(rank, tensors, pieces, rank_state)
-        if rank == 0:
+        if rank == 0:  # one line naming the folder and the fix, not a traceback mid-save
+            need = chan.size * sum(t.numel() * t.element_size() for t in tensors.values())
+            check_writable(save_dir, CheckpointError, what="checkpoint folder", need_bytes=need)
             tmp, created = _prepare(save_dir, tag, meta, keep_last), True
             made.append(tmp)
     except Exception as exc:

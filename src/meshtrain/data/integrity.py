@@ -62,9 +62,11 @@ def _locate(file: str, block_digests: list[str] | None, block: int) -> str:
         return ""
     buf = bytearray(checksums.CHUNK)
     with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         for i, want in enumerate(block_digests):
-            if checksums.digest_range(f, i * block, (i + 1) * block, buf) != want:
-                return f" (bytes {i * block}..{(i + 1) * block})"
+            lo, hi = i * block, min(size, (i + 1) * block)
+            if checksums.digest_range(f, lo, hi, buf) != want:
+                return f" in bytes {lo}..{hi}"
     return ""
 
 

@@ -40,6 +40,7 @@ from meshtrain.data import layout, readers
 from meshtrain.data.integrity import verify_store
 from meshtrain.data.tokenizer import as_tokenizer, token_dtype
 from meshtrain.errors import DataError
+from meshtrain.files.writable import check_writable
 
 log = logging.getLogger("meshtrain.data")
 MAX_BAD_REPORTED = 20
@@ -269,6 +270,7 @@ def prepare(
         log.info(reused.summary())
         return reused
 
+    check_writable(out, DataError, what="token store folder", flag="--out")
     workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
     total_bytes = sum(
         os.path.getsize(os.fspath(i)) for i in items if isinstance(i, str | os.PathLike)

@@ -110,7 +110,8 @@ def parse_json(
         key, first, second = _first_duplicate(text)
         raise error(_dup_message(where, text, key, first, second, dup_fix)) from None
     except json.JSONDecodeError as exc:
-        if exc.pos >= len(text.rstrip()):
+        rest = text[exc.pos :].rstrip()
+        if not rest or (exc.msg.startswith("Unterminated string") and "\n" not in rest):
             problem = "the JSON ends early (the file is truncated or incomplete)"
         else:
             problem = "invalid JSON"
