@@ -13,14 +13,14 @@ A checkpoint is a directory ``save_dir/<tag>/`` holding one safetensors file per
       },
       "ranks": [
         {"rank": 0, "file": "rank00000.safetensors", "size": 1234,
-         "checksum": {"algo": "xxh3_128", "size": 1234, "header": "...",
+         "checksum": {"algo": "xxh3_64", "size": 1234, "header": "...",
                       "tensors": {key: "..."}},   # older manifests: "sha256": "..."
          "state": {...},               # that rank's JSON state (RNG, scheduler, sampler)
          "pieces": [{"name": "w", "state": "param", "key": "flat.param",
                      "offset": 0, "start": 0, "numel": 6}, ...]},
         ...
       ],
-      "_checksum": "xxh3_128:..."      # over every byte above (files.checksums.seal)
+      "_checksum": "xxh3_64:..."      # over every byte above (files.checksums.seal)
     }
 
 A **piece** says that elements ``[start, start + numel)`` of the *flattened full*
@@ -309,7 +309,7 @@ def parse_manifest(
         for f, typ in (("file", str), ("size", int), ("state", dict)):
             if not isinstance(entry.get(f), typ):
                 raise CheckpointError(f"{w}.{f} is missing or not a {typ.__name__}")
-        # "checksum": per-tensor xxh3-128 record (tensor_files); "sha256": older manifests
+        # "checksum": per-tensor xxh3-64 record (tensor_files); "sha256": older manifests
         rec = entry.get("checksum")
         if not isinstance(entry.get("sha256"), str) and not (
             isinstance(rec, dict)

@@ -3,7 +3,7 @@
 A safetensors file is ``8-byte header length N | N bytes of JSON header | tensor bytes``,
 the tensors back to back with no gaps (the format requires it). So a record of
 
-    {"algo": "xxh3_128", "size": bytes, "header": digest of the first 8 + N bytes,
+    {"algo": "xxh3_64", "size": bytes, "header": digest of the first 8 + N bytes,
      "tensors": {key: digest of that tensor's bytes}}
 
 covers every byte of the file, and a mismatch can say *which* tensor (and which byte range

@@ -7,7 +7,7 @@ on one node):
    earlier crash); every rank checks its own inputs. Errors are exchanged, so one rank's
    bad input raises on every rank instead of leaving the others waiting in a collective.
 2. write -- each rank writes ``.tmp-<tag>/rank{r:05d}.safetensors`` with safetensors,
-   fsyncs it; its per-tensor xxh3-128 checksums come from the tensors it was written from
+   fsyncs it; its per-tensor xxh3-64 checksums come from the tensors it was written from
    (``tensor_files``), so it is never read back (phase ``"shard_written"``).
 3. gather -- (file, size, checksums, pieces, rank_state) of every rank go to rank 0 through
    ``all_gather_object`` on the group (small metadata in memory; tensors never move).

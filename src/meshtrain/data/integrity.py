@@ -1,11 +1,11 @@
 """Checksums of a token store: recorded while ``prepare`` writes it, verified on load.
 
-``meta.json`` carries ``"checksums": {"algo": "xxh3_128", "tokens.bin": hex, ...}`` for
+``meta.json`` carries ``"checksums": {"algo": "xxh3_64", "tokens.bin": hex, ...}`` for
 each data file, and is sealed with its own checksum (``files.checksums.seal``). The token
 file is hashed chunk by chunk as ``StoreWriter.append`` writes it; offsets and labels are
 hashed from the arrays about to be written. Nothing is read back.
 
-``verify_store`` reads each data file once (4 MiB chunks, xxh3-128 at ~7 GB/s); a mismatch
+``verify_store`` reads each data file once (4 MiB chunks, xxh3-64 at ~7 GB/s); a mismatch
 names the file and the first damaged 4 MiB block with the documents it holds, so a user
 knows whether a few rows or the index is hit. ``TokenStore`` verifies when it opens a store
 (once per process that opens it; unpickled copies in DataLoader workers skip it), and

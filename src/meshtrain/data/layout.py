@@ -7,7 +7,7 @@ A store is a folder::
     offsets.bin   int64[num_docs + 1]: document i is tokens[offsets[i]:offsets[i+1]]
     labels.bin    int64[num_docs], only when a label field was given
     meta.json     format, version, dtype, counts, tokenizer, content hash, statistics,
-                  the xxh3-128 checksum of each file (``data.integrity``); sealed with
+                  the xxh3-64 checksum of each file (``data.integrity``); sealed with
                   its own checksum
 
 The binary files are plain arrays so any process can ``mmap`` them; ``meta.json`` is

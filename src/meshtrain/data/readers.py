@@ -74,8 +74,15 @@ def _check_encoding(path: str) -> None:
         raise DataError(f"{path}: cannot read the data file ({exc}); check the path") from None
     if head.startswith(codecs.BOM_UTF8):
         head = head[len(codecs.BOM_UTF8) :]
-    if head[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE) or b"\x00" in head:
-        decode(head if b"\x00" in head else head[:2] + b"\x00", path, DataError, what="data file")
+    if head[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+        enc = "UTF-32" if head[:4] in (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE) else "UTF-16"
+        raise DataError(
+            f"{path}: the data file is {enc} (it starts with a {enc} byte-order mark); data "
+            f"files are read as UTF-8: re-save it as UTF-8 (e.g. `iconv -f {enc} -t UTF-8 "
+            "FILE > FILE.utf8`)"
+        )
+    if b"\x00" in head:  # UTF-16 without a BOM, or a binary file: named with the position
+        decode(head, path, DataError, what="data file")
 
 
 def _first_byte(path: str) -> bytes:

@@ -6,7 +6,7 @@
   keys refused with both positions, truncated documents named as such.
 * :mod:`~meshtrain.files.writable` -- checks that an output folder or file can be written
   (parent, permissions, free space) before any work starts.
-* :mod:`~meshtrain.files.checksums` -- the hash every artifact carries (xxh3-128), streamed
+* :mod:`~meshtrain.files.checksums` -- the hash every artifact carries (xxh3-64), streamed
   while writing, and the sealed JSON that carries its own checksum.
 
 Each function takes the exception class to raise (``ConfigError`` for a config,
