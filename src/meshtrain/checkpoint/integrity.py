@@ -60,9 +60,11 @@ def read_manifest(mpath: Path, verify: bool) -> dict[str, Any]:
 def verify_rank_file(path: Path, entry: dict[str, Any]) -> None:
     """Check one rank file against its manifest entry; CheckpointError names file and part."""
     fix = fix_for(path.parent)
-    record = entry.get("checksum")
-    if isinstance(record, dict):
-        tensor_files.verify(path, record, CheckpointError, f"(rank {entry['rank']}) {fix}")
+    if isinstance(entry.get("checksum"), dict):
+        # one streamed pass (4 MiB reads): memory-mapping would count the whole file in RSS
+        tensor_files.verify(
+            path, entry["checksum"], CheckpointError, f"(rank {entry['rank']}) {fix}"
+        )
         return
     h = hashlib.sha256()  # manifests written before per-tensor records
     with open(path, "rb") as f:
@@ -76,61 +78,3 @@ def verify_rank_file(path: Path, entry: dict[str, Any]) -> None:
 
 
 __all__ = ["VERIFY_ENV", "fix_for", "read_manifest", "verify_default", "verify_rank_file"]
-
-
-WHOLE_MAX = 256 << 20  # keys up to this size are verified from the copy the read makes
-
-
-class RankFileCheck:
-    """Verification of one rank file, a tensor at a time, as the reader touches it.
-
-    Opening checks the size and the header's checksum (a few KB). Each tensor is verified
-    the first time it is read: a key of at most ``WHOLE_MAX`` bytes is read whole once
-    (``get_tensor``), hashed in memory and handed to the reader, which serves this and
-    later slices of it from that copy -- so the bytes are read once for the load and the
-    hash is the only extra cost; a larger key is hashed from the file in 4 MiB chunks
-    (memory stays bounded). A key never read is never hashed, and never used.
-    """
-
-    def __init__(self, path: Path, entry: dict[str, Any]) -> None:
-        self.path, self.record = path, entry["checksum"]
-        self.fix = f"(rank {entry['rank']}) {fix_for(path.parent)}"
-        with open(path, "rb") as f:
-            head = tensor_files.header_bytes(f, str(path), CheckpointError, self.fix)
-        if checksums.digest(head) != self.record["header"]:
-            raise CheckpointError(
-                f"{path}: the safetensors header (bytes 0..{len(head)}, which say where each "
-                f"tensor lies) is corrupted: its {checksums.ALGO} checksum differs from the "
-                f"one recorded at save; {self.fix}"
-            )
-        header = tensor_files.parse_header(head, str(path), CheckpointError, self.fix)
-        if set(header) != set(self.record["tensors"]):
-            raise CheckpointError(f"{path}: holds other tensors than were written; {self.fix}")
-        self.base = len(head)
-        self.spans = {k: tuple(v["data_offsets"]) for k, v in header.items()}
-        self.pending = set(header)
-
-    def _bad(self, key: str) -> CheckpointError:
-        lo, hi = (self.base + x for x in self.spans[key])
-        return CheckpointError(
-            f"{self.path}: tensor {key!r} (bytes {lo}..{hi} of the file) is corrupted: its "
-            f"{checksums.ALGO} checksum differs from the one recorded at save; {self.fix}"
-        )
-
-    def tensor(self, handle: Any, key: str) -> Any:
-        """Verify ``key`` (once); return its whole tensor when it was read for that."""
-        if key not in self.pending:
-            return None
-        begin, end = self.spans[key]
-        whole = None
-        if end - begin <= WHOLE_MAX:
-            whole = handle.get_tensor(key)
-            ok = tensor_files.tensor_digest(whole) == self.record["tensors"][key]
-        else:
-            with open(self.path, "rb") as f:
-                got = checksums.digest_range(f, self.base + begin, self.base + end)
-            ok = got == self.record["tensors"][key]
-        if not ok:
-            raise self._bad(key)
-        self.pending.discard(key)
-        return whole

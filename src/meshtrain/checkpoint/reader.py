@@ -87,8 +87,6 @@ class CheckpointReader:
         self._meta, self._pieces, self._index = parse_manifest(data, str(mpath))
         self._starts = {k: [p.start for p, _ in v] for k, v in self._index.items()}
         self._handles: dict[int, Any] = {}
-        self._checks: dict[int, integrity.RankFileCheck] = {}
-        self._whole: tuple[int, str, torch.Tensor] | None = None  # last key read to verify
         self._checked: set[int] = set()
         for entry in data["ranks"]:
             self._check_size(entry)
@@ -178,10 +176,8 @@ class CheckpointReader:
         f = self.path / entry["file"]
         if rank not in self._checked:
             self._check_size(entry)
-            if self._verify and isinstance(entry.get("checksum"), dict):
-                self._checks[rank] = integrity.RankFileCheck(f, entry)  # tensors as read
-            elif self._verify:
-                integrity.verify_rank_file(f, entry)  # an older manifest: whole-file sha256
+            if self._verify:
+                integrity.verify_rank_file(f, entry)
         try:
             handle = safe_open(str(f), framework="pt")
         except Exception as exc:  # safetensors raises its own error types
@@ -204,28 +200,9 @@ class CheckpointReader:
         self._handles[rank] = handle
         return handle
 
-    def _tensor(self, rank: int, key: str) -> torch.Tensor | None:
-        """The whole of ``key`` if verifying it just read it (or it is the one kept)."""
-        handle = self._open(rank)
-        check = self._checks.get(rank)
-        if check is not None and key in check.pending:
-            whole = check.tensor(handle, key)
-            if whole is not None:
-                self._whole = (rank, key, whole)
-        if self._whole is not None and self._whole[:2] == (rank, key):
-            return self._whole[2]
-        return None
-
-    def _slice(self, rank: int, key: str, lo: int, hi: int) -> torch.Tensor:
-        whole = self._tensor(rank, key)
-        if whole is not None:
-            return whole.reshape(-1)[lo:hi]
-        return self._open(rank).get_slice(key)[lo:hi]
-
     def release(self) -> None:
         """Close the open files (unmaps them); later reads reopen them (no re-hash)."""
         self._handles.clear()
-        self._whole = None
 
     def close(self) -> None:
         self.release()
@@ -247,10 +224,6 @@ class CheckpointReader:
                 f"{self.path / self._rank_entry(rank)['file']}: no tensor {key!r}; "
                 f"keys there: {_short(sorted(f.keys()))}"
             )
-        whole = self._tensor(rank, key)  # verified on first use
-        if whole is not None:
-            self._whole = None  # the caller owns it now
-            return whole
         return f.get_tensor(key)
 
     # ---- tensors --------------------------------------------------------------------
@@ -264,8 +237,7 @@ class CheckpointReader:
         max_numel: int | None = None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(flat_start, 1-D tensor)`` covering ``[start, start+numel)`` in order,
-        each at most ``max_numel`` elements (None: one chunk per piece). A chunk may be a
-        view of a buffer the reader keeps until ``release()``: copy it before changing it."""
+        each at most ``max_numel`` elements (None: one chunk per piece)."""
         name = self._canonical(name)
         total = full_numel(self._meta["tensors"][name])
         numel = total - start if numel is None else numel
@@ -292,7 +264,7 @@ class CheckpointReader:
             for lo in range(a, b, step):
                 hi = min(b, lo + step)
                 # a fresh slice per chunk: holding none across a yield lets release() unmap
-                chunk = self._slice(rank, p.key, p.offset + lo, p.offset + hi)
+                chunk = self._open(rank).get_slice(p.key)[p.offset + lo : p.offset + hi]
                 if dtype is None:
                     dtype = chunk.dtype
                 elif chunk.dtype != dtype:
