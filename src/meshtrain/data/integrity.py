@@ -70,6 +70,16 @@ def _locate(file: str, block_digests: list[str] | None, block: int) -> str:
     return ""
 
 
+def intact(out: str, meta: dict[str, Any], log: Any) -> bool:
+    """``verify_store`` as a yes/no for ``prepare``'s reuse: a damaged store is rebuilt."""
+    try:
+        verify_store(out, meta)
+    except DataError as exc:
+        log.warning("not reusing the token store: %s; rebuilding it", exc)
+        return False
+    return True
+
+
 class BlockHasher:
     """Whole-file and per-block digests of a stream written in pieces of any size."""
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from meshtrain.data import layout, readers
-from meshtrain.data.integrity import verify_store
+from meshtrain.data.integrity import intact
 from meshtrain.data.tokenizer import as_tokenizer, token_dtype
 from meshtrain.errors import DataError
 from meshtrain.files.writable import check_writable
@@ -394,9 +394,6 @@ def _reuse(out: str, content_hash: str, t0: float) -> PrepareResult | None:
         return None  # incomplete or foreign: rebuild
     if meta.get("content_hash") != content_hash:
         return None
-    try:  # the inputs match, but the store's own bytes may have been damaged since
-        verify_store(out, meta)
-    except DataError as exc:
-        log.warning("not reusing the token store: %s; rebuilding it", exc)
+    if not intact(out, meta, log):  # same inputs, but the store's bytes may be damaged
         return None
     return _result_from_meta(out, meta, reused=True, seconds=time.perf_counter() - t0, bad_rows=[])
