@@ -153,6 +153,7 @@ def test_foreign_folder_header_sizes_and_dtypes(tmp_path):
         check_folder(folder, ServeError)
     (folder / "config.json").write_text('{"model_type": "llama", "model_type": "bert"}')
     with pytest.raises(
-        ServeError, match=r"config\.json: duplicate key 'model_type' at line 1, column 25 \(first at line 1, column 2\)"
+        ServeError,
+        match=r"config\.json: duplicate key 'model_type' at line 1, column 25 \(first at line 1, column 2\)",
     ):
         check_folder(folder, ServeError)

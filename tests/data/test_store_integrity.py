@@ -77,9 +77,7 @@ def test_bom_jsonl_and_csv_are_read(tmp_path):
 
 def test_utf16_data_file_is_named(tmp_path):
     (tmp_path / "a.jsonl").write_bytes(_rows(3).encode("utf-16"))
-    with pytest.raises(
-        DataError, match=r"a\.jsonl: the data file is UTF-16 .*re-save it as UTF-8"
-    ):
+    with pytest.raises(DataError, match=r"a\.jsonl: the data file is UTF-16 .*re-save it as UTF-8"):
         prepare(tmp_path / "a.jsonl", "byte", tmp_path / "s", workers=1)
 
 
