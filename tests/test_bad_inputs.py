@@ -309,7 +309,8 @@ CASES: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
      r".*--tokenizer byte"),
     # ---- checkpoints
     ("checkpoint flipped byte", _ckpt_damaged(_flip, "read"), CheckpointError,
-     r"rank00000\.safetensors.*corrupted: its sha256"),
+     r"rank00000\.safetensors: tensor '.*' \(bytes \d+\.\.\d+ of the file\) is corrupted: its "
+     r"xxh3_64 checksum.*MESHTRAIN_VERIFY=0"),
     ("checkpoint missing shard",
      _ckpt_damaged(lambda d: (d / "t1" / "rank00000.safetensors").unlink()),
      CheckpointError, r"rank00000\.safetensors.* is missing"),

@@ -69,7 +69,10 @@ def test_model_dtype_and_buffers(tmp_path, capsys):
     pieces = [Piece("w", "param", "master", 0, 0, 15), Piece("steps", "param", "buf", 0, 0, 4)]
     save_shards(tmp_path / "ck", "t", group=None, tensors=tensors, pieces=pieces, meta=meta)
     folder = consolidate(tmp_path / "ck", tmp_path / "folder")  # a folder, no hf_config
-    assert [p.name for p in folder.iterdir()] == ["model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "meshtrain_checksums.json",  # the export's checksums (issue 32)
+        "model.safetensors",
+    ]
     got = load_file(folder / "model.safetensors")
     assert torch.equal(got["w"], w.bfloat16()) and torch.equal(got["steps"], steps)
     assert got["nothing"].shape == (0, 3) and got["nothing"].dtype == torch.bfloat16
@@ -126,7 +129,11 @@ def test_hf_folder_loads_with_from_pretrained(tmp_path):
     )
 
     folder = consolidate(tmp_path / "ck", tmp_path / "hf")
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "meshtrain_checksums.json",  # the export's checksums (issue 32)
+        "model.safetensors",
+    ]
     assert "lm_head.weight" not in load_file(folder / "model.safetensors")
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)

@@ -10,6 +10,7 @@ import torch
 
 from meshtrain.checkpoint import CheckpointReader, save_shards
 from meshtrain.errors import CheckpointError
+from meshtrain.files import checksums
 from tests.checkpoint.common import SHAPES, full_state, meta, shard
 
 
@@ -36,9 +37,10 @@ def test_flipped_byte_is_a_checksum_error(ckpt):
     data[len(data) - 10] ^= 0xFF  # inside the tensor bytes: safetensors would not notice
     f.write_bytes(bytes(data))
     r = CheckpointReader(save_dir)  # sizes still match
-    with pytest.raises(CheckpointError, match="corrupted: its sha256") as e:
+    with pytest.raises(CheckpointError, match="corrupted: its xxh3_64 checksum") as e:
         r.read("layer.b")
     assert str(f) in str(e.value)
+    assert "tensor 'rng.torch' (bytes " in str(e.value)  # the damaged tensor is named
 
 
 def test_truncated_and_missing_files(ckpt):
@@ -62,7 +64,10 @@ def test_damaged_manifest(ckpt):
     good = json.loads(m.read_text())
 
     def write(d):
-        m.write_text(json.dumps(d))
+        # a manifest that passes its own checksum (a writer bug, not disk damage), so the
+        # structural checks behind the seal are what must catch it
+        d = {k: v for k, v in d.items() if k != "_checksum"}
+        m.write_text(checksums.seal(json.dumps(d)))
 
     m.write_text(m.read_text()[:200])
     with pytest.raises(CheckpointError, match="cannot be read as JSON") as e:

@@ -10,7 +10,10 @@ fully specified: an 8-byte little-endian header length N, N bytes of JSON
 and dtypes are known from the manifest, so the header is written first and each tensor is
 then assembled from the rank files chunk by chunk (``CheckpointReader.iter_chunks``, at
 most ``CHUNK_NUMEL`` elements), cast, and appended. The result is re-opened with
-safetensors before it replaces ``output`` (write to a temp name, fsync, rename).
+safetensors before it replaces ``output`` (write to a temp name, fsync, rename). Each
+tensor's bytes are hashed as they are written; the checksums go to
+``meshtrain_checksums.json`` in the folder (``<file>.checksums.json`` beside a single
+file), which ``meshtrain serve`` and ``tensor_files.verify_export`` check on load.
 
 Peak memory: one chunk read + its cast copy, plus the pages of the rank files mapped for
 that chunk (files are released after every chunk) -- about 2-3 x ``CHUNK_NUMEL`` x 4 bytes
@@ -40,11 +43,13 @@ from typing import Any
 
 import torch
 
-from meshtrain.checkpoint import storage
+from meshtrain.checkpoint import storage, tensor_files
 from meshtrain.checkpoint.manifest import dtype_from_name, dtype_name
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.dtypes import PRECISIONS, SAFETENSORS_CODES
 from meshtrain.errors import CheckpointError
+from meshtrain.files import checksums
+from meshtrain.files.writable import check_writable
 
 CHUNK_NUMEL = 1 << 22  # elements per streamed chunk: 16 MiB of fp32
 
@@ -86,7 +91,9 @@ def _write_streamed(
     plan: list[tuple[str, str, torch.dtype, tuple[int, ...]]],
     path: Path,
     progress: bool | None,
-) -> None:
+) -> dict[str, Any]:
+    """Write ``path``; return its checksum record, hashed from the bytes as they are
+    written (``tensor_files``), so the file is not read again."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -97,31 +104,42 @@ def _write_streamed(
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     disable = not sys.stderr.isatty() if progress is None else not progress
     try:
+        header = _header(plan)
+        record: dict[str, Any] = {
+            "algo": checksums.ALGO,
+            "header": checksums.digest(header),
+            "tensors": {},
+        }
         with open(tmp, "wb") as f:
-            f.write(_header(plan))
+            f.write(header)
             for key, canon, dtype, shape in tqdm(
                 plan, desc="consolidate", unit="tensor", disable=disable
             ):
                 expected = torch.Size(shape).numel()
-                written = 0
+                written, h = 0, checksums.hasher()
                 for _pos, chunk in reader.iter_chunks(canon, max_numel=CHUNK_NUMEL):
                     data = chunk.to(dtype).contiguous()
-                    f.write(memoryview(data.view(torch.uint8).numpy()))
+                    raw = memoryview(data.view(torch.uint8).numpy())
+                    f.write(raw)
+                    h.update(raw)
                     written += data.numel()
-                    del chunk, data
+                    del chunk, data, raw
                     reader.release()  # unmap what this chunk touched: memory stays one chunk
                 if written != expected:
                     raise CheckpointError(
                         f"consolidate: assembled {written} elements of {canon!r} for {key!r}, "
                         f"expected {expected}"
                     )
+                record["tensors"][key] = h.hexdigest()
             f.flush()
             os.fsync(f.fileno())
+            record["size"] = f.tell()
         with safe_open(str(tmp), framework="pt") as check:  # header and offsets are valid
             if len(list(check.keys())) != len(plan):
                 raise CheckpointError(f"consolidate: {tmp} does not list every tensor")
         os.replace(tmp, path)
         storage.fsync_dir(path.parent)
+        return record
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -162,9 +180,17 @@ def consolidate(
     )
     cast = _cast_arg(dtype)
     output = Path(output)
-    if output.suffix == ".safetensors":
+    single = output.suffix == ".safetensors"
+    need = sum(_nbytes(p) for p in _plan(reader, cast, with_aliases=True))
+    check_writable(
+        output, CheckpointError, what="consolidate output", is_dir=not single, need_bytes=need
+    )
+    tensor_files.sidecar_of(output).unlink(missing_ok=True)  # stale until the new one lands
+    if single:
         output.parent.mkdir(parents=True, exist_ok=True)
-        _write_streamed(reader, _plan(reader, cast, with_aliases=True), output, progress)
+        plan = _plan(reader, cast, with_aliases=True)
+        record = _write_streamed(reader, plan, output, progress)
+        tensor_files.write_sidecar(output, {output.name: record})
         return output
     if output.exists() and not output.is_dir():
         raise CheckpointError(
@@ -177,7 +203,9 @@ def consolidate(
     # that says it does not tie (tie_word_embeddings false) keeps the copies
     reties = hf_config is not None and hf_config.get("tie_word_embeddings", True) is not False
     plan = _plan(reader, cast, with_aliases=not reties)
-    _write_streamed(reader, plan, output / "model.safetensors", progress)
+    files = {
+        "model.safetensors": _write_streamed(reader, plan, output / "model.safetensors", progress)
+    }
     if hf_config is not None:
         config = dict(hf_config)
         cls = reader.meta.get("hf_model_class")
@@ -188,7 +216,13 @@ def consolidate(
             for k in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
                 config[k] = dtype_name(floats[0])
         storage.write_text_atomic(output / "config.json", json.dumps(config, indent=2) + "\n")
+        files["config.json"] = tensor_files.plain_record(output / "config.json")
+    tensor_files.write_sidecar(output, files)
     return output
+
+
+def _nbytes(entry: tuple[str, str, torch.dtype, tuple[int, ...]]) -> int:
+    return torch.Size(entry[3]).numel() * torch.empty(0, dtype=entry[2]).element_size()
 
 
 def _size(path: Path) -> int:

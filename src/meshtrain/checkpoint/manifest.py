@@ -12,12 +12,15 @@ A checkpoint is a directory ``save_dir/<tag>/`` holding one safetensors file per
         ...                            # step counters, config, mesh, zero stage, hf_config
       },
       "ranks": [
-        {"rank": 0, "file": "rank00000.safetensors", "size": 1234, "sha256": "...",
+        {"rank": 0, "file": "rank00000.safetensors", "size": 1234,
+         "checksum": {"algo": "xxh3_64", "size": 1234, "header": "...",
+                      "tensors": {key: "..."}},   # older manifests: "sha256": "..."
          "state": {...},               # that rank's JSON state (RNG, scheduler, sampler)
          "pieces": [{"name": "w", "state": "param", "key": "flat.param",
                      "offset": 0, "start": 0, "numel": 6}, ...]},
         ...
-      ]
+      ],
+      "_checksum": "xxh3_64:..."      # over every byte above (files.checksums.seal)
     }
 
 A **piece** says that elements ``[start, start + numel)`` of the *flattened full*
@@ -292,9 +295,18 @@ def parse_manifest(
         w = f"{where}: ranks[{r}]"
         if not isinstance(entry, dict) or entry.get("rank") != r:
             raise CheckpointError(f"{w} is malformed or out of order (expected rank {r})")
-        for f, typ in (("file", str), ("size", int), ("sha256", str), ("state", dict)):
+        for f, typ in (("file", str), ("size", int), ("state", dict)):
             if not isinstance(entry.get(f), typ):
                 raise CheckpointError(f"{w}.{f} is missing or not a {typ.__name__}")
+        # "checksum": per-tensor xxh3-64 record (tensor_files); "sha256": older manifests
+        rec = entry.get("checksum")
+        if not isinstance(entry.get("sha256"), str) and not (
+            isinstance(rec, dict)
+            and isinstance(rec.get("header"), str)
+            and isinstance(rec.get("tensors"), dict)
+            and rec.get("size") == entry["size"]
+        ):
+            raise CheckpointError(f"{w}.checksum is missing or malformed")
         if "/" in entry["file"] or entry["file"].startswith("."):
             raise CheckpointError(f"{w}.file={entry['file']!r} must be a plain file name")
         pieces_by_rank.append(

@@ -2,8 +2,8 @@
 
 ``CheckpointReader`` trusts nothing it has not checked: on opening it validates the
 manifest (pieces tile every tensor exactly) and that every rank file exists with the size
-the manifest records; the first time a rank file is actually read, its sha256 is verified
-and its keys are checked against the pieces that point into it. A failure names the file
+the manifest records; the first time a rank file is actually read, its checksums are
+verified (``integrity``: the header and every tensor, naming the damaged one) and its keys are checked against the pieces that point into it. A failure names the file
 and what failed (missing, size, checksum, key) and what to do.
 
 Reads are lazy and narrow: ``read(name, state, start, numel)`` touches only the pieces
@@ -18,7 +18,6 @@ tensor, which keeps its peak near one tensor).
 
 from __future__ import annotations
 
-import json
 import os
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from meshtrain.checkpoint import storage
+from meshtrain.checkpoint import integrity, storage
 from meshtrain.checkpoint.manifest import MANIFEST, dtype_from_name, full_numel, parse_manifest
 from meshtrain.errors import CheckpointError
 
@@ -44,12 +43,13 @@ class CheckpointReader:
 
     ``path``: a tag directory (holding ``manifest.json``), or a save_dir; then ``tag``
     picks the checkpoint, and ``tag=None`` loads the one ``latest`` names.
-    ``verify``: check each file's sha256 on first use (reads every byte once; turn off
-    only for a trusted, very large checkpoint).
+    ``verify``: check the manifest's own checksum, and each rank file's per-tensor
+    checksums on first use (reads every byte once; turn off only to inspect a damaged
+    checkpoint). ``None``: on, unless the environment sets ``MESHTRAIN_VERIFY=0``.
     """
 
     def __init__(
-        self, path: str | os.PathLike, tag: str | None = None, *, verify: bool = True
+        self, path: str | os.PathLike, tag: str | None = None, *, verify: bool | None = None
     ) -> None:
         path = Path(path)
         if not path.is_dir():
@@ -81,17 +81,11 @@ class CheckpointReader:
             else:
                 self.path = storage.tag_dir(path, tag)
         mpath = self.path / MANIFEST
-        try:
-            data = json.loads(mpath.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(
-                f"{mpath} cannot be read as JSON ({exc}); the manifest is truncated or "
-                f"corrupted: load another tag"
-            ) from None
+        self._verify = integrity.verify_default(verify)
+        data = integrity.read_manifest(mpath, self._verify)
         self._manifest = data
         self._meta, self._pieces, self._index = parse_manifest(data, str(mpath))
         self._starts = {k: [p.start for p, _ in v] for k, v in self._index.items()}
-        self._verify = verify
         self._handles: dict[int, Any] = {}
         self._checked: set[int] = set()
         for entry in data["ranks"]:
@@ -182,12 +176,8 @@ class CheckpointReader:
         f = self.path / entry["file"]
         if rank not in self._checked:
             self._check_size(entry)
-            if self._verify and storage.sha256_file(f) != entry["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint file {f} (rank {rank}) is corrupted: its sha256 differs "
-                    f"from the manifest's {entry['sha256'][:16]}...; restore it or load "
-                    f"another tag"
-                )
+            if self._verify:
+                integrity.verify_rank_file(f, entry)
         try:
             handle = safe_open(str(f), framework="pt")
         except Exception as exc:  # safetensors raises its own error types

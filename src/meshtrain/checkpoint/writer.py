@@ -7,11 +7,12 @@ on one node):
    earlier crash); every rank checks its own inputs. Errors are exchanged, so one rank's
    bad input raises on every rank instead of leaving the others waiting in a collective.
 2. write -- each rank writes ``.tmp-<tag>/rank{r:05d}.safetensors`` with safetensors,
-   fsyncs it and hashes it (phase ``"shard_written"``).
-3. gather -- (file, size, sha256, pieces, rank_state) of every rank go to rank 0 through
+   fsyncs it; its per-tensor xxh3-64 checksums come from the tensors it was written from
+   (``tensor_files``), so it is never read back (phase ``"shard_written"``).
+3. gather -- (file, size, checksums, pieces, rank_state) of every rank go to rank 0 through
    ``all_gather_object`` on the group (small metadata in memory; tensors never move).
-4. commit (rank 0) -- check that the pieces tile every tensor, write ``manifest.json`` and
-   fsync it (``"manifest_written"``); if ``<tag>`` exists, rename it to ``.old-<tag>``
+4. commit (rank 0) -- check that the pieces tile every tensor, write ``manifest.json``
+   (sealed with its own checksum, ``files.checksums.seal``) and fsync it (``"manifest_written"``); if ``<tag>`` exists, rename it to ``.old-<tag>``
    (``"moved_aside"``); rename ``.tmp-<tag>`` to ``<tag>`` and fsync save_dir
    (``"renamed"``); delete ``.old-<tag>``; replace ``latest`` atomically
    (``"latest_written"``); apply retention.
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.checkpoint import storage
+from meshtrain.checkpoint import storage, tensor_files
 from meshtrain.checkpoint.manifest import (
     LATEST,
     MANIFEST,
@@ -69,6 +70,8 @@ from meshtrain.checkpoint.manifest import (
 from meshtrain.distributed.comm import Group
 from meshtrain.dtypes import BY_MANIFEST_NAME
 from meshtrain.errors import CheckpointError
+from meshtrain.files import checksums
+from meshtrain.files.writable import check_writable
 
 PHASES = ("shard_written", "manifest_written", "moved_aside", "renamed", "latest_written")
 
@@ -181,7 +184,11 @@ def _prepare(save_dir: Path, tag: str, meta: Any, keep_last: int | None) -> Path
     return tmp
 
 
-def _write_shard(tmp: Path, tag: str, rank: int, tensors: Mapping[str, torch.Tensor]) -> Path:
+def _write_shard(
+    tmp: Path, tag: str, rank: int, tensors: Mapping[str, torch.Tensor]
+) -> tuple[Path, dict[str, Any]]:
+    """Write this rank's file; return it and its checksum record (hashed from the host
+    tensors handed to safetensors, so the written file is never read again)."""
     from safetensors.torch import save_file
 
     path = tmp / rank_file(rank)
@@ -195,7 +202,7 @@ def _write_shard(tmp: Path, tag: str, rank: int, tensors: Mapping[str, torch.Ten
             f"under different keys must not overlap in memory"
         ) from exc
     storage.fsync_file(path)
-    return path
+    return path, tensor_files.record_from_tensors(path, host)
 
 
 def _commit(
@@ -211,7 +218,7 @@ def _commit(
     # an engine bug (pieces that do not tile a tensor) is caught here, before anything moves
     parse_manifest(manifest, f"checkpoint {tag!r} being saved to {save_dir}")
     with open(tmp / MANIFEST, "w") as f:
-        f.write(dumps(manifest))
+        f.write(checksums.seal(dumps(manifest)))  # the manifest carries its own checksum
         f.flush()
         os.fsync(f.fileno())
     storage.fsync_dir(tmp)
@@ -281,7 +288,9 @@ def _save(chan, save_dir, tag, tensors, pieces, rank_state, meta, keep_last, pha
     try:
         check_tag(tag)
         _check_local(rank, tensors, pieces, rank_state)
-        if rank == 0:
+        if rank == 0:  # one line naming the folder and the fix, not a traceback mid-save
+            need = chan.size * sum(t.numel() * t.element_size() for t in tensors.values())
+            check_writable(save_dir, CheckpointError, what="checkpoint folder", need_bytes=need)
             tmp, created = _prepare(save_dir, tag, meta, keep_last), True
             made.append(tmp)
     except Exception as exc:
@@ -293,12 +302,12 @@ def _save(chan, save_dir, tag, tensors, pieces, rank_state, meta, keep_last, pha
 
     info, err = None, None
     try:
-        path = _write_shard(tmp, tag, rank, tensors)
+        path, record = _write_shard(tmp, tag, rank, tensors)
         info = {
             "rank": rank,
             "file": path.name,
-            "size": path.stat().st_size,
-            "sha256": storage.sha256_file(path),
+            "size": record["size"],
+            "checksum": record,
             "state": rank_state,
             "tensor_dtypes": {k: dtype_name(t.dtype) for k, t in tensors.items()},
             "pieces": [p.to_json() for p in pieces if p.numel],

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from meshtrain.config._errors import show
 from meshtrain.config._types import AUTO
 from meshtrain.config.resolve import BATCH_KEYS
 from meshtrain.config.root import Config
 from meshtrain.errors import ConfigError
+from meshtrain.files.structured import parse_json, parse_yaml
+from meshtrain.files.text import decode, read_bytes
 
 
 def detect_world_size() -> int | None:
@@ -32,40 +31,27 @@ def detect_world_size() -> int | None:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Parse a JSON (or .yaml/.yml) file; ConfigError naming the file and line on failure."""
+    """Parse a JSON (or .yaml/.yml) file through the one reading path (``meshtrain.files``):
+    encodings, duplicate keys and empty files are refused with file, line and column."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file ({exc.strerror or exc})") from None
+    kind = "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON"
+    empty = (
+        f"{path}: the {kind} config file is empty; write the keys to set, or {{}} "
+        "to keep every default"
+    )
+    # an empty file is a mistake (a truncated write, the wrong path), in YAML as in JSON;
+    # a config with every default is written as {} on purpose
+    raw = read_bytes(path, ConfigError, "config file")
+    text = decode(raw, str(path), ConfigError, what="config file", allow_empty=True)
     if not text.strip():
-        data, kind = None, "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON"
-    elif path.suffix.lower() in (".yaml", ".yml"):
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc)
-            raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
-        kind = "YAML"
+        raise ConfigError(empty)
+    fix = "fix the config file"
+    if kind == "YAML":
+        data = parse_yaml(text, str(path), ConfigError, fix=fix)
     else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
-            ) from None
-        kind = "JSON"
-    if data is None or not text.strip():
-        # an empty file is a mistake (a truncated write, the wrong path), in YAML as in
-        # JSON; a config with every default is written as {} on purpose
-        raise ConfigError(
-            f"{path}: the {kind} config file is empty; write the keys to set, or {{}} "
-            "to keep every default"
-        )
+        data = parse_json(text, str(path), ConfigError, fix=fix)
+    if data is None:
+        raise ConfigError(empty)
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: the top level must be a {kind} mapping of keys, not {type(data).__name__}"

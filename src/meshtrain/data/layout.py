@@ -6,7 +6,9 @@ A store is a folder::
                   vocabulary has more than 65,536 ids), little-endian, no header
     offsets.bin   int64[num_docs + 1]: document i is tokens[offsets[i]:offsets[i+1]]
     labels.bin    int64[num_docs], only when a label field was given
-    meta.json     format, version, dtype, counts, tokenizer, content hash, statistics
+    meta.json     format, version, dtype, counts, tokenizer, content hash, statistics,
+                  the xxh3-64 checksum of each file (``data.integrity``); sealed with
+                  its own checksum
 
 The binary files are plain arrays so any process can ``mmap`` them; ``meta.json`` is
 written last (and removed before the new files replace the old ones), so a folder whose
@@ -25,7 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from meshtrain.data.integrity import BlockHasher, array_digest
 from meshtrain.errors import DataError
+from meshtrain.files import checksums
+from meshtrain.files.structured import parse_json
+from meshtrain.files.text import decode, read_bytes
 
 FORMAT = "meshtrain-token-store"
 VERSION = 1
@@ -44,13 +50,17 @@ def read_meta(path: str) -> dict[str, Any]:
             f"{path} is not a token store (no {META}); create it with "
             "`meshtrain data prepare INPUT --tokenizer NAME --out DIR`"
         )
-    with open(meta_path, encoding="utf-8") as f:
-        try:
-            meta = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{meta_path}:{exc.lineno}: corrupt store metadata ({exc.msg}); run prepare again"
-            ) from exc
+    raw = read_bytes(meta_path, DataError, "token store metadata")
+    fix = "run prepare again (--force) to rebuild the store"
+    checksums.unseal(raw, meta_path, DataError, fix)  # meta.json carries its own checksum
+    meta = parse_json(
+        decode(raw, meta_path, DataError, what="token store metadata", empty_fix=fix),
+        meta_path,
+        DataError,
+        fix=f"corrupt store metadata; {fix}",
+    )
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path}: corrupt store metadata (not a JSON object); {fix}")
     if meta.get("format") != FORMAT or int(meta.get("version", 0)) > VERSION:
         raise DataError(
             f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')} is not a "
@@ -87,6 +97,7 @@ class StoreWriter:
         self.vocab_size = int(vocab_size)
         self.limit = np.iinfo(self.dtype).max
         self._tokens = open(os.path.join(out, TOKENS + ".tmp"), "wb")
+        self._hash = BlockHasher()  # fed as the tokens are written: no second pass
         self._lengths: list[np.ndarray] = []
         self._labels: list[np.ndarray] | None = [] if with_labels else None
         self.num_tokens = 0
@@ -98,7 +109,9 @@ class StoreWriter:
                 f"token id {int(tokens.max())} does not fit {self.dtype} (vocabulary size "
                 f"{self.vocab_size} reported by the tokenizer); fix the tokenizer's vocab size"
             )
-        self._tokens.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self._tokens.write(data)
+        self._hash.update(data)
         self._lengths.append(np.asarray(lengths, dtype=np.int64))
         if self._labels is not None:
             self._labels.append(np.asarray(labels, dtype=np.int64))
@@ -122,10 +135,18 @@ class StoreWriter:
         np.cumsum(lengths, out=offsets[1:])
         offsets.tofile(os.path.join(self.out, OFFSETS + ".tmp"))
         names = [TOKENS, OFFSETS]
+        whole, blocks = self._hash.finish()
+        sums: dict[str, Any] = {
+            "algo": checksums.ALGO,
+            TOKENS: whole,
+            OFFSETS: array_digest(offsets),
+        }
+        sums["block_bytes"], sums["blocks"] = self._hash.block, {TOKENS: blocks}
         if self._labels is not None:
             labels = np.concatenate(self._labels) if self._labels else np.zeros(0, np.int64)
             labels.tofile(os.path.join(self.out, LABELS + ".tmp"))
             names.append(LABELS)
+            sums[LABELS] = array_digest(labels)
         elif os.path.exists(os.path.join(self.out, LABELS)):
             os.remove(os.path.join(self.out, LABELS))
         meta_path = os.path.join(self.out, META)
@@ -142,10 +163,11 @@ class StoreWriter:
             "num_tokens": self.num_tokens,
             "has_labels": self._labels is not None,
             **meta,
+            "checksums": sums,
         }
         tmp = os.path.join(self.out, META + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
+            f.write(checksums.seal(json.dumps(meta, indent=2, sort_keys=True)))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.out, META))

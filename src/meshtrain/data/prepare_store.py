@@ -37,8 +37,10 @@ from typing import Any
 import numpy as np
 
 from meshtrain.data import layout, readers
+from meshtrain.data.integrity import intact
 from meshtrain.data.tokenizer import as_tokenizer, token_dtype
 from meshtrain.errors import DataError
+from meshtrain.files.writable import check_writable
 
 log = logging.getLogger("meshtrain.data")
 MAX_BAD_REPORTED = 20
@@ -268,6 +270,7 @@ def prepare(
         log.info(reused.summary())
         return reused
 
+    check_writable(out, DataError, what="token store folder", flag="--out")
     workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
     total_bytes = sum(
         os.path.getsize(os.fspath(i)) for i in items if isinstance(i, str | os.PathLike)
@@ -390,5 +393,7 @@ def _reuse(out: str, content_hash: str, t0: float) -> PrepareResult | None:
     except DataError:
         return None  # incomplete or foreign: rebuild
     if meta.get("content_hash") != content_hash:
+        return None
+    if not intact(out, meta, log):  # same inputs, but the store's bytes may be damaged
         return None
     return _result_from_meta(out, meta, reused=True, seconds=time.perf_counter() - t0, bad_rows=[])

@@ -16,16 +16,18 @@ and only their texts go to the workers.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
 import io
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshtrain.errors import DataError
+from meshtrain.files.structured import json_row, parse_json
+from meshtrain.files.text import decode
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = (".csv", ".tsv")
@@ -45,6 +47,7 @@ class Rows:
 def detect_format(path: str) -> str:
     """``jsonl``, ``json_array``, ``csv``, ``tsv`` or ``text`` from the name (``.gz`` allowed)."""
     name = path[:-3] if path.endswith(".gz") else path
+    _check_encoding(path)
     lower = name.lower()
     if lower.endswith(".tsv"):
         return "tsv"
@@ -59,6 +62,27 @@ def detect_format(path: str) -> str:
 
 def _open_binary(path: str) -> io.BufferedIOBase:
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")  # type: ignore[return-value]
+
+
+def _check_encoding(path: str) -> None:
+    """Refuse UTF-16/32 and binary inputs up front, naming the file (rows are read as
+    UTF-8, where such a file would only show up as every row being malformed)."""
+    try:
+        with _open_binary(path) as f:
+            head = f.read(4096)
+    except (OSError, EOFError) as exc:
+        raise DataError(f"{path}: cannot read the data file ({exc}); check the path") from None
+    if head.startswith(codecs.BOM_UTF8):
+        head = head[len(codecs.BOM_UTF8) :]
+    if head[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+        enc = "UTF-32" if head[:4] in (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE) else "UTF-16"
+        raise DataError(
+            f"{path}: the data file is {enc} (it starts with a {enc} byte-order mark); data "
+            f"files are read as UTF-8: re-save it as UTF-8 (e.g. `iconv -f {enc} -t UTF-8 "
+            "FILE > FILE.utf8`)"
+        )
+    if b"\x00" in head:  # UTF-16 without a BOM, or a binary file: named with the position
+        decode(head, path, DataError, what="data file")
 
 
 def _first_byte(path: str) -> bytes:
@@ -141,6 +165,8 @@ def parse_lines(
     for i, raw in enumerate(lines, start=1):
         try:
             line = raw.decode("utf-8")
+            if i == 1 and line.startswith("\ufeff"):  # a UTF-8 BOM opens the file
+                line = line[1:]
         except UnicodeDecodeError as exc:
             rows.bad.append((i, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"))
             if stop_at_bad:
@@ -152,10 +178,9 @@ def parse_lines(
         if not line.strip():
             rows.empty += 1
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            rows.bad.append((i, f"malformed JSON ({exc.msg} at column {exc.colno})"))
+        obj, reason = json_row(line)  # duplicate keys are bad rows too, with both columns
+        if reason is not None:
+            rows.bad.append((i, reason))
         else:
             if not isinstance(obj, dict):
                 rows.bad.append((i, f"expected a JSON object, got {type(obj).__name__}"))
@@ -197,7 +222,7 @@ def _iter_csv(
     path: str, delimiter: str, text_field: str, label_field: str | None, batch_rows: int
 ) -> Iterator[Rows]:
     with _open_binary(path) as fb:
-        f = io.TextIOWrapper(fb, encoding="utf-8", newline="")
+        f = io.TextIOWrapper(fb, encoding="utf-8-sig", newline="")  # a BOM is dropped
         reader = csv.reader(f, delimiter=delimiter, strict=True)
         try:
             header = next(reader)
@@ -205,6 +230,12 @@ def _iter_csv(
             return
         except (csv.Error, UnicodeDecodeError) as exc:
             raise DataError(f"{path}:1: cannot read the CSV header ({exc})") from exc
+        for col, name in enumerate(header):
+            if name in header[:col]:
+                raise DataError(
+                    f"{path}:1: column {name!r} appears twice in the header (columns "
+                    f"{header.index(name) + 1} and {col + 1}); rename one of them"
+                )
         if text_field not in header:
             raise DataError(
                 f"{path}:1: no column {text_field!r} in the header (columns: {header}); "
@@ -253,13 +284,13 @@ def _iter_json_array(
     path: str, text_field: str, label_field: str | None, batch_rows: int
 ) -> Iterator[Rows]:
     with _open_binary(path) as f:
-        try:
-            items = json.loads(f.read().decode("utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            line = getattr(exc, "lineno", 1)
-            raise DataError(
-                f"{path}:{line}: malformed JSON ({exc}); fix the file or convert it to JSONL"
-            ) from exc
+        raw = f.read()
+    items = parse_json(
+        decode(raw, path, DataError, what="data file"),
+        path,
+        DataError,
+        fix="fix the file or convert it to JSONL",
+    )
     if not isinstance(items, list):
         raise DataError(
             f"{path}:1: expected a JSON array of objects or JSONL, got {type(items).__name__}"

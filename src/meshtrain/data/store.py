@@ -27,7 +27,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from meshtrain.data.integrity import verify_store
 from meshtrain.data.layout import LABELS, OFFSETS, TOKENS, read_meta
+from meshtrain.files.checksums import verify_default
 
 _INT64 = np.dtype("<i8")
 
@@ -45,11 +47,15 @@ class TokenStore:
 
     ``doc(i)``, ``read(start, stop)`` and ``label(i)`` read only the bytes asked for;
     ``tokens``, ``offsets`` and ``labels`` are memory-mapped arrays created on first use.
+    ``verify``: check every file against the checksums in ``meta.json`` on opening (one
+    read of the store); ``None``: on unless ``MESHTRAIN_VERIFY=0``.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool | None = None) -> None:
         self.path = os.fspath(path)
         self.meta = read_meta(self.path)
+        if verify_default(verify):  # every data file against meta.json's checksums
+            verify_store(self.path, self.meta)
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         self.has_labels = bool(self.meta.get("has_labels"))
         self._fds: dict[str, int] = {}
@@ -59,7 +65,7 @@ class TokenStore:
         return {"path": self.path}  # descriptors and maps are per process
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"])  # type: ignore[misc]
+        self.__init__(state["path"], verify=False)  # type: ignore[misc] - checked by the sender
 
     def __del__(self) -> None:
         for fd in getattr(self, "_fds", {}).values():
@@ -148,6 +154,7 @@ class TokenDataset(Dataset):
         seq_len: int | None = None,
     ) -> None:
         self._store: TokenStore | None = path if isinstance(path, TokenStore) else None
+        self._verify_on_open = True
         self.path = path.path if isinstance(path, TokenStore) else os.fspath(path)
         meta = self.store.meta
         self.packed = bool(meta.get("pack")) if packed is None else bool(packed)
@@ -160,7 +167,9 @@ class TokenDataset(Dataset):
     @property
     def store(self) -> TokenStore:
         if self._store is None:  # first use in this process (after unpickling)
-            self._store = TokenStore(self.path)
+            # verified where the dataset was built; an unpickled copy (a worker) skips it
+            self._store = TokenStore(self.path, verify=None if self._verify_on_open else False)
+            self._verify_on_open = False
         return self._store
 
     def __getstate__(self) -> dict[str, Any]:

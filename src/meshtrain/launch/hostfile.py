@@ -30,6 +30,7 @@ from typing import Protocol
 
 from meshtrain.distributed.env import DEFAULT_MASTER_PORT
 from meshtrain.errors import ConfigError
+from meshtrain.files.text import decode
 from meshtrain.launch.failure import exit_code
 from meshtrain.launch.launcher import LaunchSpec, spec_flags
 
@@ -50,11 +51,20 @@ _HOST = re.compile(r"[A-Za-z0-9_.:%\[\]@-]+")
 def parse_hostfile(path: str | os.PathLike) -> dict[str, int]:
     """Read ``hostname slots=N`` lines into ``{host: slots}`` in file order."""
     try:
-        with open(path) as f:
-            lines = f.read().splitlines()
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as exc:
         raise ConfigError(f"--hostfile {path}: cannot read it ({exc.strerror})") from None
+    # the one reading path: a BOM is dropped, UTF-16, invalid bytes and 0 bytes are named
+    lines = decode(
+        raw,
+        str(path),
+        ConfigError,
+        what="hostfile",
+        empty_fix="write one 'hostname slots=N' line per node",
+    ).splitlines()
     hosts: dict[str, int] = {}
+    first: dict[str, int] = {}
     for number, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -73,10 +83,13 @@ def parse_hostfile(path: str | os.PathLike) -> dict[str, int]:
                 "would take for an option); fix the line"
             )
         if host in hosts:
-            raise ConfigError(f"{path}:{number}: host {host!r} is listed twice")
+            raise ConfigError(
+                f"{path}:{number}: host {host!r} is listed twice (first at line "
+                f"{first[host]}); keep one line per node"
+            )
         if slots < 1:
             raise ConfigError(f"{path}:{number}: {host} has slots={slots}; need at least 1")
-        hosts[host] = slots
+        hosts[host], first[host] = slots, number
     if not hosts:
         raise ConfigError(f"{path}: no 'hostname slots=N' lines found")
     return hosts

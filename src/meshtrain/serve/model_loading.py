@@ -147,6 +147,9 @@ def _dtype_arg(dtype: str | None) -> torch.dtype | None:
 def _load_pretrained(res: Resolved, task: str | None, dtype: torch.dtype | None):
     import transformers
 
+    from meshtrain.checkpoint.tensor_files import check_folder
+
+    check_folder(res.path, ServeError)  # checksums of an export, else headers/sizes/dtypes
     try:
         config = transformers.AutoConfig.from_pretrained(res.path)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError variants

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from meshtrain.errors import ConfigError
+from meshtrain.files.writable import check_writable
 from meshtrain.trainer import checkpoints as ckpt
 from meshtrain.trainer.callbacks import RunLogCallback
 from meshtrain.trainer.report import end_table, training_header
@@ -44,6 +45,8 @@ class TrainingLoop:
         from meshtrain.distributed import comm
 
         args = self.args
+        if args.save_strategy != "no":  # before any work: a run must not end at its first save
+            check_writable(self.checkpoint_dir, ConfigError, what="TrainingArguments.output_dir")
         self._setup()
         engine, loader = self.engine, self.train_dataloader
         resume = resume_from_checkpoint

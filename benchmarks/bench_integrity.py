@@ -1,0 +1,165 @@
+"""Checkpoint save and load throughput with checksum verification on and off, in one run.
+
+    python -m benchmarks.bench_integrity [--mib 512] [--rounds 5] [--json OUT]
+
+One process saves a checkpoint of ``--mib`` MiB (8 fp32 tensors, ``save_shards`` with
+``group=None``: write, fsync, commit) and loads it back whole (``CheckpointReader.read``
+of every tensor), alternating the variants round by round so that load on the shared
+machine hits them alike; the median of ``--rounds`` is reported:
+
+* save ``checksums``: what meshtrain does (per-tensor xxh3-64 from the tensors written,
+  manifest sealed); save ``none``: the same with the checksum record replaced by an empty
+  one (the cost of hashing, isolated); save ``sha256 pass``: the previous implementation's
+  second read of the file with sha256, for reference;
+* load ``verify``: every rank file checked (one pass) before its tensors are read; load
+  ``no verify``: ``CheckpointReader(verify=False)``.
+
+Before each save the previous one is deleted and ``os.sync()`` flushes dirty pages, and
+the order of the save variants rotates, so that writeback of one save does not land on
+the next. ``--dir /dev/shm`` takes the disk out and leaves the compute cost (tmpfs).
+Loads read from the page cache (the file was just written), which is the worst case for
+the relative cost of verification: from a cold disk the read dominates both variants.
+Ratios are printed; the goal (issue 32) is verification within 5% of none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from meshtrain.checkpoint import CheckpointReader, Piece, save_shards, storage, tensor_files
+
+NAMES = ("save checksums", "save none", "save sha256 pass", "load verify", "load no verify")
+
+
+def _state(mib: int) -> tuple[dict, list, dict]:
+    n = mib * (1 << 20) // 4 // 8
+    g = torch.Generator().manual_seed(0)
+    tensors, pieces, specs = {}, [], {}
+    for i in range(8):
+        tensors[f"t{i}"] = torch.randn(n, generator=g)
+        pieces.append(Piece(f"w{i}", "param", f"t{i}", 0, 0, n))
+        specs[f"w{i}"] = {"shape": [n], "dtype": "float32", "kind": "param"}
+    return tensors, pieces, {"tensors": specs}
+
+
+def _empty_record(path, host):
+    size = Path(path).stat().st_size
+    return {"algo": "xxh3_64", "size": size, "header": "", "tensors": {}}
+
+
+def _sha_record(path, host):
+    rec = _empty_record(path, host)
+    storage.sha256_file(Path(path))
+    return rec
+
+
+def _save(root: Path, tag: str, tensors, pieces, meta, record) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    if record is None:
+        save_shards(root, tag, group=None, tensors=tensors, pieces=pieces, meta=meta)
+    else:
+        with mock.patch.object(tensor_files, "record_from_tensors", record):
+            save_shards(root, tag, group=None, tensors=tensors, pieces=pieces, meta=meta)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _load(root: Path, tag: str, verify: bool) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    with CheckpointReader(root, tag, verify=verify) as r:
+        for name in r.names():
+            r.read(name)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    args = p.parse_args(argv)
+    tensors, pieces, meta = _state(args.mib)
+    nbytes = sum(t.numel() * 4 for t in tensors.values())
+    cpu: dict[str, list[float]] = {k: [] for k in NAMES}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "save checksums",
+            "save none",
+            "save sha256 pass",
+            "load verify",
+            "load no verify",
+        )
+    }
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        saves = [
+            ("save checksums", None),
+            ("save none", _empty_record),
+            ("save sha256 pass", _sha_record),
+        ]
+        for rnd in range(args.rounds):
+            k = rnd % len(saves)  # rotate: each variant runs first, middle and last alike
+            for name, rec in saves[k:] + saves[:k]:
+                shutil.rmtree(root, ignore_errors=True)
+                os.sync()  # start every save with no dirty pages of the one before
+                wall, c = _save(root, "c", tensors, pieces, meta, rec)
+                times[name].append(wall)
+                cpu[name].append(c)
+            shutil.rmtree(root, ignore_errors=True)
+            _save(root, "c", tensors, pieces, meta, None)  # the loads read a real checkpoint
+            os.sync()
+            _load(root, "c", False)  # warm the page cache for both
+            loads = [("load verify", True), ("load no verify", False)]
+            for name, verify in loads if rnd % 2 == 0 else loads[::-1]:
+                wall, c = _load(root, "c", verify)
+                times[name].append(wall)
+                cpu[name].append(c)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    cmed = {k: statistics.median(v) for k, v in cpu.items()}
+    best = {k: min(v) for k, v in times.items()}  # the least disturbed run of each
+    gbs = {k: nbytes / v / 1e9 for k, v in med.items()}
+    print(f"checkpoint of {nbytes / 2**20:.0f} MiB, median of {args.rounds} rounds")
+    for k in times:
+        print(f"  {k:18s} wall {med[k]:7.3f} s  {gbs[k]:6.2f} GB/s   cpu {cmed[k]:7.3f} s")
+    save_ratio = med["save checksums"] / med["save none"]
+    load_ratio = med["load verify"] / med["load no verify"]
+    print(
+        f"save with checksums / without: {save_ratio:.3f}x  (sha256 second pass: "
+        f"{med['save sha256 pass'] / med['save none']:.3f}x)"
+    )
+    print(f"load with verification / without: {load_ratio:.3f}x")
+    c_save = cmed["save checksums"] / cmed["save none"]
+    c_load = cmed["load verify"] / cmed["load no verify"]
+    print(f"cpu time ratios (less sensitive to other load): save {c_save:.3f}x, load {c_load:.3f}x")
+    print(
+        "fastest-run ratios (the least disturbed by other processes): save "
+        f"{best['save checksums'] / best['save none']:.3f}x, load "
+        f"{best['load verify'] / best['load no verify']:.3f}x"
+    )
+    print(f"load average during the run: {os.getloadavg()}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "bench": "integrity", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": platform.platform(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "mib": args.mib, "rounds": args.rounds,
+            "times_s": times, "median_s": med, "gb_per_s": gbs, "cpu_s": cpu, "cpu_median_s": cmed, "min_s": best,
+            "loadavg": os.getloadavg(),
+            "save_ratio": save_ratio, "load_ratio": load_ratio,
+        }, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

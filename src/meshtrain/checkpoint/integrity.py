@@ -1,0 +1,80 @@
+"""What the checkpoint reader checks before it trusts bytes, and what it tells the user.
+
+* ``read_manifest``: ``manifest.json`` is checked against its own checksum (sealed by the
+  writer) before it is parsed, and parsed with duplicate keys refused, so a damaged byte
+  anywhere in it -- a digit of a size, a letter of a tensor name, an RNG state -- is named
+  as damage to that file instead of surfacing as a wrong number later.
+* ``verify_rank_file``: a rank file against its per-tensor record (``tensor_files``), or
+  the whole-file sha256 of manifests written before the record existed.
+
+Every message ends with what to do: load the previous complete tag (named), or set
+``MESHTRAIN_VERIFY=0`` (``verify=False``) to open it anyway and inspect it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from meshtrain.checkpoint import storage, tensor_files
+from meshtrain.errors import CheckpointError
+from meshtrain.files import checksums
+from meshtrain.files.checksums import VERIFY_ENV, verify_default
+from meshtrain.files.structured import parse_json
+from meshtrain.files.text import decode, read_bytes
+
+
+def fix_for(tag_dir: Path) -> str:
+    """What to do about a damaged checkpoint: the previous complete tag, or inspect anyway."""
+    try:
+        others = [t for t in storage.list_tags(tag_dir.parent) if t != tag_dir.name]
+    except (OSError, CheckpointError):
+        others = []
+    prev = (
+        f"load the previous checkpoint (tag={others[-1]!r}) or restore the file from a copy"
+        if others
+        else "restore the file from a copy (no other complete checkpoint is in this folder)"
+    )
+    return f"{prev}; to open it anyway and inspect it, set {VERIFY_ENV}=0 (verify=False)"
+
+
+def read_manifest(mpath: Path, verify: bool) -> dict[str, Any]:
+    """Bytes of ``manifest.json`` checked against its seal, then parsed (no duplicates)."""
+    fix = fix_for(mpath.parent)
+    raw = read_bytes(mpath, CheckpointError, "checkpoint manifest")
+    if verify:
+        checksums.unseal(raw, str(mpath), CheckpointError, fix)
+    text = decode(raw, str(mpath), CheckpointError, what="checkpoint manifest", empty_fix=fix)
+    data = parse_json(
+        text,
+        str(mpath),
+        CheckpointError,
+        fix=f"it cannot be read as JSON, so the checkpoint is damaged: {fix}",
+    )
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{mpath}: not a manifest (a JSON object); {fix}")
+    return data
+
+
+def verify_rank_file(path: Path, entry: dict[str, Any]) -> None:
+    """Check one rank file against its manifest entry; CheckpointError names file and part."""
+    fix = fix_for(path.parent)
+    if isinstance(entry.get("checksum"), dict):
+        # one streamed pass (4 MiB reads): memory-mapping would count the whole file in RSS
+        tensor_files.verify(
+            path, entry["checksum"], CheckpointError, f"(rank {entry['rank']}) {fix}"
+        )
+        return
+    h = hashlib.sha256()  # manifests written before per-tensor records
+    with open(path, "rb") as f:
+        while chunk := f.read(checksums.CHUNK):
+            h.update(chunk)
+    if h.hexdigest() != entry["sha256"]:
+        raise CheckpointError(
+            f"checkpoint file {path} (rank {entry['rank']}) is corrupted: its sha256 differs "
+            f"from the manifest's {entry['sha256'][:16]}...; {fix}"
+        )
+
+
+__all__ = ["VERIFY_ENV", "fix_for", "read_manifest", "verify_default", "verify_rank_file"]

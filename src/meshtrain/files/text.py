@@ -1,0 +1,106 @@
+"""Bytes to text, one way for every input file: encodings and empty files named.
+
+Accepted: UTF-8 with or without a byte-order mark, and UTF-16/UTF-32 *with* a BOM (what
+Windows editors write as "Unicode"). Refused with file, line, column and the fix in one
+line (``FILE: problem at line L, column C; fix``): bytes that are not UTF-8 (a Latin-1 or Windows-1252 file), UTF-16 without a BOM
+(NUL bytes every other byte), and an empty file (a truncated copy or the wrong path).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+
+from meshtrain.errors import MeshtrainError
+
+_BOMS = (  # longest first: the UTF-32 LE BOM starts with the UTF-16 LE one
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
+_CONVERT = "re-save it as UTF-8 (e.g. `iconv -f {enc} -t UTF-8 FILE > FILE.utf8`)"
+
+
+def line_col(data: bytes | str, pos: int) -> tuple[int, int]:
+    """1-based line and column of offset ``pos`` in ``data``."""
+    nl = b"\n" if isinstance(data, bytes) else "\n"
+    line = data.count(nl, 0, pos) + 1
+    return line, pos - (data.rfind(nl, 0, pos) + 1) + 1
+
+
+def read_bytes(path: str | os.PathLike, error: type[MeshtrainError], what: str = "file") -> bytes:
+    """The bytes of ``path``; a missing or unreadable file raises ``error`` naming it."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}; check the path") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a folder, not a {what}; pass the file inside it") from None
+    except OSError as exc:
+        raise error(
+            f"{path}: cannot read the {what} ({exc.strerror or exc}); check its permissions"
+        ) from None
+
+
+def decode(
+    raw: bytes,
+    where: str,
+    error: type[MeshtrainError],
+    *,
+    what: str = "file",
+    allow_empty: bool = False,
+    empty_fix: str = "write its content, or check the path",
+) -> str:
+    """``raw`` as text (BOM removed); ``error`` with ``where:line:col`` when it is not."""
+    if not raw and not allow_empty:
+        raise error(
+            f"{where}: the {what} is empty (0 bytes): a truncated copy or the wrong path; "
+            f"{empty_fix}"
+        )
+    encoding = "utf-8"
+    for bom, enc in _BOMS:
+        if raw.startswith(bom):
+            raw, encoding = raw[len(bom) :], enc
+            break
+    if encoding == "utf-8" and len(raw) >= 2 and b"\x00" in raw[:64]:
+        # NUL bytes in text: UTF-16/32 without a BOM, or a binary file given by mistake
+        enc = "UTF-16LE" if raw[1:2] == b"\x00" else "UTF-16BE" if raw[:1] == b"\x00" else None
+        if enc is not None and raw.count(b"\x00") * 3 >= len(raw):
+            raise error(
+                f"{where}: the {what} looks like {enc} without a byte-order mark; "
+                + _CONVERT.format(enc=enc)
+            )
+        pos = raw.index(b"\x00")
+        line, col = line_col(raw, pos)
+        raise error(
+            f"{where}: a NUL byte at line {line}, column {col}: this is a binary file, not a "
+            f"text {what}; pass the text file"
+        )
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        line, col = line_col(raw, exc.start)
+        bad = raw[exc.start : exc.start + 1].hex()
+        raise error(
+            f"{where}: byte 0x{bad} at line {line}, column {col} is not valid {encoding.upper()} "
+            f"(the {what} is in another encoding, e.g. Latin-1 or Windows-1252); "
+            + _CONVERT.format(enc="LATIN1" if encoding == "utf-8" else encoding.upper())
+        ) from None
+
+
+def read_text(
+    path: str | os.PathLike,
+    error: type[MeshtrainError],
+    *,
+    what: str = "file",
+    allow_empty: bool = False,
+    empty_fix: str = "write its content, or check the path",
+) -> str:
+    """Read and decode ``path`` (see :func:`decode`)."""
+    raw = read_bytes(path, error, what)
+    return decode(
+        raw, os.fspath(path), error, what=what, allow_empty=allow_empty, empty_fix=empty_fix
+    )

@@ -1,0 +1,159 @@
+"""Checksums of checkpoints and exports (issue 32), on real files: the sealed manifest, the
+per-tensor records of rank files, older sha256 manifests, the inspect-anyway switch,
+consolidated exports and folders meshtrain did not write."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from meshtrain.checkpoint import CheckpointReader, save_shards
+from meshtrain.checkpoint.consolidate import consolidate
+from meshtrain.checkpoint.tensor_files import check_folder, verify_export
+from meshtrain.errors import CheckpointError, ServeError
+from meshtrain.files import checksums
+from tests.checkpoint.common import full_state, meta, shard
+
+
+def _save(save_dir, tag, seed):
+    tensors, pieces = shard(full_state(seed), 0, 1)
+    return save_shards(save_dir, tag, group=None, tensors=tensors, pieces=pieces, meta=meta())
+
+
+@pytest.fixture
+def two_tags(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    _save(save_dir, "t1", 1)
+    _save(save_dir, "t2", 2)
+    return save_dir
+
+
+def _flip(path, pos):
+    data = bytearray(path.read_bytes())
+    data[pos] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_carries_its_own_checksum_and_a_record_per_tensor(two_tags):
+    raw = (two_tags / "t2" / "manifest.json").read_bytes()
+    assert checksums.unseal(raw, "m", CheckpointError, "fix") is True
+    entry = json.loads(raw)["ranks"][0]
+    assert "sha256" not in entry
+    rec = entry["checksum"]
+    assert rec["algo"] == "xxh3_64" and rec["size"] == entry["size"]
+    assert set(rec["tensors"]) == {"param.flat", "exp_avg.flat", "rng.torch"}
+
+
+def test_a_flipped_digit_in_the_manifest_is_named(two_tags):
+    m = two_tags / "t2" / "manifest.json"
+    text = m.read_text()
+    pos = text.index('"step": 7') + len('"step": ')  # valid JSON either way: 7 -> 6
+    _flip(m, pos)
+    with pytest.raises(CheckpointError) as e:
+        CheckpointReader(two_tags)  # latest = t2
+    msg = str(e.value)
+    assert msg.startswith(f"{m}: the file is corrupted: its bytes 0..")
+    assert "load the previous checkpoint (tag='t1')" in msg and "MESHTRAIN_VERIFY=0" in msg
+    assert CheckpointReader(two_tags, verify=False).meta["step"] == 6  # inspect anyway
+
+
+def test_damaged_tensor_named_only_when_read_and_inspect_anyway(two_tags, monkeypatch):
+    f = two_tags / "t2" / "rank00000.safetensors"
+    _flip(f, f.stat().st_size - 1)  # the last byte: inside the last tensor's data
+    r = CheckpointReader(two_tags, "t2")  # the header is intact: opening succeeds
+    with pytest.raises(CheckpointError) as e:
+        for name in r.names():
+            r.read(name)
+        r.rank_tensor(0, "rng.torch")
+    assert "is corrupted: its xxh3_64 checksum differs" in str(e.value)
+    assert f"{f}: tensor '" in str(e.value) and "(rank 0) load the previous" in str(e.value)
+    monkeypatch.setenv("MESHTRAIN_VERIFY", "0")
+    r = CheckpointReader(two_tags, "t2")
+    for name in r.names():
+        r.read(name)  # loads, damaged bytes and all, for inspection
+
+
+def test_undamaged_reads_are_identical_with_and_without_verification(two_tags):
+    with CheckpointReader(two_tags, "t2") as a, CheckpointReader(two_tags, "t2", verify=False) as b:
+        for state in a.states():
+            for name in a.names(state):
+                assert torch.equal(a.read(name, state), b.read(name, state))
+                assert torch.equal(a.read(name, state, 1, 0), b.read(name, state, 1, 0))
+        assert torch.equal(a.rank_tensor(0, "rng.torch"), b.rank_tensor(0, "rng.torch"))
+
+
+def test_older_sha256_manifest_still_verifies(two_tags):
+    import hashlib
+
+    m = two_tags / "t2" / "manifest.json"
+    data = json.loads(m.read_text())
+    data.pop("_checksum")
+    f = two_tags / "t2" / "rank00000.safetensors"
+    entry = data["ranks"][0]
+    entry.pop("checksum")
+    entry["sha256"] = hashlib.sha256(f.read_bytes()).hexdigest()
+    m.write_text(json.dumps(data))  # as written before issue 32: no seal, whole-file sha256
+    full = CheckpointReader(two_tags, "t2").read_full("layer.w")
+    assert full.shape == (5, 3)
+    _flip(f, f.stat().st_size - 1)
+    with pytest.raises(
+        CheckpointError, match=r"rank00000\.safetensors \(rank 0\) is corrupted: its sha256"
+    ):
+        CheckpointReader(two_tags, "t2").read_full("layer.w")
+
+
+def test_export_checksums_verified_and_named(two_tags, tmp_path):
+    out = consolidate(two_tags, tmp_path / "export", tag="t2")
+    assert verify_export(out, CheckpointError) is True
+    assert check_folder(out, CheckpointError) == "checksums verified"
+    single = consolidate(two_tags, tmp_path / "one.safetensors", tag="t2")
+    assert (tmp_path / "one.safetensors.checksums.json").is_file()
+    assert verify_export(single, CheckpointError) is True
+    _flip(single, single.stat().st_size - 2)
+    with pytest.raises(CheckpointError, match=r"one\.safetensors: tensor '.*' \(bytes \d+\.\.\d+"):
+        verify_export(single, CheckpointError)
+    _flip(out / "model.safetensors", 20)  # inside the header
+    with pytest.raises(
+        ServeError, match=r"model\.safetensors: the safetensors header .* corrupted"
+    ):
+        check_folder(out, ServeError)
+
+
+def test_foreign_folder_header_sizes_and_dtypes(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"})
+    )
+    good = {"a.weight": torch.zeros(4, 2, dtype=torch.bfloat16), "norm": torch.ones(3)}
+    save_file(good, folder / "model.safetensors")
+    assert "header, sizes and dtypes checked" in check_folder(folder, ServeError)
+    save_file({"a.weight": torch.zeros(4, 2, dtype=torch.float16)}, folder / "model.safetensors")
+    with pytest.raises(
+        ServeError, match=r"tensor 'a\.weight' is float16, but config\.json declares dtype bfloat16"
+    ):
+        check_folder(folder, ServeError)
+    save_file(good, folder / "model.safetensors")
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-3])
+    with pytest.raises(
+        ServeError, match=r"is damaged \(truncated or not a safetensors file: .* cut short\)"
+    ):
+        check_folder(folder, ServeError)
+    f.unlink()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a.weight": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(
+        ServeError, match=r"weight_map names 'model-00001-of-00002\.safetensors', which is not in"
+    ):
+        check_folder(folder, ServeError)
+    (folder / "config.json").write_text('{"model_type": "llama", "model_type": "bert"}')
+    with pytest.raises(
+        ServeError,
+        match=r"config\.json: duplicate key 'model_type' at line 1, column 25 \(first at line 1, column 2\)",
+    ):
+        check_folder(folder, ServeError)
