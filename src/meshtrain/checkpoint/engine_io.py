@@ -131,8 +131,21 @@ def _set_rng(state: dict, reader: CheckpointReader, rank: int) -> None:
         torch.cuda.set_rng_state(reader.rank_tensor(rank, "rng.cuda"))
 
 
-def save(engine, save_dir, tag: str | None = None, client_state: dict | None = None) -> Path:
-    """``engine.save_checkpoint`` (see the module docstring)."""
+def save(
+    engine,
+    save_dir,
+    tag: str | None = None,
+    client_state: dict | None = None,
+    on_commit=None,
+) -> Path:
+    """``engine.save_checkpoint`` (see the module docstring). With ``checkpoint.async_save``
+    the tensors are staged on the host and written in the background
+    (:mod:`meshtrain.checkpoint.async_save`); the returned path exists once the write is
+    committed. ``on_commit(path)`` runs on every rank after the commit (at once for a
+    synchronous save, in the background thread for an asynchronous one)."""
+    saver = getattr(engine, "checkpoint_saver", None)
+    if saver is not None:
+        saver.wait()  # a second save waits for the first (and raises its failure)
     topo = engine.topology
     world = topo.group("world")
     dp = topo.dp_size
@@ -217,16 +230,19 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
         meta["hf_config"] = hf.to_dict()
         meta["hf_model_class"] = type(model).__name__
     keep = engine.config.checkpoint.keep_last
-    return save_shards(
-        save_dir,
-        tag,
-        group=world,
-        tensors=tensors,
-        pieces=pieces,
-        rank_state=rank_state,
-        meta=meta,
-        keep_last=keep or None,
+    args = dict(
+        group=world, pieces=pieces, rank_state=rank_state, meta=meta, keep_last=keep or None
     )
+    if engine.config.checkpoint.async_save:
+        saver = engine.async_saver()
+        saver.submit(
+            save_shards, save_dir=save_dir, tag=tag, tensors=tensors, on_commit=on_commit, **args
+        )
+        return Path(save_dir) / tag
+    path = save_shards(save_dir, tag, tensors=tensors, **args)
+    if on_commit is not None:
+        on_commit(path)
+    return path
 
 
 def _unsplit_view(engine) -> torch.nn.Module:
