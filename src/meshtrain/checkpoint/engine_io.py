@@ -146,6 +146,22 @@ def save(
     saver = getattr(engine, "checkpoint_saver", None)
     if saver is not None:
         saver.wait()  # a second save waits for the first (and raises its failure)
+    tag, args = shard_contents(engine, tag, client_state)
+    if engine.config.checkpoint.async_save:
+        engine.async_saver().submit(
+            save_shards, save_dir=save_dir, tag=tag, on_commit=on_commit, **args
+        )
+        return Path(save_dir) / tag
+    path = save_shards(save_dir, tag, **args)
+    if on_commit is not None:
+        on_commit(path)
+    return path
+
+
+def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[str, dict]:
+    """(the agreed tag, ``save_shards`` keyword arguments) of this rank's part of a save:
+    ``tensors`` (views of the live state where they can be: copy them before training on),
+    ``pieces``, ``rank_state``, ``meta``, ``group``, ``keep_last``. A collective (the tag)."""
     topo = engine.topology
     world = topo.group("world")
     dp = topo.dp_size
@@ -230,19 +246,14 @@ def save(
         meta["hf_config"] = hf.to_dict()
         meta["hf_model_class"] = type(model).__name__
     keep = engine.config.checkpoint.keep_last
-    args = dict(
-        group=world, pieces=pieces, rank_state=rank_state, meta=meta, keep_last=keep or None
+    return tag, dict(
+        group=world,
+        tensors=tensors,
+        pieces=pieces,
+        rank_state=rank_state,
+        meta=meta,
+        keep_last=keep or None,
     )
-    if engine.config.checkpoint.async_save:
-        saver = engine.async_saver()
-        saver.submit(
-            save_shards, save_dir=save_dir, tag=tag, tensors=tensors, on_commit=on_commit, **args
-        )
-        return Path(save_dir) / tag
-    path = save_shards(save_dir, tag, tensors=tensors, **args)
-    if on_commit is not None:
-        on_commit(path)
-    return path
 
 
 def _unsplit_view(engine) -> torch.nn.Module:
