@@ -56,12 +56,24 @@ def _step(engine, kind):
     full = batch(kind, 0, 4)
     m = 4 // dp
     mine = {k: v[d * m : (d + 1) * m] for k, v in full.items()}
+    if engine.pipeline is not None:
+        engine.train_batch(iter([mine]))
+        return
     loss = loss_of(engine, kind, mine)
     engine.backward(loss)
     engine.step()
 
 
-def parity(root, layout):
+def _held(engine) -> dict:
+    """What this rank holds, comparably: the gathered whole model, or under pp each
+    stage's own (tp-sharded) tensors. (``module_state_dict`` under tp x pp broadcasts tp
+    shards into full-shape buffers, so it is not used there.)"""
+    if engine.pipeline is None:
+        return engine.module_state_dict()
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def parity(root, layout, kinds=KINDS):
     """For each kind: transformers' from_pretrained + meshtrain.initialize vs
     meshtrain.from_pretrained on the same layout; gathered state dicts bitwise equal,
     before and after one AdamW step on the same batch."""
@@ -73,19 +85,19 @@ def parity(root, layout):
 
     out = {}
     world = dist.get_world_size()
-    for kind in KINDS:
+    for kind in kinds:
         folder = f"{root}/{kind}"
         cls = type(build(kind))
         ref_model = cls.from_pretrained(folder, dtype=torch.float32)
         ref, *_ = meshtrain.initialize(model=ref_model, config=_config(layout, world))
         ours, *_ = meshtrain.from_pretrained(folder, _config(layout, world))
-        a, b = ref.module_state_dict(), ours.module_state_dict()
+        a, b = _held(ref), _held(ours)
         loaded = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         _step(ref, kind)
         _step(ours, kind)
-        a, b = ref.module_state_dict(), ours.module_state_dict()
+        a, b = _held(ref), _held(ours)
         stepped = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        out[kind] = (loaded, stepped, type(ours.module).__name__)
+        out[kind] = (loaded, stepped, [k for k in a if not torch.equal(a[k], b.get(k, a[k] + 1))])
     (_, info) = meshtrain.from_pretrained(
         f"{root}/llama_keys", _config(layout, world), output_loading_info=True
     )

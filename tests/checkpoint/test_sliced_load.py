@@ -34,3 +34,16 @@ def test_sliced_load_equals_transformers_then_layout(folders, layout):
         missing, ref_missing, unexpected, ref_unexpected = r["info"]
         assert missing == ref_missing == ["model.norm.weight"]
         assert unexpected == ref_unexpected == ["extra.weight"]
+
+
+def test_sliced_load_tp2_pp2(folders):
+    """4 ranks: tp 2 x pp 2; each stage reads only its blocks' slices."""
+    results = run_ranks(sliced_ranks.parity, 4, str(folders), "tp2pp2")
+    for r in results:
+        for kind in sliced_ranks.KINDS:
+            loaded, stepped, bad = r[kind]
+            assert loaded, ("tp2pp2", kind, "loaded weights differ", bad)
+            assert stepped, ("tp2pp2", kind, "the step after loading differs")
+        missing, ref_missing, unexpected, ref_unexpected = r["info"]
+        assert missing == ref_missing == ["model.norm.weight"]
+        assert unexpected == ref_unexpected == ["extra.weight"]
