@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--layouts", default="zero3,tp4,tp2pp2")
+    ap.add_argument("--paths", default="transformers,today,sliced")
     ap.add_argument("--keep", default=None, help="reuse/keep the checkpoint folder here")
     args = ap.parse_args(argv)
     if args.worker:
@@ -153,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model_mib:.0f} MiB fp32, largest tensor {largest_mib:.0f} MiB", flush=True)
     table = []
     try:
-        rows = _run("transformers", "", 1, folder, tmp)
-        table.append(("transformers from_pretrained", 1, rows))
+        paths = args.paths.split(",")
+        if "transformers" in paths:
+            rows = _run("transformers", "", 1, folder, tmp)
+            table.append(("transformers from_pretrained", 1, rows))
         for layout in args.layouts.split(","):
-            for how in ("today", "sliced"):
+            for how in [p for p in ("today", "sliced") if p in paths]:
                 rows = _run(how, layout, 4, folder, tmp)
                 table.append((f"{how} {layout}", 4, rows))
                 worst = max(r["growth_mib"] for r in rows)

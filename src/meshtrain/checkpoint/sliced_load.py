@@ -75,6 +75,7 @@ class SafetensorsSource:
                 ".safetensors file or a meshtrain checkpoint; pass one of those"
             )
         self._handles: dict[Path, Any] = {}
+        self._last: str | None = None
         if self._file_of is None:
             self._file_of = {k: self._single for k in self._open(self._single).keys()}
         self.fallback = dict(fallback or {})  # missing keys: the model's initialised values
@@ -133,6 +134,11 @@ class SafetensorsSource:
             full = self.fallback[name].reshape(-1)
             numel = full.numel() - start if numel is None else numel
             return full[start : start + numel].clone()
+        if key != self._last:
+            # the pages a read touched stay mapped, and count in RSS, while a handle is
+            # open: drop them when the loader moves to another tensor
+            self._handles.clear()
+            self._last = key
         sl = self._open(self._file_of[key]).get_slice(key)
         shape = sl.get_shape()
         total = 1
@@ -150,6 +156,8 @@ class SafetensorsSource:
         key = self._name(name)
         if key is None:
             return self.fallback[name].clone()
+        self._handles.clear()  # as in read(): unmap what the previous tensor touched
+        self._last = None
         return self._open(self._file_of[key]).get_tensor(key)
 
     def close(self) -> None:
