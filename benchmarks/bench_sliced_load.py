@@ -3,7 +3,8 @@
 Issue 31's memory table. A Llama of about 1 GB of fp32 weights with random values is
 written once as a sharded ``save_pretrained`` folder; then, in one run, each of these
 loads it in fresh processes and reports, per rank, the peak RSS (``ru_maxrss``) minus the
-RSS just before loading (after ``import torch, transformers`` and the process group):
+RSS just before loading (after the process group, the imports and a tiny model through the same path, so that
+imports and one-time set-up are not counted):
 
 * ``transformers``: ``LlamaForCausalLM.from_pretrained`` in one process;
 * ``today <layout>``: that on every rank, then ``meshtrain.initialize`` (the path before
@@ -87,13 +88,28 @@ def _worker(args) -> None:
     meshtrain.init_distributed()
     import torch.distributed as dist
 
-    before = _rss_mib()
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "steps_per_print": 10**6,
         **LAYOUTS.get(args.layout, {}),
     }
+    # the code every path runs is imported (and its one-time set-up done) before the
+    # baseline: a tiny model through the same path, so the growth is the model's
+    _ = transformers.LlamaForCausalLM
+    if args.how != "transformers":
+        import meshtrain.checkpoint.sliced_load  # noqa: F401
+
+        tiny = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4))  # fmt: skip
+        warm = {**config, **LAYOUTS.get(args.layout, {})}
+        meshtrain.initialize(model=tiny, config=warm)
+        del tiny
+    import gc
+
+    gc.collect()
+    before = _rss_mib()
     if args.how == "transformers":
         transformers.LlamaForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
     elif args.how == "today":
