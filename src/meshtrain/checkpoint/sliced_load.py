@@ -17,6 +17,9 @@ machine hold N copies for a moment. Here:
    flag); non-persistent buffers (rotary tables, position ids) are computed by the
    constructors as usual; tied weights are tied by the constructor and loaded once.
    Unexpected keys are reported and skipped. A shape mismatch is an error naming the key.
+   The initialised missing tensors are rank 0's on every rank (one broadcast of those
+   only): the engine's start-up broadcast of the whole model is skipped
+   (``meshtrain_weights_from_files``), as every rank reads the same files.
 3. **Apply the layout.** ``meshtrain.initialize`` with the given config: TP plan,
    pipeline split, ZeRO partition, exactly as for a model loaded whole.
 4. **Read this rank's slices.** The engine's checkpoint loader
@@ -272,6 +275,9 @@ def from_pretrained(
             if k in info["missing_keys"]
         }
         _report(model, path, info)
+    # every rank reads the same bytes next: the engine's start-up broadcast of rank 0's
+    # weights would only write the whole model on every other rank
+    model.meshtrain_weights_from_files = True
     if initialize_kwargs.get("model_parameters") is None:
         initialize_kwargs["model_parameters"] = model.parameters()
     out = meshtrain.initialize(model=model, config=config, **initialize_kwargs)
@@ -279,11 +285,24 @@ def from_pretrained(
     if source is None:
         engine_io.load(engine, path, load_module_only=True)
     else:
+        _same_fallback(engine, source.fallback)
         with source:
             names = engine_io.model_names(engine)
             source.aliases = dict(names.aliases)
             engine_io._load(engine, source, False, False, True)
     return (out, info) if output_loading_info else out
+
+
+def _same_fallback(engine, fallback: dict[str, torch.Tensor]) -> None:
+    """Missing keys were initialised on each rank with its own RNG: rank 0's values for
+    all (the start-up broadcast that would have done it is skipped)."""
+    world = engine.topology.group("world")
+    if world.size == 1 or world.pg is None:
+        return
+    from meshtrain.distributed import comm
+
+    for key in sorted(fallback):
+        comm.broadcast(fallback[key], 0, world, label="init")
 
 
 def _initialize_missing(model: torch.nn.Module, missing: list[str]) -> None:

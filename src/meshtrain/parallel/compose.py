@@ -130,8 +130,11 @@ def parallelize(
 
 
 def _broadcast(model: nn.Module, topology: Topology) -> None:
-    """Start every data-parallel replica from rank 0's weights and buffers."""
-    if topology.dp_size == 1:
+    """Start every data-parallel replica from rank 0's weights and buffers. A model whose
+    every rank reads the same files next (``meshtrain.from_pretrained`` sets
+    ``meshtrain_weights_from_files``) skips it: it would write the whole model on every
+    rank but 0, the very copy sliced loading avoids."""
+    if topology.dp_size == 1 or getattr(model, "meshtrain_weights_from_files", False):
         return
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
