@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 # public name -> "module:attribute"
 _LAZY = {
     "initialize": "meshtrain.engine.initialize:initialize",
+    "from_pretrained": "meshtrain.checkpoint.sliced_load:from_pretrained",
     "add_config_arguments": "meshtrain.engine.initialize:add_config_arguments",
     "Engine": "meshtrain.engine.engine:Engine",
     "parallelize": "meshtrain.parallel.compose:parallelize",
@@ -51,6 +52,7 @@ __all__ = [
     "TrainingError",
     "__version__",
     "initialize",
+    "from_pretrained",
     "add_config_arguments",
     "Engine",
     "parallelize",

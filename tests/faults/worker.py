@@ -5,8 +5,9 @@ worker.py train OUT_DIR KILL_RANK KILL_AT   ZeRO-2 tiny decoder, STEPS optimizer
                                             a checkpoint every 2; on the first attempt
                                             rank KILL_RANK SIGKILLs itself after step
                                             KILL_AT (-1: never); resumes from latest
-worker.py saves OUT_DIR                     one step then a checkpoint, over and over
-                                            (the campaign kills it mid-save)
+worker.py saves OUT_DIR [async]             one step then a checkpoint, over and over
+                                            (the campaign kills it mid-save); async:
+                                            checkpoint.async_save, pids in OUT_DIR/pids
 """
 
 from __future__ import annotations
@@ -47,10 +48,19 @@ def train(out_dir: str, kill_rank: int, kill_at: int) -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, f"{out_dir}/final.safetensors")
 
 
-def saves(out_dir: str) -> None:
+def saves(out_dir: str, mode: str = "sync") -> None:
+    import torch.distributed as dist
+
     from tests.distributed.training import make_engine, train_steps
 
-    engine = make_engine("decoder", 2, 1, {"zero_optimization": {"stage": 2}})
+    config = {"zero_optimization": {"stage": 2}}
+    if mode == "async":  # written in the background while the next steps run
+        config["checkpoint"] = {"async_save": True}
+    engine = make_engine("decoder", 2, 1, config)
+    if mode == "async":
+        pids = Path(out_dir) / "pids"
+        pids.mkdir(exist_ok=True)
+        (pids / f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
     ckpt = Path(out_dir) / "checkpoints"
     for step in range(10_000):
         train_steps(engine, "decoder", 1, 2, 1, first_step=step)
@@ -63,4 +73,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "train":
         train(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
-        saves(sys.argv[2])
+        saves(sys.argv[2], *sys.argv[3:4])

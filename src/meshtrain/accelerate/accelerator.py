@@ -43,6 +43,7 @@ from meshtrain.accelerate.engine_config import (
     engine_config,
     int_argument,
     load_rng_state,
+    rng_state,
     save_rng_state,
 )
 from meshtrain.accelerate.prepared import (
@@ -359,10 +360,16 @@ class Accelerator:
             "dataloaders": [dl.state_dict() for dl in self._loaders],
             "schedulers": [s.state_dict() for s in self._schedulers],
         }
+        rank, rng = self.process_index, rng_state()  # the states at the save, not at the commit
         path = Path(
-            engine.save_checkpoint(output_dir, tag="accelerator_state", client_state=client)
+            engine.save_checkpoint(
+                output_dir,
+                tag="accelerator_state",
+                client_state=client,
+                # after the commit: in the background under checkpoint.async_save
+                on_commit=lambda p: save_rng_state(Path(p), rank, rng),
+            )
         )
-        save_rng_state(Path(path), self.process_index)
         self.wait_for_everyone()
         return path
 

@@ -91,19 +91,26 @@ def engine_config(config: dict[str, Any], loaders: list, topology):
     return cfg.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
 
 
-def save_rng_state(folder: Path, rank: int) -> None:
-    """This rank's torch/python/numpy (and CUDA) RNG states: tensors in safetensors, the
-    rest in JSON, so loading never unpickles."""
-    from safetensors.torch import save_file
-
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's torch/python/numpy (and CUDA) RNG states now: (tensors, JSON scalars)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     py = random.getstate()
     tensors = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64))}
     if torch.cuda.is_available():
         for i, t in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"cuda{i}"] = t
-    save_file(tensors, str(folder / f"rng_state_{rank}.safetensors"))
     scalars = {"python": [py[0], list(py[1]), py[2]], "numpy": [kind, pos, has_gauss, cached]}
+    return tensors, scalars
+
+
+def save_rng_state(folder: Path, rank: int, state=None) -> None:
+    """This rank's RNG states (``state``: what ``rng_state()`` captured earlier, e.g. at
+    an asynchronous save; default now): tensors in safetensors, the rest in JSON, so
+    loading never unpickles."""
+    from safetensors.torch import save_file
+
+    tensors, scalars = rng_state() if state is None else state
+    save_file(tensors, str(folder / f"rng_state_{rank}.safetensors"))
     (folder / f"rng_state_{rank}.json").write_text(json.dumps(scalars), encoding="utf-8")
 
 

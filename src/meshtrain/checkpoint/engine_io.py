@@ -131,8 +131,37 @@ def _set_rng(state: dict, reader: CheckpointReader, rank: int) -> None:
         torch.cuda.set_rng_state(reader.rank_tensor(rank, "rng.cuda"))
 
 
-def save(engine, save_dir, tag: str | None = None, client_state: dict | None = None) -> Path:
-    """``engine.save_checkpoint`` (see the module docstring)."""
+def save(
+    engine,
+    save_dir,
+    tag: str | None = None,
+    client_state: dict | None = None,
+    on_commit=None,
+) -> Path:
+    """``engine.save_checkpoint`` (see the module docstring). With ``checkpoint.async_save``
+    the tensors are staged on the host and written in the background
+    (:mod:`meshtrain.checkpoint.async_save`); the returned path exists once the write is
+    committed. ``on_commit(path)`` runs on every rank after the commit (at once for a
+    synchronous save, in the background thread for an asynchronous one)."""
+    saver = getattr(engine, "checkpoint_saver", None)
+    if saver is not None:
+        saver.wait()  # a second save waits for the first (and raises its failure)
+    tag, args = shard_contents(engine, tag, client_state)
+    if engine.config.checkpoint.async_save:
+        engine.async_saver().submit(
+            save_shards, save_dir=save_dir, tag=tag, on_commit=on_commit, **args
+        )
+        return Path(save_dir) / tag
+    path = save_shards(save_dir, tag, **args)
+    if on_commit is not None:
+        on_commit(path)
+    return path
+
+
+def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[str, dict]:
+    """(the agreed tag, ``save_shards`` keyword arguments) of this rank's part of a save:
+    ``tensors`` (views of the live state where they can be: copy them before training on),
+    ``pieces``, ``rank_state``, ``meta``, ``group``, ``keep_last``. A collective (the tag)."""
     topo = engine.topology
     world = topo.group("world")
     dp = topo.dp_size
@@ -217,9 +246,7 @@ def save(engine, save_dir, tag: str | None = None, client_state: dict | None = N
         meta["hf_config"] = hf.to_dict()
         meta["hf_model_class"] = type(model).__name__
     keep = engine.config.checkpoint.keep_last
-    return save_shards(
-        save_dir,
-        tag,
+    return tag, dict(
         group=world,
         tensors=tensors,
         pieces=pieces,

@@ -193,6 +193,12 @@ class CheckpointConfig(Section):
     """Accepted and ignored: every rank writes into save_dir, which must be one folder all ranks see (a shared file system on several nodes)."""
     parallel_write: ParallelWriteConfig = ParallelWriteConfig()
     """DeepSpeed's parallel-write options."""
+    async_save: Bool = False
+    """meshtrain: save_checkpoint blocks only while this rank's state is copied to host memory (pinned on CUDA); the files are written and committed in a background thread, a second save waits for the first, and a failed write raises at the next step or save (docs/checkpoints.md)."""
+    save_on_preemption: Bool = False
+    """meshtrain: catch SIGTERM and SIGUSR1; at the next step boundary every rank saves a checkpoint (into save_dir; the Trainer and `meshtrain train` use their own checkpoint folder) and the process exits with code 75 (docs/checkpoints.md, Pre-emption)."""
+    save_dir: Str | None = None
+    """meshtrain: where the engine's own pre-emption save goes (save_on_preemption in a user loop; the Trainer uses its checkpoint folder)."""
 
 
 class CompileConfig(Section):

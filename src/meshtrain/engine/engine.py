@@ -101,6 +101,12 @@ class Engine(EngineQueries):
         attach_mfu(self.log, model, self.zero, self.device, self.dtype)
         self._step_comm: dict[tuple[str, str], int] = {}
         self._comm_mark = topology.stats.snapshot()
+        self.checkpoint_saver = None  # AsyncSaver, made by the first async save
+        self.preemption = None  # PreemptionGuard under checkpoint.save_on_preemption
+        if config.checkpoint.save_on_preemption:
+            from meshtrain.engine.preemption import PreemptionGuard
+
+            self.preemption = PreemptionGuard().install()
 
     # the training step ----------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -240,7 +246,28 @@ class Engine(EngineQueries):
             comm_bytes=self.last_step_comm_bytes()["total"],
             skipped=not self._step_applied,
         )
+        if self.checkpoint_saver is not None:
+            self.checkpoint_saver.check()  # a failed background save surfaces here
+        if self.preemption is not None and self.preemption.auto:
+            self._preemption_point()
         return True
+
+    def _preemption_point(self) -> None:
+        """Every rank together: when any was signalled, save to ``checkpoint.save_dir``
+        and exit with code 75 (``meshtrain.engine.preemption``)."""
+        save_dir = self.config.checkpoint.save_dir
+        if save_dir is None:
+            raise ConfigError(
+                "checkpoint.save_on_preemption is true but checkpoint.save_dir is not set: "
+                "set checkpoint.save_dir to the folder the pre-emption checkpoint goes to"
+            )
+        if not self.preemption.requested(self.topology.group("world")):
+            return
+        from meshtrain.engine.preemption import preempt
+
+        path = self.save_checkpoint(save_dir)
+        self.wait_for_checkpoint()
+        raise preempt(self.global_steps, path)
 
     def _optimizer_step(self) -> None:
         self.zero.before_step()
@@ -324,14 +351,40 @@ class Engine(EngineQueries):
         them inside are not kept. A no-op for stages 0-2. Every rank must enter it."""
         return self.zero.gathered(module)
 
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None):
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        *,
+        on_commit=None,
+    ):
         """Write a sharded checkpoint ``save_dir/tag`` (default ``global_step<N>``) and
         point ``save_dir/latest`` at it once every rank's files are complete. Every rank
         calls it; ``client_state`` (default ``{}``) must be JSON-able and comes back from
-        ``load_checkpoint``. Returns the checkpoint directory (DeepSpeed returns True)."""
+        ``load_checkpoint``. Returns the checkpoint directory (DeepSpeed returns True).
+
+        With ``checkpoint.async_save`` it returns once this rank's state is copied to host
+        memory; the directory exists when the background write commits
+        (``wait_for_checkpoint``). ``on_commit(path)``: run on every rank after the commit
+        (files to add beside the checkpoint)."""
         from meshtrain.checkpoint.engine_io import save
 
-        return save(self, save_dir, tag, {} if client_state is None else client_state)
+        return save(self, save_dir, tag, {} if client_state is None else client_state, on_commit)
+
+    def async_saver(self):
+        """The engine's background checkpoint writer (``checkpoint.async_save``)."""
+        if self.checkpoint_saver is None:
+            from meshtrain.checkpoint.async_save import AsyncSaver
+
+            self.checkpoint_saver = AsyncSaver(self.topology.group("world"))
+        return self.checkpoint_saver
+
+    def wait_for_checkpoint(self):
+        """Block until an asynchronous save is committed; raise its failure. Returns the
+        last committed checkpoint's folder (None when no asynchronous save ran). Call it
+        before ``destroy_process_group``."""
+        return None if self.checkpoint_saver is None else self.checkpoint_saver.wait()
 
     def save_16bit_model(
         self,

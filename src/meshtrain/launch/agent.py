@@ -46,6 +46,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+PREEMPT_WAIT_S = 120.0  # the longest the other ranks may take to leave after one saved
 GRACE_S = 10.0  # how long survivors may take to explain and leave by themselves
 
 
@@ -77,20 +78,48 @@ def leaving_on_their_own(
     )
 
 
-def _agent_class(base: type) -> type:
-    """``base`` (torch's LocalElasticAgent) with the grace of the module doc."""
+def _agent_class(base: type, relay=None) -> type:
+    """``base`` (torch's LocalElasticAgent) with the grace of the module doc, and the
+    pre-emption rules of :mod:`meshtrain.launch.preemption` (``relay``: its SignalRelay)."""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
     from meshtrain.distributed.doctor import read_folder
     from meshtrain.distributed.ledger import DOCTOR_DIR_ENV
+    from meshtrain.launch.preemption import preempted_failures
 
     class PatientAgent(base):
         _first_exit: float | None = None  # when this attempt's first exit was seen
+        _first_preempted: float | None = None  # when a worker first exited with 75
+
+        def _start_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's API
+            started = super()._start_workers(worker_group)
+            if relay is not None:
+                relay.agent = self  # the relay signals these workers
+            return started
 
         def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's API
             if self._pcontext is not None and self._waiting(worker_group):
                 return RunResult(state=WorkerState.HEALTHY)
-            return super()._monitor_workers(worker_group)
+            result = super()._monitor_workers(worker_group)
+            if result.state != WorkerState.FAILED:
+                return result
+            if preempted_failures(result.failures):
+                # every rank saved the same step: wait for the last to leave, then it is
+                # a pre-emption (run_agent reports it), never a restart
+                now = time.monotonic()
+                self._first_preempted = self._first_preempted or now
+                if self._any_alive() and now - self._first_preempted < PREEMPT_WAIT_S:
+                    return RunResult(state=WorkerState.HEALTHY)
+                if not self._any_alive():  # torch's books want every worker's value
+                    values = {w.global_rank: None for w in worker_group.workers}
+                    return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+            if relay is not None and relay.signalled:
+                self._remaining_restarts = 0  # the job is being stopped: no restart
+            return result
+
+        def _any_alive(self) -> bool:
+            pids = self._pcontext.pids().values()
+            return any(process_state(pid) not in (None, "Z") for pid in pids)
 
         def _waiting(self, worker_group) -> bool:  # noqa: ANN001
             pids = self._pcontext.pids()
@@ -114,12 +143,12 @@ def _agent_class(base: type) -> type:
 
 
 @contextmanager
-def patient_agent() -> Iterator[None]:
+def patient_agent(relay=None) -> Iterator[None]:
     """Within this block, ``torch.distributed.run.run`` builds the patient agent."""
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _agent_class(original)
+    launcher_api.LocalElasticAgent = _agent_class(original, relay)
     try:
         yield
     finally:

@@ -31,6 +31,9 @@ Choices made here (and why):
 * When a worker has failed, the others are not stopped while they may still leave on
   their own (a rank whose collective failed because of that peer says so in one line
   first), for at most 10 s: :mod:`meshtrain.launch.agent`.
+* ``SIGTERM`` and ``SIGUSR1`` are relayed to the workers, which save at the next step and
+  exit with 75; the launcher then says ``pre-empted, checkpoint saved at step N`` and
+  exits with 75 (:mod:`meshtrain.launch.preemption`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from meshtrain.distributed.ledger import DOCTOR_DIR_ENV
 from meshtrain.errors import ConfigError
 from meshtrain.launch.agent import patient_agent, process_state
 from meshtrain.launch.failure import report_failure
+from meshtrain.launch.preemption import TORCH_SIGNALS, SignalRelay
 
 _NPROC_WORDS = ("auto", "gpu", "cpu", "xpu")
 MONITOR_INTERVAL_S = 1.0  # meshtrain launch's default --monitor_interval (torchrun: 0.1)
@@ -254,10 +258,18 @@ def run_agent(spec: LaunchSpec) -> int:
     os.environ[DOCTOR_DIR_ENV] = doctor_dir  # the workers inherit it
     watcher = _StopWatcher(doctor_dir)
     watcher.start()
+    note = os.path.join(doctor_dir, "preempted.json")
+    if os.path.exists(note):
+        os.remove(note)  # a note from an earlier job in a folder the user gave
+    relay = SignalRelay(note).install()  # SIGTERM/SIGUSR1 -> the workers save, exit 75
+    args.signals_to_handle = TORCH_SIGNALS  # torch's agent leaves SIGTERM to the relay
     keep = False
     try:
-        with patient_agent():
+        with patient_agent(relay):
             run(args)
+        preempted = relay.report()
+        if preempted is not None:
+            return preempted
     except ChildFailedError as exc:
         code, keep = report_failure(exc, doctor_dir, watcher.stopped)
         return code
@@ -272,6 +284,7 @@ def run_agent(spec: LaunchSpec) -> int:
         print(f"meshtrain launch: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
+        relay.uninstall()
         watcher.stop()
         if own_dir:
             os.environ.pop(DOCTOR_DIR_ENV, None)

@@ -85,6 +85,8 @@ class TrainingLoop:
                 pipeline_parallel=self.topology.pp_size,
             )
         )
+        if engine.preemption is not None:
+            engine.preemption.auto = False  # this loop saves its own state with the step
         self.control = TrainerControl()
         if path is not None and args.restore_callback_states_from_checkpoint:
             self._restore_callback_states()
@@ -125,6 +127,7 @@ class TrainingLoop:
                     log_loss.zero_()
                     log_steps = 0
                 self._evaluate_and_save(ignore_keys_for_eval, epoch_done=False)
+                self._preemption_point()
                 if self.control.should_training_stop or self.control.should_epoch_stop:
                     break
             self.control.should_epoch_stop = False
@@ -223,24 +226,47 @@ class TrainingLoop:
             st.best_model_checkpoint = os.path.join(root, tag)
         st.stateful_callbacks = exported_states([*self.callback_handler.callbacks, self.control])
         client = {"trainer_state": st.to_dict(), "epoch_done": epoch_done}
-        path = engine.save_checkpoint(root, tag=tag, client_state=client)
         state_dict = engine.module_state_dict()  # every rank gathers the whole weights
-        if self.topology.rank == 0:
-            # transformers' files beside the shards: the model (``from_pretrained`` loads
-            # the folder), the tokenizer / processor, the arguments as JSON, the state
-            self._export(path, state_dict)
-            self._write_args(path)
-            st.save_to_json(path / "trainer_state.json")
-            best = ckpt.step_of(st.best_model_checkpoint, prefix)
-            steps = ckpt.checkpoint_steps(root, prefix)
-            ckpt.delete(root, ckpt.to_delete(steps, args.save_total_limit, best), prefix)
+        snapshot = TrainerState.from_dict(st.to_dict())  # an async write runs on after this
+
+        def beside(path) -> None:  # after the commit (in the background under async_save)
+            if self.topology.rank == 0:
+                # transformers' files beside the shards: the model (``from_pretrained`` loads
+                # the folder), the tokenizer / processor, the arguments as JSON, the state
+                self._export(path, state_dict)
+                self._write_args(path)
+                snapshot.save_to_json(path / "trainer_state.json")
+                best = ckpt.step_of(snapshot.best_model_checkpoint, prefix)
+                steps = ckpt.checkpoint_steps(root, prefix)
+                ckpt.delete(root, ckpt.to_delete(steps, args.save_total_limit, best), prefix)
+
+        self.last_checkpoint = (
+            st.global_step,
+            engine.save_checkpoint(root, tag=tag, client_state=client, on_commit=beside),
+        )
         self._barrier()
         self.control = self._event("on_save")
+
+    def _preemption_point(self) -> None:
+        """Every rank together: a SIGTERM/SIGUSR1 any rank caught (``checkpoint.
+        save_on_preemption``) saves this step (unless just saved) and exits with code 75."""
+        guard = self.engine.preemption
+        if guard is None or not guard.requested(self.topology.group("world")):
+            return
+        from meshtrain.engine.preemption import preempt
+
+        step, path = getattr(self, "last_checkpoint", (None, None))
+        if step != self.state.global_step:
+            self._save_checkpoint(epoch_done=False)
+            step, path = self.last_checkpoint
+        self.engine.wait_for_checkpoint()
+        raise preempt(step, path)
 
     def _finish_training(self, run_loss: torch.Tensor, start_step: int, t0: float) -> TrainOutput:
         from meshtrain.distributed import comm
 
         st, args = self.state, self.args
+        self.engine.wait_for_checkpoint()  # an asynchronous save is committed on return
         comm.all_reduce(run_loss, self.topology.dp_group, label="control")
         steps = max(1, st.global_step - start_step)
         train_loss = float(run_loss) / self.topology.dp_size / steps

@@ -70,6 +70,8 @@ bf16:
   enabled: auto                # true when a GPU is present, else fp32
 zero_optimization:
   stage: 2
+checkpoint:
+  save_on_preemption: true     # SIGTERM/SIGUSR1: save at the next step, exit 75
 tensorboard:
   enabled: true
   output_path: ""              # "" = <output_dir>/tensorboard

@@ -152,7 +152,14 @@ def run_rank(
         f"{engine.zero_stage}, {engine.config.precision}, steps {start + 1}-{max_steps}, "
         f"{engine.config.train_batch_size} x {d.seq_len} tokens per step; output in {out}",
     )
-    trainer.train(resume_from_checkpoint=str(ckpt_dir / tag) if tag else None)
+    from meshtrain.engine.preemption import Preempted
+
+    try:
+        trainer.train(resume_from_checkpoint=str(ckpt_dir / tag) if tag else None)
+    except Preempted:  # the checkpoint is committed on every rank
+        if owns_group:
+            shutdown_distributed()
+        raise
     run_log = trainer.run_log_rows
     facts = _finish(engine, rank, out, start, max_steps, n_params, resolved, tag, t0, run_log)
     if owns_group:

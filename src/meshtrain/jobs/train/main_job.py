@@ -19,7 +19,9 @@ A ``meshtrain train`` that finds itself inside a launched job (torchrun's ``RANK
 ``meshtrain launch --nnodes 2 ... -m meshtrain train`` runs the same job on several nodes.
 
 Exit codes: 0 done; 2 a config error (one line naming the key and the fix); 1 a data,
-checkpoint or training error; otherwise the failing rank's code, as ``meshtrain launch``.
+checkpoint or training error; 75 pre-empted (SIGTERM or SIGUSR1: every rank saved the
+step it was in, ``checkpoint.save_on_preemption``; run again to resume); otherwise the
+failing rank's code, as ``meshtrain launch``.
 """
 
 from __future__ import annotations
@@ -89,9 +91,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``meshtrain train``; return the exit code (see the module docstring)."""
+    from meshtrain.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
+
     rank = int(os.environ.get("RANK", "0")) if _in_job() else 0
     try:
         return _main(args)
+    except Preempted as exc:
+        if rank == 0:
+            print(f"meshtrain train: {exc}; run again to resume", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     except ConfigError as exc:
         return _fail(exc, 2, rank)
     except MeshtrainError as exc:

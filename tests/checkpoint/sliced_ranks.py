@@ -1,0 +1,111 @@
+"""Rank functions of the sliced-loading tests (tests.harness)."""
+
+from __future__ import annotations
+
+import torch
+
+KINDS = ("llama", "gpt2", "bert_mlm")
+
+
+def save_folders(root) -> None:
+    """Each kind's tiny model as a *sharded* save_pretrained folder (several files and an
+    index), plus a missing/unexpected-key variant of the Llama one."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.distributed.tp_models import build
+
+    for kind in KINDS:
+        build(kind).save_pretrained(Path(root) / kind, max_shard_size="20KB")
+    # llama without its final norm, with one extra tensor: both must be reported
+    src, dst = Path(root) / "llama", Path(root) / "llama_keys"
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    state = {}
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for f in sorted(set(index["weight_map"].values())):
+        state.update(load_file(str(src / f)))
+    del state["model.norm.weight"]
+    state["extra.weight"] = torch.ones(3)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _config(layout: str, world: int) -> dict:
+    tp = 2 if layout.startswith("tp") else 1
+    pp = 2 if layout == "tp2pp2" else 1
+    dp = world // (tp * pp)
+    return {
+        "train_micro_batch_size_per_gpu": 4 // dp,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "mesh": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp},
+        "zero_optimization": {
+            "stage": 3 if layout == "zero3" else 1,
+            "stage3_param_persistence_threshold": 0,
+        },  # fmt: skip
+        "steps_per_print": 1000,
+    }
+
+
+def _step(engine, kind):
+    from tests.distributed.tp_models import batch, loss_of
+
+    dp, d = engine.topology.dp_size, engine.topology.dp_rank
+    full = batch(kind, 0, 4)
+    m = 4 // dp
+    mine = {k: v[d * m : (d + 1) * m] for k, v in full.items()}
+    if engine.pipeline is not None:
+        engine.train_batch(iter([mine]))
+        return
+    loss = loss_of(engine, kind, mine)
+    engine.backward(loss)
+    engine.step()
+
+
+def _held(engine) -> dict:
+    """What this rank holds, comparably: the gathered whole model, or under pp each
+    stage's own (tp-sharded) tensors. (``module_state_dict`` under tp x pp broadcasts tp
+    shards into full-shape buffers, so it is not used there.)"""
+    if engine.pipeline is None:
+        return engine.module_state_dict()
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def parity(root, layout, kinds=KINDS):
+    """For each kind: transformers' from_pretrained + meshtrain.initialize vs
+    meshtrain.from_pretrained on the same layout; gathered state dicts bitwise equal,
+    before and after one AdamW step on the same batch."""
+    import torch.distributed as dist
+    import transformers
+
+    import meshtrain
+    from tests.distributed.tp_models import build
+
+    out = {}
+    world = dist.get_world_size()
+    for kind in kinds:
+        folder = f"{root}/{kind}"
+        cls = type(build(kind))
+        ref_model = cls.from_pretrained(folder, dtype=torch.float32)
+        ref, *_ = meshtrain.initialize(model=ref_model, config=_config(layout, world))
+        ours, *_ = meshtrain.from_pretrained(folder, _config(layout, world))
+        a, b = _held(ref), _held(ours)
+        loaded = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        _step(ref, kind)
+        _step(ours, kind)
+        a, b = _held(ref), _held(ours)
+        stepped = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        out[kind] = (loaded, stepped, [k for k in a if not torch.equal(a[k], b.get(k, a[k] + 1))])
+    (_, info) = meshtrain.from_pretrained(
+        f"{root}/llama_keys", _config(layout, world), output_loading_info=True
+    )
+    ref_model, ref_info = transformers.LlamaForCausalLM.from_pretrained(
+        f"{root}/llama_keys", output_loading_info=True
+    )
+    out["info"] = (
+        sorted(info["missing_keys"]), sorted(ref_info["missing_keys"]),
+        sorted(info["unexpected_keys"]), sorted(ref_info["unexpected_keys"]),
+    )  # fmt: skip
+    return out
