@@ -57,6 +57,33 @@ from meshtrain.parallel.zero.partition import (
 
 SLICE_NUMEL = 1 << 18  # elements per optimizer leaf (module docstring: why slices)
 
+# How master slices are cut, and the alignment (elements) of every parameter's offset:
+#   "flat"   any cut every slice_numel elements: element-wise optimizers (Adam, SGD, Lion)
+#   "blocks" per parameter, on a 256-element grid from its first element, so blockwise
+#            8-bit states (bitsandbytes: absmax per 256 elements) see the blocks they
+#            would see on the whole parameter, whatever the sharding
+#   "whole"  one slice per parameter, in its shape (Adafactor factors rows and columns and
+#            scales by the parameter's RMS): a parameter split over ranks is refused
+LAYOUTS: dict[str, int] = {"flat": 1, "blocks": 256, "whole": 1}
+
+
+class LayoutError(ValueError):
+    """A ``"whole"`` layout met a parameter that ZeRO splits over ranks."""
+
+    def __init__(self, param, shape, partitions: int) -> None:
+        super().__init__(
+            f"a parameter of shape {tuple(shape)} is split over {partitions} ZeRO partitions; "
+            "this optimizer needs each parameter whole on one rank"
+        )
+
+
+def _leaf(view: torch.Tensor, whole_numel: int) -> nn.Parameter:
+    """An optimizer leaf sharing ``view``'s storage; ``whole_numel`` is the numel of the
+    parameter it belongs to (8-bit optimizers choose 8-bit state by that size)."""
+    leaf = nn.Parameter(view, requires_grad=True)
+    leaf.meshtrain_whole_numel = whole_numel
+    return leaf
+
 
 @dataclass(eq=False)
 class Bucket:
@@ -82,10 +109,20 @@ class Bucket:
 
 
 def pack_buckets(
-    numels: list[int], bucket_numel: int, partitions: int, keys: list | None = None
+    numels: list[int],
+    bucket_numel: int,
+    partitions: int,
+    keys: list | None = None,
+    align: int = 1,
 ) -> list[tuple[int, int, list[int]]]:
-    """Greedy packing: ``[(start, padded_numel, [param indices]), ...]`` in order."""
+    """Greedy packing: ``[(start, padded_numel, [param indices]), ...]`` in order.
+
+    ``align > 1``: each parameter takes a multiple of ``align`` elements and a bucket a
+    multiple of ``partitions x align``, so every parameter starts, and every rank's chunk
+    starts, on the ``align`` grid (``Layout``)."""
     out: list[tuple[int, int, list[int]]] = []
+    numels = [-(-n // align) * align for n in numels]
+    partitions = partitions * align
     start, cur, members = 0, 0, []
     for i, n in enumerate(numels):
         new_key = keys is not None and members and keys[i] != keys[members[-1]]
@@ -118,10 +155,15 @@ class FlatGroup:
         param_device: torch.device | None = None,
         keys: list | None = None,
         slice_numel: int = SLICE_NUMEL,
+        layout: str = "flat",
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one trainable parameter")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
         self.partitions, self.rank = partitions, rank
+        self.layout = layout
+        self.align = LAYOUTS[layout]
         self.slice_numel = max(1, slice_numel)
         self.shard_grads, self.shard_params = shard_grads, shard_params
         first = params[0]
@@ -136,7 +178,7 @@ class FlatGroup:
         self.params = list(reversed(params))  # backward order
         rev_keys = list(reversed(keys)) if keys is not None else None
         numels = [full_numel(p) for p in self.params]  # true sizes, even if partitioned
-        packed = pack_buckets(numels, bucket_numel, partitions, rev_keys)
+        packed = pack_buckets(numels, bucket_numel, partitions, rev_keys, self.align)
         self.numel = sum(n for _, n, _ in packed)
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -151,7 +193,7 @@ class FlatGroup:
                 bucket.params.append(p)
                 bucket.offsets.append(offset)
                 self.bucket_of[p] = bucket
-                offset += numels[i]
+                offset += -(-numels[i] // self.align) * self.align
             self.buckets.append(bucket)
         self.shapes = {p: full_shape(p) for p in self.params}
         self.params_offloaded = param_device is not None  # ZeRO-3 offload_param
@@ -235,11 +277,44 @@ class FlatGroup:
                 chunk.copy_(src)
         # the optimizer steps these: leaves sharing the storage above, at most slice_numel
         # elements each, so its temporaries stay small (module docstring)
+        self.slice_spans = [self._spans(b) for b in self.buckets]
         self.master_slices = [
-            [nn.Parameter(s, requires_grad=True) for s in c.split(self.slice_numel)]
-            for c in self.master_chunks
+            [
+                _leaf(
+                    c.narrow(0, lo, n) if shape is None else c.narrow(0, lo, n).view(shape), numel
+                )
+                for lo, n, shape, numel in spans
+            ]
+            for c, spans in zip(self.master_chunks, self.slice_spans, strict=True)
         ]
         self.master_params = [m for slices in self.master_slices for m in slices]
+
+    def _spans(self, bucket: Bucket) -> list[tuple[int, int, torch.Size, int]]:
+        """``(offset in the chunk, numel, shape, whole parameter's numel)`` of each master
+        slice of ``bucket`` (see ``LAYOUTS``)."""
+        if self.layout == "flat":
+            cuts = range(0, bucket.chunk, self.slice_numel)
+            return [
+                (lo, min(self.slice_numel, bucket.chunk - lo), None, bucket.chunk) for lo in cuts
+            ]
+        lo, hi = self.owned_range(bucket)
+        step = max(self.align, self.slice_numel // self.align * self.align)
+        spans = []
+        for p, off in zip(bucket.params, bucket.offsets, strict=True):
+            shape = self.shapes[p]
+            start, n = off - bucket.start, shape.numel()
+            a, b = max(start, lo), min(start + n, hi)
+            if a >= b:
+                continue
+            if self.layout == "whole":
+                if (a, b) != (start, start + n):
+                    raise LayoutError(p, shape, self.partitions)
+                spans.append((a - lo, n, shape, n))
+                continue
+            # "blocks": cut on the align grid measured from the parameter's first element
+            for cut in range(a, b, step):
+                spans.append((cut - lo, min(step, b - cut), None, n))
+        return spans
 
     # views -------------------------------------------------------------------------------
     @property
@@ -300,33 +375,44 @@ class FlatGroup:
         a new buffer: every element is written, so a reused, uninitialised one is fine."""
         if out is None:
             out = torch.empty(bucket.numel, dtype=dtype or self.dtype, device=self.device)
+        if self.align > 1:  # gaps between aligned parameters must reduce as zeros
+            out.zero_()
         for p, view in self.views(bucket, out, base=bucket.start):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None
             else:
                 view.zero_()
-        used = sum(self.shapes[p].numel() for p in bucket.params)  # packed from offset 0
-        out.narrow(0, used, bucket.numel - used).zero_()  # padding to a multiple of P
+        if self.align == 1:
+            used = sum(self.shapes[p].numel() for p in bucket.params)  # packed from offset 0
+            out.narrow(0, used, bucket.numel - used).zero_()  # padding to a multiple of P
         return out
 
     # the optimizer step --------------------------------------------------------------------
     def load_master_grads(self, factor: float) -> None:
         """Give each master chunk its fp32 gradient, multiplied by ``factor``
         (1 / (loss scale x dp size) x clip coefficient)."""
-        for slices, g in zip(self.master_slices, self.grad_chunks, strict=True):
+        for slices, spans, g in zip(
+            self.master_slices, self.slice_spans, self.grad_chunks, strict=True
+        ):
             if g.dtype != torch.float32 or g.device != self.master_device:
                 g = g.to(device=self.master_device, dtype=torch.float32, non_blocking=True)
             if factor != 1.0:
                 g.mul_(factor)
-            for master, part in zip(slices, g.split(self.slice_numel), strict=True):
-                master.grad = part
+            for master, (lo, n, _, _) in zip(slices, spans, strict=True):
+                master.grad = g.narrow(0, lo, n).view(master.shape)
 
     def optimizer_state(self, bucket: Bucket, state: dict) -> dict:
         """The optimizer state of ``bucket``'s master chunk, from the per-slice ``state``
         (``optimizer.state``): element-wise tensors joined over the slices, the rest
         (``step``) as the first slice holds it. Empty before the first step."""
         slices = self.master_slices[bucket.index]
+        if self.layout != "flat" and any(state.get(m) for m in slices):
+            raise NotImplementedError(
+                f"checkpointing optimizer state of the {self.layout!r} master layout (8-bit "
+                "and factored optimizers) is not implemented; save with "
+                "exclude_frozen_parameters or without optimizer states"
+            )
         per = [state.get(m, {}) for m in slices]
         out = {}
         for key, value in per[0].items():

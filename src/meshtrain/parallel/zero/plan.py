@@ -49,8 +49,10 @@ import torch
 from torch import nn
 
 from meshtrain.distributed.topology import Topology
+from meshtrain.errors import ConfigError
+from meshtrain.optim.catalog import layout_of
 from meshtrain.parallel.blocks import gather_units
-from meshtrain.parallel.flat_group import FlatGroup
+from meshtrain.parallel.flat_group import FlatGroup, LayoutError
 from meshtrain.parallel.zero.frozen import FrozenGroup, frozen_groups
 from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
 
@@ -75,7 +77,22 @@ def _offloaded(section) -> bool:
     return section is not None and section.device == "cpu"
 
 
-def build_plan(
+def build_plan(*args, **kwargs) -> ZeroPlan:
+    """Lay out the trainable parameters (see ``_build_plan``); an optimizer that needs
+    whole parameters refused where ZeRO splits one over ranks."""
+    try:
+        return _build_plan(*args, **kwargs)
+    except LayoutError as err:
+        config = args[2] if len(args) > 2 else kwargs["config"]
+        raise ConfigError(
+            f"optimizer.type: {config.optimizer.type} under zero_optimization.stage "
+            f"{config.zero_optimization.stage} over several data-parallel ranks: {err}; use "
+            "stage 0 (plain data parallelism), one data-parallel rank, or an element-wise "
+            "optimizer (AdamW, AdamW8bit, Lion)"
+        ) from None
+
+
+def _build_plan(
     model: nn.Module, groups: list[dict], config, topology: Topology, stage: int
 ) -> ZeroPlan:
     """Lay out the trainable parameters of ``groups`` for ``stage`` (see module docstring)."""
@@ -89,6 +106,8 @@ def build_plan(
         master_device=torch.device("cpu") if _offloaded(z.offload_optimizer) else None,
         separate_master=_offloaded(z.offload_optimizer),
     )
+    # the optimizer decides how master chunks are cut (optim.catalog: 8-bit blocks, whole)
+    common["layout"] = layout_of(config.optimizer.type if config.optimizer else None)
     bucket = int(z.reduce_bucket_size)
     if stage < 3:
         per_group = [[FlatGroup(g["params"], bucket_numel=bucket, **common)] for g in groups]
