@@ -32,7 +32,7 @@ STEPS, BATCH = 6, 4
 CASES = {
     "AdamW8bit": ({"lr": 1e-2, "min_8bit_size": 256}, "AdamW8bit"),
     "Lion": ({"lr": 1e-3}, "Lion32bit"),
-    "Adafactor": ({"lr": 1e-2}, None),
+    "Adafactor": ({"lr": 1e-2, "beta2_decay": -0.7, "d": 1.0, "maximize": False}, None),
     "AdamW": ({"lr": 1e-2, "foreach": True}, None),
 }
 

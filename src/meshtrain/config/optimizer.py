@@ -90,8 +90,8 @@ class AdafactorParams(Section):
     """Learning rate (the maximum step size; torch's relative step min(lr, 1/sqrt(t)))."""
     beta2_decay: float = -0.8
     """Exponent of the second-moment decay schedule, beta2_t = 1 - t**beta2_decay."""
-    eps: tuple[NonNegFloat | None, NonNegFloat] = (None, 1e-3)
-    """[eps1, eps2]: eps1 guards the denominator (null: the dtype's smallest normal), eps2 the parameter RMS."""
+    eps: tuple[NonNegFloat, NonNegFloat] | None = None
+    """[eps1, eps2]: eps1 guards the denominator, eps2 the parameter RMS. null: torch's default (eps1 = the dtype's smallest normal, eps2 = 1e-3)."""
     d: NonNegFloat = 1.0
     """Clipping threshold of the update's RMS."""
     weight_decay: NonNegFloat | Auto = 0.0

@@ -54,6 +54,7 @@ from meshtrain.optim.catalog import layout_of
 from meshtrain.parallel.blocks import gather_units
 from meshtrain.parallel.flat_group import FlatGroup, LayoutError
 from meshtrain.parallel.zero.frozen import FrozenGroup, frozen_groups
+from meshtrain.parallel.zero.quantized import keep_4bit_layout_fixed
 from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
 
 _UNBOUNDED = 1 << 62
@@ -90,6 +91,22 @@ def build_plan(*args, **kwargs) -> ZeroPlan:
             "stage 0 (plain data parallelism), one data-parallel rank, or an element-wise "
             "optimizer (AdamW, AdamW8bit, Lion)"
         ) from None
+
+
+def _quantized_base(model: nn.Module, partitions: int) -> None:
+    """Stage 3 and a bitsandbytes-quantized base (``zero.quantized``): 4-bit weights keep
+    one layout; 8-bit ones over several ranks are refused (not tested)."""
+    keep_4bit_layout_fixed(model)
+    if partitions == 1:
+        return
+    for name, p in model.named_parameters():
+        if type(p).__name__ == "Int8Params":
+            raise ConfigError(
+                f"zero_optimization.stage: 3 over several data-parallel ranks with an 8-bit "
+                f"bitsandbytes base ({name}: Int8Params) is not supported (only 4-bit "
+                "Params4bit is tested); use stage 2, which keeps the frozen base whole and "
+                "shards the adapters' states, or load_in_4bit"
+            )
 
 
 def _build_plan(
@@ -135,6 +152,7 @@ def _build_plan(
         if whole:  # persistent: small or outside every unit; stage-2 treatment
             fgs.append(FlatGroup(whole, bucket_numel=bucket, **common))
         per_group.append(fgs)
+    _quantized_base(model, partitions)
     frozen = frozen_groups(
         units,
         int(z.stage3_param_persistence_threshold),
