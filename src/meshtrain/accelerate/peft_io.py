@@ -11,6 +11,7 @@ the peft module.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -63,6 +64,21 @@ def save_model(
     return directory
 
 
+@contextmanager
+def whole_for_save(engine, module: nn.Module):
+    """Collective (every rank enters): under ZeRO-3, ``module``'s parameters whole and the
+    stage-3 hooks paused, so the main rank alone may run it while saving. peft's
+    ``save_pretrained`` of prompt / prefix tuning runs the prompt encoder to save its
+    embeddings; with the hooks live that is a gather on one rank only, and a hang."""
+    gatherer = getattr(getattr(engine, "zero", None), "gatherer", None)
+    if gatherer is None or not is_peft_model(module):
+        with nullcontext():
+            yield
+        return
+    with gatherer.gathered(module), gatherer.paused():
+        yield
+
+
 def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -73,4 +89,4 @@ def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     )
 
 
-__all__ = ["is_peft_model", "merge_lora_state_dict", "save_model"]
+__all__ = ["is_peft_model", "merge_lora_state_dict", "save_model", "whole_for_save"]
