@@ -12,7 +12,8 @@ Checked at once: the engine at one process (ZeRO 0), ZeRO-2 and ZeRO-3 on 2 rank
 4-bit weights are bit-unchanged after training; ZeRO-3 keeps each rank's share of the
 packed 4-bit bytes at 1/N of the whole (+ padding), not a copy; the data-parallel
 reduction moves the adapters' gradients only (its bytes are those of the trainable
-elements); an evaluation forward under ZeRO-3 (eval mode, no grad: where bitsandbytes
+elements); the merged export (``merge_lora=True``) holds the dequantized base plus the
+adapter, never a delta added into packed 4-bit codes; an evaluation forward under ZeRO-3 (eval mode, no grad: where bitsandbytes
 would repack the weight on CPU, ``parallel.zero.quantized``) leaves the layout alone and
 training goes on matching; the saved adapter loads in plain ``PeftModel.from_pretrained``
 to the same logits. Training runs in train mode, as the Trainer does.
@@ -139,6 +140,15 @@ def _engine(path: str, stage: int, adapter_dir: str) -> dict:
         out["unchanged"] = all(torch.equal(p.data, before[n]) for n, p in quant.items())
         model.save_pretrained(adapter_dir)
         ids = _batch(99, 2)
+        from pathlib import Path
+
+        from meshtrain.accelerate.peft_io import save_model
+
+        with torch.no_grad():  # train mode: bitsandbytes keeps its layout (no CPU repack)
+            out["train_logits"] = model(input_ids=ids).logits
+        save_model(
+            model, engine.module_state_dict(), Path(adapter_dir + "-merged"), merge_lora=True
+        )
         model.eval()  # as PeftModel.from_pretrained leaves the reloaded one
         with torch.no_grad():
             out["logits"] = model(input_ids=ids).logits
@@ -171,3 +181,13 @@ def test_qlora_matches_transformers_peft_and_zero3_shards_the_4bit_base(tmp_path
     with torch.no_grad():
         logits = reloaded(input_ids=_batch(99, 2)).logits
     assert torch.equal(logits, one["logits"])
+    # the merged export is the dequantized base + B A: plain transformers loads it (no
+    # quantization config) and gives the peft model's logits within 1e-5 (the same
+    # products, reassociated: x W^T + s (x A^T) B^T vs x (W + s B A)^T)
+    import transformers
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(adapter + "-merged")
+    assert getattr(merged.config, "quantization_config", None) is None
+    with torch.no_grad():
+        plain = merged(input_ids=_batch(99, 2)).logits
+    assert (plain - one["train_logits"]).abs().max() <= 1e-5

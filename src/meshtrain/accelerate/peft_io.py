@@ -11,6 +11,7 @@ the peft module.
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -34,8 +35,11 @@ def merge_lora_state_dict(
     gathered state dict."""
     from peft.tuners.lora import LoraLayer
 
+    from meshtrain.checkpoint.dequantize import dequantized_state
     from meshtrain.checkpoint.merge_lora import merge_lora
 
+    # a 4-/8-bit base is dequantized first: never a delta added into packed codes
+    state = dequantized_state(module, state)
     layers = {n: m for n, m in module.named_modules() if isinstance(m, LoraLayer)}
     fan_in_fan_out = any(getattr(m, "fan_in_fan_out", False) for m in layers.values())
     return merge_lora(state, lambda name: layers[name].scaling[adapter], adapter, fan_in_fan_out)
@@ -53,7 +57,11 @@ def save_model(
         if merge_lora:
             base = module.get_base_model()
             merged = merge_lora_state_dict(module, state)
-            base.config.save_pretrained(directory)
+            config = base.config
+            if getattr(config, "quantization_config", None) is not None:
+                config = copy.deepcopy(config)  # the merged weights are dequantized
+                del config.quantization_config
+            config.save_pretrained(directory)
             _save_safetensors(merged, directory / "model.safetensors")
         else:
             module.save_pretrained(directory, state_dict=state, safe_serialization=True)

@@ -47,6 +47,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshtrain.parallel.master_layout import (
+    LAYOUTS,
+    _leaf,
+    cut_state,
+    join_state,
+    master_spans,
+)
 from meshtrain.parallel.zero.partition import (
     full_numel,
     full_shape,
@@ -56,33 +63,6 @@ from meshtrain.parallel.zero.partition import (
 )
 
 SLICE_NUMEL = 1 << 18  # elements per optimizer leaf (module docstring: why slices)
-
-# How master slices are cut, and the alignment (elements) of every parameter's offset:
-#   "flat"   any cut every slice_numel elements: element-wise optimizers (Adam, SGD, Lion)
-#   "blocks" per parameter, on a 256-element grid from its first element, so blockwise
-#            8-bit states (bitsandbytes: absmax per 256 elements) see the blocks they
-#            would see on the whole parameter, whatever the sharding
-#   "whole"  one slice per parameter, in its shape (Adafactor factors rows and columns and
-#            scales by the parameter's RMS): a parameter split over ranks is refused
-LAYOUTS: dict[str, int] = {"flat": 1, "blocks": 256, "whole": 1}
-
-
-class LayoutError(ValueError):
-    """A ``"whole"`` layout met a parameter that ZeRO splits over ranks."""
-
-    def __init__(self, param, shape, partitions: int) -> None:
-        super().__init__(
-            f"a parameter of shape {tuple(shape)} is split over {partitions} ZeRO partitions; "
-            "this optimizer needs each parameter whole on one rank"
-        )
-
-
-def _leaf(view: torch.Tensor, whole_numel: int) -> nn.Parameter:
-    """An optimizer leaf sharing ``view``'s storage; ``whole_numel`` is the numel of the
-    parameter it belongs to (8-bit optimizers choose 8-bit state by that size)."""
-    leaf = nn.Parameter(view, requires_grad=True)
-    leaf.meshtrain_whole_numel = whole_numel
-    return leaf
 
 
 @dataclass(eq=False)
@@ -277,7 +257,7 @@ class FlatGroup:
                 chunk.copy_(src)
         # the optimizer steps these: leaves sharing the storage above, at most slice_numel
         # elements each, so its temporaries stay small (module docstring)
-        self.slice_spans = [self._spans(b) for b in self.buckets]
+        self.slice_spans = [master_spans(self, b) for b in self.buckets]
         self.master_slices = [
             [
                 _leaf(
@@ -288,33 +268,6 @@ class FlatGroup:
             for c, spans in zip(self.master_chunks, self.slice_spans, strict=True)
         ]
         self.master_params = [m for slices in self.master_slices for m in slices]
-
-    def _spans(self, bucket: Bucket) -> list[tuple[int, int, torch.Size, int]]:
-        """``(offset in the chunk, numel, shape, whole parameter's numel)`` of each master
-        slice of ``bucket`` (see ``LAYOUTS``)."""
-        if self.layout == "flat":
-            cuts = range(0, bucket.chunk, self.slice_numel)
-            return [
-                (lo, min(self.slice_numel, bucket.chunk - lo), None, bucket.chunk) for lo in cuts
-            ]
-        lo, hi = self.owned_range(bucket)
-        step = max(self.align, self.slice_numel // self.align * self.align)
-        spans = []
-        for p, off in zip(bucket.params, bucket.offsets, strict=True):
-            shape = self.shapes[p]
-            start, n = off - bucket.start, shape.numel()
-            a, b = max(start, lo), min(start + n, hi)
-            if a >= b:
-                continue
-            if self.layout == "whole":
-                if (a, b) != (start, start + n):
-                    raise LayoutError(p, shape, self.partitions)
-                spans.append((a - lo, n, shape, n))
-                continue
-            # "blocks": cut on the align grid measured from the parameter's first element
-            for cut in range(a, b, step):
-                spans.append((cut - lo, min(step, b - cut), None, n))
-        return spans
 
     # views -------------------------------------------------------------------------------
     @property
@@ -403,40 +356,12 @@ class FlatGroup:
                 master.grad = g.narrow(0, lo, n).view(master.shape)
 
     def optimizer_state(self, bucket: Bucket, state: dict) -> dict:
-        """The optimizer state of ``bucket``'s master chunk, from the per-slice ``state``
-        (``optimizer.state``): element-wise tensors joined over the slices, the rest
-        (``step``) as the first slice holds it. Empty before the first step."""
-        slices = self.master_slices[bucket.index]
-        if self.layout != "flat" and any(state.get(m) for m in slices):
-            raise NotImplementedError(
-                f"checkpointing optimizer state of the {self.layout!r} master layout (8-bit "
-                "and factored optimizers) is not implemented; save with "
-                "exclude_frozen_parameters or without optimizer states"
-            )
-        per = [state.get(m, {}) for m in slices]
-        out = {}
-        for key, value in per[0].items():
-            elementwise = isinstance(value, torch.Tensor) and value.shape == slices[0].shape
-            out[key] = torch.cat([p[key] for p in per]) if elementwise and len(per) > 1 else value
-        return out
+        """The optimizer state of ``bucket``'s master chunk (``master_layout.join_state``)."""
+        return join_state(self, bucket, state)
 
     def set_optimizer_state(self, bucket: Bucket, state: dict, values: dict) -> None:
-        """Inverse of ``optimizer_state``: tensors of the chunk's size are cut into the
-        slices (views, no copy); anything else (``step``) is copied to each slice, since
-        the optimizer updates it in place once per slice."""
-        chunk = self.master_chunks[bucket.index]
-        for i, master in enumerate(self.master_slices[bucket.index]):
-            lo = i * self.slice_numel
-            state[master] = {
-                k: (
-                    v.narrow(0, lo, master.numel())
-                    if isinstance(v, torch.Tensor) and v.shape == chunk.shape
-                    else v.clone()
-                    if isinstance(v, torch.Tensor)
-                    else v
-                )
-                for k, v in values.items()
-            }
+        """Inverse of ``optimizer_state`` (``master_layout.cut_state``)."""
+        cut_state(self, bucket, state, values)
 
     def release_master_grads(self) -> None:
         for master in self.master_params:

@@ -52,7 +52,8 @@ from meshtrain.distributed.topology import Topology
 from meshtrain.errors import ConfigError
 from meshtrain.optim.catalog import layout_of
 from meshtrain.parallel.blocks import gather_units
-from meshtrain.parallel.flat_group import FlatGroup, LayoutError
+from meshtrain.parallel.flat_group import FlatGroup
+from meshtrain.parallel.master_layout import LayoutError
 from meshtrain.parallel.zero.frozen import FrozenGroup, frozen_groups
 from meshtrain.parallel.zero.quantized import keep_4bit_layout_fixed
 from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
