@@ -43,6 +43,7 @@ from meshtrain.config.sections import (
     CompileConfig,
     DistributedConfig,
     FP16Config,
+    LossConfig,
     MeshConfig,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -100,6 +101,8 @@ class Config(Section):
     """Checkpoint saving and retention."""
     compile: CompileConfig = CompileConfig()
     """torch.compile."""
+    loss: LossConfig = LossConfig()
+    """meshtrain: chunked cross-entropy for causal LMs."""
     mesh: MeshConfig = MeshConfig()
     """meshtrain: pipeline and tensor parallel sizes."""
     pipeline: PipelineConfig = PipelineConfig()
