@@ -82,6 +82,17 @@ def _engine(name: str, zero: dict | None) -> tuple[list[float], dict, object]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    if name in ("AdamW8bit", "Adafactor") and zero is None:  # not element-wise: refused
+        import tempfile
+
+        from meshtrain.errors import ConfigError
+
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                engine.save_checkpoint(tmp)
+                raise AssertionError(f"{name}: checkpoint of its state was not refused")
+            except ConfigError as err:
+                assert "optimizer.type: checkpointing the optimizer state" in str(err)
     return losses, engine.module_state_dict(), engine.memory_report()
 
 

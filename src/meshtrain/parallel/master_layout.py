@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.errors import ConfigError
+
 # How master slices are cut, and the alignment (elements) of every parameter's offset:
 #   "flat"   any cut every slice_numel elements: element-wise optimizers (Adam, SGD, Lion)
 #   "blocks" per parameter, on a 256-element grid from its first element, so blockwise
@@ -69,10 +71,11 @@ def join_state(self, bucket, state: dict) -> dict:
     (``step``) as the first slice holds it. Empty before the first step."""
     slices = self.master_slices[bucket.index]
     if self.layout != "flat" and any(state.get(m) for m in slices):
-        raise NotImplementedError(
-            f"checkpointing optimizer state of the {self.layout!r} master layout (8-bit "
-            "and factored optimizers) is not implemented; save with "
-            "exclude_frozen_parameters or without optimizer states"
+        raise ConfigError(
+            f"optimizer.type: checkpointing the optimizer state of the {self.layout!r} master layout "
+            "(AdamW8bit, Lion8bit, Adafactor) is not implemented; use an element-wise "
+            "optimizer (AdamW, Lion) for runs that save checkpoints, or export the weights "
+            "with save_16bit_model / the Trainer's save_model"
         )
     per = [state.get(m, {}) for m in slices]
     out = {}
