@@ -40,9 +40,8 @@ def _save_base(path: str) -> str:
 
 
 def _qlora(path: str, adapter: str | None = None):
-    import transformers
-
     import peft
+    import transformers
 
     q = transformers.BitsAndBytesConfig(
         load_in_4bit=True,
@@ -194,9 +193,8 @@ def test_qlora_matches_transformers_peft_and_zero3_shards_the_4bit_base(tmp_path
 
 
 def _lora_8bit(path: str):
-    import transformers
-
     import peft
+    import transformers
 
     q = transformers.BitsAndBytesConfig(load_in_8bit=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(

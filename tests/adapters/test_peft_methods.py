@@ -43,6 +43,7 @@ def _peft_config(method: str):
 
 def _model(method: str):
     import peft
+
     from tests.tiny_models import tiny_llama
 
     base = tiny_llama(0)
@@ -133,9 +134,9 @@ def _all(method: str, tmp: str) -> list[dict]:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_peft_method_at_every_zero_stage(method, tmp_path):
+    import peft
     from safetensors.torch import load_file
 
-    import peft
     from tests.tiny_models import tiny_llama
 
     ref = _reference(method)
