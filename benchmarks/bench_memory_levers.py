@@ -43,6 +43,31 @@ LEVERS: dict[str, tuple[int, int, dict, bool]] = {
     "bf16, batch 1": (1, 1, {"bf16": {"enabled": True}}, False),
     "bf16, batch 32": (1, 32, {"bf16": {"enabled": True}}, False),
     "SGD (no momentum)": (1, 8, {"optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}, False),
+    "AdamW8bit (bitsandbytes)": (1, 8, {"optimizer": {"type": "AdamW8bit"}}, False),
+    "Lion (bitsandbytes, 32-bit)": (1, 8, {"optimizer": {"type": "Lion"}}, False),
+    "Adafactor (torch)": (1, 8, {"optimizer": {"type": "Adafactor"}}, False),
+    "bf16 + AC + AdamW8bit": (
+        1,
+        8,
+        {
+            "bf16": {"enabled": True},
+            "activation_checkpointing": {"enabled": True},
+            "optimizer": {"type": "AdamW8bit"},
+        },
+        False,
+    ),
+    "AdamW8bit + ZeRO 2 (2 ranks)": (
+        2,
+        8,
+        {"optimizer": {"type": "AdamW8bit"}, "zero_optimization": {"stage": 2}},
+        False,
+    ),
+    "chunked loss (loss.chunked, 256 tokens/chunk)": (
+        1,
+        8,
+        {"loss": {"chunked": True, "chunk_size": 256}},
+        False,
+    ),
     "ZeRO 1 (2 ranks)": (2, 8, {"zero_optimization": {"stage": 1}}, False),
     "ZeRO 2 (2 ranks)": (2, 8, {"zero_optimization": {"stage": 2}}, False),
     "ZeRO 3 (2 ranks)": (2, 8, {"zero_optimization": {"stage": 3}}, False),
@@ -141,14 +166,17 @@ def worker(name: str, steps: int, out: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--only", default=None, help="comma-separated lever names")
+    p.add_argument(
+        "--only", default=None, help="lever names, ';'-separated (',' when no ';' is given)"
+    )
     p.add_argument("--worker", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.out)
         return
-    names = args.only.split(",") if args.only else list(LEVERS)
+    sep = ";" if args.only and ";" in args.only else ","
+    names = [n.strip() for n in args.only.split(sep)] if args.only else list(LEVERS)
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",

@@ -148,9 +148,9 @@ BAD_CONFIGS: list[tuple[str, dict, dict, tuple[str, ...]]] = [
     ("bool-as-int", {"wall_clock_breakdown": 1}, {}, ("wall_clock_breakdown: 1", "true or false")),
     (
         "optimizer-unknown",
-        {"optimizer": {"type": "Lion", "params": {}}},
+        {"optimizer": {"type": "Lamb", "params": {}}},
         {},
-        ("optimizer.type", "Lion", "Adam, AdamW, SGD, Adagrad"),
+        ("optimizer.type", "Lamb", "Adam, AdamW, SGD, Adagrad, Adafactor, AdamW8bit, Lion"),
     ),
     (
         "optimizer-no-type",

@@ -623,12 +623,21 @@ def test_integral_float_step_counts_and_case_insensitive_names():
 
 
 def test_supported_names_and_import_has_no_heavy_side_effects():
-    assert SUPPORTED_OPTIMIZERS == ("Adam", "AdamW", "SGD", "Adagrad")
+    assert SUPPORTED_OPTIMIZERS == (
+        "Adam",
+        "AdamW",
+        "SGD",
+        "Adagrad",
+        "Adafactor",
+        "AdamW8bit",
+        "Lion",
+        "Lion8bit",
+    )
     assert SUPPORTED_SCHEDULERS == ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
     assert {WarmupLR, WarmupDecayLR, WarmupCosineLR}
     code = (
         "import sys, meshtrain.optim.optimizers, meshtrain.optim.lr_schedules\n"
-        "heavy = [m for m in ('deepspeed', 'transformers', 'fastapi', 'meshtrain.engine.engine') if m in sys.modules]\n"
+        "heavy = [m for m in ('deepspeed', 'transformers', 'fastapi', 'bitsandbytes', 'meshtrain.engine.engine') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -345,11 +345,13 @@ class Accelerator:
         """Save the model for ``from_pretrained``: a peft model saves its adapter only (or,
         with ``merge_lora``, the base model with the adapter merged in); other models save
         ``save_pretrained`` folders or ``model.safetensors``. Every rank must call it."""
-        from meshtrain.accelerate.peft_io import save_model
+        from meshtrain.accelerate.peft_io import save_model, whole_for_save
 
         state = self.get_state_dict(model)
-        if self.is_main_process:
-            save_model(self.unwrap_model(model), state, Path(save_directory), merge_lora=merge_lora)
+        unwrapped = self.unwrap_model(model)
+        with whole_for_save(self.engine, unwrapped):  # collective under ZeRO-3
+            if self.is_main_process:
+                save_model(unwrapped, state, Path(save_directory), merge_lora=merge_lora)
         self.wait_for_everyone()
 
     def save_state(self, output_dir: str | os.PathLike) -> Path:

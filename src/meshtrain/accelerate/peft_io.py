@@ -11,6 +11,8 @@ the peft module.
 
 from __future__ import annotations
 
+import copy
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -33,8 +35,11 @@ def merge_lora_state_dict(
     gathered state dict."""
     from peft.tuners.lora import LoraLayer
 
+    from meshtrain.checkpoint.dequantize import dequantized_state
     from meshtrain.checkpoint.merge_lora import merge_lora
 
+    # a 4-/8-bit base is dequantized first: never a delta added into packed codes
+    state = dequantized_state(module, state)
     layers = {n: m for n, m in module.named_modules() if isinstance(m, LoraLayer)}
     fan_in_fan_out = any(getattr(m, "fan_in_fan_out", False) for m in layers.values())
     return merge_lora(state, lambda name: layers[name].scaling[adapter], adapter, fan_in_fan_out)
@@ -52,7 +57,11 @@ def save_model(
         if merge_lora:
             base = module.get_base_model()
             merged = merge_lora_state_dict(module, state)
-            base.config.save_pretrained(directory)
+            config = base.config
+            if getattr(config, "quantization_config", None) is not None:
+                config = copy.deepcopy(config)  # the merged weights are dequantized
+                del config.quantization_config
+            config.save_pretrained(directory)
             _save_safetensors(merged, directory / "model.safetensors")
         else:
             module.save_pretrained(directory, state_dict=state, safe_serialization=True)
@@ -61,6 +70,21 @@ def save_model(
         module.config.save_pretrained(directory)
     _save_safetensors(state, directory / "model.safetensors")
     return directory
+
+
+@contextmanager
+def whole_for_save(engine, module: nn.Module):
+    """Collective (every rank enters): under ZeRO-3, ``module``'s parameters whole and the
+    stage-3 hooks paused, so the main rank alone may run it while saving. peft's
+    ``save_pretrained`` of prompt / prefix tuning runs the prompt encoder to save its
+    embeddings; with the hooks live that is a gather on one rank only, and a hang."""
+    gatherer = getattr(getattr(engine, "zero", None), "gatherer", None)
+    if gatherer is None or not is_peft_model(module):
+        with nullcontext():
+            yield
+        return
+    with gatherer.gathered(module), gatherer.paused():
+        yield
 
 
 def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -73,4 +97,4 @@ def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     )
 
 
-__all__ = ["is_peft_model", "merge_lora_state_dict", "save_model"]
+__all__ = ["is_peft_model", "merge_lora_state_dict", "save_model", "whole_for_save"]

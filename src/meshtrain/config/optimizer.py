@@ -24,7 +24,7 @@ from meshtrain.config._types import (
 )
 from meshtrain.errors import ConfigError
 
-OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
+OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Adafactor", "AdamW8bit", "Lion", "Lion8bit")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
@@ -49,6 +49,8 @@ class AdamParams(Section):
     """Accepted and ignored: meshtrain always uses torch.optim's implementation."""
     fused: Bool | None = None
     """meshtrain: torch's fused kernel. Default: fused on CUDA, foreach elsewhere (bit-identical to torch's default AdamW). true on CPU is about 3x faster per step but differs from foreach by about 1 ulp per step (docs/performance.md)."""
+    foreach: Bool | None = None
+    """meshtrain: torch's multi-tensor (foreach) implementation. Default: foreach on accelerators other than CUDA, the single-tensor loop on CPU (same results, smaller temporaries)."""
 
 
 class SGDParams(Section):
@@ -81,7 +83,61 @@ class AdagradParams(Section):
     """Added to the denominator for numerical stability."""
 
 
+class AdafactorParams(Section):
+    """``optimizer.params`` for Adafactor (torch.optim.Adafactor)."""
+
+    lr: NonNegFloat | Auto = 1e-2
+    """Learning rate (the maximum step size; torch's relative step min(lr, 1/sqrt(t)))."""
+    beta2_decay: float = -0.8
+    """Exponent of the second-moment decay schedule, beta2_t = 1 - t**beta2_decay."""
+    eps: tuple[NonNegFloat, NonNegFloat] | None = None
+    """[eps1, eps2]: eps1 guards the denominator, eps2 the parameter RMS. null: torch's default (eps1 = the dtype's smallest normal, eps2 = 1e-3)."""
+    d: NonNegFloat = 1.0
+    """Clipping threshold of the update's RMS."""
+    weight_decay: NonNegFloat | Auto = 0.0
+    """Decoupled weight decay coefficient."""
+    maximize: Bool = False
+    """Maximise the objective instead of minimising it."""
+
+
+class AdamW8bitParams(Section):
+    """``optimizer.params`` for AdamW8bit (bitsandbytes.optim.AdamW8bit)."""
+
+    lr: NonNegFloat | Auto = 1e-3
+    """Learning rate."""
+    betas: tuple[Beta, Beta] | Auto = (0.9, 0.999)
+    """Decay rates [beta1, beta2] of the first and second moments."""
+    eps: NonNegFloat | Auto = 1e-8
+    """Added to the denominator for numerical stability."""
+    weight_decay: NonNegFloat | Auto = 1e-2
+    """Decoupled weight decay (bitsandbytes' default 0.01)."""
+    min_8bit_size: NonNegInt = 4096
+    """Parameters with fewer elements keep 32-bit state (judged on the whole parameter, also when ZeRO shards it)."""
+
+
+class LionParams(Section):
+    """``optimizer.params`` for Lion (bitsandbytes.optim.Lion32bit)."""
+
+    lr: NonNegFloat | Auto = 1e-4
+    """Learning rate."""
+    betas: tuple[Beta, Beta] | Auto = (0.9, 0.99)
+    """[beta1, beta2]: interpolation for the update sign, and momentum decay."""
+    weight_decay: NonNegFloat | Auto = 0.0
+    """Decoupled weight decay coefficient."""
+
+
+class Lion8bitParams(LionParams):
+    """``optimizer.params`` for Lion8bit (bitsandbytes.optim.Lion8bit)."""
+
+    min_8bit_size: NonNegInt = 4096
+    """Parameters with fewer elements keep 32-bit state (judged on the whole parameter)."""
+
+
 OPTIMIZER_PARAMS: dict[str, type[Section]] = {
+    "Adafactor": AdafactorParams,
+    "AdamW8bit": AdamW8bitParams,
+    "Lion": LionParams,
+    "Lion8bit": Lion8bitParams,
     "Adam": AdamParams,
     "AdamW": AdamParams,
     "SGD": SGDParams,
@@ -161,8 +217,16 @@ class OptimizerConfig(Section):
     """``optimizer``: which torch optimizer to build and its keyword arguments."""
 
     type: canonical_choice(OPTIMIZERS)
-    """Optimizer name, matched case-insensitively: Adam, AdamW, SGD or Adagrad."""
-    params: AdamParams | SGDParams | AdagradParams
+    """Optimizer name, matched case-insensitively: Adam, AdamW, SGD, Adagrad, Adafactor, AdamW8bit, Lion or Lion8bit (the last three need bitsandbytes; docs/optimizers.md)."""
+    params: (
+        AdamParams
+        | SGDParams
+        | AdagradParams
+        | AdafactorParams
+        | AdamW8bitParams
+        | LionParams
+        | Lion8bitParams
+    )
     """Keyword arguments of the optimizer; the valid keys depend on type (see below). Absent: the type's defaults."""
     legacy_fusion: Bool = False
     """Accepted and ignored (DeepSpeed fused-kernel switch)."""

@@ -42,6 +42,7 @@ from meshtrain.config.sections import (
     DistributedConfig,
     FP8Config,
     FP16Config,
+    LossConfig,
     MeshConfig,
     PipelineConfig,
     TensorBoardConfig,
@@ -98,6 +99,8 @@ class Config(Section):
     """torch.compile."""
     fp8: FP8Config = FP8Config()
     """meshtrain: float8 linear layers (torchao, tensorwise scaling)."""
+    loss: LossConfig = LossConfig()
+    """meshtrain: chunked cross-entropy for causal LMs."""
     mesh: MeshConfig = MeshConfig()
     """meshtrain: pipeline and tensor parallel sizes."""
     pipeline: PipelineConfig = PipelineConfig()

@@ -201,6 +201,15 @@ class CheckpointConfig(Section):
     """meshtrain: where the engine's own pre-emption save goes (save_on_preemption in a user loop; the Trainer uses its checkpoint folder)."""
 
 
+class LossConfig(Section):
+    """``loss``: how a causal LM's loss is computed (meshtrain; docs/memory.md)."""
+
+    chunked: Bool = False
+    """Chunked (fused linear) cross-entropy: the LM head and the loss in chunks of tokens, never the whole [tokens x vocab] logits; with labels, outputs.logits then holds the final hidden states. transformers *ForCausalLM and meshtrain's Decoder; tensor parallel too."""
+    chunk_size: PosInt = 1024
+    """Tokens per chunk: one [chunk_size x vocab] fp32 block is alive at a time."""
+
+
 class CompileConfig(Section):
     """``compile``: torch.compile of the model (applied after TP, pipeline split and checkpointing)."""
 

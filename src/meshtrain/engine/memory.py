@@ -26,7 +26,15 @@ import torch
 
 from meshtrain.estimate.model_states import ModelStates, model_states_bytes
 
-_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad"}
+_OPTIMIZER_NAMES = {
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "adagrad": "Adagrad",
+    "adafactor": "Adafactor",
+    "adamw8bit": "AdamW8bit",
+    "lion32bit": "Lion",
+    "lion8bit": "Lion8bit",
+}
 
 
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
@@ -124,12 +132,14 @@ def memory_report(engine) -> MemoryReport:
     b = zero.state_bytes()
     params = b["params"] + sum(_tensor_bytes(p) for p in frozen.values())
     host, grads, masters = b["params_host"], b["grads"], b["master"]
-    states = sum(
-        _tensor_bytes(t)
+    # once per tensor: bitsandbytes shares one quantization map (qmap) among its states
+    unique = {
+        (t.data_ptr(), t.numel()): t
         for s in engine.optimizer.state.values()
         for t in s.values()
-        if isinstance(t, torch.Tensor)
-    )
+        if isinstance(t, torch.Tensor) and t.numel()
+    }
+    states = sum(_tensor_bytes(t) for t in unique.values())
     optimizer = masters + states
     if offload_opt:
         host, optimizer = host + optimizer, 0

@@ -51,12 +51,19 @@ STAGES: tuple[int, ...] = (0, 1, 2, 3)
 # Optimizer-state bytes per trainable parameter, K: (mixed precision, fp32). Mixed
 # precision adds a 4-byte fp32 master copy of the weights; in fp32 the weights are the
 # master. Adam: m and v; SGD with momentum: one buffer; plain SGD: none; Adagrad: sum.
-_OPTIMIZER_K: dict[str, tuple[str, int, int]] = {
+# The others (issue 30): meshtrain.optim.catalog's state bytes (8-bit: 1 byte per state
+# element plus one fp32 absmax per 256; Adafactor: its row and column factors, ~0 per
+# element of a matrix, counted as 0).
+_OPTIMIZER_K: dict[str, tuple[str, float, float]] = {
     "adam": ("Adam", 12, 8),
     "adamw": ("AdamW", 12, 8),
     "sgd": ("SGD", 4, 0),
     "sgdmomentum": ("SGD-momentum", 8, 4),
     "adagrad": ("Adagrad", 8, 4),
+    "adafactor": ("Adafactor", 4, 0),
+    "adamw8bit": ("AdamW8bit", 4 + 2 + 8 / 256, 2 + 8 / 256),
+    "lion": ("Lion", 8, 4),
+    "lion8bit": ("Lion8bit", 4 + 1 + 4 / 256, 1 + 4 / 256),
 }
 OPTIMIZERS: tuple[str, ...] = tuple(name for name, _, _ in _OPTIMIZER_K.values())
 _PARTITIONS = ("-", "os", "os+g", "os+g+p")  # the paper's names for stages 0..3
@@ -119,11 +126,12 @@ def _precision(precision: str) -> str:
     return key
 
 
-def optimizer_state_bytes(optimizer: str | int = "Adam", precision: str = "fp16") -> int:
+def optimizer_state_bytes(optimizer: str | int = "Adam", precision: str = "fp16") -> float:
     """K, the optimizer-state bytes per trainable parameter (fp32 master copy included).
 
-    ``optimizer`` is a name (case-insensitive: Adam, AdamW, SGD, SGD-momentum, Adagrad) or
-    K itself as an integer, for an optimizer not listed (e.g. 6 for 8-bit Adam + master).
+    ``optimizer`` is a name (case-insensitive: Adam, AdamW, SGD, SGD-momentum, Adagrad,
+    Adafactor, AdamW8bit, Lion, Lion8bit) or K itself as an integer, for an optimizer not
+    listed. The 8-bit ones are not whole numbers (their absmax per 256 elements).
     """
     if isinstance(optimizer, int) and not isinstance(optimizer, bool):
         if optimizer < 0:
@@ -206,7 +214,7 @@ def model_states_bytes(
     every = trainable + frozen
     params = width * (shard(every, dp) if stage >= 3 else every)
     grads = width * (shard(trainable, dp) if stage >= 2 else trainable)
-    opt = k * (shard(trainable, dp) if stage >= 1 else trainable)
+    opt = math.ceil(k * (shard(trainable, dp) if stage >= 1 else trainable))
     host = 0
     if offload_optimizer:
         host, opt = host + opt, 0

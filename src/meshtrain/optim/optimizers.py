@@ -25,6 +25,18 @@ results are bit-identical. DeepSpeed's names and semantics are kept:
   per step on that shard. The default stays unfused on CPU so that results are
   bit-identical to torch's default AdamW, DDP, FSDP2 and DeepSpeed with a torch AdamW.
 
+Beyond DeepSpeed's four (issue 30; costs and layouts in :mod:`meshtrain.optim.catalog`):
+
+* ``Adafactor``: ``torch.optim.Adafactor`` (torch's own; transformers' ``Adafactor`` class
+  is a different algorithm variant). Factored second moment; needs whole parameters.
+* ``AdamW8bit``: ``bitsandbytes.optim.AdamW8bit`` (blockwise 8-bit m and v). A parameter
+  below ``min_8bit_size`` elements keeps 32-bit state, decided by the *whole* parameter's
+  size even when ZeRO gives this rank a slice of it, so a sharded run steps bit-identically.
+* ``Lion`` / ``Lion8bit``: ``bitsandbytes.optim.Lion32bit`` / ``Lion8bit``.
+
+bitsandbytes is an optional extra (``meshtrain[quant]``), imported when one of these is
+built. ``foreach`` (Adam/AdamW): ``true`` forces torch's multi-tensor implementation.
+
 The learning-rate schedules are in :mod:`meshtrain.optim.lr_schedules`.
 """
 
@@ -40,7 +52,16 @@ from meshtrain.errors import ConfigError
 __all__ = ["SUPPORTED_OPTIMIZERS", "build_optimizer"]
 
 
-SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "SGD", "Adagrad")
+SUPPORTED_OPTIMIZERS: tuple[str, ...] = (
+    "Adam",
+    "AdamW",
+    "SGD",
+    "Adagrad",
+    "Adafactor",
+    "AdamW8bit",
+    "Lion",
+    "Lion8bit",
+)
 
 _ADAM_DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
@@ -57,6 +78,7 @@ _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
         "torch_adam": None,
         "bias_correction": None,
         "fused": None,
+        "foreach": None,
     },
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
     "adagrad": {
@@ -68,6 +90,18 @@ _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     },
 }
 _OPTIMIZER_PARAMS["adamw"] = _OPTIMIZER_PARAMS["adam"]
+_OPTIMIZER_PARAMS["adafactor"] = {
+    "lr": 1e-2,
+    "beta2_decay": -0.8,
+    "eps": (None, 1e-3),
+    "d": 1.0,
+    "weight_decay": 0.0,
+    "maximize": False,
+}
+_OPTIMIZER_PARAMS["adamw8bit"] = {**_ADAM_DEFAULTS, "weight_decay": 1e-2, "min_8bit_size": 4096}
+_OPTIMIZER_PARAMS["lion"] = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0}
+_OPTIMIZER_PARAMS["lion8bit"] = {**_OPTIMIZER_PARAMS["lion"], "min_8bit_size": 4096}
+_BNB_CLASSES = {"adamw8bit": "AdamW8bit", "lion": "Lion32bit", "lion8bit": "Lion8bit"}
 # torch has fused kernels for these on CUDA; Adagrad's fused kernel is CPU-only.
 _FUSED_ON_CUDA = frozenset({"adam", "adamw", "sgd"})
 
@@ -101,8 +135,8 @@ def runs_fused(opt_type: str, params: dict[str, Any], device_type: str) -> bool:
     (``optimizer.params``) and device type (module docstring)."""
     key = opt_type.lower()
     fused = params.get("fused") if key in ("adam", "adamw") else None
-    if fused is None:
-        fused = device_type == "cuda" and key in _FUSED_ON_CUDA
+    if fused is None:  # foreach asked for: the fused kernel is not the default then
+        fused = device_type == "cuda" and key in _FUSED_ON_CUDA and not params.get("foreach")
     return bool(fused)
 
 
@@ -139,6 +173,13 @@ def build_optimizer(
         kwargs["betas"] = _betas(kwargs["betas"], "optimizer.params.betas")
 
     cls: type[torch.optim.Optimizer]
+    if key in _BNB_CLASSES:
+        cls = _bitsandbytes_class(_BNB_CLASSES[key])
+        return _construct(cls, name, params, allowed, kwargs, param_groups)
+    if key == "adafactor":
+        kwargs["eps"] = tuple(kwargs["eps"])
+        kwargs["foreach"] = device_type != "cpu"
+        return _construct(torch.optim.Adafactor, name, params, allowed, kwargs, param_groups)
     if key in ("adam", "adamw"):
         if params.get("bias_correction", True) is not True:
             raise ConfigError(
@@ -150,12 +191,47 @@ def build_optimizer(
     else:
         cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[key]
 
+    foreach = params.get("foreach") if key in ("adam", "adamw") else None
+    kwargs.pop("foreach", None)
+    if params.get("fused") and foreach:
+        raise ConfigError(
+            "optimizer.params: fused and foreach are both true; torch runs one "
+            "implementation, set one of them"
+        )
     fused = runs_fused(key, params, device_type)
     if fused:
         kwargs["fused"] = True
     else:  # CPU: torch's own default there (module docstring: temporaries)
-        kwargs["foreach"] = device_type != "cpu"
+        kwargs["foreach"] = bool(foreach) if foreach is not None else device_type != "cpu"
+    return _construct(cls, name, params, allowed, kwargs, param_groups)
 
+
+def _bitsandbytes_class(class_name: str) -> type[torch.optim.Optimizer]:
+    """bitsandbytes' optimizer, taught to choose 8-bit state by the whole parameter's size
+    (a ZeRO slice of a large parameter is small; module docstring)."""
+    try:
+        import bitsandbytes.optim as bnb_optim
+    except ImportError as err:
+        raise ConfigError(
+            f"optimizer.type: {class_name} needs bitsandbytes, which is not installed; "
+            "pip install 'meshtrain[quant]' (or bitsandbytes>=0.45)"
+        ) from err
+    base = getattr(bnb_optim, class_name)
+
+    class WholeParameterSized(base):  # type: ignore[misc,valid-type]
+        def get_config(self, gindex, pindex, group):
+            config = super().get_config(gindex, pindex, group)
+            p = self.param_groups[gindex]["params"][pindex]
+            whole = getattr(p, "meshtrain_whole_numel", None)
+            if whole is not None:  # bitsandbytes compares p.numel() with min_8bit_size
+                config["min_8bit_size"] = 0 if whole >= self.args.min_8bit_size else 1 << 62
+            return config
+
+    WholeParameterSized.__name__ = WholeParameterSized.__qualname__ = class_name
+    return WholeParameterSized
+
+
+def _construct(cls, name, params, allowed, kwargs, param_groups) -> torch.optim.Optimizer:
     # Torch checks the hyper-parameters (lr >= 0, 0 <= beta < 1, ...) in its constructor;
     # running it on a dummy tensor first tells a bad config value apart from a bad group.
     try:

@@ -68,7 +68,9 @@ def _has_container(module: nn.Module) -> bool:
 def _split(module: nn.Module) -> list[nn.Module]:
     units: list[nn.Module] = []
     for child in module.children():
-        if isinstance(child, CONTAINERS):
+        # a ModuleDict is never called itself (peft keeps its prompt encoders in one):
+        # as a unit its hooks would never fire, so its members are the units
+        if isinstance(child, (*CONTAINERS, nn.ModuleDict)):
             units.extend(child.children())
         elif _has_container(child):
             units.extend(_split(child))

@@ -101,6 +101,14 @@ def parallelize(
 
         apply_tensor_parallel(model, topology, config, plan=tp_plan)
         model_parameters = remap_parameters(model_parameters, model)
+    # 1b. chunked loss: on the head as TP left it (vocab rows of this rank), before ZeRO
+    # wraps it (its forward then runs inside the head's gather)
+    if config.loss.chunked:
+        from meshtrain.loss.chunked_head import apply_chunked_loss, check_layout
+
+        check_layout(config, topology)
+        group = topology.tp_group if topology.tp_size > 1 else None
+        apply_chunked_loss(model, config.loss.chunk_size, group)
     # 2. context-parallel attention: replaces how attention is computed (not what the
     # parameters are), inside the tp-sharded attention of step 1
     if topology.cp_size > 1:

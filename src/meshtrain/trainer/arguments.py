@@ -26,8 +26,14 @@ from meshtrain.trainer.checks import check_bools, check_names, choice, is_int, p
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-# transformers optim name -> meshtrain optimizer type (all torch.optim implementations)
+# transformers optim name -> meshtrain optimizer type (docs/optimizers.md). transformers'
+# "adafactor" is its own Adafactor class; here it is torch.optim.Adafactor.
 OPTIMIZERS = {
+    "adafactor": "Adafactor",
+    "adamw_bnb_8bit": "AdamW8bit",
+    "adamw_8bit": "AdamW8bit",
+    "lion_32bit": "Lion",
+    "lion_8bit": "Lion8bit",
     "adamw_torch": "AdamW",
     "adamw_torch_fused": "AdamW",
     "adamw_hf": "AdamW",
@@ -341,8 +347,10 @@ class TrainingArguments:
     def _optimizer_section(self) -> dict[str, Any]:
         kind = OPTIMIZERS[self.optim]
         params: dict[str, Any] = {"lr": self.learning_rate, "weight_decay": self.weight_decay}
-        if kind in ("Adam", "AdamW"):
+        if kind in ("Adam", "AdamW", "AdamW8bit"):
             params.update(betas=[self.adam_beta1, self.adam_beta2], eps=self.adam_epsilon)
+        if kind in ("Lion", "Lion8bit"):  # transformers passes Adam's betas to Lion
+            params["betas"] = [self.adam_beta1, self.adam_beta2]
         if kind == "Adagrad":
             params["eps"] = self.adam_epsilon
         return {"type": kind, "params": params}

@@ -47,6 +47,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshtrain.parallel.zero.master_layout import (
+    LAYOUTS,
+    _leaf,
+    cut_state,
+    join_state,
+    master_spans,
+)
 from meshtrain.parallel.zero.partition import (
     full_numel,
     full_shape,
@@ -82,10 +89,20 @@ class Bucket:
 
 
 def pack_buckets(
-    numels: list[int], bucket_numel: int, partitions: int, keys: list | None = None
+    numels: list[int],
+    bucket_numel: int,
+    partitions: int,
+    keys: list | None = None,
+    align: int = 1,
 ) -> list[tuple[int, int, list[int]]]:
-    """Greedy packing: ``[(start, padded_numel, [param indices]), ...]`` in order."""
+    """Greedy packing: ``[(start, padded_numel, [param indices]), ...]`` in order.
+
+    ``align > 1``: each parameter takes a multiple of ``align`` elements and a bucket a
+    multiple of ``partitions x align``, so every parameter starts, and every rank's chunk
+    starts, on the ``align`` grid (``Layout``)."""
     out: list[tuple[int, int, list[int]]] = []
+    numels = [-(-n // align) * align for n in numels]
+    partitions = partitions * align
     start, cur, members = 0, 0, []
     for i, n in enumerate(numels):
         new_key = keys is not None and members and keys[i] != keys[members[-1]]
@@ -118,10 +135,15 @@ class FlatGroup:
         param_device: torch.device | None = None,
         keys: list | None = None,
         slice_numel: int = SLICE_NUMEL,
+        layout: str = "flat",
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one trainable parameter")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
         self.partitions, self.rank = partitions, rank
+        self.layout = layout
+        self.align = LAYOUTS[layout]
         self.slice_numel = max(1, slice_numel)
         self.shard_grads, self.shard_params = shard_grads, shard_params
         first = params[0]
@@ -136,7 +158,7 @@ class FlatGroup:
         self.params = list(reversed(params))  # backward order
         rev_keys = list(reversed(keys)) if keys is not None else None
         numels = [full_numel(p) for p in self.params]  # true sizes, even if partitioned
-        packed = pack_buckets(numels, bucket_numel, partitions, rev_keys)
+        packed = pack_buckets(numels, bucket_numel, partitions, rev_keys, self.align)
         self.numel = sum(n for _, n, _ in packed)
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -151,7 +173,7 @@ class FlatGroup:
                 bucket.params.append(p)
                 bucket.offsets.append(offset)
                 self.bucket_of[p] = bucket
-                offset += numels[i]
+                offset += -(-numels[i] // self.align) * self.align
             self.buckets.append(bucket)
         self.shapes = {p: full_shape(p) for p in self.params}
         self.params_offloaded = param_device is not None  # ZeRO-3 offload_param
@@ -235,9 +257,15 @@ class FlatGroup:
                 chunk.copy_(src)
         # the optimizer steps these: leaves sharing the storage above, at most slice_numel
         # elements each, so its temporaries stay small (module docstring)
+        self.slice_spans = [master_spans(self, b) for b in self.buckets]
         self.master_slices = [
-            [nn.Parameter(s, requires_grad=True) for s in c.split(self.slice_numel)]
-            for c in self.master_chunks
+            [
+                _leaf(
+                    c.narrow(0, lo, n) if shape is None else c.narrow(0, lo, n).view(shape), numel
+                )
+                for lo, n, shape, numel in spans
+            ]
+            for c, spans in zip(self.master_chunks, self.slice_spans, strict=True)
         ]
         self.master_params = [m for slices in self.master_slices for m in slices]
 
@@ -300,14 +328,17 @@ class FlatGroup:
         a new buffer: every element is written, so a reused, uninitialised one is fine."""
         if out is None:
             out = torch.empty(bucket.numel, dtype=dtype or self.dtype, device=self.device)
+        if self.align > 1:  # gaps between aligned parameters must reduce as zeros
+            out.zero_()
         for p, view in self.views(bucket, out, base=bucket.start):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None
             else:
                 view.zero_()
-        used = sum(self.shapes[p].numel() for p in bucket.params)  # packed from offset 0
-        out.narrow(0, used, bucket.numel - used).zero_()  # padding to a multiple of P
+        if self.align == 1:
+            used = sum(self.shapes[p].numel() for p in bucket.params)  # packed from offset 0
+            out.narrow(0, used, bucket.numel - used).zero_()  # padding to a multiple of P
         return out
 
     # the optimizer step --------------------------------------------------------------------
@@ -315,7 +346,9 @@ class FlatGroup:
         """Give each master chunk its fp32 gradient, multiplied by ``factor``
         (1 / (loss scale x dp size) x clip coefficient)."""
         pending = None  # the accelerator whose copies to the host are in flight
-        for slices, g in zip(self.master_slices, self.grad_chunks, strict=True):
+        for slices, spans, g in zip(
+            self.master_slices, self.slice_spans, self.grad_chunks, strict=True
+        ):
             if g.device != self.master_device and g.device.type == "cuda":
                 # offload: cast and scale on the GPU, copy asynchronously into pinned
                 # memory, wait once below. Scaling the host copy right after a non_blocking
@@ -329,40 +362,18 @@ class FlatGroup:
                     g = g.to(device=self.master_device, dtype=torch.float32)
                 if factor != 1.0:
                     g.mul_(factor)
-            for master, part in zip(slices, g.split(self.slice_numel), strict=True):
-                master.grad = part
+            for master, (lo, n, _, _) in zip(slices, spans, strict=True):
+                master.grad = g.narrow(0, lo, n).view(master.shape)
         if pending is not None:
             torch.cuda.current_stream(pending).synchronize()
 
     def optimizer_state(self, bucket: Bucket, state: dict) -> dict:
-        """The optimizer state of ``bucket``'s master chunk, from the per-slice ``state``
-        (``optimizer.state``): element-wise tensors joined over the slices, the rest
-        (``step``) as the first slice holds it. Empty before the first step."""
-        slices = self.master_slices[bucket.index]
-        per = [state.get(m, {}) for m in slices]
-        out = {}
-        for key, value in per[0].items():
-            elementwise = isinstance(value, torch.Tensor) and value.shape == slices[0].shape
-            out[key] = torch.cat([p[key] for p in per]) if elementwise and len(per) > 1 else value
-        return out
+        """The optimizer state of ``bucket``'s master chunk (``master_layout.join_state``)."""
+        return join_state(self, bucket, state)
 
     def set_optimizer_state(self, bucket: Bucket, state: dict, values: dict) -> None:
-        """Inverse of ``optimizer_state``: tensors of the chunk's size are cut into the
-        slices (views, no copy); anything else (``step``) is copied to each slice, since
-        the optimizer updates it in place once per slice."""
-        chunk = self.master_chunks[bucket.index]
-        for i, master in enumerate(self.master_slices[bucket.index]):
-            lo = i * self.slice_numel
-            state[master] = {
-                k: (
-                    v.narrow(0, lo, master.numel())
-                    if isinstance(v, torch.Tensor) and v.shape == chunk.shape
-                    else v.clone()
-                    if isinstance(v, torch.Tensor)
-                    else v
-                )
-                for k, v in values.items()
-            }
+        """Inverse of ``optimizer_state`` (``master_layout.cut_state``)."""
+        cut_state(self, bucket, state, values)
 
     def release_master_grads(self) -> None:
         for master in self.master_params:

@@ -49,9 +49,13 @@ import torch
 from torch import nn
 
 from meshtrain.distributed.topology import Topology
+from meshtrain.errors import ConfigError
+from meshtrain.optim.catalog import layout_of
 from meshtrain.parallel.blocks import gather_units
 from meshtrain.parallel.zero.flat_group import SLICE_NUMEL, FlatGroup
 from meshtrain.parallel.zero.frozen import FrozenGroup, frozen_groups
+from meshtrain.parallel.zero.master_layout import LayoutError
+from meshtrain.parallel.zero.quantized import keep_4bit_layout_fixed
 from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
 
 _UNBOUNDED = 1 << 62
@@ -91,7 +95,38 @@ def _offloaded(section) -> bool:
     return section is not None and section.device == "cpu"
 
 
-def build_plan(
+def build_plan(*args, **kwargs) -> ZeroPlan:
+    """Lay out the trainable parameters (see ``_build_plan``); an optimizer that needs
+    whole parameters refused where ZeRO splits one over ranks."""
+    try:
+        return _build_plan(*args, **kwargs)
+    except LayoutError as err:
+        config = args[2] if len(args) > 2 else kwargs["config"]
+        raise ConfigError(
+            f"optimizer.type: {config.optimizer.type} under zero_optimization.stage "
+            f"{config.zero_optimization.stage} over several data-parallel ranks: {err}; use "
+            "stage 0 (plain data parallelism), one data-parallel rank, or an element-wise "
+            "optimizer (AdamW, AdamW8bit, Lion)"
+        ) from None
+
+
+def _quantized_base(model: nn.Module, partitions: int) -> None:
+    """Stage 3 and a bitsandbytes-quantized base (``zero.quantized``): 4-bit weights keep
+    one layout; 8-bit ones over several ranks are refused (not tested)."""
+    keep_4bit_layout_fixed(model)
+    if partitions == 1:
+        return
+    for name, p in model.named_parameters():
+        if type(p).__name__ == "Int8Params":
+            raise ConfigError(
+                f"zero_optimization.stage: 3 over several data-parallel ranks with an 8-bit "
+                f"bitsandbytes base ({name}: Int8Params) is not supported (only 4-bit "
+                "Params4bit is tested); use stage 2, which keeps the frozen base whole and "
+                "shards the adapters' states, or load_in_4bit"
+            )
+
+
+def _build_plan(
     model: nn.Module, groups: list[dict], config, topology: Topology, stage: int
 ) -> ZeroPlan:
     """Lay out the trainable parameters of ``groups`` for ``stage`` (see module docstring)."""
@@ -107,6 +142,8 @@ def build_plan(
         separate_master=_offloaded(z.offload_optimizer),
         slice_numel=_slice_numel(config, master_device or topology.device),
     )
+    # the optimizer decides how master chunks are cut (optim.catalog: 8-bit blocks, whole)
+    common["layout"] = layout_of(config.optimizer.type if config.optimizer else None)
     bucket = int(z.reduce_bucket_size)
     if stage < 3:
         per_group = [[FlatGroup(g["params"], bucket_numel=bucket, **common)] for g in groups]
@@ -134,6 +171,7 @@ def build_plan(
         if whole:  # persistent: small or outside every unit; stage-2 treatment
             fgs.append(FlatGroup(whole, bucket_numel=bucket, **common))
         per_group.append(fgs)
+    _quantized_base(model, partitions)
     frozen = frozen_groups(
         units,
         int(z.stage3_param_persistence_threshold),

@@ -123,6 +123,7 @@ class ParamGatherer:
         self._pass = 0
         self._backward_units: set[int] = set()  # this pass's units with outputs needing grad
         self._input_hooks: list = []  # last pass's frozen-release hooks (a leaf input keeps its own)
+        self._paused = False  # hooks do nothing (``paused``: one rank runs a module alone)
         self._handles = [model.register_forward_pre_hook(self._root_pre)]
         for unit in self.units:
             pre = unit.module.register_forward_pre_hook(self._pre(unit), with_kwargs=True)
@@ -211,6 +212,18 @@ class ParamGatherer:
             for g, b in buckets:
                 self.release_bucket(g, b)
 
+    @contextmanager
+    def paused(self):
+        """The hooks do nothing inside: one rank may run modules alone (no collective, no
+        change to the recorded unit order that prefetching follows). Parameters it uses
+        must be whole already (``gathered``); peft's ``save_pretrained`` runs a prompt
+        encoder to save its embeddings, on the main rank only."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
     def _prefetch(self, order: list[Unit], start: int, step: int) -> None:
         budget, i = self.prefetch_numel, start
         while 0 <= i < len(order) and budget > 0:
@@ -223,7 +236,7 @@ class ParamGatherer:
 
     # hooks -----------------------------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
-        if _in_backward():
+        if _in_backward() or self._paused:
             return
         if self._order:
             self._last_order = self._order
@@ -236,6 +249,8 @@ class ParamGatherer:
 
     def _pre(self, unit: Unit):
         def hook(module, args, kwargs):
+            if self._paused:
+                return
             self.gather(unit)
             if _in_backward():
                 return
@@ -250,7 +265,7 @@ class ParamGatherer:
 
     def _post(self, unit: Unit):
         def hook(module, args, output):
-            if _in_backward():
+            if _in_backward() or self._paused:
                 return
             self.release(unit)
             if not torch.is_grad_enabled():

@@ -1,0 +1,104 @@
+"""How a FlatGroup's fp32 master chunks are cut into the tensors an optimizer steps.
+
+``meshtrain.optim.catalog`` says which layout each optimizer needs; ``FlatGroup`` packs
+parameters on the layout's alignment grid and cuts its master slices here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.errors import ConfigError
+
+# How master slices are cut, and the alignment (elements) of every parameter's offset:
+#   "flat"   any cut every slice_numel elements: element-wise optimizers (Adam, SGD, Lion)
+#   "blocks" per parameter, on a 256-element grid from its first element, so blockwise
+#            8-bit states (bitsandbytes: absmax per 256 elements) see the blocks they
+#            would see on the whole parameter, whatever the sharding
+#   "whole"  one slice per parameter, in its shape (Adafactor factors rows and columns and
+#            scales by the parameter's RMS): a parameter split over ranks is refused
+LAYOUTS: dict[str, int] = {"flat": 1, "blocks": 256, "whole": 1}
+
+
+class LayoutError(ValueError):
+    """A ``"whole"`` layout met a parameter that ZeRO splits over ranks."""
+
+    def __init__(self, param, shape, partitions: int) -> None:
+        super().__init__(
+            f"a parameter of shape {tuple(shape)} is split over {partitions} ZeRO partitions; "
+            "this optimizer needs each parameter whole on one rank"
+        )
+
+
+def _leaf(view: torch.Tensor, whole_numel: int) -> nn.Parameter:
+    """An optimizer leaf sharing ``view``'s storage; ``whole_numel`` is the numel of the
+    parameter it belongs to (8-bit optimizers choose 8-bit state by that size)."""
+    leaf = nn.Parameter(view, requires_grad=True)
+    leaf.meshtrain_whole_numel = whole_numel
+    return leaf
+
+
+def master_spans(self, bucket) -> list[tuple[int, int, torch.Size | None, int]]:
+    """``(offset in the chunk, numel, shape, whole parameter's numel)`` of each master
+    slice of ``bucket`` (see ``LAYOUTS``)."""
+    if self.layout == "flat":
+        cuts = range(0, bucket.chunk, self.slice_numel)
+        return [(lo, min(self.slice_numel, bucket.chunk - lo), None, bucket.chunk) for lo in cuts]
+    lo, hi = self.owned_range(bucket)
+    step = max(self.align, self.slice_numel // self.align * self.align)
+    spans = []
+    for p, off in zip(bucket.params, bucket.offsets, strict=True):
+        shape = self.shapes[p]
+        start, n = off - bucket.start, shape.numel()
+        a, b = max(start, lo), min(start + n, hi)
+        if a >= b:
+            continue
+        if self.layout == "whole":
+            if (a, b) != (start, start + n):
+                raise LayoutError(p, shape, self.partitions)
+            spans.append((a - lo, n, shape, n))
+            continue
+        # "blocks": cut on the align grid measured from the parameter's first element
+        for cut in range(a, b, step):
+            spans.append((cut - lo, min(step, b - cut), None, n))
+    return spans
+
+
+def join_state(self, bucket, state: dict) -> dict:
+    """The optimizer state of ``bucket``'s master chunk, from the per-slice ``state``
+    (``optimizer.state``): element-wise tensors joined over the slices, the rest
+    (``step``) as the first slice holds it. Empty before the first step."""
+    slices = self.master_slices[bucket.index]
+    if self.layout != "flat" and any(state.get(m) for m in slices):
+        raise ConfigError(
+            f"optimizer.type: checkpointing the optimizer state of the {self.layout!r} master layout "
+            "(AdamW8bit, Lion8bit, Adafactor) is not implemented; use an element-wise "
+            "optimizer (AdamW, Lion) for runs that save checkpoints, or export the weights "
+            "with save_16bit_model / the Trainer's save_model"
+        )
+    per = [state.get(m, {}) for m in slices]
+    out = {}
+    for key, value in per[0].items():
+        elementwise = isinstance(value, torch.Tensor) and value.shape == slices[0].shape
+        out[key] = torch.cat([p[key] for p in per]) if elementwise and len(per) > 1 else value
+    return out
+
+
+def cut_state(self, bucket, state: dict, values: dict) -> None:
+    """Inverse of ``optimizer_state``: tensors of the chunk's size are cut into the
+    slices (views, no copy); anything else (``step``) is copied to each slice, since
+    the optimizer updates it in place once per slice."""
+    chunk = self.master_chunks[bucket.index]
+    for i, master in enumerate(self.master_slices[bucket.index]):
+        lo = i * self.slice_numel
+        state[master] = {
+            k: (
+                v.narrow(0, lo, master.numel())
+                if isinstance(v, torch.Tensor) and v.shape == chunk.shape
+                else v.clone()
+                if isinstance(v, torch.Tensor)
+                else v
+            )
+            for k, v in values.items()
+        }
