@@ -3,7 +3,7 @@ Trainer, ``meshtrain train``) runs on.
 
 One step, in order::
 
-    engine(batch)          forward in the model dtype
+    engine(*inputs)        module(*inputs, **kwargs) in the model dtype (as DeepSpeed)
     engine.backward(loss)  backward of loss x scale / (k x f)   (k: accumulation steps,
                            f: gradient pre-division); buckets reduce as they fill
     engine.step()          at the accumulation boundary: global gradient norm over every
@@ -116,15 +116,14 @@ class Engine(EngineQueries):
         return x
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model. ``engine(batch)`` with a dict calls ``model(**batch)``, with a
-        tuple/list ``model(*batch)``; ``engine(x, y)`` passes both."""
+        """Run the model on the arguments exactly as given: ``engine(batch)`` calls
+        ``module(batch)``, ``engine(x, y)`` ``module(x, y)``, ``engine(**batch)``
+        ``module(**batch)`` (DeepSpeed's ``forward(*inputs, **kwargs)``). Nothing is
+        unpacked, so a model whose ``forward`` takes one batch object gets that object.
+        Tensors are moved to ``engine.device`` and floating ones cast to the model dtype
+        on the way (a DeepSpeed script has done both already: a no-op for it)."""
         args, kwargs = self._to_device(args), self._to_device(kwargs)
-        if len(args) == 1 and not kwargs:
-            if isinstance(args[0], dict):
-                kwargs, args = args[0], ()
-            elif isinstance(args[0], list | tuple):
-                args = tuple(args[0])
-        self.log.count_batch(args, kwargs)
+        self.log.count_batch(*_counted(args, kwargs))
         with self.log.timed("forward"):
             return self.module(*args, **kwargs)
 
@@ -377,6 +376,17 @@ class Engine(EngineQueries):
 
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.module.parameters()
+
+
+def _counted(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """What the step log counts samples and tokens in: a lone batch dict or tuple is
+    looked into (the model still gets it whole)."""
+    if len(args) == 1 and not kwargs:
+        if isinstance(args[0], dict):
+            return (), args[0]
+        if isinstance(args[0], list | tuple):
+            return tuple(args[0]), {}
+    return args, kwargs
 
 
 __all__ = ["Engine"]
