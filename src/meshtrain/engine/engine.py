@@ -74,6 +74,9 @@ class Engine(EngineQueries):
         self.skipped_steps = 0
         self._step_applied = False
         self._global_grad_norm: float | None = None
+        # what this window's reduced gradients were already divided by in place (1: the
+        # raw loss-scaled sum; the Accelerator averages them over dp for the user to see)
+        self.grads_divided_by = 1.0
 
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model_parameters or model.parameters())  # a factory
@@ -188,7 +191,9 @@ class Engine(EngineQueries):
         self.zero.before_step()  # reduces once, however often it is called in a window
         self._clip_once = float(max_norm)
         self._norm_once = self._grad_norm()  # gradients are final: step() reuses it
-        return self._norm_once / (self.scaler.scale * self.zero.grad_divisor)
+        return self._norm_once / (
+            self.scaler.scale * self.zero.grad_divisor / self.grads_divided_by
+        )
 
     def _grad_norm(self) -> float:
         if self.pipeline is None:
@@ -226,7 +231,7 @@ class Engine(EngineQueries):
     def _optimizer_step(self) -> None:
         self.zero.before_step()
         # the reduced gradients are the loss-scaled sum over dp ranks (pre-divided by f)
-        unscale = self.scaler.scale * self.zero.grad_divisor
+        unscale = self.scaler.scale * self.zero.grad_divisor / self.grads_divided_by
         # over every stage: clipping and overflow agree on all
         norm = self._grad_norm() if self._norm_once is None else self._norm_once
         clip = self.clip if self._clip_once is None else self._clip_once
@@ -245,6 +250,7 @@ class Engine(EngineQueries):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.zero.after_step()
+        self.grads_divided_by = 1.0
         self.scaler.update(overflow)
         self.global_steps += 1
 
