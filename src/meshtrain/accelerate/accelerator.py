@@ -276,6 +276,13 @@ class Accelerator:
         if self.device_placement if device_placement is None else device_placement:
             model.to(self.device)
         prepared = PreparedModel(self, model)
+        # which backward reached this model (its gradients are averaged only then, as
+        # DDP reduces in the model's own backward); the Engine's driver has its own
+        prepared.__dict__["hooks"] = [
+            p.register_post_accumulate_grad_hook(lambda _p, m=prepared: m.__dict__.update(touched=True))
+            for p in model.parameters()
+            if p.requires_grad
+        ]
         self._models.append(prepared)
         self._link()
         return prepared
@@ -367,6 +374,8 @@ class Accelerator:
             )
         cfg = engine_config(self._config, self._loaders, self.topology)
         engine = Engine(model.module, cfg, self.topology, optimizer=opt.optimizer)
+        for h in model.__dict__.pop("hooks", []):
+            h.remove()
         model.__dict__["engine"] = engine
         model.__dict__["driver"] = EngineDriver(engine)
         opt.model = model
@@ -426,6 +435,8 @@ class Accelerator:
         data-parallel ranks when this backward synchronises (``grads``' contract)."""
         loss = loss / self.gradient_accumulation_steps
         sync = self._local == 0
+        for m in self._models:
+            m.__dict__["touched"] = False
         drivers = [m.driver for m in self._models if m.driver is not None]
         if not drivers:
             loss.backward(**kwargs)
@@ -443,14 +454,15 @@ class Accelerator:
             self._average_plain_grads()
 
     def _average_plain_grads(self) -> None:
-        """Models without an engine that got gradients: average them over dp (DDP)."""
+        """Models without an engine that this backward reached: average their gradients
+        over dp, as DDP does (one all-reduce of their concatenation)."""
         group, world = self._dp()
         if world == 1:
             return
         grads = [
             p.grad
             for m in self._models
-            if m.engine is None
+            if m.engine is None and m.__dict__.get("touched")
             for p in m.module.parameters()
             if p.grad is not None
         ]
@@ -696,6 +708,8 @@ class Accelerator:
         for m in self._models:
             if m.driver is not None:
                 m.driver.remove()
+            for h in m.__dict__.pop("hooks", []):
+                h.remove()
         self._models, self._optimizers, self._loaders = [], [], []
         self._schedulers, self._custom = [], []
         self._active_loader = None

@@ -250,7 +250,10 @@ def _rows(batch: Any) -> int:
     if isinstance(batch, dict):
         return _rows(next(iter(batch.values())))
     if isinstance(batch, list | tuple):
-        return _rows(batch[0])
+        # a tuple of columns (tensors, dicts, lists), or one column of plain rows
+        # (default_collate of strings gives the list of them)
+        first = batch[0] if batch else None
+        return _rows(first) if isinstance(first, torch.Tensor | dict | list | tuple) else len(batch)
     return 1
 
 
