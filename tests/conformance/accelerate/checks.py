@@ -30,8 +30,9 @@ IMPLS = ("accelerate", "meshtrain")
 def accelerator(impl: str, **kwargs):
     """A fresh Accelerator of ``impl`` (accelerate's singletons reset between checks)."""
     if impl == "accelerate":
-        from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState
+
+        from accelerate import Accelerator
 
         AcceleratorState._reset_state()
         GradientState._reset_state()
@@ -573,10 +574,7 @@ def check_prepare_two_models(impl):
     mine = x[4 * acc.process_index : 4 * acc.process_index + 4]
     g, d, og, od = acc.prepare(g, d, og, od)
     for _ in range(3):
-        for model, opt, ref_model, ref_opt, ref_in, key in (
-            (d, od, rd, rod, None, "d"),
-            (g, og, rg, rog, None, "g"),
-        ):
+        for opt, ref_opt, key in ((od, rod, "d"), (og, rog, "g")):
             ref_opt.zero_grad()
             if key == "d":
                 (rd(rg(x).detach()) ** 2).mean().backward()
@@ -686,7 +684,9 @@ def check_autocast_fp32_noop(impl):
     assert y.dtype == torch.float32
 
 
-CHECKS = {name[len("check_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}
+CHECKS = {
+    name[len("check_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")
+}
 
 
 def run_all(impl: str, names: list[str] | None = None) -> dict[str, str | None]:

@@ -132,7 +132,9 @@ def check_client_optimizer_is_stepped(impl):
     x, y = _batch(0, _rank())
     engine.backward(engine(x, y))
     engine.step()
-    assert any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters(), strict=True))
+    assert any(
+        not torch.equal(b, p) for b, p in zip(before, engine.module.parameters(), strict=True)
+    )
 
 
 def check_client_lr_scheduler_stepped_by_engine(impl):
@@ -195,7 +197,12 @@ def check_accumulation_boundary_sequence(impl):
         x, y = _batch(step, _rank())
         engine.backward(engine(x, y))
         engine.step()
-        moved.append(any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters(), strict=True)))
+        moved.append(
+            any(
+                not torch.equal(b, p)
+                for b, p in zip(before, engine.module.parameters(), strict=True)
+            )
+        )
     assert seq == [False, True, False, True], seq
     assert moved == [False, True, False, True], moved
     assert engine.global_steps == 2
