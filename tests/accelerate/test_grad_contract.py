@@ -30,7 +30,9 @@ ROWS, GLOBAL, GAS, CLIP = 48, 8, 2, 0.3
 
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(ROWS, 6, generator=g), torch.randint(0, 3, (ROWS,), generator=g))
+    return TensorDataset(
+        torch.randn(ROWS, 6, generator=g), torch.randint(0, 3, (ROWS,), generator=g)
+    )
 
 
 def _model() -> nn.Module:
@@ -117,5 +119,8 @@ def test_grads_follow_accelerates_contract_and_two_processes_match_one():
             assert _close(a, b), rank
     # the local gradients of the two ranks average to the reference's
     for i in range(0, steps, GAS):
-        mean = [(a + b) / 2 for a, b in zip(ranks[0][0]["grads"][i], ranks[1][0]["grads"][i], strict=True)]
+        mean = [
+            (a + b) / 2
+            for a, b in zip(ranks[0][0]["grads"][i], ranks[1][0]["grads"][i], strict=True)
+        ]
         assert _close(mean, ref["grads"][i]), i

@@ -279,7 +279,9 @@ class Accelerator:
         # which backward reached this model (its gradients are averaged only then, as
         # DDP reduces in the model's own backward); the Engine's driver has its own
         prepared.__dict__["hooks"] = [
-            p.register_post_accumulate_grad_hook(lambda _p, m=prepared: m.__dict__.update(touched=True))
+            p.register_post_accumulate_grad_hook(
+                lambda _p, m=prepared: m.__dict__.update(touched=True)
+            )
             for p in model.parameters()
             if p.requires_grad
         ]

@@ -27,7 +27,7 @@ optimizer's parameters).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -189,7 +189,7 @@ class PreparedScheduler:
 def _to_device(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device, non_blocking=True)
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):  # dicts and transformers' BatchEncoding
         return type(x)({k: _to_device(v, device) for k, v in x.items()})
     if isinstance(x, list | tuple) and not hasattr(x, "_fields"):
         return type(x)(_to_device(v, device) for v in x)
@@ -247,13 +247,15 @@ class PreparedDataLoader(ResumableDataLoader):
 def _rows(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return _rows(next(iter(batch.values())))
     if isinstance(batch, list | tuple):
         # a tuple of columns (tensors, dicts, lists), or one column of plain rows
         # (default_collate of strings gives the list of them)
         first = batch[0] if batch else None
-        return _rows(first) if isinstance(first, torch.Tensor | dict | list | tuple) else len(batch)
+        return (
+            _rows(first) if isinstance(first, torch.Tensor | Mapping | list | tuple) else len(batch)
+        )
     return 1
 
 
