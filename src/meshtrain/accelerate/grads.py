@@ -155,4 +155,61 @@ class EngineDriver:
         self._hooks.clear()
 
 
-__all__ = ["EngineDriver"]
+def average_plain_grads(models, group, world: int) -> None:
+    """Average over dp the gradients of the prepared models without an engine that the
+    last backward reached (one all-reduce of their concatenation), as DDP would."""
+    if world == 1:
+        return
+    grads = [
+        p.grad
+        for m in models
+        if m.engine is None and m.__dict__.get("touched")
+        for p in m.module.parameters()
+        if p.grad is not None
+    ]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=group)
+        flat /= world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _params(parameters) -> list[torch.Tensor]:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def clip_grad_norm(models, parameters, max_norm: float, norm_type: float, sync: bool):
+    """``Accelerator.clip_grad_norm_``: the engine's in-place clip at a synchronising
+    step, torch's on the local gradients otherwise (or for models without an engine)."""
+    params = _params(parameters)
+    ids = {id(p) for p in params}
+    drivers = [m.driver for m in models if m.driver is not None and ids & m.driver.param_ids]
+    if not drivers or not sync:
+        grads = [p for p in params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
+    if len(drivers) > 1:
+        raise ConfigError(
+            "clip_grad_norm_: the parameters belong to several prepared models; clip "
+            "each model's parameters in its own call"
+        )
+    return drivers[0].clip_(params, float(max_norm), float(norm_type))
+
+
+def clip_grad_value(models, parameters, clip_value: float) -> None:
+    """``Accelerator.clip_grad_value_``: ZeRO stage 0 (or no engine) only."""
+    params = _params(parameters)
+    ids = {id(p) for p in params}
+    for m in models:
+        d = m.driver
+        if d is not None and d.stage > 0 and ids & d.param_ids:
+            raise ConfigError(
+                f"clip_grad_value_: at ZeRO stage {d.stage} the gradient is sharded "
+                "and p.grad is not it; use clip_grad_norm_ (or ZeRO stage 0)"
+            )
+    torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], clip_value)
+
+
+__all__ = ["EngineDriver", "average_plain_grads", "clip_grad_norm", "clip_grad_value"]
