@@ -138,7 +138,7 @@ def _worker(peer: str, steps: int, out: str) -> dict:
         while len(stamps) < steps:
             loader.set_epoch(epoch)
             for batch in loader:
-                loss = engine(batch).loss
+                loss = engine(**batch).loss
                 engine.backward(loss)
                 engine.step()
                 stamps.append((time.perf_counter(), time.process_time()))
@@ -206,7 +206,7 @@ def _paired_worker(steps: int, warmup: int, out: str, tiny: bool = False) -> dic
         def on_step_end(self, args, state, control, **kwargs):
             trainer_ms.append(1e3 * (clock() - self.mark))  # the Trainer's whole step
             t0 = clock()
-            loss = self.engine(self._next()).loss
+            loss = self.engine(**self._next()).loss
             self.engine.backward(loss)
             self.engine.step()
             hand_ms.append(1e3 * (clock() - t0))

@@ -134,7 +134,7 @@ def main() -> None:
     rank = engine.topology.dp_rank
     while engine.global_steps < args.steps:
         for batch in loader:
-            loss = engine(batch).loss
+            loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
             if rank == 0 and engine.global_steps % 50 == 0:

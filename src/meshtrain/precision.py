@@ -12,8 +12,9 @@ Dynamic loss scaling (DeepSpeed's ``DynamicLossScaler``, same knobs and meaning)
 * a step whose gradients contain inf/NaN is *skipped* on every rank. If ``hysteresis``
   overflows have been absorbed, the scale is halved (never below ``min_loss_scale``),
   otherwise one unit of hysteresis is used up;
-* after ``loss_scale_window`` consecutive steps without overflow the scale doubles and
-  hysteresis is restored;
+* after ``loss_scale_window`` consecutive steps without overflow the scale doubles (on
+  the next clean step, as DeepSpeed counts: step ``i`` grows it when ``i - last_overflow
+  - 1`` is a positive multiple of the window) and hysteresis is restored;
 * ``loss_scale > 0`` in the config fixes the scale (static scaling); overflowing steps are
   still skipped.
 
@@ -117,7 +118,10 @@ class LossScaler:
             if self.dynamic:
                 if self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
-                if (self.steps - self.last_overflow_step) % self.window == 0:
+                # DeepSpeed's count: the clean steps since the last overflow before this
+                # one; the scale doubles on the step after each ``window`` of them
+                stable = self.steps - self.last_overflow_step - 1
+                if stable > 0 and stable % self.window == 0:
                     if not self.consecutive_hysteresis:
                         self.hysteresis_left = self.hysteresis
                     self.scale *= 2.0

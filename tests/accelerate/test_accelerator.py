@@ -49,7 +49,9 @@ def _setup(stage: int, world: int):
     acc = Accelerator(gradient_accumulation_steps=GAS, config={"zero_optimization": zero})
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    # accelerate steps a prepared scheduler once per process per optimizer step
+    # (split_batches=False), so world x 2 scheduler steps are 2 optimizer steps everywhere
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2 * world, gamma=0.5)
     loader = DataLoader(_data(), batch_size=GLOBAL_BATCH // world, shuffle=True)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     return acc, model, opt, loader, sched

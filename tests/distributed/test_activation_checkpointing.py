@@ -36,7 +36,7 @@ def _train(kind: str, checkpointing: bool):
         ids = torch.randint(3, 60, (2, 6), generator=g)
         mask = torch.ones(2, 6, dtype=torch.long)
         mask[1, 4:] = 0  # right padding: a real 4-D mask
-        loss = engine({"input_ids": ids, "attention_mask": mask, "labels": ids}).loss
+        loss = engine(input_ids=ids, attention_mask=mask, labels=ids).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

@@ -191,7 +191,7 @@ def _hf_llama():
         for step in range(5):
             ids, _ = global_batch("decoder", step, 2 * world)
             ids = ids[2 * rank : 2 * rank + 2]
-            out = engine({"input_ids": ids, "labels": ids})
+            out = engine(input_ids=ids, labels=ids)
             engine.backward(out)
             engine.step()
             losses.append(out.loss.item())

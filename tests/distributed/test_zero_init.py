@@ -97,7 +97,7 @@ def _batches(rank: int, n: int):
 
 def _train(engine, steps: int, rank: int) -> None:
     for batch in _batches(rank, steps):
-        engine.backward(engine(batch))
+        engine.backward(engine(**batch))
         engine.step()
 
 

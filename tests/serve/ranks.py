@@ -41,7 +41,7 @@ def train_zero3_and_save(save_dir: str, bert_cfg: dict, llama_cfg: dict) -> dict
                 batch = {"input_ids": ids, "labels": torch.tensor([0, 1])}
             else:
                 batch = {"input_ids": ids, "labels": ids}
-            engine.backward(engine(batch))
+            engine.backward(engine(**batch))
             engine.step()
             engine.save_checkpoint(f"{save_dir}/{name}")
             full = engine.module_state_dict()

@@ -7,22 +7,25 @@ A plain PyTorch loop moves to many processes with three changes (seed 003)::
     for x, y in train_loader:
         with accelerator.accumulate(model):
             loss = F.nll_loss(model(x), y)
-            accelerator.backward(loss)                # engine.backward
-            optimizer.step()                          # engine.step (boundary only)
-            optimizer.zero_grad()                     # no-op: the engine clears
+            accelerator.backward(loss)
+            optimizer.step()                          # acts when sync_gradients only
+            optimizer.zero_grad()
 
-``prepare`` builds one Engine from the model, its optimizer and a config: the one given
-(a meshtrain / DeepSpeed dict or path: ZeRO stage, offload, mesh), with
-``train_micro_batch_size_per_gpu`` filled from the training loader's ``batch_size``,
-``gradient_accumulation_steps`` from the argument and ``fp16`` / ``bf16`` from
-``mixed_precision`` (the model then runs in that dtype with fp32 master weights, as with
-accelerate's DeepSpeed plugin). What each prepared object does is ``prepared``'s table.
+``prepare`` takes any objects in any grouping and order across calls. Each model whose
+optimizer is prepared (in the same call or another) gets its own Engine, built when both
+are known, from a config: the one given (a meshtrain / DeepSpeed dict or path: ZeRO
+stage, offload, mesh), with ``train_micro_batch_size_per_gpu`` filled from the training
+loader's ``batch_size`` and ``fp16`` / ``bf16`` from ``mixed_precision``. Every Engine
+of one Accelerator shares its Topology: one process group, one data-parallel mesh, each
+engine reducing its own flat buffers over the same dp group (see docs/accelerate.md). A
+model without an optimizer (evaluation, a frozen teacher) gets no Engine: it runs as it
+is on the device, and if it does get gradients they are averaged over the ranks at
+synchronising backwards, as DDP would.
 
-Gradient accumulation: ``gradient_accumulation_steps = k`` makes the engine reduce and
-step every ``k``-th ``optimizer.step()``, with the loss divided by ``k``. As in accelerate,
-inside ``accumulate`` the last batch of a prepared dataloader ends the window
-(``sync_gradients`` is True, the optimizer steps on the partial window's gradients, still
-divided by ``k``), and the next epoch starts a fresh window.
+Gradient accumulation is accelerate's: ``accumulate`` counts micro-steps and sets
+``sync_gradients`` (every ``gradient_accumulation_steps``-th call, and at the last batch
+of the prepared loader being iterated); ``backward`` divides the loss by the steps; what
+``p.grad`` holds when is ``meshtrain.accelerate.grads``' contract.
 """
 
 from __future__ import annotations
@@ -30,21 +33,23 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from meshtrain.accelerate import collectives as col
 from meshtrain.accelerate.engine_config import (
     config_dict,
     engine_config,
     int_argument,
-    load_rng_state,
-    rng_state,
-    save_rng_state,
+    refuse_unsupported,
+)
+from meshtrain.accelerate.grads import (
+    EngineDriver,
+    average_plain_grads,
+    clip_grad_norm,
+    clip_grad_value,
 )
 from meshtrain.accelerate.prepared import (
     PreparedDataLoader,
@@ -52,11 +57,13 @@ from meshtrain.accelerate.prepared import (
     PreparedOptimizer,
     PreparedScheduler,
 )
+from meshtrain.accelerate.process_queries import ProcessQueries
+from meshtrain.accelerate.state_io import StateIO
 from meshtrain.errors import ConfigError
 
 
-class Accelerator:
-    """accelerate's ``Accelerator`` on one meshtrain Engine (see the module docstring).
+class Accelerator(ProcessQueries, StateIO):
+    """accelerate's ``Accelerator`` on meshtrain Engines (see the module docstring).
 
     Args:
         mixed_precision: ``None`` / ``"no"`` (fp32), ``"fp16"`` (dynamic loss scaling) or
@@ -65,6 +72,8 @@ class Accelerator:
         config: a meshtrain / DeepSpeed config (dict, JSON/YAML path or ``Config``): ZeRO
             stage, offload, mesh, clipping, ... Batch sizes are filled from the loader.
         seed: shuffle seed of the prepared training loaders (the same on every rank).
+        cpu, device_placement, step_scheduler_with_optimizer, project_dir: accelerate's
+            arguments of those names; the others accelerate has are refused by name.
     """
 
     def __init__(
@@ -74,114 +83,129 @@ class Accelerator:
         config=None,
         *,
         seed: int = 0,
+        cpu: bool = False,
+        device_placement: bool = True,
+        step_scheduler_with_optimizer: bool = True,
+        project_dir: str | os.PathLike | None = None,
+        **accelerate_kwargs: Any,
     ) -> None:
-        from meshtrain.distributed.env import read_env
-        from meshtrain.engine.start import join_mesh
-
+        refuse_unsupported(accelerate_kwargs)
         gas = int_argument("gradient_accumulation_steps", gradient_accumulation_steps, 1)
         self._config = config_dict(config, mixed_precision, gas)
         self.mixed_precision = mixed_precision or "no"
         self.gradient_accumulation_steps = int(self._config["gradient_accumulation_steps"])
         self.seed = int_argument("seed", seed, 0)
-        self.topology = join_mesh(self._config)  # the one set-up path (engine/start.py)
-        self._env = read_env()
-        self.engine = None
-        self._optimizer: PreparedOptimizer | None = None
+        self.device_placement = bool(device_placement)
+        self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
+        self.project_dir = None if project_dir is None else str(project_dir)
+        self._env, self.topology = self._join(cpu)
+        self.step = 0  # micro-steps counted by accumulate() (accelerate's ``step``)
+        self._sync = True
+        self._local = 0  # depth of no_sync()
+        self._models: list[PreparedModel] = []
+        self._optimizers: list[PreparedOptimizer] = []
         self._loaders: list[PreparedDataLoader] = []
         self._schedulers: list[PreparedScheduler] = []
+        self._custom: list[Any] = []  # register_for_checkpointing
         self._active_loader: PreparedDataLoader | None = None
-        self._sync_gradients: bool | None = None
 
-    # where this process is ---------------------------------------------------------------------
-    @property
-    def process_index(self) -> int:
-        return self.topology.rank
+    def _join(self, cpu: bool):
+        """Join the process group and build the mesh (the one set-up call)."""
+        from meshtrain.distributed.env import read_env
+        from meshtrain.engine.start import join_mesh
 
-    @property
-    def local_process_index(self) -> int:
-        return self._env.local_rank
-
-    @property
-    def num_processes(self) -> int:
-        return self.topology.world_size
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.process_index == 0
+        topology = join_mesh(self._config)  # the one set-up path (engine/start.py)
+        env = read_env()
+        if cpu and topology.device.type != "cpu":
+            raise ConfigError(
+                f"Accelerator(cpu=True): this process runs on {topology.device}; meshtrain "
+                "picks the device from the launcher's environment (hide the GPUs with "
+                "CUDA_VISIBLE_DEVICES='' to train on CPU)"
+            )
+        return env, topology
 
     @property
-    def is_local_main_process(self) -> bool:
-        return self.local_process_index == 0
+    def engine(self):
+        """The Engine of the (first) trained model; ``engines`` lists them all."""
+        return self.engines[0] if self.engines else None
 
     @property
-    def device(self) -> torch.device:
-        return self.topology.device
-
-    @property
-    def distributed_type(self) -> str:
-        return (
-            "NO"
-            if self.num_processes == 1
-            else "MULTI_GPU"
-            if self.device.type == "cuda"
-            else "MULTI_CPU"
-        )
-
-    def wait_for_everyone(self) -> None:
-        if self.num_processes > 1:
-            torch.distributed.barrier()
-
-    @contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """The main process runs the block first (downloads, preprocessing), then the rest."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_local_main_process:
-            print(*args, **kwargs)
+    def engines(self) -> list:
+        return [m.engine for m in self._models if m.engine is not None]
 
     # prepare -----------------------------------------------------------------------------------
-    def prepare(self, *objects: Any) -> Any:
-        """Prepare models, optimizers, dataloaders and LR schedulers given in any order;
-        returns them in the same order (one object: that object)."""
+    def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare models, optimizers, dataloaders and LR schedulers given in any order and
+        grouping (across calls too); returns them in the same order (one object: itself).
+        Anything else comes back unchanged, as in accelerate."""
+        if device_placement is not None and len(device_placement) != len(objects):
+            raise ConfigError(
+                f"prepare(device_placement=...): {len(device_placement)} entries for "
+                f"{len(objects)} objects; give one per object"
+            )
         out: list[Any] = list(objects)
-        loaders = [i for i, o in enumerate(objects) if isinstance(o, DataLoader)]
-        for i in loaders:
-            out[i] = self.prepare_data_loader(objects[i])
-        models = [i for i, o in enumerate(objects) if isinstance(o, nn.Module)]
-        optims = [i for i, o in enumerate(objects) if isinstance(o, torch.optim.Optimizer)]
-        if len(models) > 1 or len(optims) > 1 or (models and self.engine is not None):
-            raise ConfigError(
-                "prepare: meshtrain's Accelerator drives one Engine: prepare one model with "
-                "its one optimizer (use a second Accelerator for a second model)"
-            )
-        if models and not optims:
-            raise ConfigError(
-                "prepare: the model needs its optimizer in the same prepare() call (the "
-                "engine builds its fp32 master weights and re-points the optimizer at them)"
-            )
-        if optims and not models:
-            raise ConfigError("prepare: the optimizer needs its model in the same prepare() call")
-        if models:
-            engine = self._build_engine(objects[models[0]], objects[optims[0]])
-            out[models[0]] = PreparedModel(engine)
-            self._optimizer = out[optims[0]] = PreparedOptimizer(self, engine)
+        for i, o in enumerate(objects):  # loaders first: their batch size feeds the engine
+            if isinstance(o, DataLoader):
+                out[i] = self.prepare_data_loader(o)
         for i, o in enumerate(objects):
-            if (
-                i not in loaders + models + optims
-                and hasattr(o, "step")
-                and hasattr(o, "optimizer")
-            ):
-                out[i] = self._prepare_scheduler(o)
+            if isinstance(o, nn.Module):
+                out[i] = self.prepare_model(o)
+            elif isinstance(o, torch.optim.Optimizer):
+                out[i] = self.prepare_optimizer(o)
+        for i, o in enumerate(objects):
+            if _is_scheduler(o):
+                out[i] = self.prepare_scheduler(o)
+        self._link()
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_data_loader(self, loader: DataLoader) -> PreparedDataLoader:
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, **_: Any):
+        """The model as a ``PreparedModel`` (its Engine comes with its optimizer)."""
+        if isinstance(model, PreparedModel):
+            return model
+        for m in self._models:
+            if m.module is model:
+                return m
+        if self.device_placement if device_placement is None else device_placement:
+            model.to(self.device)
+        prepared = PreparedModel(self, model)
+        # which backward reached this model (its gradients are averaged only then, as
+        # DDP reduces in the model's own backward); the Engine's driver has its own
+        prepared.__dict__["hooks"] = [
+            p.register_post_accumulate_grad_hook(
+                lambda _p, m=prepared: m.__dict__.update(touched=True)
+            )
+            for p in model.parameters()
+            if p.requires_grad
+        ]
+        self._models.append(prepared)
+        self._link()
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, **_: Any):
+        """The optimizer as a ``PreparedOptimizer`` (linked to its model's Engine)."""
+        if isinstance(optimizer, PreparedOptimizer):
+            return optimizer
+        for o in self._optimizers:
+            if o.optimizer is optimizer:
+                return o
+        prepared = PreparedOptimizer(self, optimizer)
+        self._optimizers.append(prepared)
+        self._link()
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        """The LR scheduler with accelerate's stepping (``PreparedScheduler``)."""
+        if isinstance(scheduler, PreparedScheduler):
+            return scheduler
+        prepared = PreparedScheduler(self, scheduler, self.step_scheduler_with_optimizer)
+        self._schedulers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, loader: DataLoader, **_: Any) -> PreparedDataLoader:
         """The loader dealt over the data-parallel ranks: ``batch_size`` samples per rank,
         shuffled (seed ``self.seed`` + epoch) when the original was, resumable."""
+        if isinstance(loader, PreparedDataLoader):
+            return loader
         if loader.batch_size is None:
             raise ConfigError(
                 "prepare: a DataLoader with a batch_sampler cannot be resharded; build it "
@@ -191,7 +215,7 @@ class Accelerator:
         prepared = PreparedDataLoader(
             loader.dataset,
             int(loader.batch_size),
-            device=self.device,
+            device=self.device if self.device_placement else torch.device("cpu"),
             num_replicas=t.dp_size,
             rank=t.dp_rank,
             shuffle=isinstance(loader.sampler, RandomSampler),
@@ -203,190 +227,166 @@ class Accelerator:
         )
         prepared.shuffle = isinstance(loader.sampler, RandomSampler)
         prepared.on_batch = self._set_active_loader
+        prepared.on_end = self._end_of_loader
         self._loaders.append(prepared)
         return prepared
 
     def _set_active_loader(self, loader: PreparedDataLoader) -> None:
         self._active_loader = loader
 
-    def _build_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def _end_of_loader(self, loader: PreparedDataLoader) -> None:
+        if self._active_loader is loader:
+            self._active_loader = None
+
+    def _link(self) -> None:
+        """Build an Engine for each prepared model whose optimizer is prepared: the
+        optimizer's parameters must all be the model's."""
+        for opt in self._optimizers:
+            if opt.model is not None:
+                continue
+            wanted = {id(p) for g in opt.optimizer.param_groups for p in g["params"]}
+            for model in self._models:
+                owned = {id(p) for p in model.module.parameters()}
+                if not wanted <= owned:
+                    continue
+                if model.engine is not None:
+                    raise ConfigError(
+                        f"prepare: {model!r} already trains with another optimizer; one "
+                        "optimizer per model (put several param groups in one optimizer)"
+                    )
+                self._build_engine(model, opt)
+                break
+
+    def _build_engine(self, model: PreparedModel, opt: PreparedOptimizer) -> None:
         from meshtrain.engine.start import start_engine
 
-        cfg = engine_config(self._config, self._loaders, self.topology)
-        self.engine = start_engine(model, cfg, topology=self.topology, optimizer=optimizer)
-        return self.engine
-
-    def _prepare_scheduler(self, scheduler) -> PreparedScheduler:
-        if self.engine is None or scheduler.optimizer is not self.engine.optimizer:
+        if self._config.get("fp16", {}).get("enabled") and self.engines:
             raise ConfigError(
-                "prepare: a scheduler is prepared with (or after) the model and the optimizer "
-                "it was built on"
+                "mixed_precision='fp16' with a second trained model: each engine keeps "
+                "its own dynamic loss scale and one backward can carry only one; train "
+                "several models in bf16 or fp32"
             )
-        prepared = PreparedScheduler(scheduler, self.engine)
-        self._schedulers.append(prepared)
-        return prepared
+        cfg = engine_config(self._config, self._loaders, self.topology)
+        # the one set-up path: resolves the config and warns about keys it ignores
+        engine = start_engine(model.module, cfg, topology=self.topology, optimizer=opt.optimizer)
+        for h in model.__dict__.pop("hooks", []):
+            h.remove()
+        model.__dict__["engine"] = engine
+        model.__dict__["driver"] = EngineDriver(engine)
+        opt.model = model
 
     # the step ----------------------------------------------------------------------------------
-    def _need_engine(self):
-        if self.engine is None:
-            raise ConfigError("prepare(model, optimizer, ...) first")
-        return self.engine
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``engine.backward``: scaled by the loss scale and 1 / accumulation steps."""
-        self._need_engine().backward(loss)
-
     @property
     def sync_gradients(self) -> bool:
-        """Whether this micro-step ends an accumulation window (the optimizer will step)."""
-        if self._sync_gradients is not None:
-            return self._sync_gradients
-        return self.engine is None or self.engine.is_gradient_accumulation_boundary()
+        """Whether this micro-step ends an accumulation window: the optimizer steps."""
+        return self._sync
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self._sync = bool(value)
+
+    def _do_sync(self) -> None:
+        """accelerate's counting: the prepared loader's last batch ends a window."""
+        loader = self._active_loader
+        if loader is not None and loader.end_of_dataloader:
+            self.step = 0
+            self._sync = True
+        else:
+            self.step += 1
+            self._sync = self.step % self.gradient_accumulation_steps == 0
 
     @contextmanager
     def accumulate(self, *models: Any) -> Iterator[None]:
-        """One micro-step of gradient accumulation; the engine reduces at the boundary,
-        which the last batch of the prepared dataloader being iterated forces."""
-        engine = self._need_engine()
-        loader = self._active_loader
-        left = 0 if loader is None else loader.batches_left  # this batch included
-        if 0 < left < engine.gas and engine.micro_steps % engine.gas == 0:
-            engine.shorten_window(left)  # the loader's short last window steps too
-        self._sync_gradients = engine.is_gradient_accumulation_boundary()
-        try:
+        """One micro-step of gradient accumulation: gradients stay local until the
+        window's last micro-step (``sync_gradients``), then they are averaged."""
+        self._do_sync()
+        if self._sync:
             yield
-        finally:
-            self._sync_gradients = None
+        else:
+            with self.no_sync():
+                yield
 
     @contextmanager
     def no_sync(self, model: Any = None) -> Iterator[None]:
-        """Accumulate locally without communicating (ZeRO stages 0-1; see engine.no_sync)."""
-        with self._need_engine().no_sync():
+        """Backward passes inside keep their gradients local (ZeRO stages 2-3 reduce
+        every backward anyway: their gradients are sharded, and the result is the same)."""
+        self._local += 1
+        try:
             yield
-
-    def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2.0
-    ) -> torch.Tensor:
-        """Clip the global gradient norm (over every shard) to ``max_norm`` in the next
-        optimizer step and return the norm before clipping. Call it after the window's
-        last backward (under ``if accelerator.sync_gradients``)."""
-        if float(norm_type) != 2.0:
-            raise ConfigError(
-                f"clip_grad_norm_: norm_type={norm_type}; the engine clips the L2 norm"
-            )
-        return torch.tensor(self._need_engine().clip_grad_norm_(max_norm))
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        raise ConfigError(
-            "clip_grad_value_: the engine clips the global L2 norm only; use clip_grad_norm_"
-        )
-
-    def _engine_step(self) -> bool:
-        return self._need_engine().step()
+        finally:
+            self._local -= 1
 
     @contextmanager
-    def autocast(self) -> Iterator[None]:
+    def trigger_sync_in_backward(self, model: Any) -> Iterator[None]:
+        """The backward inside synchronises even within ``no_sync`` / ``accumulate``."""
+        local, self._local = self._local, 0
+        try:
+            yield
+        finally:
+            self._local = local
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``(loss / gradient_accumulation_steps).backward()``, reduced over the
+        data-parallel ranks when this backward synchronises (``grads``' contract)."""
+        loss = loss / self.gradient_accumulation_steps
+        sync = self._local == 0
+        for m in self._models:
+            m.__dict__["touched"] = False
+        drivers = [m.driver for m in self._models if m.driver is not None]
+        if not drivers:
+            loss.backward(**kwargs)
+            if sync:
+                self._average_plain_grads()
+            return
+        engine = drivers[0].engine
+        multiplier = engine.scaler.scale / engine.zero.predivide
+        for d in drivers:
+            d.before_backward(sync)
+        (loss.float() * multiplier).backward(**kwargs)
+        for d in drivers:
+            d.after_backward(sync, loss)
+        if sync:
+            self._average_plain_grads()
+
+    def _average_plain_grads(self) -> None:
+        """Models without an engine that this backward reached: average over dp (DDP)."""
+        average_plain_grads(self._models, *self._dp())
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0):
+        """Clip the gradients of ``parameters`` in place to a global norm of ``max_norm``
+        and return the norm before clipping. At a synchronising step the gradients are
+        the averaged global ones (every shard under ZeRO); inside a window, the local
+        ones, as in accelerate."""
+        return clip_grad_norm(self._models, parameters, max_norm, norm_type, self._sync)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp the gradients of ``parameters`` to ``[-clip_value, clip_value]`` in place
+        (ZeRO stage 0: the ``p.grad`` views; the sharded stages refuse)."""
+        clip_grad_value(self._models, parameters, clip_value)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """fp16: the gradients are unscaled by ``clip_grad_norm_``; nothing to do here."""
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (fp16 overflow)."""
+        return any(o.step_was_skipped for o in self._optimizers)
+
+    @contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
         """``torch.autocast`` in the mixed-precision dtype (a no-op in fp32)."""
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.mixed_precision)
         ctx = nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
         with ctx:
             yield
 
-    # cross-process helpers -----------------------------------------------------------------------
-    def _dp(self):
-        t = self.topology
-        return (t.dp_group.pg if t.dp_size > 1 else None), t.dp_size
 
-    def gather(self, data: Any) -> Any:
-        """Every rank's tensors concatenated along dim 0 (same shapes on every rank)."""
-        return col.gather(data, *self._dp())
-
-    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
-        """``gather``, minus the rows the sampler repeated to even out the ranks: over a
-        prepared loader's pass, each row of the dataset comes back exactly once (in
-        dataset order for an unshuffled loader). Call it once per batch of the loader
-        being iterated; non-tensor data (a list of rows) goes through ``gather_object``."""
-        group, world = self._dp()
-        loader = self._active_loader
-        order = None if loader is None or world == 1 else col.exact_rows_order(*loader.batch_rows())
-        if use_gather_object or not col.has_tensor(data):
-            rows = [x for part in col.gather_object(list(data), group, world) for x in part]
-            return rows if order is None else [rows[i] for i in order.tolist()]
-        gathered = col.gather(data, group, world)
-        return gathered if order is None else col._map(lambda t: t[order], gathered)
-
-    def reduce(self, data: Any, reduction: str = "sum") -> Any:
-        return col.reduce(data, *self._dp(), reduction=reduction)
-
-    def pad_across_processes(
-        self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
-    ) -> Any:
-        group, world = self._dp()
-        return col.pad_across_processes(data, group, world, dim, pad_index, pad_first)
-
-    # models and state ----------------------------------------------------------------------------
-    def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True) -> nn.Module:
-        """The user's module (parameters sharded under ZeRO-3: see ``get_state_dict``)."""
-        return model.engine.module if isinstance(model, PreparedModel) else model
-
-    def get_state_dict(self, model: Any = None, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The full state dict, every parameter whole (gathered under ZeRO-3). Every rank
-        must call it."""
-        return self._need_engine().module_state_dict()
-
-    def save_model(
-        self,
-        model: Any,
-        save_directory: str | os.PathLike,
-        *,
-        merge_lora: bool = False,
-        safe_serialization: bool = True,
-    ) -> None:
-        """Save the model for ``from_pretrained``: a peft model saves its adapter only (or,
-        with ``merge_lora``, the base model with the adapter merged in); other models save
-        ``save_pretrained`` folders or ``model.safetensors``. Every rank must call it."""
-        from meshtrain.accelerate.peft_io import save_model, whole_for_save
-
-        state = self.get_state_dict(model)
-        unwrapped = self.unwrap_model(model)
-        with whole_for_save(self.engine, unwrapped):  # collective under ZeRO-3
-            if self.is_main_process:
-                save_model(unwrapped, state, Path(save_directory), merge_lora=merge_lora)
-        self.wait_for_everyone()
-
-    def save_state(self, output_dir: str | os.PathLike) -> Path:
-        """Everything for an exact resume: engine checkpoint (model, optimizer, counters,
-        scaler), schedulers, loader positions and this rank's RNG states."""
-        engine = self._need_engine()
-        client = {
-            "dataloaders": [dl.state_dict() for dl in self._loaders],
-            "schedulers": [s.state_dict() for s in self._schedulers],
-        }
-        rank, rng = self.process_index, rng_state()  # the states at the save, not at the commit
-        path = Path(
-            engine.save_checkpoint(
-                output_dir,
-                tag="accelerator_state",
-                client_state=client,
-                # after the commit: in the background under checkpoint.async_save
-                on_commit=lambda p: save_rng_state(Path(p), rank, rng),
-            )
-        )
-        self.wait_for_everyone()
-        return path
-
-    def load_state(self, input_dir: str | os.PathLike) -> None:
-        """Resume what ``save_state`` wrote (the same objects prepared in the same order)."""
-        engine = self._need_engine()
-        path, client = engine.load_checkpoint(input_dir, tag="accelerator_state")
-        for dl, st in zip(self._loaders, client.get("dataloaders", []), strict=False):
-            dl.load_state_dict(st)
-        for s, st in zip(self._schedulers, client.get("schedulers", []), strict=False):
-            s.load_state_dict(st)
-        load_rng_state(Path(path), self.process_index)
-
-    def end_training(self) -> None:
-        self.wait_for_everyone()
+def _is_scheduler(o: Any) -> bool:
+    return (
+        not isinstance(o, nn.Module | torch.optim.Optimizer | DataLoader)
+        and hasattr(o, "step")
+        and hasattr(o, "optimizer")
+    )
 
 
 __all__ = ["Accelerator"]

@@ -17,6 +17,7 @@ evaluation uses too.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from meshtrain.data import sampler
 def _map(fn, data: Any) -> Any:
     if isinstance(data, torch.Tensor):
         return fn(data)
-    if isinstance(data, dict):
+    if isinstance(data, Mapping):  # dicts and transformers' BatchEncoding
         return type(data)({k: _map(fn, v) for k, v in data.items()})
     if isinstance(data, list | tuple):
         return type(data)(_map(fn, v) for v in data)
@@ -36,7 +37,7 @@ def _map(fn, data: Any) -> Any:
 
 
 def has_tensor(data: Any) -> bool:
-    if isinstance(data, dict):
+    if isinstance(data, Mapping):
         return any(has_tensor(v) for v in data.values())
     if isinstance(data, list | tuple):
         return any(has_tensor(v) for v in data)

@@ -63,6 +63,44 @@ def config_dict(config, mixed_precision: str | None, gas: int) -> dict[str, Any]
     return d
 
 
+# accelerate's constructor arguments meshtrain does not implement, and why
+_REFUSED = {
+    "split_batches": "each prepared loader gives batch_size rows per process",
+    "dispatch_batches": "every process reads its own rows from the dataset",
+    "even_batches": "the loaders always even out the ranks (gather_for_metrics drops the repeats)",
+    "log_with": "there are no trackers; log on the main process yourself",
+    "kwargs_handlers": "DDP/GradScaler/InitProcessGroup kwargs do not apply to the Engine; "
+    "use config= (a DeepSpeed config) instead",
+    "deepspeed_plugin": "pass the DeepSpeed config itself as config=",
+    "fsdp_plugin": "use config= with zero_optimization.stage 3 (parameters sharded)",
+    "megatron_lm_plugin": "use config= with mesh.tensor_parallel_size / pipeline_parallel_size",
+    "torch_tp_plugin": "use config= with mesh.tensor_parallel_size",
+    "parallelism_config": "use config= with the mesh section",
+    "dataloader_config": "the prepared loaders are meshtrain's resumable loaders",
+    "rng_types": "save_state/load_state carry torch, python, numpy (and CUDA) RNG states",
+    "dynamo_backend": "use config= with compile",
+    "dynamo_plugin": "use config= with compile",
+    "fp8_recipe_handler": "fp8 is not supported",
+    "gradient_accumulation_plugin": "pass gradient_accumulation_steps=",
+    "project_config": "pass project_dir=",
+    "logging_dir": "there are no trackers",
+}
+
+
+def refuse_unsupported(kwargs: dict[str, Any]) -> None:
+    """ConfigError naming an accelerate argument meshtrain does not implement (and why),
+    or an argument accelerate does not have either. Default-valued ones pass."""
+    for name, value in kwargs.items():
+        if name in _REFUSED:
+            if value in (None, False, [], {}) or (name == "even_batches" and value is True):
+                continue
+            raise ConfigError(f"Accelerator({name}={value!r}) is not supported: {_REFUSED[name]}")
+        raise ConfigError(
+            f"Accelerator({name}=...): no such argument (accelerate's are accepted or refused "
+            "by name; see docs/accelerate.md)"
+        )
+
+
 def int_argument(name: str, value: Any, minimum: int) -> int:
     """An integer argument of ``Accelerator``, else a ConfigError naming it (not int()'s
     bare ValueError)."""
@@ -76,6 +114,9 @@ def engine_config(config: dict[str, Any], loaders: list, topology):
     from meshtrain.config import load_config
 
     d = dict(config)
+    # the Accelerator counts the accumulation window itself (accelerate's accumulate()):
+    # every engine steps whenever optimizer.step() is called at a synchronising step
+    d["gradient_accumulation_steps"] = 1
     train = [dl for dl in loaders if dl.shuffle] or loaders
     mb = d.get("train_micro_batch_size_per_gpu")
     if mb in (None, "auto"):
@@ -85,8 +126,9 @@ def engine_config(config: dict[str, Any], loaders: list, topology):
             f"train_micro_batch_size_per_gpu: the config says {mb} but the training "
             f'DataLoader has batch_size={train[0].batch_size}; make them agree or set "auto"'
         )
-    if d.get("train_batch_size") == "auto":
-        del d["train_batch_size"]
+    # derived from the loader and the (engine's) accumulation of 1; the Accelerator's
+    # global batch is batch_size x processes x gradient_accumulation_steps
+    d.pop("train_batch_size", None)
     cfg = load_config(d, world_size=topology.world_size)
     return cfg.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
 
@@ -135,4 +177,10 @@ def load_rng_state(folder: Path, rank: int) -> bool:
     return True
 
 
-__all__ = ["config_dict", "engine_config", "load_rng_state", "save_rng_state"]
+__all__ = [
+    "config_dict",
+    "engine_config",
+    "load_rng_state",
+    "refuse_unsupported",
+    "save_rng_state",
+]

@@ -1,70 +1,98 @@
-"""What ``Accelerator.prepare`` hands back: thin objects that drive one meshtrain Engine.
+"""What ``Accelerator.prepare`` hands back: thin objects over the user's, driving Engines.
 
 ========================  ==================================================================
 object                    what its calls do
 ========================  ==================================================================
-``PreparedModel``         ``model(x)`` / ``model(**batch)`` run ``engine.forward``; ``train``,
-                          ``eval``; any other attribute is the user's module's
-``PreparedOptimizer``     ``step()`` is ``engine.step()`` (it acts at the accumulation
-                          boundary only); ``zero_grad()`` is a no-op: the engine clears the
-                          flat gradient buffers after each optimizer step
-``PreparedScheduler``     ``step()`` steps the user's scheduler once per *real* optimizer
-                          step the engine applied since its last step (none inside an
-                          accumulation window, none after a skipped fp16 step)
+``PreparedModel``         ``model(*args, **kwargs)`` runs the model with the arguments as
+                          given: through its Engine once one is built (device placement,
+                          model dtype, ZeRO-3 gathering), else the module itself (a model
+                          prepared for evaluation only, or whose optimizer is not prepared
+                          yet); ``train``, ``eval``; any other attribute is the module's
+``PreparedOptimizer``     ``step()`` steps the engine when ``sync_gradients`` is True and
+                          is a no-op inside an accumulation window; ``zero_grad()`` clears
+                          the gradients at a boundary and is a no-op inside a window
+``PreparedScheduler``     accelerate's ``AcceleratedScheduler``: ``step()`` does nothing
+                          inside a window or after a skipped (fp16 overflow) step, else
+                          steps the scheduler once per data-parallel process
+                          (``split_batches=False``: the loader's length was divided by them)
 ``PreparedDataLoader``    a :class:`~meshtrain.data.loader.ResumableDataLoader` dealing the
                           dataset over the data-parallel ranks; batches land on the device;
                           its position is saved by ``save_state`` and resumed exactly
 ========================  ==================================================================
 
-Accelerate differences, on purpose: accelerate steps a scheduler ``num_processes`` times
-per optimizer step (``split_batches=False``); here it steps once per optimizer step, the
-schedule a single process would follow over the same global batches.
+A model and its optimizer may come in one ``prepare`` call or in different ones, in any
+order: the Engine is built when both are known (the Accelerator links them by the
+optimizer's parameters).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from meshtrain.data.loader import ResumableDataLoader
+from meshtrain.errors import ConfigError
 
 
 class PreparedModel:
-    """The model as prepared: calling it runs the engine's forward (device placement,
-    model dtype, ZeRO-3 gathering); attributes fall through to the user's module."""
+    """The model as prepared: calling it runs the engine's forward (or, with no engine,
+    the module under the Accelerator's autocast); attributes fall through to the module."""
 
-    def __init__(self, engine) -> None:
-        self.__dict__["engine"] = engine
+    def __init__(self, accelerator, module) -> None:
+        self.__dict__["accelerator"] = accelerator
+        self.__dict__["module"] = module
+        self.__dict__["engine"] = None
+        self.__dict__["driver"] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
+        if self.engine is not None:
+            return self.engine(*args, **kwargs)
+        with self.accelerator.autocast():
+            return self.module(*args, **kwargs)
 
     forward = __call__
 
     def train(self, mode: bool = True) -> PreparedModel:
-        self.engine.train(mode)
+        self.module.train(mode)
         return self
 
     def eval(self) -> PreparedModel:
         return self.train(False)
 
     def __getattr__(self, name: str) -> Any:  # parameters(), config, generate, ...
-        return getattr(self.engine.module, name)
+        return getattr(self.module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.module, name, value)
 
     def __repr__(self) -> str:
-        return f"PreparedModel({self.engine.module.__class__.__name__}, zero_stage={self.engine.zero_stage})"
+        where = "no engine" if self.engine is None else f"zero_stage={self.engine.zero_stage}"
+        return f"PreparedModel({self.module.__class__.__name__}, {where})"
 
 
 class PreparedOptimizer:
-    """The user's optimizer, now stepping the engine's fp32 master chunks."""
+    """The user's optimizer; once its model is prepared it steps the engine's fp32
+    master chunks."""
 
-    def __init__(self, accelerator, engine) -> None:
+    def __init__(self, accelerator, optimizer) -> None:
         self.accelerator = accelerator
-        self.engine = engine
-        self.optimizer = engine.optimizer
-        self._stepped = False  # did the last step() end an accumulation window?
+        self.optimizer = optimizer
+        self.model: PreparedModel | None = None  # set when the engine is built
+        self.step_was_skipped = False  # the last step hit an fp16 overflow
+
+    @property
+    def engine(self):
+        return None if self.model is None else self.model.engine
+
+    def _need_engine(self):
+        if self.engine is None:
+            raise ConfigError(
+                "optimizer.step(): the model this optimizer's parameters belong to was not "
+                "prepared; pass the model to accelerator.prepare (in this call or another)"
+            )
+        return self.engine
 
     @property
     def param_groups(self) -> list[dict]:
@@ -74,20 +102,41 @@ class PreparedOptimizer:
     def state(self):
         return self.optimizer.state
 
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
     def step(self, closure=None) -> None:
-        """One micro-step of the engine; the parameters change at the window's end only."""
+        """Update the parameters at a boundary (``sync_gradients``); a no-op inside a
+        window, as accelerate's."""
         if closure is not None:
-            raise TypeError("PreparedOptimizer.step does not take a closure")
-        self._stepped = self.accelerator._engine_step()
+            raise ConfigError(
+                "optimizer.step(closure): the engine steps fp32 master chunks once per "
+                "window and cannot re-evaluate a closure; call step() without it"
+            )
+        if not self.accelerator.sync_gradients:
+            return
+        engine = self._need_engine()
+        engine.step()
+        self.model.driver.after_step()
+        self.step_was_skipped = not engine.was_step_applied()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """No-op: the engine zeroes its gradient buffers after every optimizer step, and
-        inside an accumulation window the gradients must be kept."""
+        """Clear the gradients at a boundary; inside a window they are kept (accelerate)."""
+        if not self.accelerator.sync_gradients:
+            return
+        if self.model is not None:
+            self.model.driver.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
 
-    @property
-    def step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped (fp16 overflow)."""
-        return self._stepped and not self.engine.was_step_applied()
+    def train(self) -> None:
+        if hasattr(self.optimizer, "train"):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        if hasattr(self.optimizer, "eval"):
+            self.optimizer.eval()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
@@ -100,28 +149,38 @@ class PreparedOptimizer:
 
 
 class PreparedScheduler:
-    """The user's LR scheduler, stepped once per optimizer step the engine applied."""
+    """accelerate's ``AcceleratedScheduler`` semantics over the user's LR scheduler."""
 
-    def __init__(self, scheduler, engine) -> None:
+    def __init__(self, accelerator, scheduler, step_with_optimizer: bool = True) -> None:
+        self.accelerator = accelerator
         self.scheduler = scheduler
-        self.engine = engine
-        self._seen_steps = engine.global_steps - engine.skipped_steps
+        self.step_with_optimizer = step_with_optimizer
+
+    def _optimizers(self) -> list[PreparedOptimizer]:
+        inner = self.scheduler.optimizer
+        return [o for o in self.accelerator._optimizers if o.optimizer is inner]
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        applied = self.engine.global_steps - self.engine.skipped_steps
-        for _ in range(applied - self._seen_steps):
+        if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
-        self._seen_steps = applied
+            return
+        if not self.accelerator.sync_gradients:
+            return
+        if any(o.step_was_skipped for o in self._optimizers()):
+            return
+        for _ in range(self.accelerator.num_processes):
+            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR without drop_last
+            if total is None or self.scheduler._step_count <= total:
+                self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()
 
     def state_dict(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict(), "seen_steps": self._seen_steps}
+        return self.scheduler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._seen_steps = int(state["seen_steps"])
+        self.scheduler.load_state_dict(state)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
@@ -130,7 +189,7 @@ class PreparedScheduler:
 def _to_device(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device, non_blocking=True)
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):  # dicts and transformers' BatchEncoding
         return type(x)({k: _to_device(v, device) for k, v in x.items()})
     if isinstance(x, list | tuple) and not hasattr(x, "_fields"):
         return type(x)(_to_device(v, device) for v in x)
@@ -156,6 +215,7 @@ class PreparedDataLoader(ResumableDataLoader):
         self.end_of_dataloader = False
         self.batches_left = 0  # batches of this pass not yet consumed, the last one included
         self.on_batch = None  # the Accelerator's: which loader gather_for_metrics follows
+        self.on_end = None  # and when a pass is over (no loader is being iterated)
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
@@ -174,6 +234,8 @@ class PreparedDataLoader(ResumableDataLoader):
             yield _to_device(batch, self.device)
         # a pass that ran to its end: the next one is the next epoch
         self.batches_left = 0
+        if self.on_end is not None:
+            self.on_end(self)
         sampler.set_epoch(sampler.epoch + 1)
 
     def batch_rows(self) -> tuple[int, int, int, int]:
@@ -185,10 +247,15 @@ class PreparedDataLoader(ResumableDataLoader):
 def _rows(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return _rows(next(iter(batch.values())))
     if isinstance(batch, list | tuple):
-        return _rows(batch[0])
+        # a tuple of columns (tensors, dicts, lists), or one column of plain rows
+        # (default_collate of strings gives the list of them)
+        first = batch[0] if batch else None
+        return (
+            _rows(first) if isinstance(first, torch.Tensor | Mapping | list | tuple) else len(batch)
+        )
     return 1
 
 

@@ -3,7 +3,7 @@ Trainer, ``meshtrain train``) runs on.
 
 One step, in order::
 
-    engine(batch)          forward in the model dtype
+    engine(*inputs)        module(*inputs, **kwargs) in the model dtype (as DeepSpeed)
     engine.backward(loss)  backward of loss x scale / (k x f)   (k: accumulation steps,
                            f: gradient pre-division); buckets reduce as they fill
     engine.step()          at the accumulation boundary: global gradient norm over every
@@ -76,6 +76,9 @@ class Engine(EngineQueries):
         self.skipped_steps = 0
         self._step_applied = False
         self._global_grad_norm: float | None = None
+        # what this window's reduced gradients were already divided by in place (1: the
+        # raw loss-scaled sum; the Accelerator averages them over dp for the user to see)
+        self.grads_divided_by = 1.0
 
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model_parameters or model.parameters())  # a factory
@@ -124,15 +127,14 @@ class Engine(EngineQueries):
         return x
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model. ``engine(batch)`` with a dict calls ``model(**batch)``, with a
-        tuple/list ``model(*batch)``; ``engine(x, y)`` passes both."""
+        """Run the model on the arguments exactly as given: ``engine(batch)`` calls
+        ``module(batch)``, ``engine(x, y)`` ``module(x, y)``, ``engine(**batch)``
+        ``module(**batch)`` (DeepSpeed's ``forward(*inputs, **kwargs)``). Nothing is
+        unpacked, so a model whose ``forward`` takes one batch object gets that object.
+        Tensors are moved to ``engine.device`` and floating ones cast to the model dtype
+        on the way (a DeepSpeed script has done both already: a no-op for it)."""
         args, kwargs = self._to_device(args), self._to_device(kwargs)
-        if len(args) == 1 and not kwargs:
-            if isinstance(args[0], dict):
-                kwargs, args = args[0], ()
-            elif isinstance(args[0], list | tuple):
-                args = tuple(args[0])
-        self.log.count_batch(args, kwargs)
+        self.log.count_batch(*_counted(args, kwargs))
         with self.log.timed("forward"):
             return self.module(*args, **kwargs)
 
@@ -213,7 +215,9 @@ class Engine(EngineQueries):
         self.zero.before_step()  # reduces once, however often it is called in a window
         self._clip_once = float(max_norm)
         self._norm_once = self._grad_norm()  # gradients are final: step() reuses it
-        return self._norm_once / (self.scaler.scale * self.zero.grad_divisor)
+        return self._norm_once / (
+            self.scaler.scale * self.zero.grad_divisor / self.grads_divided_by
+        )
 
     def _grad_norm(self) -> float:
         if self.pipeline is None:
@@ -272,7 +276,7 @@ class Engine(EngineQueries):
     def _optimizer_step(self) -> None:
         self.zero.before_step()
         # the reduced gradients are the loss-scaled sum over dp ranks (pre-divided by f)
-        unscale = self.scaler.scale * self.zero.grad_divisor
+        unscale = self.scaler.scale * self.zero.grad_divisor / self.grads_divided_by
         # over every stage: clipping and overflow agree on all
         norm = self._grad_norm() if self._norm_once is None else self._norm_once
         clip = self.clip if self._clip_once is None else self._clip_once
@@ -291,6 +295,7 @@ class Engine(EngineQueries):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.zero.after_step()
+        self.grads_divided_by = 1.0
         self.scaler.update(overflow)
         self.global_steps += 1
 
@@ -448,6 +453,17 @@ class Engine(EngineQueries):
 
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.module.parameters()
+
+
+def _counted(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """What the step log counts samples and tokens in: a lone batch dict or tuple is
+    looked into (the model still gets it whole)."""
+    if len(args) == 1 and not kwargs:
+        if isinstance(args[0], dict):
+            return (), args[0]
+        if isinstance(args[0], list | tuple):
+            return tuple(args[0]), {}
+    return args, kwargs
 
 
 __all__ = ["Engine"]

@@ -8,7 +8,7 @@ Scripts written for DeepSpeed port with an import change::
     engine, optimizer, dataloader, lr_scheduler = meshtrain.initialize(
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
     for batch in dataloader:
-        loss = engine(batch)
+        loss = engine(**batch)   # module(**batch); engine(batch) is module(batch)
         engine.backward(loss)
         engine.step()        # acts only at the gradient-accumulation boundary
 """

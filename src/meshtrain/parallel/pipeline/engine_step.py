@@ -148,6 +148,18 @@ def _loss_of(out: Any) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") else out
 
 
+def _forward(engine, batch: Any) -> Any:
+    """``train_batch`` / ``eval_batch`` without a pipeline: a dict batch is the model's
+    keyword arguments, a tuple/list its positional ones, anything else its one argument
+    (the pipeline's rule for what a micro-batch is). ``engine(...)`` itself passes its
+    arguments through untouched, as DeepSpeed's does."""
+    if isinstance(batch, dict):
+        return engine(**batch)
+    if isinstance(batch, list | tuple):
+        return engine(*batch)
+    return engine(batch)
+
+
 def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
     mean loss on every rank. Without a pipeline it is the usual forward/backward/step."""
@@ -156,7 +168,7 @@ def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
     if pipe is None:
         losses = []
         for batch in batches:
-            loss = _loss_of(engine(batch))
+            loss = _loss_of(_forward(engine, batch))
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach().float())
@@ -235,6 +247,6 @@ def eval_batch(engine, data_iter: Iterator | None = None, num_micro_batches: int
     was = engine.module.training
     engine.module.eval()
     try:
-        return torch.stack([_loss_of(engine(b)).detach().float() for b in batches]).mean()
+        return torch.stack([_loss_of(_forward(engine, b)).detach().float() for b in batches]).mean()
     finally:
         engine.module.train(was)

@@ -1,0 +1,215 @@
+"""The gradients an Accelerator user sees, on meshtrain's flat buffers.
+
+accelerate's contract for ``p.grad`` (DDP underneath), which this module keeps:
+
+* ``accelerator.backward(loss)`` backpropagates ``loss / gradient_accumulation_steps``;
+* inside ``accumulate(model)`` before the window's last micro-step (``sync_gradients``
+  False) nothing is communicated: ``p.grad`` is this rank's local sum;
+* after a synchronising backward ``p.grad`` is the gradient *averaged* over the
+  data-parallel ranks;
+* ``clip_grad_norm_(params, max_norm)`` clips those gradients in place and returns the
+  global norm before clipping; ``optimizer.step()`` / ``zero_grad()`` act only when
+  ``sync_gradients`` is True.
+
+How the Engine's machinery is driven (one ``EngineDriver`` per trained model): the
+Engine is built with ``gradient_accumulation_steps = 1`` and the Accelerator decides which
+backward synchronises (accelerate's ``_do_sync`` counting), calling the ZeRO stage's
+lifecycle itself: ``begin_window`` after each step or ``zero_grad``, ``before_backward
+(sync)``, backward of ``loss x loss scale / f``, ``after_backward``. The bucketed,
+overlapped reduction into the flat buffer is the engine's, unchanged.
+
+The rule that decides where the extra pass goes (the flat buffers' speed is kept where
+nobody looks): the reduction leaves the *sum* over ranks in the flat buffer, and the
+engine folds ``1 / dp`` into the optimizer step's master-gradient copy (``initialize``
+and the Trainer: no pass of its own). Under the Accelerator at ZeRO stages 0-1 the user
+can read ``p.grad`` between backward and step, so right after each synchronising
+reduction the owned gradient chunks are multiplied by ``f / dp`` in place (one pass over
+the gradients per optimizer step, the only cost) and the engine is told
+(``engine.grads_divided_by``) so the step does not divide again. Stages 2-3 keep the sum:
+their gradients live in sharded buffers and ``p.grad`` is None after backward, as under
+accelerate's DeepSpeed plugin, so the division stays folded into the step.
+``clip_grad_norm_`` at a synchronising step unscales (fp16) and clips in place: stage 0
+through ``torch.nn.utils.clip_grad_norm_`` on the ``p.grad`` views (any subset, any
+norm type, exactly accelerate's call), stages 1-3 through the engine's global L2 norm over
+every shard; the step then applies neither scale nor clip again.
+
+A sum of averaged gradients stays right: a second synchronising backward in a window
+(a GAN's discriminator reached again by the generator's loss) adds local gradients to
+the averaged ones, the reduction sums ``dp x averaged + sum(local)``, and the division
+gives ``averaged + mean(local)``, DDP's result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshtrain.errors import ConfigError
+
+
+class EngineDriver:
+    """Drives one Engine's backward for the Accelerator (module docstring)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.window_open = False  # has this window's first backward run?
+        self.touched = False  # did the running backward reach this engine's parameters?
+        self.params = [p for g in engine.zero.flat_groups for p in g.params]
+        self.param_ids = {id(p) for p in self.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._touch) for p in self.params]
+
+    def _touch(self, _param) -> None:
+        self.touched = True
+
+    @property
+    def stage(self) -> int:
+        return self.engine.zero_stage
+
+    def before_backward(self, sync: bool) -> None:
+        zero = self.engine.zero
+        if not self.window_open:
+            zero.begin_window()
+            self.window_open = True
+        self.touched = False
+        zero.before_backward(sync)
+
+    def after_backward(self, sync: bool, loss: torch.Tensor) -> None:
+        if not self.touched:
+            return  # nothing landed and nothing was launched: leave the window as it is
+        engine, zero = self.engine, self.engine.zero
+        engine.log.add_loss(loss.detach())
+        zero.after_backward()
+        if sync and self.stage < 2:
+            zero.reducer.finish()  # wait for the overlapped buckets, launch the rest
+            zero._window_reduced = True
+            self._average()
+
+    def _average(self) -> None:
+        """Sum over ranks -> mean (``f / dp`` in place), once per synchronising reduction."""
+        zero = self.engine.zero
+        divisor = zero.grad_divisor
+        if divisor != 1.0:
+            for g in zero.flat_groups:
+                for chunk in g.grad_chunks:
+                    chunk.mul_(1.0 / divisor)
+        self.engine.grads_divided_by = divisor
+
+    def after_step(self) -> None:
+        self.window_open = False
+
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad()`` at a boundary: the next backward starts a fresh window."""
+        zero = self.engine.zero
+        for g in zero.flat_groups:
+            g.zero_grads()
+        zero._window_reduced = False
+        self.engine.grads_divided_by = 1.0
+        self.window_open = False
+
+    def clip_(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float):
+        """Clip this engine's global gradient in place at a synchronising step; return
+        the norm before clipping (a 0-d tensor)."""
+        engine, zero = self.engine, self.engine.zero
+        if engine._clip_once == 0.0:
+            raise ConfigError(
+                "clip_grad_norm_: called twice for one optimizer step; clip once, after the "
+                "window's last backward"
+            )
+        zero.before_step()  # stages 2-3: nothing left to wait for; 0-1: reduced already
+        unscale = engine.scaler.scale * zero.grad_divisor / engine.grads_divided_by
+        if self.stage == 0:
+            if unscale != 1.0:
+                for g in zero.flat_groups:
+                    for chunk in g.grad_chunks:
+                        chunk.mul_(1.0 / unscale)
+            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+            value = float(norm)
+        else:
+            if float(norm_type) != 2.0:
+                raise ConfigError(
+                    f"clip_grad_norm_(norm_type={norm_type}): at ZeRO stage {self.stage} "
+                    "the gradient is sharded and the engine computes the global L2 norm; "
+                    "use norm_type=2 (or ZeRO stage 0)"
+                )
+            if {id(p) for p in parameters} != self.param_ids:
+                raise ConfigError(
+                    f"clip_grad_norm_: at ZeRO stage {self.stage} clip every trainable "
+                    "parameter of the model at once (model.parameters()); the sharded "
+                    "gradient has no per-parameter norm"
+                )
+            value = engine._grad_norm() / unscale
+            coef = min(1.0, float(max_norm) / (value + 1e-6)) if math.isfinite(value) else 1.0
+            for g in zero.flat_groups:
+                for chunk in g.grad_chunks:
+                    chunk.mul_(coef / unscale)
+            norm = torch.tensor(value)
+        engine.grads_divided_by = engine.scaler.scale * zero.grad_divisor  # final values
+        engine._clip_once = 0.0  # clipped already: the step clips no more
+        engine._norm_once = value  # and reports this norm (inf/NaN: the step skips)
+        return norm
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def average_plain_grads(models, group, world: int) -> None:
+    """Average over dp the gradients of the prepared models without an engine that the
+    last backward reached (one all-reduce of their concatenation), as DDP would."""
+    if world == 1:
+        return
+    grads = [
+        p.grad
+        for m in models
+        if m.engine is None and m.__dict__.get("touched")
+        for p in m.module.parameters()
+        if p.grad is not None
+    ]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=group)
+        flat /= world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _params(parameters) -> list[torch.Tensor]:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def clip_grad_norm(models, parameters, max_norm: float, norm_type: float, sync: bool):
+    """``Accelerator.clip_grad_norm_``: the engine's in-place clip at a synchronising
+    step, torch's on the local gradients otherwise (or for models without an engine)."""
+    params = _params(parameters)
+    ids = {id(p) for p in params}
+    drivers = [m.driver for m in models if m.driver is not None and ids & m.driver.param_ids]
+    if not drivers or not sync:
+        grads = [p for p in params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
+    if len(drivers) > 1:
+        raise ConfigError(
+            "clip_grad_norm_: the parameters belong to several prepared models; clip "
+            "each model's parameters in its own call"
+        )
+    return drivers[0].clip_(params, float(max_norm), float(norm_type))
+
+
+def clip_grad_value(models, parameters, clip_value: float) -> None:
+    """``Accelerator.clip_grad_value_``: ZeRO stage 0 (or no engine) only."""
+    params = _params(parameters)
+    ids = {id(p) for p in params}
+    for m in models:
+        d = m.driver
+        if d is not None and d.stage > 0 and ids & d.param_ids:
+            raise ConfigError(
+                f"clip_grad_value_: at ZeRO stage {d.stage} the gradient is sharded "
+                "and p.grad is not it; use clip_grad_norm_ (or ZeRO stage 0)"
+            )
+    torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], clip_value)
+
+
+__all__ = ["EngineDriver", "average_plain_grads", "clip_grad_norm", "clip_grad_value"]
