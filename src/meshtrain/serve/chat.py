@@ -11,8 +11,13 @@ user/assistant turns). Otherwise the text is built exactly as meshtrain's
 piece tokenized without special tokens, so a model fine-tuned with that collator is
 asked the way it was taught.
 
-Context. A prompt (with its history) of ``n`` tokens needs ``n < context`` to generate
-anything: otherwise the request gets 422 naming ``prompt``, with both numbers.
+Context. A conversation that outgrows the context loses its oldest history rounds first
+(:meth:`Chat.fit`, the app's ``context_overflow="drop-oldest"``, the default) until
+``n + reserve <= context`` with ``reserve = min(max_new_tokens, context // 2)`` tokens
+left for the answer; the response says how many rounds were dropped. With
+``context_overflow="error"``, or when the prompt alone is too long, a prompt (with its
+history) of ``n`` tokens needs ``n < context`` to generate anything: otherwise the
+request gets 422 naming ``prompt``, with both numbers.
 ``max_new_tokens`` is then capped at ``context - n``, and the answer says
 ``finish_reason: "length"`` when it stopped there.
 
@@ -45,6 +50,7 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens or the context)
+    token_ids: list[int] | None = None  # the generated ids (tests compare them)
 
 
 class Chat:
@@ -113,6 +119,32 @@ class Chat:
             collator = type(collator)(self.tokenizer, template=template, add_eos=False)
         return collator.encode(record)["input_ids"]
 
+    def fit(
+        self,
+        prompt: str,
+        history: list[tuple[str, str]],
+        system: str | None,
+        reserve: int,
+    ) -> tuple[list[int], int]:
+        """(ids, dropped): the conversation without its ``dropped`` oldest history rounds,
+        where ``dropped`` is the fewest that leave ``reserve`` tokens of the context free
+        for the answer (all of them when even that is not enough; the caller then caps
+        the answer or answers 422 as without dropping). Binary search: dropping a round
+        never lengthens the prompt, and each try is one tokenization."""
+        ids = self.prompt_ids(prompt, history, system)
+        if self.context is None or len(ids) + reserve <= self.context or not history:
+            return ids, 0
+        lo, hi = 1, len(history)  # the answer is in [lo, hi]: hi fits, or drops all
+        best = self.prompt_ids(prompt, [], system)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            trial = self.prompt_ids(prompt, history[mid:], system)
+            if len(trial) + reserve <= self.context:
+                hi, best = mid, trial
+            else:
+                lo = mid + 1
+        return best, hi  # best is the conversation without history[:hi]
+
     def generate_kwargs(
         self,
         n_prompt: int,
@@ -160,4 +192,5 @@ class Chat:
             prompt_tokens=ids.shape[1],
             completion_tokens=len(new),
             finish_reason="stop" if stopped else "length",
+            token_ids=new,
         )
