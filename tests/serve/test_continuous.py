@@ -69,4 +69,5 @@ def test_greedy_under_batching_equals_generate_alone(served_chat):
         assert answer.text == tok.decode(want, skip_special_tokens=True), i
         assert answer.finish_reason == ("stop" if want[-1] in chat.eos_ids else "length")
     assert max(steps) > 1, "the prompts never shared a decoding step"
+    assert worker.prefills < len(prompts), "no two prompts were prefilled together"
     assert worker.done == len(prompts)

@@ -4,9 +4,10 @@ One worker thread owns the model. Each turn of its loop:
 
 1. **Admit.** Requests waiting in the bounded queue (``max_queue``; full -> ``QueueFull``,
    answered 503 with ``Retry-After``) join while fewer than ``max_batch`` sequences run.
-   A newcomer's prompt is prefilled **alone** (batch 1, no padding: the same forward
-   ``model.generate`` runs first), its first token chosen, and its cache joins the
-   running batch (``kv_batch.PaddedKV``: left padding, one row per sequence).
+   The newcomers' prompts are prefilled together in one forward (left-padded to the
+   longest, each row with its own positions; a lone newcomer is prefilled exactly as
+   ``model.generate`` prefills it), their first tokens chosen, and their cache rows join
+   the running batch (``kv_batch.PaddedKV``: left padding, one row per sequence).
 2. **Decode.** One forward of every running sequence's last token (``[B, 1]``), with the
    padding mask and each row's own positions; each row's next token is chosen with its
    own sampling parameters (greedy argmax, or temperature / top-k / top-p sampling) and
@@ -140,7 +141,8 @@ class ContinuousBatcher:
         self.on_step = on_step
         self.done = 0
         self.tokens = 0
-        self.steps = 0
+        self.steps = 0  # decoding steps
+        self.prefills = 0  # prefill forwards (several newcomers may share one)
         self._cache_arg = cache_kwarg(self.model)
         self._keep_arg = "logits_to_keep" in _forward_params(self.model)
         self._seqs: list[Sequence] = []
@@ -214,8 +216,7 @@ class ContinuousBatcher:
                     stopping = True
                     break
                 new.append(item)
-            for job in new:
-                self._admit(job)
+            self._admit(new)
             if self._seqs and not stopping:
                 self._step()
         for seq in self._seqs:  # shutting down: nobody will read these answers
@@ -253,25 +254,49 @@ class ContinuousBatcher:
             kw["logits_to_keep"] = 1
         return self.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache}, **kw)
 
-    def _admit(self, job: GenerationJob) -> None:
+    def _admit(self, jobs: list[GenerationJob]) -> None:
+        """Prefill ``jobs`` in one forward and add those that go on to the batch."""
         from transformers import DynamicCache
 
-        if job.cancelled.is_set():
-            self._finish(job, error=asyncio.CancelledError())
+        seqs = []
+        for job in jobs:
+            if job.cancelled.is_set():
+                self._finish(job, error=asyncio.CancelledError())
+                continue
+            try:
+                seqs.append(self._sequence(job))
+            except Exception as exc:  # a bad request fails alone
+                self._finish(job, error=exc)
+        if not seqs:
             return
+        width = max(s.n_prompt for s in seqs)
+        device = self.chat.device
+        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for row, s in enumerate(seqs):  # left padding: every prompt ends in the last column
+            ids[row, width - s.n_prompt :] = torch.tensor(s.job.input_ids, device=device)
+            mask[row, width - s.n_prompt :] = 1
+        kw: dict[str, Any] = {"attention_mask": mask}
+        if len(seqs) > 1:  # positions count real tokens only (as generate's batched inputs)
+            kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
         try:
-            seq = self._sequence(job)
-            ids = torch.tensor([job.input_ids], device=self.chat.device)
-            out = self._forward(
-                ids, DynamicCache(config=self.model.config), attention_mask=torch.ones_like(ids)
-            )
-            token = self._choose(out.logits[:, -1, :], [seq])[0]
-        except Exception as exc:  # this request's failure only; the batch goes on
-            self._finish(job, error=exc)
+            out = self._forward(ids, DynamicCache(config=self.model.config), **kw)
+            tokens = self._choose(out.logits[:, -1, :], seqs)
+        except Exception as exc:  # these requests fail; the running batch goes on
+            log.exception("prefill failed")
+            for s in seqs:
+                self._finish(s.job, error=exc)
             return
-        if self._advance(seq, token):
-            self._kv.join(output_cache(out), seq.n_prompt)
-            self._seqs.append(seq)
+        self.prefills += 1
+        self._kv.join(output_cache(out), mask)
+        rows = [self._kv.rows - len(seqs) + i for i in range(len(seqs))]
+        self._seqs += seqs
+        going = [self._advance(s, t) for s, t in zip(seqs, tokens, strict=True)]
+        if not all(going):  # some finished on their first token: drop their rows
+            keep = list(range(len(self._seqs) - len(seqs)))
+            keep += [r for r, g in zip(rows, going, strict=True) if g]
+            self._seqs = [self._seqs[i] for i in keep]
+            self._kv.keep(keep)
 
     def _step(self) -> None:
         keep = [i for i, s in enumerate(self._seqs) if not s.job.cancelled.is_set()]

@@ -7,10 +7,11 @@ padding, masked out by ``mask`` (``[B, T]``, 1 = real token). A row's own tokens
 therefore stored exactly as they would be alone, and RoPE positions are passed per row
 (``positions``), so padding changes no position.
 
-* A sequence **joins** with the cache of its own prefill (batch 1, ``n`` tokens): the
-  shorter of the batch and the newcomer is left-padded to the longer, and the newcomer is
-  concatenated as a new row. Cost: one copy of the batch's cache when the newcomer is
-  longer than ``T``, else one copy of the newcomer's.
+* Sequences **join** with the cache of their prefill (``b`` rows of ``L`` columns, left
+  padded the same way, with their mask): the narrower of the batch and the newcomers is
+  left-padded to the wider, and the newcomers are concatenated as new rows. Cost: one
+  copy of the batch's cache when the newcomers are wider than ``T``, else one copy of
+  theirs.
 * Sequences **leave** by keeping the other rows (``index_select`` on the batch dimension);
   columns that became padding in every row are then cut from the left, so ``T`` stays the
   longest running sequence, not the longest ever seen.
@@ -71,25 +72,23 @@ class PaddedKV:
     def width(self) -> int:
         return 0 if self.mask is None else self.mask.shape[1]
 
-    def join(self, cache: Any, n: int) -> None:
-        """Add one sequence whose prefill left ``cache`` (batch 1, ``n`` tokens)."""
+    def join(self, cache: Any, mask: torch.Tensor) -> None:
+        """Add the sequences whose prefill left ``cache`` (``b`` rows, left-padded as
+        ``mask``, ``[b, L]``, says)."""
+        lengths = mask.sum(dim=1).tolist()
         if self.cache is None:
-            self.cache = cache
-            self.mask = torch.ones(1, n, dtype=torch.long, device=cache.layers[0].keys.device)
-            self.lengths = [n]
+            self.cache, self.mask, self.lengths = cache, mask, lengths
             return
-        width = self.width
+        width, n = self.width, mask.shape[1]
         grow, pad_new = max(n - width, 0), max(width - n, 0)
         for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
             mine.keys = torch.cat([_pad_left(mine.keys, grow), _pad_left(theirs.keys, pad_new)])
             mine.values = torch.cat(
                 [_pad_left(mine.values, grow), _pad_left(theirs.values, pad_new)]
             )
-        row = torch.zeros(1, max(width, n), dtype=self.mask.dtype, device=self.mask.device)
-        row[0, -n:] = 1
-        mask = torch.nn.functional.pad(self.mask, (grow, 0))
-        self.mask = torch.cat([mask, row])
-        self.lengths.append(n)
+        pad = torch.nn.functional.pad
+        self.mask = torch.cat([pad(self.mask, (grow, 0)), pad(mask.to(self.mask), (pad_new, 0))])
+        self.lengths += lengths
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in this order); trim columns that are padding everywhere."""
