@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import httpx
 import pytest
@@ -68,7 +69,13 @@ def test_chat_page_in_a_browser(chat_dir, served_chat, tmp_path):
     want1 = reference(chat_dir, default_format_ids(chat_dir, first, []), N_NEW)
     outside: list[str] = []
     posted: list[dict] = []
-    with live_server(served_chat, max_new_tokens=N_NEW) as url, sync_api.sync_playwright() as p:
+    # 20 ms per decoding step: the pieces of an answer reach the page at different times
+    # (a fast server's events can otherwise arrive in one network read and show at once)
+    slow = served_chat.model.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    with (
+        live_server(served_chat, max_new_tokens=N_NEW) as url,
+        sync_api.sync_playwright() as p,
+    ):
         browser = p.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=chromium, headless=True, args=FLAGS
         )
@@ -116,6 +123,7 @@ def test_chat_page_in_a_browser(chat_dir, served_chat, tmp_path):
                 page.screenshot(path=shot)
         finally:
             browser.close()
+            slow.remove()
     assert outside == []
     assert answer1 == want1
     # streamed: the answer was shown in more than one piece before it was complete

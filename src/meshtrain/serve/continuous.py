@@ -216,9 +216,15 @@ class ContinuousBatcher:
                     stopping = True
                     break
                 new.append(item)
-            self._admit(new)
-            if self._seqs and not stopping:
-                self._step()
+            try:
+                self._admit(new)
+                if self._seqs and not stopping:
+                    self._step()
+            except Exception as exc:  # a bug here must not kill the worker: fail, go on
+                log.exception("continuous batching failed")
+                for seq in self._seqs:
+                    self._finish(seq.job, error=exc)
+                self._seqs, self._kv = [], PaddedKV()
         for seq in self._seqs:  # shutting down: nobody will read these answers
             self._finish(seq.job, error=asyncio.CancelledError())
         self._seqs, self._kv = [], PaddedKV()
