@@ -144,6 +144,7 @@ class ContinuousBatcher:
         self.steps = 0  # decoding steps
         self.prefills = 0  # prefill forwards (several newcomers may share one)
         self._cache_arg = cache_kwarg(self.model)
+        self._sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
         self._keep_arg = "logits_to_keep" in _forward_params(self.model)
         self._seqs: list[Sequence] = []
         self._kv = PaddedKV()
@@ -315,7 +316,10 @@ class ContinuousBatcher:
         last = torch.tensor([[s.tokens[-1]] for s in self._seqs], device=self.chat.device)
         mask, positions = self._kv.step_inputs()
         try:
-            out = self._forward(last, self._kv.cache, attention_mask=mask, position_ids=positions)
+            # sdpa takes a ready boolean [B, 1, 1, T + 1] mask (True = attend): transformers
+            # then skips building one from the 2-D mask at every step
+            ready = mask[:, None, None, :].bool() if self._sdpa else mask
+            out = self._forward(last, self._kv.cache, attention_mask=ready, position_ids=positions)
             tokens = self._choose(out.logits[:, -1, :], self._seqs)
         except Exception as exc:  # the batched forward failed: every running request learns why
             log.exception("decoding step failed")
