@@ -15,6 +15,7 @@ import re
 import time
 
 import httpx
+import pytest
 import torch
 
 from tests.serve.conftest import live_server
@@ -181,3 +182,13 @@ def test_metrics_on_a_classifier(served_classifier):
     assert _metric(text, "meshtrain_serve_requests_total", route="other", status="404") == 1
     assert _metric(text, "meshtrain_serve_batch_size_sum", kind="classify") == 2
     assert 'meshtrain_serve_queue_depth{queue="classify"} 0.0' in text
+
+
+def test_bad_settings_are_refused_by_name(served_chat):
+    from meshtrain.errors import ServeError
+    from meshtrain.serve.app import ServeSettings, build_app
+
+    with pytest.raises(ServeError, match="context_overflow 'drop' is not a policy"):
+        build_app(served_chat, ServeSettings(context_overflow="drop"))
+    with pytest.raises(ServeError, match="chat_batch_size 0 must be >= 1"):
+        build_app(served_chat, ServeSettings(chat_batch_size=0))

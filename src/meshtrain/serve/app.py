@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
+from meshtrain.errors import ServeError
 from meshtrain.serve.batching import DynamicBatcher, QueueFull
 from meshtrain.serve.http_errors import ApiError, BodyLimit, error_body, validation_answer
 from meshtrain.serve.loading import ServedModel
@@ -77,8 +78,13 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
 
     settings = settings or ServeSettings()
     if settings.context_overflow not in CONTEXT_OVERFLOW:
-        raise ValueError(
-            f"context_overflow must be one of {CONTEXT_OVERFLOW}, got {settings.context_overflow!r}"
+        raise ServeError(
+            f"context_overflow {settings.context_overflow!r} is not a policy; use one of "
+            f"{list(CONTEXT_OVERFLOW)} (meshtrain serve --context-overflow)"
+        )
+    if settings.chat_batch_size < 1:
+        raise ServeError(
+            f"chat_batch_size {settings.chat_batch_size} must be >= 1 (1 turns batching off)"
         )
     classifier = chat = batcher = worker = None
     batching = "off (chat_batch_size=1)"
