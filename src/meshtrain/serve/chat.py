@@ -99,6 +99,13 @@ class Chat:
         self._stopping = lambda job: StoppingCriteriaList([_Cancelled(job)])
         self._streamer = _Streamer
 
+    def streamer(self, job: GenerationJob, *, prompt_first: bool = True) -> Any:
+        """A ``TextStreamer`` pushing ``job``'s new text; ``prompt_first`` when the first
+        ``put`` is the prompt (as ``generate`` does), which it then skips."""
+        out = self._streamer(self.tokenizer, job)
+        out.next_tokens_are_prompt = prompt_first
+        return out
+
     def prompt_ids(
         self, prompt: str, history: list[tuple[str, str]], system: str | None = None
     ) -> list[int]:
@@ -177,7 +184,7 @@ class Chat:
     def run(self, job: GenerationJob) -> Answer:
         """Generate for one job (on the worker thread)."""
         ids = torch.tensor([job.input_ids], device=self.device)
-        streamer = self._streamer(self.tokenizer, job) if job.stream is not None else None
+        streamer = self.streamer(job) if job.stream is not None else None
         out = self.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),

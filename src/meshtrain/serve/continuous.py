@@ -242,8 +242,7 @@ class ContinuousBatcher:
 
         streamer = None
         if job.stream is not None:
-            streamer = self.chat._streamer(self.chat.tokenizer, job)
-            streamer.next_tokens_are_prompt = False  # only new tokens are put
+            streamer = self.chat.streamer(job, prompt_first=False)  # only new tokens are put
         return Sequence(
             job=job,
             n_prompt=len(job.input_ids),
