@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -125,25 +126,46 @@ def test_concurrent_requests_share_steps_and_match_generate(chat_dir, served_cha
 
 
 def test_full_queue_is_503_under_batching(chat_dir):
-    """Two sequences decode, one waits; of six long requests sent together, at least three
-    are answered 503 with Retry-After at once, and the server keeps answering."""
+    """Two sequences decode, one waits; of six requests sent together, at least three are
+    answered 503 with Retry-After at once, and the server keeps answering.
+
+    Until ``gate`` opens, each decoding step sleeps 10 ms and each answer needs 240 steps,
+    so no answer can finish within 2.4 s of its start; the gate opens once three requests
+    have been answered (the 503s), or after 30 s. So the batch stays full while the six
+    arrive (a slow client once let a fourth in after a short answer ended), and with a
+    larger batch the test fails: fewer than three 503s, the gate times out."""
     from meshtrain.serve.loading import load
 
     served = load(chat_dir)
-    served.model.generation_config.min_new_tokens = 40  # no early EOS: the batch stays full
-    slow = served.model.register_forward_pre_hook(lambda *_: time.sleep(0.01))
+    served.model.generation_config.min_new_tokens = 240  # no early EOS
+    armed, gate = threading.Event(), threading.Event()
+
+    def slow_until_gate(*_) -> None:  # armed after start-up (build_app runs a probe forward)
+        if armed.is_set() and not gate.is_set():
+            time.sleep(0.01)
+
+    slow = served.model.register_forward_pre_hook(slow_until_gate)
 
     async def burst(url: str):
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            body = {"prompt": "hi", "max_new_tokens": 40}
-            rs = await asyncio.gather(*(client.post("/", json=body) for _ in range(6)))
+            body = {"prompt": "hi", "max_new_tokens": 240}
+            armed.set()
+            tasks = [asyncio.create_task(client.post("/", json=body)) for _ in range(6)]
+            deadline = time.monotonic() + 30
+            while sum(t.done() for t in tasks) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            gate.set()
+            rs = await asyncio.gather(*tasks)
             metrics = (await client.get("/metrics")).text
             return rs, metrics
 
-    with live_server(served, max_queue=1, chat_batch_size=2, max_new_tokens=40) as url:
-        rs, metrics = asyncio.run(burst(url))
+    try:
+        with live_server(served, max_queue=1, chat_batch_size=2, max_new_tokens=240) as url:
+            rs, metrics = asyncio.run(burst(url))
+            ok = httpx.post(url, json={"prompt": "hi", "max_new_tokens": 2}, timeout=60)
+    finally:
+        gate.set()
         slow.remove()
-        ok = httpx.post(url, json={"prompt": "hi", "max_new_tokens": 2}, timeout=60)
     codes = sorted(r.status_code for r in rs)
     assert codes.count(503) >= 3 and codes.count(200) >= 2 and set(codes) <= {200, 503}, codes
     assert all(r.headers["retry-after"] == "1" for r in rs if r.status_code == 503)
