@@ -126,14 +126,15 @@ def test_concurrent_requests_share_steps_and_match_generate(chat_dir, served_cha
 
 
 def test_full_queue_is_503_under_batching(chat_dir):
-    """Two sequences decode, one waits; of six requests sent together, at least three are
-    answered 503 with Retry-After at once, and the server keeps answering.
+    """At most two sequences decode and one waits: of six requests sent together, at least
+    three are answered 503 with Retry-After at once, and the server keeps answering.
 
     Until ``gate`` opens, each decoding step sleeps 10 ms and each answer needs 240 steps,
     so no answer can finish within 2.4 s of its start; the gate opens once three requests
-    have been answered (the 503s), or after 30 s. So the batch stays full while the six
-    arrive (a slow client once let a fourth in after a short answer ended), and with a
-    larger batch the test fails: fewer than three 503s, the gate times out."""
+    have been answered (the 503s), or after 30 s. So nothing leaves while the six arrive
+    (a slow client once let a fourth in after a short answer ended). Requests arriving
+    within one step beyond the one queue place get 503 even when the batch has room
+    (docs/serve.md, "The queue"), so a fast burst may see more than three."""
     from meshtrain.serve.loading import load
 
     served = load(chat_dir)

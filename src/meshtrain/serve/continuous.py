@@ -2,8 +2,9 @@
 
 One worker thread owns the model. Each turn of its loop:
 
-1. **Admit.** Requests waiting in the bounded queue (``max_queue``; full -> ``QueueFull``,
-   answered 503 with ``Retry-After``) join while fewer than ``max_batch`` sequences run.
+1. **Admit.** Requests waiting in the bounded queue (``max_queue`` places, filled while
+   a step runs; full -> ``QueueFull``, answered 503 with ``Retry-After``) join while
+   fewer than ``max_batch`` sequences run.
    The newcomers' prompts are prefilled together in one forward (left-padded to the
    longest, each row with its own positions; a lone newcomer is prefilled exactly as
    ``model.generate`` prefills it), their first tokens chosen, and their cache rows join
