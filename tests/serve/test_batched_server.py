@@ -127,7 +127,8 @@ def test_concurrent_requests_share_steps_and_match_generate(chat_dir, served_cha
 
 def test_full_queue_is_503_under_batching(chat_dir):
     """At most two sequences decode and one waits: of six requests sent together, at least
-    three are answered 503 with Retry-After at once, and the server keeps answering.
+    three are answered 503 with Retry-After at once, the others are answered, and the
+    server keeps answering.
 
     Until ``gate`` opens, each decoding step sleeps 10 ms and each answer needs 240 steps,
     so no answer can finish within 2.4 s of its start; the gate opens once three requests
@@ -168,7 +169,8 @@ def test_full_queue_is_503_under_batching(chat_dir):
         gate.set()
         slow.remove()
     codes = sorted(r.status_code for r in rs)
-    assert codes.count(503) >= 3 and codes.count(200) >= 2 and set(codes) <= {200, 503}, codes
+    # >= 1 answered: a burst can fill the one queue place before the idle worker wakes
+    assert codes.count(503) >= 3 and codes.count(200) >= 1 and set(codes) <= {200, 503}, codes
     assert all(r.headers["retry-after"] == "1" for r in rs if r.status_code == 503)
     assert ok.status_code == 200
     assert _metric(
