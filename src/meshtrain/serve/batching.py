@@ -39,6 +39,7 @@ class DynamicBatcher:
         max_batch_size: int = 32,
         max_wait_ms: float = 5.0,
         max_queue: int = 1024,
+        on_batch: Callable[[int], None] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -46,6 +47,7 @@ class DynamicBatcher:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue = max_queue
+        self.on_batch = on_batch  # called with each batch's size (metrics)
         self.batches = 0  # counters for GET / and the benchmark
         self.items = 0
         self._queue: asyncio.Queue | None = None
@@ -66,6 +68,11 @@ class DynamicBatcher:
                 pass
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+    @property
+    def waiting(self) -> int:
+        """Items queued and not yet in a batch."""
+        return 0 if self._queue is None else self._queue.qsize()
 
     async def submit(self, items: Sequence[Any]) -> list[Any]:
         """Results for ``items`` (in order); raises QueueFull when there is no room."""
@@ -115,6 +122,8 @@ class DynamicBatcher:
                 continue
             self.batches += 1
             self.items += len(batch)
+            if self.on_batch is not None:
+                self.on_batch(len(batch))
             for (_, fut), result in zip(batch, results, strict=True):
                 if not fut.done():
                     fut.set_result(result)

@@ -11,8 +11,13 @@ user/assistant turns). Otherwise the text is built exactly as meshtrain's
 piece tokenized without special tokens, so a model fine-tuned with that collator is
 asked the way it was taught.
 
-Context. A prompt (with its history) of ``n`` tokens needs ``n < context`` to generate
-anything: otherwise the request gets 422 naming ``prompt``, with both numbers.
+Context. A conversation that outgrows the context loses its oldest history rounds first
+(:meth:`Chat.fit`, the app's ``context_overflow="drop-oldest"``, the default) until
+``n + reserve <= context`` with ``reserve = min(max_new_tokens, context // 2)`` tokens
+left for the answer; the response says how many rounds were dropped. With
+``context_overflow="error"``, or when the prompt alone is too long, a prompt (with its
+history) of ``n`` tokens needs ``n < context`` to generate anything: otherwise the
+request gets 422 naming ``prompt``, with both numbers.
 ``max_new_tokens`` is then capped at ``context - n``, and the answer says
 ``finish_reason: "length"`` when it stopped there.
 
@@ -45,6 +50,7 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens or the context)
+    token_ids: list[int] | None = None  # the generated ids (tests compare them)
 
 
 class Chat:
@@ -93,6 +99,13 @@ class Chat:
         self._stopping = lambda job: StoppingCriteriaList([_Cancelled(job)])
         self._streamer = _Streamer
 
+    def streamer(self, job: GenerationJob, *, prompt_first: bool = True) -> Any:
+        """A ``TextStreamer`` pushing ``job``'s new text; ``prompt_first`` when the first
+        ``put`` is the prompt (as ``generate`` does), which it then skips."""
+        out = self._streamer(self.tokenizer, job)
+        out.next_tokens_are_prompt = prompt_first
+        return out
+
     def prompt_ids(
         self, prompt: str, history: list[tuple[str, str]], system: str | None = None
     ) -> list[int]:
@@ -112,6 +125,32 @@ class Chat:
             template = replace(collator.template, system=system + "\n")
             collator = type(collator)(self.tokenizer, template=template, add_eos=False)
         return collator.encode(record)["input_ids"]
+
+    def fit(
+        self,
+        prompt: str,
+        history: list[tuple[str, str]],
+        system: str | None,
+        reserve: int,
+    ) -> tuple[list[int], int]:
+        """(ids, dropped): the conversation without its ``dropped`` oldest history rounds,
+        where ``dropped`` is the fewest that leave ``reserve`` tokens of the context free
+        for the answer (all of them when even that is not enough; the caller then caps
+        the answer or answers 422 as without dropping). Binary search: dropping a round
+        never lengthens the prompt, and each try is one tokenization."""
+        ids = self.prompt_ids(prompt, history, system)
+        if self.context is None or len(ids) + reserve <= self.context or not history:
+            return ids, 0
+        lo, hi = 1, len(history)  # the answer is in [lo, hi]: hi fits, or drops all
+        best = self.prompt_ids(prompt, [], system)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            trial = self.prompt_ids(prompt, history[mid:], system)
+            if len(trial) + reserve <= self.context:
+                hi, best = mid, trial
+            else:
+                lo = mid + 1
+        return best, hi  # best is the conversation without history[:hi]
 
     def generate_kwargs(
         self,
@@ -145,7 +184,7 @@ class Chat:
     def run(self, job: GenerationJob) -> Answer:
         """Generate for one job (on the worker thread)."""
         ids = torch.tensor([job.input_ids], device=self.device)
-        streamer = self._streamer(self.tokenizer, job) if job.stream is not None else None
+        streamer = self.streamer(job) if job.stream is not None else None
         out = self.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -160,4 +199,5 @@ class Chat:
             prompt_tokens=ids.shape[1],
             completion_tokens=len(new),
             finish_reason="stop" if stopped else "length",
+            token_ids=new,
         )

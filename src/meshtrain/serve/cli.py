@@ -23,6 +23,7 @@ def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn
     except ImportError as exc:
         print(
@@ -49,6 +50,8 @@ def _main(args: argparse.Namespace) -> int:
         max_wait_ms=args.max_wait_ms,
         max_new_tokens=args.max_new_tokens,
         max_queue=args.max_queue,
+        chat_batch_size=args.chat_batch_size,
+        context_overflow=args.context_overflow,
         timeout_s=args.timeout,
         max_body_bytes=args.max_body_bytes,
         chat_format=args.chat_format,
@@ -59,7 +62,8 @@ def _main(args: argparse.Namespace) -> int:
         f"meshtrain serve: {served.task} from {served.source}\n"
         f"meshtrain serve: http://{args.host}:{args.port} (POST "
         f"{'/classify' if served.task == 'text-classification' else '/ and /v1/chat/completions'}"
-        f", GET /health)",
+        f", GET /health, GET /metrics"
+        f"{'' if served.task == 'text-classification' else ', chat page at GET /chat'})",
         file=sys.stderr,
         flush=True,
     )
@@ -108,7 +112,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Serve a save_pretrained folder, a meshtrain checkpoint (sharded, any "
         "mesh or ZeRO stage, no conversion) or a Trainer checkpoint-N folder with FastAPI: "
         "POST /classify, POST / (prompt/history chat), POST /v1/chat/completions (OpenAI), "
-        "GET /health, GET /.",
+        "GET /chat (a chat page), GET /metrics (Prometheus), GET /health, GET /.",
     )
     p.add_argument("model", metavar="MODEL", help="model folder or checkpoint directory")
     p.add_argument(
@@ -150,6 +154,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=_positive(int),
         default=16,
         help="chat requests waiting for the generation worker before 503 (default 16)",
+    )
+    p.add_argument(
+        "--chat-batch-size",
+        type=_positive(int),
+        default=16,
+        help="chat sequences decoded together by continuous batching (default 16); 1 runs "
+        "one model.generate at a time",
+    )
+    p.add_argument(
+        "--context-overflow",
+        choices=("drop-oldest", "error"),
+        default="drop-oldest",
+        help="a conversation longer than the context: drop its oldest history rounds until "
+        "it fits with room to answer (default; the response says how many), or answer 422",
     )
     p.add_argument(
         "--timeout",

@@ -59,11 +59,20 @@ class GenerationJob:
 class GenerationWorker:
     """Runs ``run(job) -> result`` for each submitted job on one thread, in order."""
 
-    def __init__(self, run: Callable[[GenerationJob], Any], *, max_queue: int = 8) -> None:
+    def __init__(
+        self,
+        run: Callable[[GenerationJob], Any],
+        *,
+        max_queue: int = 8,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
         self.run = run
         self.max_queue = max_queue
+        self.on_done = on_done  # called after each answer (metrics)
         self.done = 0
+        self.tokens = 0  # generated so far (answers' completion_tokens)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._idle = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshtrain-generate", daemon=True)
         self._thread.start()
 
@@ -84,6 +93,10 @@ class GenerationWorker:
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        return 0 if self._idle.is_set() else 1
 
     def close(self, timeout: float = 10.0) -> None:
         for job in list(self._queue.queue):
@@ -108,7 +121,9 @@ class GenerationWorker:
 
     def _loop(self) -> None:
         while True:
+            self._idle.set()
             job = self._queue.get()
+            self._idle.clear()
             if job is _STOP:
                 return
             if job.cancelled.is_set():
@@ -120,4 +135,7 @@ class GenerationWorker:
                 self._finish(job, error=exc)
                 continue
             self.done += 1
+            self.tokens += getattr(result, "completion_tokens", 0)
+            if self.on_done is not None:
+                self.on_done()
             self._finish(job, result)

@@ -54,6 +54,17 @@ class ChatResponse(BaseModel):
     history: list[list[str]]
     status: int = 200
     time: str  # "YYYY-MM-DD HH:MM:SS", local time, as the seeds' api.py
+    dropped_rounds: int | None = Field(
+        None,
+        description="oldest history rounds left out so the conversation fits the context "
+        "(present only when some were)",
+    )
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False
 
 
 class ClassifyRequest(BaseModel):
@@ -101,6 +112,7 @@ class OpenAIChatRequest(BaseModel):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     n: Literal[1] = 1
 
     @field_validator("messages")
