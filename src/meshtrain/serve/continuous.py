@@ -50,8 +50,7 @@ from typing import Any
 
 import torch
 
-from meshtrain.serve.batching import QueueFull
-from meshtrain.serve.generation import _STOP, GenerationJob
+from meshtrain.serve.generation import _STOP, GenerationJob, JobQueue
 from meshtrain.serve.kv_batch import PaddedKV, cache_kwarg, output_cache, supports
 
 log = logging.getLogger("meshtrain.serve")
@@ -117,7 +116,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(JobQueue):
     """The worker of chat generation with continuous batching (module docstring).
 
     Same interface as :class:`~meshtrain.serve.generation.GenerationWorker`: ``submit``,
@@ -152,25 +151,6 @@ class ContinuousBatcher:
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._loop, name="meshtrain-batch", daemon=True)
         self._thread.start()
-
-    # -- the event loop's side -------------------------------------------------------
-    def submit(
-        self, input_ids: list[int], kwargs: dict[str, Any], *, stream: bool = False
-    ) -> GenerationJob:
-        """Queue a job (call on the event loop); raises QueueFull when the queue is full."""
-        loop = asyncio.get_running_loop()
-        job = GenerationJob(
-            input_ids, kwargs, loop, loop.create_future(), asyncio.Queue() if stream else None
-        )
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self.max_queue} generation requests are already waiting") from None
-        return job
-
-    @property
-    def waiting(self) -> int:
-        return self._queue.qsize()
 
     @property
     def running(self) -> int:

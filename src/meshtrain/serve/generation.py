@@ -56,25 +56,13 @@ class GenerationJob:
             yield piece
 
 
-class GenerationWorker:
-    """Runs ``run(job) -> result`` for each submitted job on one thread, in order."""
+class JobQueue:
+    """The event loop's side of a generation worker: a bounded queue of jobs (``_queue``,
+    ``max_queue`` places) that its thread takes from. Shared by the one-at-a-time worker
+    and the continuous batcher."""
 
-    def __init__(
-        self,
-        run: Callable[[GenerationJob], Any],
-        *,
-        max_queue: int = 8,
-        on_done: Callable[[], None] | None = None,
-    ) -> None:
-        self.run = run
-        self.max_queue = max_queue
-        self.on_done = on_done  # called after each answer (metrics)
-        self.done = 0
-        self.tokens = 0  # generated so far (answers' completion_tokens)
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._idle = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="meshtrain-generate", daemon=True)
-        self._thread.start()
+    _queue: queue.Queue
+    max_queue: int
 
     def submit(
         self, input_ids: list[int], kwargs: dict[str, Any], *, stream: bool = False
@@ -93,6 +81,27 @@ class GenerationWorker:
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
+
+
+class GenerationWorker(JobQueue):
+    """Runs ``run(job) -> result`` for each submitted job on one thread, in order."""
+
+    def __init__(
+        self,
+        run: Callable[[GenerationJob], Any],
+        *,
+        max_queue: int = 8,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        self.run = run
+        self.max_queue = max_queue
+        self.on_done = on_done  # called after each answer (metrics)
+        self.done = 0
+        self.tokens = 0  # generated so far (answers' completion_tokens)
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="meshtrain-generate", daemon=True)
+        self._thread.start()
 
     @property
     def running(self) -> int:
