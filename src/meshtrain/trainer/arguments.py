@@ -325,7 +325,7 @@ class TrainingArguments:
         if self.bf16:
             config["bf16"] = {**config.get("bf16", {}), "enabled": True}
         if "optimizer" not in config:
-            config["optimizer"] = self._optimizer_section()
+            config["optimizer"] = self.optimizer_section()
         if self.mesh:
             config["mesh"] = {**config.get("mesh", {}), **self.mesh}
         if self.gradient_checkpointing:
@@ -344,7 +344,9 @@ class TrainingArguments:
         cfg = cfg.resolve_auto({k: v for k, v in filled.items()})
         return cfg.to_dict(derived=False)
 
-    def _optimizer_section(self) -> dict[str, Any]:
+    def optimizer_section(self) -> dict[str, Any]:
+        """The engine config's ``optimizer`` section for ``optim`` and its settings
+        (meshtrain's; ``Trainer.create_optimizer`` builds from it)."""
         kind = OPTIMIZERS[self.optim]
         params: dict[str, Any] = {"lr": self.learning_rate, "weight_decay": self.weight_decay}
         if kind in ("Adam", "AdamW", "AdamW8bit"):

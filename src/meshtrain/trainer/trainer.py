@@ -206,7 +206,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         torch optimizer of ``args.optim`` over transformers' weight-decay groups, which
         the engine then wraps; after set-up it is the engine's optimizer."""
         if self.optimizer is None:
-            spec = self.args._optimizer_section()  # the engine config's optimizer section
+            spec = self.args.optimizer_section()  # the engine config's optimizer section
             cls = getattr(torch.optim, spec["type"])
             groups = setup.param_groups(model if model is not None else self.model)
             self.optimizer = cls(groups, **spec["params"])
