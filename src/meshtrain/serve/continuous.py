@@ -156,29 +156,7 @@ class ContinuousBatcher(JobQueue):
     def running(self) -> int:
         return len(self._seqs)
 
-    def close(self, timeout: float = 10.0) -> None:
-        for job in list(self._queue.queue):
-            if isinstance(job, GenerationJob):
-                job.cancelled.set()
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            pass
-        self._thread.join(timeout)
-
     # -- the worker thread -------------------------------------------------------------
-    def _finish(self, job: GenerationJob, result: Any = None, error: BaseException | None = None):
-        def settle() -> None:
-            if not job.future.done():
-                if error is not None:
-                    job.future.set_exception(error)
-                else:
-                    job.future.set_result(result)
-            if job.stream is not None:
-                job.stream.put_nowait(_STOP)
-
-        job.loop.call_soon_threadsafe(settle)
-
     @torch.inference_mode()
     def _loop(self) -> None:
         stopping = False

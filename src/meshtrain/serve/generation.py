@@ -62,6 +62,7 @@ class JobQueue:
     and the continuous batcher."""
 
     _queue: queue.Queue
+    _thread: threading.Thread
     max_queue: int
 
     def submit(
@@ -81,6 +82,30 @@ class JobQueue:
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel the waiting jobs, stop the thread after its current work, join it."""
+        for job in list(self._queue.queue):
+            if isinstance(job, GenerationJob):
+                job.cancelled.set()
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    # called on the worker thread: settle a job's future (and end its stream) on its loop
+    def _finish(self, job: GenerationJob, result: Any = None, error: BaseException | None = None):
+        def settle() -> None:
+            if not job.future.done():
+                if error is not None:
+                    job.future.set_exception(error)
+                else:
+                    job.future.set_result(result)
+            if job.stream is not None:
+                job.stream.put_nowait(_STOP)
+
+        job.loop.call_soon_threadsafe(settle)
 
 
 class GenerationWorker(JobQueue):
@@ -106,27 +131,6 @@ class GenerationWorker(JobQueue):
     @property
     def running(self) -> int:
         return 0 if self._idle.is_set() else 1
-
-    def close(self, timeout: float = 10.0) -> None:
-        for job in list(self._queue.queue):
-            job.cancelled.set()
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            pass
-        self._thread.join(timeout)
-
-    def _finish(self, job: GenerationJob, result: Any = None, error: BaseException | None = None):
-        def settle() -> None:
-            if not job.future.done():
-                if error is not None:
-                    job.future.set_exception(error)
-                else:
-                    job.future.set_result(result)
-            if job.stream is not None:
-                job.stream.put_nowait(_STOP)
-
-        job.loop.call_soon_threadsafe(settle)
 
     def _loop(self) -> None:
         while True:
