@@ -300,6 +300,13 @@ class Topology:
         return self._groups["dp"]
 
     @property
+    def replica_group(self) -> Group:
+        """The ranks holding the same copy of the (non-expert) weights, over which their
+        gradients are averaged and ZeRO shards: dp x cp. It is the ``dp`` group itself when
+        cp is 1 (the same ranks; the ledger and the step log then say ``dp``)."""
+        return self._groups["dp" if self.cp_size == 1 else "dp_cp"]
+
+    @property
     def cp_group(self) -> Group:
         return self._groups["cp"]
 

@@ -170,16 +170,17 @@ def parallelize(
 
 
 def _broadcast(model: nn.Module, topology: Topology) -> None:
-    """Start every data-parallel replica from rank 0's weights and buffers (over dp;
-    over dp_cp once context parallelism is built: cp ranks hold the same weights too). A
+    """Start every replica from its group's first rank's weights and buffers (over dp x cp,
+    ``topology.replica_group``: cp ranks hold the same weights too). A
     model whose every rank reads the same files next (``meshtrain.from_pretrained`` sets
     ``meshtrain_weights_from_files``) skips it: it would write the whole model on every
     rank but 0, the very copy sliced loading avoids."""
-    if topology.dp_size == 1 or getattr(model, "meshtrain_weights_from_files", False):
+    replicas = topology.replica_group
+    if replicas.size == 1 or getattr(model, "meshtrain_weights_from_files", False):
         return
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, 0, topology.dp_group, label="init")
+            comm.broadcast(t.data, 0, replicas, label="init")
 
 
 __all__ = ["Parallelized", "parallelize"]

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtrain.distributed.topology import Topology
+from meshtrain.distributed.topology import Group, Topology
 from meshtrain.errors import ConfigError
 from meshtrain.optim.catalog import layout_of
 from meshtrain.parallel.blocks import gather_units
@@ -127,12 +127,12 @@ def _quantized_base(model: nn.Module, partitions: int) -> None:
 
 
 def _build_plan(
-    model: nn.Module, groups: list[dict], config, topology: Topology, stage: int
+    model: nn.Module, groups: list[dict], config, topology: Topology, stage: int, replicas: Group
 ) -> ZeroPlan:
     """Lay out the trainable parameters of ``groups`` for ``stage`` (see module docstring)."""
     z = config.zero_optimization
-    partitions = topology.dp_size if stage >= 1 else 1
-    rank = topology.dp_rank if partitions > 1 else 0
+    partitions = replicas.size if stage >= 1 else 1  # shards over the ranks of one copy
+    rank = replicas.rank if partitions > 1 else 0
     master_device = torch.device("cpu") if _offloaded(z.offload_optimizer) else None
     common = dict(
         partitions=partitions,
@@ -185,7 +185,7 @@ def _build_plan(
             model,
             units,
             sharded,
-            topology.dp_group,
+            replicas,
             int(z.stage3_prefetch_bucket_size),
             frozen=frozen,
         )

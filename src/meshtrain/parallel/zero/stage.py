@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from meshtrain.distributed import comm
-from meshtrain.distributed.topology import Topology
+from meshtrain.distributed.topology import Group, Topology
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import TrainingError
 from meshtrain.parallel.zero.gather_ahead import GatherAhead
@@ -48,18 +48,28 @@ from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory
 class ZeroStage:
     """Flat groups, gradient reducer and (stage 3) gatherer of one model, and their order."""
 
-    def __init__(self, model: nn.Module, groups: list[dict], config, topology: Topology) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: list[dict],
+        config,
+        topology: Topology,
+        replicas: Group | None = None,
+    ) -> None:
         z = config.zero_optimization
         self.stage = int(z.stage)
         self.topology = topology
-        plan = build_plan(model, groups, config, topology, self.stage)
+        # the ranks holding the same copy of these parameters: dp x cp for the model's
+        # weights (cp ranks see other chunks of the same rows), edp for expert weights
+        self.replicas = replicas = replicas or topology.replica_group
+        plan = build_plan(model, groups, config, topology, self.stage, replicas)
         self.per_group = plan.per_group
         self.flat_groups = plan.flat_groups
         self.gatherer = plan.gatherer
         self.frozen_groups = plan.frozen_groups  # stage 3: frozen parameters' shards
         self.every_backward = self.stage >= 2
         self._window_reduced = False  # stages 0-1: before_step already finished the reduction
-        dp = topology.dp_size
+        dp = replicas.size
         self.predivide = float(
             dp if config.prescale_gradients else config.gradient_predivide_factor
         )
@@ -70,7 +80,7 @@ class ZeroStage:
         gatherer = self.gatherer
         self.reducer = GradReducer(
             self.flat_groups,
-            topology.dp_group,
+            replicas,
             overlap=bool(z.overlap_comm),
             comm_dtype=self.comm_dtype,
             ignore_unused=bool(z.ignore_unused_parameters),
@@ -80,8 +90,8 @@ class ZeroStage:
         # stages 1-2 (and stage 3's whole parameters): all-gathered after every step
         self.gathered_groups = [g for g in self.flat_groups if g.sharded and not g.shard_params]
         self.ahead = (
-            GatherAhead(model, self.gathered_groups, topology.dp_group)
-            if z.overlap_param_gather and self.gathered_groups and topology.dp_size > 1
+            GatherAhead(model, self.gathered_groups, replicas)
+            if z.overlap_param_gather and self.gathered_groups and replicas.size > 1
             else None
         )
         self.tp_spans = None  # tensor parallelism: which gradient spans are sharded over tp
@@ -134,7 +144,7 @@ class ZeroStage:
             sq = local_square_sum(self.flat_groups, self.tp_spans, self.topology.tp_size, device)
             comm.all_reduce(sq, self.topology.tp_group, label="control")
             if any(g.sharded for g in self.flat_groups):
-                comm.all_reduce(sq, self.topology.dp_group, label="control")
+                comm.all_reduce(sq, self.replicas, label="control")
             return float(sq.sqrt())
         parts = [
             torch.linalg.vector_norm(c, dtype=torch.float32)
@@ -143,7 +153,7 @@ class ZeroStage:
         ]
         sq = torch.stack(parts).pow(2).sum() if parts else torch.zeros((), device=device)
         if any(g.sharded for g in self.flat_groups):
-            comm.all_reduce(sq, self.topology.dp_group, label="control")
+            comm.all_reduce(sq, self.replicas, label="control")
         return float(sq.sqrt())
 
     def step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
@@ -169,7 +179,7 @@ class ZeroStage:
             for b in g.buckets:  # in place: the input is this rank's chunk of the output
                 full = b.view(g.param_flat)
                 mine = b.owned(g.param_flat, g.rank)
-                works.append(comm.all_gather_bucket(full, mine, self.topology.dp_group))
+                works.append(comm.all_gather_bucket(full, mine, self.replicas))
         for w in works:
             w.wait()
 
