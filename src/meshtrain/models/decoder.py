@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.models.attention import causal_attention
+
 
 @dataclass
 class DecoderConfig:
@@ -94,7 +96,7 @@ class Attention(nn.Module):
             for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
