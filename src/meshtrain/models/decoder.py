@@ -11,6 +11,11 @@ single-process reference get bit-identical weights.
 
 ``forward(input_ids, labels=None)`` returns logits ``[batch, seq, vocab]``, or the mean
 next-token cross-entropy (labels shifted inside; -100 is ignored) when labels are given.
+
+Packed rows (padding-free): ``position_ids`` ``[batch, seq]`` that restart at 0 for each
+document give each token its rotary position, and the attention of a token stays inside its
+own document (``document_ids``, derived from the restarts unless given; see
+``meshtrain.models.attention``).
 """
 
 from __future__ import annotations
@@ -86,8 +91,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.context = None  # context parallelism sets how attention spans the cp ranks
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         # [B, T, D] -> [B, H, T, hd]; the head count is taken from the weight so that a
         # tensor-parallel split (fewer heads per rank) needs no change here.
@@ -96,7 +108,7 @@ class Attention(nn.Module):
             for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = causal_attention(q, k, v)
+        y = causal_attention(q, k, v, document_ids=document_ids, context=self.context)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -123,8 +135,14 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, document_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -172,18 +190,47 @@ class Decoder(nn.Module):
                 std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         t = input_ids.shape[1]
-        if t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
         x = self.embed(input_ids)
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        if position_ids is None:
+            if t > self.config.max_seq_len:
+                raise ValueError(
+                    f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}"
+                )
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        else:
+            if int(position_ids.max()) >= self.config.max_seq_len:
+                raise ValueError(
+                    f"position_ids reach {int(position_ids.max())}, beyond max_seq_len "
+                    f"{self.config.max_seq_len}; raise max_seq_len or pack shorter documents"
+                )
+            # [B, T, hd/2] -> [B, 1, T, hd/2]: one rotation per token, shared by the heads
+            cos, sin = self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None]
+            if document_ids is None:
+                document_ids = documents_from_positions(position_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, document_ids)
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
         return self.loss_fn(logits, labels)
+
+
+def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """``[B, T]`` document index of each token of packed rows: a new document starts
+    wherever the position restarts at 0. None when every row is one document (plain
+    causal attention, no mask to build)."""
+    starts = position_ids == 0
+    if int(starts[:, 1:].sum()) == 0:
+        return None
+    return starts.cumsum(-1)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
