@@ -167,3 +167,33 @@ def test_gradients_land_in_the_flat_buffer_without_a_memset():
     assert first.weight.grad is group.grad_views[first.weight]
     assert torch.equal(first.weight.grad, manual)
     reducer.remove()
+
+
+def test_whole_packing_keeps_every_parameter_inside_one_chunk():
+    """``pack_whole`` (Adafactor's layout): each bucket is P equal chunks, every parameter
+    lies inside exactly one, none overlap, and P = 1 gives the flat packing's offsets."""
+    from meshtrain.parallel.zero.flat_group import pack_buckets, pack_whole
+
+    numels = [35, 7, 21, 3, 300, 64, 64, 1, 9, 128]
+    keys = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+    for partitions in (1, 2, 3, 4):
+        for cap, ks in ((100, None), (1 << 30, None), (100, keys)):
+            packed = pack_whole(numels, cap, partitions, ks)
+            assert sorted(i for _, _, m, _ in packed for i in m) == list(range(len(numels)))
+            end = 0
+            for start, numel, members, offsets in packed:
+                assert start == end and numel % partitions == 0
+                chunk = numel // partitions
+                spans = sorted((o, o + numels[i]) for i, o in zip(members, offsets, strict=True))
+                for (a, b), (c, _) in zip(spans, spans[1:], strict=False):
+                    assert b <= c  # no overlap
+                for a, b in spans:  # inside one rank's chunk
+                    assert (a - start) // chunk == (b - 1 - start) // chunk
+                if ks is not None:
+                    assert len({ks[i] for i in members}) == 1
+                end = start + numel
+    flat = pack_buckets(numels, 100, 1)
+    whole = pack_whole(numels, 100, 1)
+    assert [(s, n, m) for s, n, m, _ in whole] == flat
+    for s, _, m, offsets in whole:
+        assert offsets == [s + sum(numels[j] for j in m[:k]) for k in range(len(m))]

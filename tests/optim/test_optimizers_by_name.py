@@ -12,8 +12,10 @@ every layout sees exactly the single-process gradients. Then:
   master layout puts every parameter and every rank's chunk on the 256 grid and chooses
   8-bit state by the whole parameter's size, so a shard steps the same blocks;
 * foreach AdamW equals torch's foreach AdamW bit for bit;
-* Adafactor under ZeRO >= 1 over 2 ranks is refused by name (its factored statistics need
-  each parameter whole; docs/optimizers.md).
+* Adafactor under ZeRO 1, 2 and 3 over 2 ranks: within 1e-6 of torch's Adafactor in one
+  process. Its factored statistics need each parameter whole, so the "whole" master layout
+  packs every parameter inside one rank's chunk (``flat_group.pack_whole``); the reference
+  tolerance is the one-process one (the same arithmetic per parameter, measured identical).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def test_each_optimizer_matches_its_library_at_one_process():
     assert report.formula is not None and report.measured.optimizer > 0
 
 
-def test_sharded_runs_step_bit_identically_and_adafactor_is_refused():
+def test_sharded_runs_step_bit_identically_and_adafactor_whole_per_rank():
     off = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     layouts = [
         ("AdamW8bit", None),
@@ -147,15 +149,21 @@ def test_sharded_runs_step_bit_identically_and_adafactor_is_refused():
         ("AdamW8bit", {"stage": 3, "stage3_param_persistence_threshold": 0}),
         ("AdamW8bit", off),
         ("Lion", {"stage": 2}),
+        ("Adafactor", {"stage": 1}),
         ("Adafactor", {"stage": 2}),
+        ("Adafactor", {"stage": 3, "stage3_param_persistence_threshold": 0}),
     ]
-    got = run_ranks(_runs, 2, layouts)[0]
+    got = run_ranks(_runs, 2, [*layouts, ("Adafactor", None)])[0]
     ref8, ref_lion = _reference("AdamW8bit"), _reference("Lion")
     for _, zero in layouts[:5]:
         _same(got[f"AdamW8bit/{zero}"], ref8, exact=True)
     _same(got[f"Lion/{ {'stage': 2} }"], ref_lion, exact=True)
-    refused = got[f"Adafactor/{ {'stage': 2} }"]
-    assert refused[0] == "refused" and "optimizer.type: Adafactor" in refused[1]
+    ref_factor = _reference("Adafactor")
+    for _, zero in layouts[6:]:
+        _same(got[f"Adafactor/{zero}"], ref_factor, exact=False)
+    # each rank holds whole parameters and their factored state: about half of one process
+    shard = got[f"Adafactor/{ {'stage': 2} }"][2].measured.optimizer
+    assert 0 < shard < 0.75 * got["Adafactor/None"][2].measured.optimizer
     # ZeRO-2 over 2 ranks: each rank holds about half the 8-bit state of one process
     half = got[f"AdamW8bit/{ {'stage': 2} }"][2].measured.optimizer
     assert half < 0.6 * got["AdamW8bit/None"][2].measured.optimizer

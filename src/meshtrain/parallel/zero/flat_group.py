@@ -118,6 +118,50 @@ def pack_buckets(
     return out
 
 
+def pack_whole(
+    numels: list[int], bucket_numel: int, partitions: int, keys: list | None = None
+) -> list[tuple[int, int, list[int], list[int]]]:
+    """Packing for optimizers that need each parameter whole on one rank (the ``"whole"``
+    master layout: Adafactor factors a matrix's rows and columns and scales by its RMS).
+
+    ``[(start, padded_numel, [param indices], [their flat offsets]), ...]``. Each bucket is
+    still ``P`` equal chunks (so it reduce-scatters and all-gathers like any other), but
+    every parameter lies inside one chunk: in order, each goes to the least-filled chunk,
+    and a bucket closes when its largest chunk would pass ``bucket_numel / P`` (a larger
+    parameter gets a bucket of its own). ``chunk`` is the largest chunk's fill; the others
+    are zero-padded to it, which is the memory this layout costs over ``"flat"``: at most
+    one parameter's size per rank per bucket. With ``P = 1`` it is the flat packing."""
+    out: list[tuple[int, int, list[int], list[int]]] = []
+    cap = max(1, -(-bucket_numel // partitions))
+    start, members, bins = 0, [], [[] for _ in range(partitions)]
+
+    def close() -> None:
+        nonlocal start, members, bins
+        chunk = max(sum(numels[i] for i in b) for b in bins)
+        offsets = {}
+        for r, b in enumerate(bins):
+            at = start + r * chunk
+            for i in b:
+                offsets[i] = at
+                at += numels[i]
+        out.append((start, chunk * partitions, members, [offsets[i] for i in members]))
+        start += chunk * partitions
+        members, bins = [], [[] for _ in range(partitions)]
+
+    for i, n in enumerate(numels):
+        new_key = keys is not None and members and keys[i] != keys[members[-1]]
+        if members:
+            least = min(sum(numels[j] for j in b) for b in bins)
+            if new_key or least + n > cap:
+                close()
+        target = min(bins, key=lambda b: sum(numels[j] for j in b))
+        target.append(i)
+        members.append(i)
+    if members:
+        close()
+    return out
+
+
 class FlatGroup:
     """One param group's flat buffers, buckets and master chunks (see module docstring)."""
 
@@ -158,22 +202,29 @@ class FlatGroup:
         self.params = list(reversed(params))  # backward order
         rev_keys = list(reversed(keys)) if keys is not None else None
         numels = [full_numel(p) for p in self.params]  # true sizes, even if partitioned
-        packed = pack_buckets(numels, bucket_numel, partitions, rev_keys, self.align)
-        self.numel = sum(n for _, n, _ in packed)
+        if layout == "whole":
+            packed = pack_whole(numels, bucket_numel, partitions, rev_keys)
+        else:  # contiguous: each parameter right after the previous, on the align grid
+            packed = []
+            for start, numel, members in pack_buckets(
+                numels, bucket_numel, partitions, rev_keys, self.align
+            ):
+                sizes = [-(-numels[i] // self.align) * self.align for i in members]
+                offsets = [start + sum(sizes[:k]) for k in range(len(members))]
+                packed.append((start, numel, members, offsets))
+        self.numel = sum(n for _, n, _, _ in packed)
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
         shard_start = 0
-        for b_index, (start, numel, members) in enumerate(packed):
+        for b_index, (start, numel, members, offsets) in enumerate(packed):
             key = rev_keys[members[0]] if rev_keys is not None else None
             bucket = Bucket(b_index, start, numel, numel // partitions, shard_start, key)
             shard_start += bucket.chunk
-            offset = start
-            for i in members:
+            for i, offset in zip(members, offsets, strict=True):
                 p = self.params[i]
                 bucket.params.append(p)
                 bucket.offsets.append(offset)
                 self.bucket_of[p] = bucket
-                offset += -(-numels[i] // self.align) * self.align
             self.buckets.append(bucket)
         self.shapes = {p: full_shape(p) for p in self.params}
         self.params_offloaded = param_device is not None  # ZeRO-3 offload_param
@@ -328,7 +379,7 @@ class FlatGroup:
         a new buffer: every element is written, so a reused, uninitialised one is fine."""
         if out is None:
             out = torch.empty(bucket.numel, dtype=dtype or self.dtype, device=self.device)
-        if self.align > 1:  # gaps between aligned parameters must reduce as zeros
+        if self.layout != "flat":  # gaps between aligned/whole parameters reduce as zeros
             out.zero_()
         for p, view in self.views(bucket, out, base=bucket.start):
             if p.grad is not None:
@@ -336,7 +387,7 @@ class FlatGroup:
                 p.grad = None
             else:
                 view.zero_()
-        if self.align == 1:
+        if self.layout == "flat":
             used = sum(self.shapes[p].numel() for p in bucket.params)  # packed from offset 0
             out.narrow(0, used, bucket.numel - used).zero_()  # padding to a multiple of P
         return out

@@ -17,18 +17,9 @@ from meshtrain.errors import ConfigError
 #            8-bit states (bitsandbytes: absmax per 256 elements) see the blocks they
 #            would see on the whole parameter, whatever the sharding
 #   "whole"  one slice per parameter, in its shape (Adafactor factors rows and columns and
-#            scales by the parameter's RMS): a parameter split over ranks is refused
+#            scales by the parameter's RMS); ``flat_group.pack_whole`` keeps every
+#            parameter inside one rank's chunk
 LAYOUTS: dict[str, int] = {"flat": 1, "blocks": 256, "whole": 1}
-
-
-class LayoutError(ValueError):
-    """A ``"whole"`` layout met a parameter that ZeRO splits over ranks."""
-
-    def __init__(self, param, shape, partitions: int) -> None:
-        super().__init__(
-            f"a parameter of shape {tuple(shape)} is split over {partitions} ZeRO partitions; "
-            "this optimizer needs each parameter whole on one rank"
-        )
 
 
 def _leaf(view: torch.Tensor, whole_numel: int) -> nn.Parameter:
@@ -55,8 +46,8 @@ def master_spans(self, bucket) -> list[tuple[int, int, torch.Size | None, int]]:
         if a >= b:
             continue
         if self.layout == "whole":
-            if (a, b) != (start, start + n):
-                raise LayoutError(p, shape, self.partitions)
+            if (a, b) != (start, start + n):  # pack_whole never splits one
+                raise RuntimeError(f"whole layout: a parameter of shape {tuple(shape)} is split")
             spans.append((a - lo, n, shape, n))
             continue
         # "blocks": cut on the align grid measured from the parameter's first element

@@ -54,7 +54,6 @@ from meshtrain.optim.catalog import layout_of
 from meshtrain.parallel.blocks import gather_units
 from meshtrain.parallel.zero.flat_group import SLICE_NUMEL, FlatGroup
 from meshtrain.parallel.zero.frozen import FrozenGroup, frozen_groups
-from meshtrain.parallel.zero.master_layout import LayoutError
 from meshtrain.parallel.zero.quantized import keep_4bit_layout_fixed
 from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
 
@@ -95,21 +94,6 @@ def _offloaded(section) -> bool:
     return section is not None and section.device == "cpu"
 
 
-def build_plan(*args, **kwargs) -> ZeroPlan:
-    """Lay out the trainable parameters (see ``_build_plan``); an optimizer that needs
-    whole parameters refused where ZeRO splits one over ranks."""
-    try:
-        return _build_plan(*args, **kwargs)
-    except LayoutError as err:
-        config = args[2] if len(args) > 2 else kwargs["config"]
-        raise ConfigError(
-            f"optimizer.type: {config.optimizer.type} under zero_optimization.stage "
-            f"{config.zero_optimization.stage} over several data-parallel ranks: {err}; use "
-            "stage 0 (plain data parallelism), one data-parallel rank, or an element-wise "
-            "optimizer (AdamW, AdamW8bit, Lion)"
-        ) from None
-
-
 def _quantized_base(model: nn.Module, partitions: int) -> None:
     """Stage 3 and a bitsandbytes-quantized base (``zero.quantized``): 4-bit weights keep
     one layout; 8-bit ones over several ranks are refused (not tested)."""
@@ -126,10 +110,11 @@ def _quantized_base(model: nn.Module, partitions: int) -> None:
             )
 
 
-def _build_plan(
+def build_plan(
     model: nn.Module, groups: list[dict], config, topology: Topology, stage: int, replicas: Group
 ) -> ZeroPlan:
-    """Lay out the trainable parameters of ``groups`` for ``stage`` (see module docstring)."""
+    """Lay out the trainable parameters of ``groups`` for ``stage`` over ``replicas``
+    (see the module docstring)."""
     z = config.zero_optimization
     partitions = replicas.size if stage >= 1 else 1  # shards over the ranks of one copy
     rank = replicas.rank if partitions > 1 else 0
