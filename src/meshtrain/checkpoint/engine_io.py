@@ -46,10 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.checkpoint import storage
+from meshtrain.checkpoint import slice_state, storage
 from meshtrain.checkpoint.manifest import Piece
 from meshtrain.checkpoint.model_names import model_names
 from meshtrain.checkpoint.reader import CheckpointReader
+from meshtrain.checkpoint.slice_state import load_slice_states, save_slice_states
 from meshtrain.checkpoint.writer import save_shards
 from meshtrain.errors import CheckpointError
 from meshtrain.parallel.tensor.sharding import (
@@ -179,7 +180,9 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
             if hi <= lo:
                 continue
             sources = {"param": master.detach()}
-            for k, v in g.optimizer_state(b, opt_state).items():  # joined over its slices
+            # element-wise states as pieces; the others per rank (``slice_state``)
+            joined = g.optimizer_state(b, opt_state) if g.layout == "flat" else {}
+            for k, v in joined.items():  # joined over its slices
                 if isinstance(v, torch.Tensor) and v.shape == master.shape:
                     sources[k] = v
                 elif k == "step":
@@ -216,8 +219,11 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
 
     rng, rng_tensors = _rng_state()
     tensors.update(rng_tensors)
+    slice_tensors, slice_entry = save_slice_states(engine)
+    tensors.update(slice_tensors)
     state = engine.state_dict()
     rank_state = {
+        slice_state.STATE_KEY: slice_entry,
         "rng": rng,
         "optimizer_step": sorted(steps),
         "param_groups": [
@@ -371,19 +377,22 @@ def _load(
     fused = any(pg.get("fused") or pg.get("capturable") for pg in engine.optimizer.param_groups)
     with torch.no_grad():
         for g in engine.zero.flat_groups:
+            mine = states if g.layout == "flat" else []  # the others: load_slice_states
             for b, master in zip(g.buckets, g.master_chunks, strict=True):
                 lo, hi = g.owned_range(b)
-                fresh = {s: torch.zeros_like(master) for s in states}
+                fresh = {s: torch.zeros_like(master) for s in mine}
                 master.zero_()
                 for name, start, local, n in _runs(g, b, lo, hi, canon, tp):
                     dst = slice(local - lo, local - lo + n)
                     master[dst] = reader.read(name, "param", start, n).to(master.dtype)
-                    for s in states:
+                    for s in mine:
                         fresh[s][dst] = reader.read(name, s, start, n).to(master.dtype)
-                if states:
+                if mine:
                     dev = master.device if fused else "cpu"
                     step = torch.tensor(step_values[-1], dtype=torch.float32, device=dev)
                     g.set_optimizer_state(b, engine.optimizer.state, {"step": step, **fresh})
+        if load_optimizer_states and not load_module_only:
+            load_slice_states(engine, reader)
         engine.zero.reload_params()
         frozen_specs = _frozen_specs(engine)
         sharded = {id(p): g for g in engine.zero.frozen_groups for p in g.params}

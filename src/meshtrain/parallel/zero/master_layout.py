@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtrain.errors import ConfigError
-
 # How master slices are cut, and the alignment (elements) of every parameter's offset:
 #   "flat"   any cut every slice_numel elements: element-wise optimizers (Adam, SGD, Lion)
 #   "blocks" per parameter, on a 256-element grid from its first element, so blockwise
@@ -61,13 +59,8 @@ def join_state(self, bucket, state: dict) -> dict:
     (``optimizer.state``): element-wise tensors joined over the slices, the rest
     (``step``) as the first slice holds it. Empty before the first step."""
     slices = self.master_slices[bucket.index]
-    if self.layout != "flat" and any(state.get(m) for m in slices):
-        raise ConfigError(
-            f"optimizer.type: checkpointing the optimizer state of the {self.layout!r} master layout "
-            "(AdamW8bit, Lion8bit, Adafactor) is not implemented; use an element-wise "
-            "optimizer (AdamW, Lion) for runs that save checkpoints, or export the weights "
-            "with save_16bit_model / the Trainer's save_model"
-        )
+    if self.layout != "flat":  # not element-wise: checkpoint.slice_state keeps them
+        raise ValueError(f"join_state: the {self.layout!r} layout's states are not element-wise")
     per = [state.get(m, {}) for m in slices]
     out = {}
     for key, value in per[0].items():
