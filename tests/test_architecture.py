@@ -119,18 +119,13 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "and the Accelerator's gradient contract is one hook (grads_divided_by)",
     ),
     "meshtrain.checkpoint.engine_io": (
-        421,
+        430,
         "what an engine's checkpoint holds, written and read; the sync and async saves "
-        "share shard_contents()",
+        "share shard_contents(); non-element-wise optimizer states go to slice_state.py",
     ),
     "meshtrain.serve.app": (
         408,
         "the FastAPI app: each route with its request checks and its error answers",
-    ),
-    "meshtrain.parallel.zero.flat_group": (
-        410,
-        "one param group's flat buffers, buckets and master chunks (its layouts live in "
-        "master_layout.py)",
     ),
 }
 

@@ -172,7 +172,7 @@ def test_gradients_land_in_the_flat_buffer_without_a_memset():
 def test_whole_packing_keeps_every_parameter_inside_one_chunk():
     """``pack_whole`` (Adafactor's layout): each bucket is P equal chunks, every parameter
     lies inside exactly one, none overlap, and P = 1 gives the flat packing's offsets."""
-    from meshtrain.parallel.zero.flat_group import pack_buckets, pack_whole
+    from meshtrain.parallel.zero.packing import pack_buckets, pack_whole
 
     numels = [35, 7, 21, 3, 300, 64, 64, 1, 9, 128]
     keys = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
@@ -185,7 +185,7 @@ def test_whole_packing_keeps_every_parameter_inside_one_chunk():
                 assert start == end and numel % partitions == 0
                 chunk = numel // partitions
                 spans = sorted((o, o + numels[i]) for i, o in zip(members, offsets, strict=True))
-                for (a, b), (c, _) in zip(spans, spans[1:], strict=False):
+                for (_, b), (c, _) in zip(spans, spans[1:], strict=False):
                     assert b <= c  # no overlap
                 for a, b in spans:  # inside one rank's chunk
                     assert (a - start) // chunk == (b - 1 - start) // chunk

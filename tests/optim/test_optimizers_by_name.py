@@ -15,7 +15,7 @@ every layout sees exactly the single-process gradients. Then:
 * (their checkpoints, which are not element-wise: tests/checkpoint/test_slice_state.py)
 * Adafactor under ZeRO 1, 2 and 3 over 2 ranks: within 1e-6 of torch's Adafactor in one
   process. Its factored statistics need each parameter whole, so the "whole" master layout
-  packs every parameter inside one rank's chunk (``flat_group.pack_whole``); the reference
+  packs every parameter inside one rank's chunk (``zero.packing.pack_whole``); the reference
   tolerance is the one-process one (the same arithmetic per parameter, measured identical).
 """
 

@@ -15,7 +15,7 @@ from torch import nn
 #            8-bit states (bitsandbytes: absmax per 256 elements) see the blocks they
 #            would see on the whole parameter, whatever the sharding
 #   "whole"  one slice per parameter, in its shape (Adafactor factors rows and columns and
-#            scales by the parameter's RMS); ``flat_group.pack_whole`` keeps every
+#            scales by the parameter's RMS); ``zero.packing.pack_whole`` keeps every
 #            parameter inside one rank's chunk
 LAYOUTS: dict[str, int] = {"flat": 1, "blocks": 256, "whole": 1}
 
