@@ -94,6 +94,11 @@ class TrainingArguments:
     bf16: bool = False
     gradient_checkpointing: bool | None = None
     torch_compile: bool = False
+    use_liger_kernel: bool = False
+    """transformers' switch for Liger-Kernel: its fused linear cross-entropy becomes
+    meshtrain's chunked loss (``loss.chunked``); its other kernels are not applied (said
+    at construction)."""
+    liger_kernel_config: dict | None = None
     seed: int = 42
     data_seed: int | None = None
     dataloader_num_workers: int = 0
@@ -134,6 +139,7 @@ class TrainingArguments:
         self.lr_scheduler_type = choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
         self.optim = choice("optim", self.optim, tuple(OPTIMIZERS))
         check_bools(self)
+        self._check_liger()
         for name in ("seed", "data_seed"):
             value = getattr(self, name)
             if not (value is None and name == "data_seed") and not is_int(value):
@@ -263,6 +269,36 @@ class TrainingArguments:
         ratio = self.warmup_steps if self.warmup_steps > 0 else (self.warmup_ratio or 0.0)
         return int(-(-ratio * total_steps // 1))
 
+    @property
+    def chunked_loss(self) -> bool:
+        """``use_liger_kernel`` with its fused linear cross-entropy (on unless the config
+        turns it off): the LM head and the loss computed in chunks (``loss.chunked``)."""
+        cfg = self.liger_kernel_config or {}
+        return self.use_liger_kernel and cfg.get("fused_linear_cross_entropy", True)
+
+    def _check_liger(self) -> None:
+        cfg = self.liger_kernel_config
+        if cfg is None:
+            return
+        if not isinstance(cfg, dict) or not all(
+            isinstance(k, str) and isinstance(v, bool) for k, v in cfg.items()
+        ):
+            raise ConfigError(
+                f"TrainingArguments.liger_kernel_config: {cfg!r} is not allowed; use a dict of "
+                'kernel names to True/False, e.g. {"fused_linear_cross_entropy": True}'
+            )
+        if not self.use_liger_kernel:
+            return
+        inert = sorted(k for k, v in cfg.items() if v and k != "fused_linear_cross_entropy")
+        if inert:
+            import logging
+
+            logging.getLogger("meshtrain").warning(
+                "TrainingArguments.liger_kernel_config: %s do nothing in meshtrain (only the "
+                "fused linear cross-entropy is mapped, to loss.chunked)",
+                ", ".join(inert),
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """The arguments as a JSON-serialisable dict (saved with each checkpoint)."""
         return {
@@ -335,6 +371,8 @@ class TrainingArguments:
             }
         if self.torch_compile:
             config["compile"] = {**config.get("compile", {}), "enabled": True}
+        if self.chunked_loss:  # Liger's fused linear cross-entropy, meshtrain's way
+            config["loss"] = {**config.get("loss", {}), "chunked": True}
         config.setdefault("steps_per_print", 10**9)  # the Trainer logs; the engine stays quiet
         mesh = config.get("mesh", {})
         model_parallel = int(mesh.get("tensor_parallel_size", 1)) * int(
