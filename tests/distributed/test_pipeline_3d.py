@@ -209,3 +209,51 @@ def test_pipeline_times_data_parallel_zero2(refs):
     step is where the reduction happens)."""
     per_rank = run_ranks(_zero2, 4)
     _check(per_rank, refs, {"1f1b": "decoder", "zb_h1": "decoder"})
+
+
+def _whole_state_tp_pp():
+    """tp 2 x pp 2: ``module_state_dict()`` on every rank, before and after one step."""
+    import meshtrain
+
+    torch.set_num_threads(1)
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+        "steps_per_print": 1000,
+        "mesh": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+    }
+    engine, *_ = meshtrain.initialize(model=_model("decoder"), config=config)
+    before = engine.module_state_dict()
+    engine.train_batch(iter(_data("decoder", 0, m=2)))
+    return before, engine.module_state_dict()
+
+
+def _whole_state_reference():
+    import meshtrain
+
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+        "steps_per_print": 1000,
+        "mesh": {"pipeline_parallel_size": 1},
+    }
+    model = _model("decoder")
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine, *_ = meshtrain.initialize(model=model, config=config)
+    engine.train_batch(iter(_data("decoder", 0, m=2)))
+    return initial, engine.module_state_dict()
+
+
+def test_module_state_dict_under_tp_and_pp_is_the_whole_model():
+    """Every rank of tp 2 x pp 2 gets the whole model: before training exactly the initial
+    weights (tp shards gathered, the other stage's broadcast); after one SGD step within
+    1e-6 of one process (tp partial sums in another order)."""
+    initial, ref = run_ranks(_whole_state_reference, 1)[0]
+    for before, after in run_ranks(_whole_state_tp_pp, 4):
+        assert set(before) == set(initial) == set(after)
+        for k, v in initial.items():
+            assert torch.equal(before[k], v), k
+        for k, v in ref.items():
+            assert (after[k] - v).norm() <= 1e-6 * max(v.norm(), 1e-12), k

@@ -149,8 +149,14 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
     names = model_names(engine)
     pp = engine.topology.pp_group
     mine: dict[str, torch.Tensor] = {}
-    for t in engine.module.state_dict(keep_vars=True).values():
-        mine.setdefault(names.canon[id(t)], t.detach())
+    state = engine.module.state_dict(keep_vars=True)
+    whole = None  # under tp a stage holds shards: gathered over tp before going over pp
+    if engine.topology.tp_size > 1:
+        from meshtrain.parallel.tensor.sharding import full_state_dict as tp_whole
+
+        whole = tp_whole(engine.module, engine.topology.tp_group)
+    for key, t in state.items():
+        mine.setdefault(names.canon[id(t)], t.detach() if whole is None else whole[key])
     full: dict[str, torch.Tensor] = {}
     device = engine.topology.device
     for name in sorted(names.tensors):  # one order on every rank
