@@ -91,6 +91,8 @@ def preempt_trial(root: Path, name: str, after_rows: int, steps: int, ref: float
     tag = latest_tag(out / "checkpoints")
     saved = int(tag.removeprefix("global_step")) if tag else None
     line = next((x for x in err.splitlines() if "meshtrain launch: pre-empted" in x), "")
+    late_text = line.split(" step(s) after the signal")[0].rsplit(" ", 1)[-1] if line else ""
+    late = int(late_text) if late_text.isdigit() else None
     again = _train(out, steps)
     _, err2 = again.communicate(timeout=600)
     resumed = final_loss(out, steps) if again.returncode == 0 else None
@@ -99,10 +101,13 @@ def preempt_trial(root: Path, name: str, after_rows: int, steps: int, ref: float
         "exit_code": p.returncode,
         "saved_step": saved,
         "launcher_line": line.strip(),
-        # the signal lands while step seen + 1 runs (rank 0 logs a step after it ends):
-        # the save is at its end, or at the next one's when the signal came after that
-        # step's agreement point
-        "within_one_step": saved is not None and seen + 1 <= saved <= seen + 2,
+        # the signal lands after step `seen` was logged, so the save is at seen + 1 or
+        # later; how much later, this poller cannot tell under load (it may be descheduled
+        # for steps), the ranks can: their guard counts the step boundaries between the
+        # signal and the save (0: the step it interrupted; 1: it came after that step's
+        # agreement), and the launcher prints it
+        "steps_after_signal": late,
+        "within_one_step": saved is not None and saved >= seen + 1 and late in (0, 1),
         "rerun_exit": again.returncode,
         "final_loss": resumed,
         "equal": resumed == ref,

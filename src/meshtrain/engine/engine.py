@@ -271,7 +271,7 @@ class Engine(EngineQueries):
 
         path = self.save_checkpoint(save_dir)
         self.wait_for_checkpoint()
-        raise preempt(self.global_steps, path)
+        raise preempt(self.global_steps, path, self.preemption.late_by)
 
     def _optimizer_step(self) -> None:
         self.zero.before_step()

@@ -36,6 +36,7 @@ import torch
 
 PREEMPTED_EXIT_CODE = 75
 SIGNALS = ("SIGTERM", "SIGUSR1")
+_NEVER = 2**31 - 1  # above any step boundary count
 NOTE_ENV = "MESHTRAIN_PREEMPTION_NOTE"  # the launcher's file for "saved at step N"
 
 
@@ -66,6 +67,12 @@ class PreemptionGuard:
         self.signals = tuple(getattr(signal, s) for s in signals if hasattr(signal, s))
         self.received: list[int] = []  # signal numbers, in order (a second one is ignored)
         self.auto = True
+        # step boundaries passed (``requested`` calls) in all, and when the first signal came:
+        # the save is ``boundaries - noted_at`` boundaries after it (0: at the end of the
+        # step it interrupted; 1: it came after that step's agreement)
+        self.boundaries = 0
+        self.noted_at: int | None = None  # this rank's first signal
+        self.first_noted_at: int | None = None  # the earliest over the ranks, once agreed
         self._previous: dict[int, Any] = {}
 
     def install(self) -> PreemptionGuard:
@@ -81,7 +88,18 @@ class PreemptionGuard:
         self._previous.clear()
 
     def _note(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal's API
+        if self.noted_at is None:
+            self.noted_at = self.boundaries
         self.received.append(signum)
+
+    @property
+    def late_by(self) -> int | None:
+        """Step boundaries between the first signal on any rank and the boundary that
+        agreed on it (after ``requested`` returned True): 0 (the save ends the step the
+        signal interrupted) or 1 (it came after that step's agreement); None before."""
+        if self.first_noted_at is None:
+            return None
+        return self.boundaries - 1 - self.first_noted_at
 
     @property
     def signalled(self) -> bool:
@@ -91,26 +109,35 @@ class PreemptionGuard:
     def requested(self, group) -> bool:
         """Whether any rank of ``group`` (a ``comm.Group``; None for one process) was
         signalled. A collective: every rank calls it at the same step boundary."""
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
-        if group is None or group.size == 1 or group.pg is None:
-            return bool(flag.item())
-        import torch.distributed as dist
+        # MAX of (NEVER - boundary of the signal), 0 where none: > 0 when some rank was
+        # signalled, and NEVER - it is the earliest such boundary (still one 4-byte reduce)
+        noted = self.noted_at
+        flag = torch.tensor([0 if noted is None else _NEVER - noted], dtype=torch.int32)
+        self.boundaries += 1
+        if group is not None and group.size > 1 and group.pg is not None:
+            import torch.distributed as dist
 
-        if dist.get_backend(group.pg) == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.pg)
-        return bool(flag.item())
+            if dist.get_backend(group.pg) == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.pg)
+        value = int(flag.item())
+        if value:
+            self.first_noted_at = _NEVER - value
+        return bool(value)
 
 
-def write_note(step: int, path: Path | str | None) -> None:
+def write_note(step: int, path: Path | str | None, late_by: int | None = None) -> None:
     """Rank 0 of a node: tell the launcher (``MESHTRAIN_PREEMPTION_NOTE``) where the
-    pre-emption checkpoint went, atomically (the launcher may read it any time)."""
+    pre-emption checkpoint went, atomically (the launcher may read it any time), and how
+    many step boundaries after this rank's signal (``PreemptionGuard.late_by``)."""
     target = os.environ.get(NOTE_ENV)
     if not target or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return
     tmp = f"{target}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"step": step, "path": None if path is None else str(path)}, f)
+        json.dump(
+            {"step": step, "path": None if path is None else str(path), "late_by": late_by}, f
+        )
     os.replace(tmp, target)
 
 
@@ -122,9 +149,9 @@ def read_note(target: str | os.PathLike) -> dict | None:
         return None
 
 
-def preempt(step: int, path: Path | str | None) -> Preempted:
+def preempt(step: int, path: Path | str | None, late_by: int | None = None) -> Preempted:
     """The exit after a pre-emption save: the launcher's note, then :class:`Preempted`."""
-    write_note(step, path)
+    write_note(step, path, late_by)
     return Preempted(step, path)
 
 

@@ -83,8 +83,10 @@ class SignalRelay:
             return None
         import sys
 
+        late = note.get("late_by")
+        after = "" if late is None else f", {late} step(s) after the signal's step"
         print(
-            f"meshtrain launch: pre-empted, checkpoint saved at step {note['step']} "
+            f"meshtrain launch: pre-empted, checkpoint saved at step {note['step']}{after} "
             f"({note['path']}); exit code {PREEMPTED_EXIT_CODE}, run the job again to resume",
             file=sys.stderr,
             flush=True,

@@ -260,7 +260,7 @@ class TrainingLoop:
             self._save_checkpoint(epoch_done=False)
             step, path = self.last_checkpoint
         self.engine.wait_for_checkpoint()
-        raise preempt(step, path)
+        raise preempt(step, path, guard.late_by)
 
     def _finish_training(self, run_loss: torch.Tensor, start_step: int, t0: float) -> TrainOutput:
         from meshtrain.distributed import comm
