@@ -118,6 +118,16 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "async-save and pre-emption members only delegate to checkpoint/ and preemption.py, "
         "and the Accelerator's gradient contract is one hook (grads_divided_by)",
     ),
+    "meshtrain.parallel.zero.flat_group": (
+        403,
+        "one param group's flat buffers, buckets and master chunks (its packing lives in "
+        "packing.py, its master layouts in master_layout.py)",
+    ),
+    "meshtrain.trainer.arguments": (
+        420,
+        "TrainingArguments: transformers' fields, each checked (value checks live in "
+        "checks.py), and their engine config",
+    ),
     "meshtrain.checkpoint.engine_io": (
         430,
         "what an engine's checkpoint holds, written and read; the sync and async saves "

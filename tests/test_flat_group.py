@@ -197,3 +197,21 @@ def test_whole_packing_keeps_every_parameter_inside_one_chunk():
     assert [(s, n, m) for s, n, m, _ in whole] == flat
     for s, _, m, offsets in whole:
         assert offsets == [s + sum(numels[j] for j in m[:k]) for k in range(len(m))]
+
+
+def test_gradient_storage_starts_unwritten_with_zero_padding():
+    """Full gradients start as ``.grad = None`` over an unwritten buffer whose padding
+    (alignment gaps and the tail) is zero, so a reduction of a bucket never sums garbage;
+    ``padding_spans`` names exactly the elements no parameter covers."""
+    from meshtrain.parallel.zero.packing import padding_spans
+
+    model = _model()
+    group = FlatGroup(list(model.parameters()), partitions=3, rank=1, bucket_numel=1 << 30)
+    assert all(p.grad is None for p in model.parameters())
+    for b in group.buckets:
+        sizes = [group.shapes[p].numel() for p in b.params]
+        spans = padding_spans(b.start, b.numel, b.offsets, sizes)
+        assert sum(hi - lo for lo, hi in spans) == b.numel - sum(sizes)
+        for lo, hi in spans:
+            assert torch.count_nonzero(group.grad_flat[lo:hi]) == 0
+    assert padding_spans(10, 20, [10, 15], [3, 5]) == [(13, 15), (20, 30)]

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtrain.errors import ConfigError
-from meshtrain.trainer.checks import check_bools, check_names, choice, is_int, positive
+from meshtrain.trainer.checks import (
+    check_bools,
+    check_liger,
+    check_names,
+    choice,
+    is_int,
+    positive,
+)
 
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
@@ -139,7 +146,7 @@ class TrainingArguments:
         self.lr_scheduler_type = choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
         self.optim = choice("optim", self.optim, tuple(OPTIMIZERS))
         check_bools(self)
-        self._check_liger()
+        check_liger(self.liger_kernel_config, self.use_liger_kernel)
         for name in ("seed", "data_seed"):
             value = getattr(self, name)
             if not (value is None and name == "data_seed") and not is_int(value):
@@ -275,29 +282,6 @@ class TrainingArguments:
         turns it off): the LM head and the loss computed in chunks (``loss.chunked``)."""
         cfg = self.liger_kernel_config or {}
         return self.use_liger_kernel and cfg.get("fused_linear_cross_entropy", True)
-
-    def _check_liger(self) -> None:
-        cfg = self.liger_kernel_config
-        if cfg is None:
-            return
-        if not isinstance(cfg, dict) or not all(
-            isinstance(k, str) and isinstance(v, bool) for k, v in cfg.items()
-        ):
-            raise ConfigError(
-                f"TrainingArguments.liger_kernel_config: {cfg!r} is not allowed; use a dict of "
-                'kernel names to True/False, e.g. {"fused_linear_cross_entropy": True}'
-            )
-        if not self.use_liger_kernel:
-            return
-        inert = sorted(k for k, v in cfg.items() if v and k != "fused_linear_cross_entropy")
-        if inert:
-            import logging
-
-            logging.getLogger("meshtrain").warning(
-                "TrainingArguments.liger_kernel_config: %s do nothing in meshtrain (only the "
-                "fused linear cross-entropy is mapped, to loss.chunked)",
-                ", ".join(inert),
-            )
 
     def to_dict(self) -> dict[str, Any]:
         """The arguments as a JSON-serialisable dict (saved with each checkpoint)."""

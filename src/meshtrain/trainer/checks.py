@@ -57,3 +57,27 @@ def check_bools(args: Any) -> None:
                 f"TrainingArguments.{f.name}: {value!r} is not allowed; use True or False"
                 + (" (a non-empty string counts as True)" if isinstance(value, str) else "")
             )
+
+
+def check_liger(config: Any, enabled: bool) -> None:
+    """``liger_kernel_config``: kernel names to True/False. With ``use_liger_kernel``,
+    the kernels other than the fused linear cross-entropy (which is ``loss.chunked``) are
+    said to do nothing."""
+    if config is None:
+        return
+    if not isinstance(config, dict) or not all(
+        isinstance(k, str) and isinstance(v, bool) for k, v in config.items()
+    ):
+        raise ConfigError(
+            f"TrainingArguments.liger_kernel_config: {config!r} is not allowed; use a dict of "
+            'kernel names to True/False, e.g. {"fused_linear_cross_entropy": True}'
+        )
+    inert = sorted(k for k, v in config.items() if v and k != "fused_linear_cross_entropy")
+    if enabled and inert:
+        import logging
+
+        logging.getLogger("meshtrain").warning(
+            "TrainingArguments.liger_kernel_config: %s do nothing in meshtrain (only the "
+            "fused linear cross-entropy is mapped, to loss.chunked)",
+            ", ".join(inert),
+        )

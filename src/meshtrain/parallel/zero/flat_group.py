@@ -54,7 +54,7 @@ from meshtrain.parallel.zero.master_layout import (
     join_state,
     master_spans,
 )
-from meshtrain.parallel.zero.packing import pack_buckets, pack_whole
+from meshtrain.parallel.zero.packing import pack_buckets, pack_whole, padding_spans
 from meshtrain.parallel.zero.partition import (
     full_numel,
     full_shape,
@@ -193,23 +193,38 @@ class FlatGroup:
         return full
 
     def _init_grads(self) -> None:
+        """Allocated, not written (no resident pages until the first backward: a loaded
+        model holds only its parameters). Each element is written before it is read: by
+        a window's first reduction (sharded), by the first landing or land_missing_grads
+        (full; ``.grad`` starts None, as after ``zero_grads``); padding is zeroed here; a
+        step before any backward zeroes all (``ZeroStage.before_step``)."""
         if self.shard_grads:
             self.grad_flat = None
-            self.grad_shard = torch.zeros(
+            self.grad_shard = torch.empty(
                 self.numel // self.partitions, dtype=self.dtype, device=self.device
             )
             self.grad_chunks = [b.in_shard(self.grad_shard) for b in self.buckets]
             self.grad_views = {}
             return
-        self.grad_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.grad_flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.grad_shard = None
+        for b in self.buckets:  # the padding: never a parameter's, reduced as zeros
+            sizes = [self.shapes[p].numel() for p in b.params]
+            for lo, hi in padding_spans(b.start, b.numel, b.offsets, sizes):
+                self.grad_flat[lo:hi].zero_()
         self.grad_chunks = [
             b.view(self.grad_flat) if self.partitions == 1 else b.owned(self.grad_flat, self.rank)
             for b in self.buckets
         ]
         self.grad_views = {p: v for b in self.buckets for p, v in self.views(b, self.grad_flat)}
-        for p, view in self.grad_views.items():  # zeros: the first window may accumulate
-            p.grad = view
+        for p in self.grad_views:
+            p.grad = None
+
+    def zero_grad_storage(self) -> None:
+        """Write zeros over all gradient storage (a step that no backward preceded)."""
+        for t in (self.grad_flat, self.grad_shard):
+            if t is not None:
+                t.zero_()
 
     def _init_masters(self, master_device: torch.device, separate: bool) -> None:
         owned = [self.owned_params(b) for b in self.buckets]

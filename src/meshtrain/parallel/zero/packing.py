@@ -83,4 +83,20 @@ def pack_whole(
     return out
 
 
-__all__ = ["pack_buckets", "pack_whole"]
+def padding_spans(
+    start: int, numel: int, offsets: list[int], sizes: list[int]
+) -> list[tuple[int, int]]:
+    """``[lo, hi)`` flat ranges of a bucket ``[start, start + numel)`` that no parameter
+    (at ``offsets``, of ``sizes``) covers: alignment gaps, the other chunks' fill under
+    ``pack_whole``, and the tail padding to a multiple of ``P``."""
+    spans, end = [], start
+    for off, n in sorted(zip(offsets, sizes, strict=True)):
+        if off > end:
+            spans.append((end, off))
+        end = max(end, off + n)
+    if start + numel > end:
+        spans.append((end, start + numel))
+    return spans
+
+
+__all__ = ["pack_buckets", "pack_whole", "padding_spans"]

@@ -69,6 +69,7 @@ class ZeroStage:
         self.frozen_groups = plan.frozen_groups  # stage 3: frozen parameters' shards
         self.every_backward = self.stage >= 2
         self._window_reduced = False  # stages 0-1: before_step already finished the reduction
+        self._reduced_once = False  # gradient storage starts unwritten (FlatGroup._init_grads)
         dp = replicas.size
         self.predivide = float(
             dp if config.prescale_gradients else config.gradient_predivide_factor
@@ -122,6 +123,7 @@ class ZeroStage:
             self.reducer.note_written(written)
         if self.every_backward:
             self.reducer.finish()
+            self._reduced_once = True
             if self.gatherer is not None:
                 self.gatherer.release_all()  # units whose parameters got no gradient
 
@@ -130,8 +132,12 @@ class ZeroStage:
         call twice in a window: a gradient-norm query before the step (``clip_grad_norm_``)
         and the step itself both call it, and the buckets are reduced once."""
         if not self.every_backward and not self._window_reduced:
-            self.reducer.finish()
+            self.reducer.finish()  # lands zeros for parameters that got no gradient
             self._window_reduced = True
+        elif self.every_backward and not self._reduced_once:
+            for g in self.flat_groups:  # a step before any backward: zero gradients
+                g.zero_grad_storage()
+        self._reduced_once = True
 
     def grad_norm(self) -> float:
         """L2 norm of the reduced gradients over every rank's owned chunks (inf/NaN if any
