@@ -366,3 +366,26 @@ def test_check_packed_batch_refusals():
     assert check_packed_batch(opt, unpacked) is unpacked  # one document: nothing to check
     assert check_packed_batch(_decoder(), batch) is batch  # masks from position_ids itself
     assert is_packed(batch["position_ids"]) and not is_packed(unpacked["position_ids"])
+
+
+def test_trainer_padding_free_and_use_cache(tmp_path):
+    """TRL's ``padding_free``: the flattening collator when none is given, transformers'
+    own accepted, a padding collator refused by name; ``model.config.use_cache`` set from
+    ``use_cache`` (False) at init, as transformers' Trainer does."""
+    from transformers import DataCollatorWithFlattening, DataCollatorWithPadding
+
+    from meshtrain import Trainer, TrainingArguments
+    from tests.trainer.test_transformers_model import _tokenizer
+
+    model = _llama()
+    assert model.config.use_cache is True
+    args = TrainingArguments(str(tmp_path), padding_free=True)
+    trainer = Trainer(model, args)
+    assert isinstance(trainer.data_collator, FlatteningCollator)
+    assert model.config.use_cache is False
+    theirs = DataCollatorWithFlattening()
+    assert Trainer(model, args, data_collator=theirs).data_collator is theirs
+    with pytest.raises(ConfigError, match="padding_free=True with data_collator=DataCollatorWith"):
+        Trainer(model, args, data_collator=DataCollatorWithPadding(_tokenizer(str(tmp_path))))
+    with pytest.raises(ConfigError, match="padding_free"):
+        TrainingArguments(str(tmp_path), padding_free="yes")

@@ -107,13 +107,8 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = None
     restore_callback_states_from_checkpoint: bool = False
     deepspeed: str | dict | None = None
-    use_cache: bool = False
-    """transformers 5: the Trainer sets ``model.config.use_cache`` to this (a cache also
-    switches off transformers' packed-document mask, docs/packing.md)."""
-    padding_free: bool = False
-    """TRL's ``SFTConfig.padding_free``: flatten each micro-batch into one row with
-    per-document ``position_ids`` (``meshtrain.data.packing.FlatteningCollator``, the
-    output of transformers' ``DataCollatorWithFlattening``) when no collator is given."""
+    use_cache: bool = False  # set as model.config.use_cache (a cache hides packed documents)
+    padding_free: bool = False  # TRL's name: FlatteningCollator when no collator is given
     mesh: dict | None = None
     """meshtrain: ``{"tensor_parallel_size": t, "pipeline_parallel_size": p}``."""
 

@@ -29,6 +29,13 @@ def default_collator(tokenizer: Any) -> Callable:
     return collate
 
 
+def apply_use_cache(model: nn.Module, use_cache: bool) -> None:
+    """``model.config.use_cache = use_cache``, as transformers' Trainer does: no cache in
+    training (a cache also switches off transformers' packed-document mask)."""
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        model.config.use_cache = use_cache
+
+
 def choose_collator(collator: Callable | None, tokenizer: Any, padding_free: bool) -> Callable:
     """The Trainer's collator: the user's; with ``padding_free`` (TRL's name) the
     flattening collator, and a user's collator only when it flattens too (TRL refuses a
@@ -181,6 +188,7 @@ def param_groups(model: nn.Module) -> list[dict[str, Any]]:
 
 __all__ = [
     "Built",
+    "apply_use_cache",
     "build_engine",
     "choose_collator",
     "default_collator",

@@ -99,10 +99,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         self.data_collator = setup.choose_collator(
             data_collator, self.processing_class, self.args.padding_free
         )
-        if hasattr(getattr(model, "config", None), "use_cache"):
-            # transformers' Trainer does the same: no cache in training (a cache would also
-            # switch off transformers' packed-document mask)
-            model.config.use_cache = self.args.use_cache
+        setup.apply_use_cache(model, self.args.use_cache)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.compute_loss_func = compute_loss_func
