@@ -12,7 +12,7 @@ Tiny transformers Llama (GQA, sdpa, fp32, no dropout) on 32 documents of 3..12 t
   ``DataCollatorWithFlattening``: each stage builds the packed mask from the batch's
   ``position_ids``;
 * meshtrain's Decoder on ``PackedDataset`` rows (fixed 24-token rows, padded tails) at
-  dp 2 against one process on the same rows.
+  dp 2 and at pp 2 against one process on the same rows.
 
 Every logged loss within 1e-6 of the reference and the weights within 1e-5 (fp32: the
 same per-token sums in another order and blocking, ~1e-7 relative; Adam's 1/sqrt(v)
@@ -102,7 +102,11 @@ def _two_processes(tmp):
     free = _train(f"{tmp}/e", None, 2, accumulation=2, padding_free=True)
     pp = _train(f"{tmp}/f", DataCollatorWithFlattening(), 8, mesh={"pipeline_parallel_size": 2})
     rows = _train(f"{tmp}/g", stack_rows, 2, model="decoder", data=_packed_rows())
-    return flat, free, pp, rows
+    pp_rows = _train(
+        f"{tmp}/h", stack_rows, 4, model="decoder", data=_packed_rows(),
+        mesh={"pipeline_parallel_size": 2},
+    )  # fmt: skip
+    return flat, free, pp, rows, pp_rows
 
 
 def _close(a, b, tol):
@@ -118,13 +122,14 @@ def _weights_close(a, b, tol=1e-5):
 
 def test_packed_trainer_equals_padded_rows_on_one_and_two_processes(tmp_path):
     ((padded, flat, rows, n_rows),) = run_ranks(_one_process, 1, str(tmp_path))
-    (dp_flat, dp_free, pp, dp_rows), _ = run_ranks(_two_processes, 2, str(tmp_path))
+    (dp_flat, dp_free, pp, dp_rows, pp_rows), _ = run_ranks(_two_processes, 2, str(tmp_path))
     assert n_rows == 12  # 4 rows a step: the fourth step starts the second epoch
     for losses, weights in (flat, dp_flat, dp_free, pp):
         _close(padded[0], losses, 1e-6)
         _weights_close(padded[1], weights)
-    _close(rows[0], dp_rows[0], 1e-6)
-    _weights_close(rows[1], dp_rows[1])
+    for losses, weights in (dp_rows, pp_rows):
+        _close(rows[0], losses, 1e-6)
+        _weights_close(rows[1], weights)
     from tests.tiny_models import tiny_llama
 
     start = tiny_llama(seed=3).state_dict()
