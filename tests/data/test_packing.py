@@ -365,6 +365,9 @@ def test_check_packed_batch_refusals():
     unpacked = {"input_ids": batch["input_ids"], "position_ids": torch.arange(9)[None]}
     assert check_packed_batch(opt, unpacked) is unpacked  # one document: nothing to check
     assert check_packed_batch(_decoder(), batch) is batch  # masks from position_ids itself
+    shifted = FlatteningCollator(position_ids_start=1)([{"input_ids": d} for d in _docs((4, 5))])
+    with pytest.raises(ConfigError, match="restarts at 0"):
+        check_packed_batch(_decoder(), shifted)
     assert is_packed(batch["position_ids"]) and not is_packed(unpacked["position_ids"])
 
 

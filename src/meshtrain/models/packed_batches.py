@@ -55,6 +55,7 @@ def check_packed_batch(model: Any, batch: Any) -> Any:
         return batch
     config = _transformers_config(model)
     if config is None:
+        _check_restarts_at_zero(model, batch["position_ids"])
         return batch
     name = type(model).__name__
     family = config.model_type
@@ -96,6 +97,24 @@ def check_packed_batch(model: Any, batch: Any) -> Any:
                 "drop attention_mask"
             )
     return batch
+
+
+def _check_restarts_at_zero(model: Any, position_ids: Any) -> None:
+    """meshtrain's Decoder finds a document where the position restarts at 0 (that rule
+    survives context-parallel chunking); a packed row whose positions jump elsewhere
+    (``position_ids_start=1``, a document continued from another row) would be read as
+    fewer documents, so it is refused rather than attended across."""
+    from meshtrain.models.decoder import Decoder
+
+    if not isinstance(model, Decoder):
+        return
+    jumps = position_ids[..., 1:] - position_ids[..., :-1] != 1
+    if bool((jumps & (position_ids[..., 1:] != 0)).any()):
+        raise ConfigError(
+            "packed batch for Decoder: its position_ids jump to a value other than 0 inside "
+            "a row, but the Decoder starts a document only where the position restarts at "
+            "0; number every document's positions from 0 (position_ids_start=0)"
+        )
 
 
 __all__ = ["PACKING_FAMILIES", "check_packed_batch"]
