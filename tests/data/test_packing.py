@@ -143,8 +143,14 @@ def test_packed_dataset_rows():
     assert row["labels"].tolist() == [-100, *docs[3][1:].tolist(), -100, -100, -100, -100, -100]
     batch = stack_rows([ds[i] for i in range(len(ds))])
     assert batch["input_ids"].shape == (4, 12)
-    # label items: len - 1 per document, as one document per row
-    assert int(batch["labels"].ne(-100).sum()) == sum(n - 1 for n in LENGTHS)
+    # label items (the Trainer's num_items_in_batch count): len - 1 per document, as for
+    # the documents one per row; the flattened batch counts the same
+    from meshtrain.trainer.loss import label_items
+
+    items = sum(n - 1 for n in LENGTHS)
+    assert label_items(batch, ["labels"], shift=True) == items
+    flat = FlatteningCollator()(feats)
+    assert label_items(flat, ["labels"], shift=True) == items
     stats = ds.stats()
     assert stats == {"documents": 6, "rows": 4, "real_tokens": sum(LENGTHS), "slots": 48}
     # per-token labels of the source (a chat prompt masked) are kept, the first one -100
