@@ -107,9 +107,12 @@ class FlatteningCollator:
         for i, f in enumerate(features):
             x = _ids(f["input_ids"])
             ids += x
-            labels += [sep] + (_ids(f["labels"]) if has_labels else x)[1:]
-            positions += range(self.position_ids_start, self.position_ids_start + len(x))
-            seq_idx += [i] * len(x)
+            labels.append(sep)
+            labels += (_ids(f["labels"]) if has_labels else x)[1:]
+            if self.return_position_ids:
+                positions += range(self.position_ids_start, self.position_ids_start + len(x))
+            if self.return_seq_idx:
+                seq_idx += [i] * len(x)
             cu.append(cu[-1] + len(x))
         out: dict[str, Any] = {"input_ids": [ids], "labels": [labels]}
         if self.return_position_ids:
