@@ -25,6 +25,8 @@ _LAZY = {
     "MaskedLMCollator": "meshtrain.data.collators",
     "TokenClassificationCollator": "meshtrain.data.collators",
     "ChatCollator": "meshtrain.data.chat_data",
+    "FlatteningCollator": "meshtrain.data.packing",
+    "PackedDataset": "meshtrain.data.packing",
     "ChatTemplate": "meshtrain.data.chat_data",
 }
 
@@ -34,7 +36,9 @@ __all__ = [
     "ChatCollator",
     "ChatTemplate",
     "DistributedSampler",
+    "FlatteningCollator",
     "MaskedLMCollator",
+    "PackedDataset",
     "PaddingCollator",
     "PrepareResult",
     "ResumableDataLoader",
@@ -69,6 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
         TokenClassificationCollator,
     )
     from meshtrain.data.loader import ResumableDataLoader
+    from meshtrain.data.packing import FlatteningCollator, PackedDataset
     from meshtrain.data.prepare_store import PrepareResult, prepare
     from meshtrain.data.sampler import DistributedSampler
     from meshtrain.data.store import TokenDataset, TokenStore

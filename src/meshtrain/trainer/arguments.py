@@ -119,6 +119,8 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = None
     restore_callback_states_from_checkpoint: bool = False
     deepspeed: str | dict | None = None
+    use_cache: bool = False  # set as model.config.use_cache (a cache hides packed documents)
+    padding_free: bool = False  # TRL's name: FlatteningCollator when no collator is given
     mesh: dict | None = None
     """meshtrain: ``{"tensor_parallel_size": t, "pipeline_parallel_size": p}``."""
 

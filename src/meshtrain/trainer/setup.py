@@ -29,6 +29,38 @@ def default_collator(tokenizer: Any) -> Callable:
     return collate
 
 
+def apply_use_cache(model: nn.Module, use_cache: bool) -> None:
+    """``model.config.use_cache = use_cache``, as transformers' Trainer does: no cache in
+    training (a cache also switches off transformers' packed-document mask)."""
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        model.config.use_cache = use_cache
+
+
+def choose_collator(collator: Callable | None, tokenizer: Any, padding_free: bool) -> Callable:
+    """The Trainer's collator: the user's; with ``padding_free`` (TRL's name) the
+    flattening collator, and a user's collator only when it flattens too (TRL refuses a
+    custom collator with ``padding_free`` for the same reason: a padding collator would
+    silently undo it)."""
+    if not padding_free:
+        return collator or default_collator(tokenizer)
+    from meshtrain.data.packing import FlatteningCollator
+
+    if collator is None:
+        return FlatteningCollator()
+    if not isinstance(collator, FlatteningCollator) and (
+        type(collator).__name__ != "DataCollatorWithFlattening"
+    ):
+        from meshtrain.errors import ConfigError
+
+        raise ConfigError(
+            f"TrainingArguments.padding_free=True with data_collator={type(collator).__name__}: "
+            "padding-free training needs a collator that flattens the batch; drop "
+            "data_collator (meshtrain uses FlatteningCollator), pass transformers' "
+            "DataCollatorWithFlattening, or set padding_free=False"
+        )
+    return collator
+
+
 def prepare_dataset(
     dataset: Any, args: Any, forward_names: set[str] | None, label_names: list[str]
 ) -> Any:
@@ -154,4 +186,12 @@ def param_groups(model: nn.Module) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-__all__ = ["Built", "build_engine", "default_collator", "param_groups", "prepare_dataset"]
+__all__ = [
+    "Built",
+    "apply_use_cache",
+    "build_engine",
+    "choose_collator",
+    "default_collator",
+    "param_groups",
+    "prepare_dataset",
+]

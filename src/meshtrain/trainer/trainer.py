@@ -25,6 +25,7 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.models.packed_batches import check_packed_batch
 from meshtrain.trainer import checkpoints as ckpt
 from meshtrain.trainer import evaluation as ev
 from meshtrain.trainer import setup
@@ -95,7 +96,10 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         self.model = model
         self.processing_class = processing_class if processing_class is not None else tokenizer
         self.tokenizer = self.processing_class
-        self.data_collator = data_collator or setup.default_collator(self.processing_class)
+        self.data_collator = setup.choose_collator(
+            data_collator, self.processing_class, self.args.padding_free
+        )
+        setup.apply_use_cache(model, self.args.use_cache)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.compute_loss_func = compute_loss_func
@@ -219,8 +223,10 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
 
     # -- one step -------------------------------------------------------------------------
     def _prepare_inputs(self, inputs: Any) -> Any:
-        """Move a batch to the engine's device (floats to the training dtype)."""
-        return move_to_device(inputs, self.engine.device, self.engine.dtype)
+        """Move a batch to the engine's device (floats to the training dtype); a packed
+        batch made safe for the model or refused (``models.packed_batches``)."""
+        inputs = move_to_device(inputs, self.engine.device, self.engine.dtype)
+        return check_packed_batch(self.model, inputs)
 
     def compute_loss(
         self,

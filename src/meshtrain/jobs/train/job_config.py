@@ -95,6 +95,7 @@ data:
   tokenizer: char              # or byte, or a tokenizer.json / save_pretrained folder
   seq_len: 128
   min_char_count: 2
+  packing: false               # true: whole documents per row, attention within each (docs/packing.md)
 """
 
 DEFAULT_CONFIG: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG_YAML)
@@ -148,6 +149,8 @@ class DataSection(Section):
     """Tokens per training row: documents are joined with EOS and cut into rows of this length."""
     min_char_count: PosInt = 2
     """"char" tokenizer: characters seen fewer times than this become <unk>."""
+    packing: Bool = False
+    """false: documents joined with EOS and cut into rows of seq_len; attention and the loss run across document boundaries. true: padding-free packing: whole documents (with their EOS; longer ones split into seq_len pieces) filled greedily into rows of seq_len, position_ids restarting at each document, attention kept inside each document and no label across a boundary; the row's unfilled tail is padding (labels -100). See docs/packing.md."""
 
 
 class JobConfig(Config):

@@ -91,7 +91,6 @@ def run_rank(
     import torch.distributed as dist
 
     from meshtrain.checkpoint import latest_tag
-    from meshtrain.data.store import TokenDataset
     from meshtrain.distributed.env import init_distributed, shutdown_distributed
     from meshtrain.jobs.train.corpus import prepare_corpus
 
@@ -139,7 +138,16 @@ def run_rank(
             if owns_group:
                 shutdown_distributed()
             return None
-    trainer = _trainer(resolved, resolved_dict, model, TokenDataset(data.store), out, progress)
+    dataset, collate = _dataset(d, data.store)
+    if d.packing:
+        stats = dataset.stats()
+        _say(
+            rank,
+            f"packing: {stats['documents']:,} documents in {stats['rows']:,} rows of "
+            f"{d.seq_len} tokens, {stats['real_tokens'] / stats['slots']:.1%} real tokens "
+            "(attention within each document)",
+        )
+    trainer = _trainer(resolved, resolved_dict, model, dataset, collate, out, progress)
     engine = trainer.prepare_engine()
     if tag is not None:
         # the engine restores the model, optimizer, schedule, loss scale, RNG and the
@@ -167,7 +175,20 @@ def run_rank(
     return facts
 
 
-def _trainer(job: JobConfig, job_dict: dict[str, Any], model, dataset, out: Path, progress):
+def _dataset(data_section, store: str):
+    """The rows to train on and their collator: ``data.packing`` packs whole documents
+    (``meshtrain.data.packing.PackedDataset``: input_ids, position_ids, labels), else the
+    store's fixed rows cut across documents."""
+    from meshtrain.data.store import TokenDataset
+
+    if not data_section.packing:
+        return TokenDataset(store), collate_packed
+    from meshtrain.data.packing import PackedDataset, stack_rows
+
+    return PackedDataset(TokenDataset(store), data_section.seq_len), stack_rows
+
+
+def _trainer(job: JobConfig, job_dict: dict[str, Any], model, dataset, collate, out, progress):
     """The Trainer this job runs on: the job's engine config as ``deepspeed=``, its batch
     sizes and clipping as the arguments, checkpoints as ``checkpoints/global_step<N>``."""
     from meshtrain.config import load_config
@@ -194,7 +215,7 @@ def _trainer(job: JobConfig, job_dict: dict[str, Any], model, dataset, out: Path
         seed=job.model.seed,
         data_seed=0,  # the order initialize()'s loader used
     )
-    trainer = Trainer(model, args, train_dataset=dataset, data_collator=collate_packed)
+    trainer = Trainer(model, args, train_dataset=dataset, data_collator=collate)
     trainer.set_checkpoint_location(str(out / CHECKPOINTS), "global_step")
     return trainer
 
