@@ -90,8 +90,9 @@ def engine_run(kind: str, steps: int, config: dict, topology, seq: int = SEQ):
     return losses, engine, engine.module_state_dict()
 
 
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
+def max_rel(losses: list[float], ref: list[float]) -> float:
+    """The worst relative difference of two loss curves."""
+    return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref, strict=True))
 
 
 def norm_rel(state: dict, ref: dict) -> float:

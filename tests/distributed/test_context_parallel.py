@@ -27,8 +27,6 @@ Checked, per spawn:
 
 from __future__ import annotations
 
-import pytest
-
 from tests.harness import run_ranks
 
 STEPS = 20
@@ -56,8 +54,8 @@ def _ring_function() -> dict:
             ref = causal_attention(*whole, document_ids=d)
             ref_grads = torch.autograd.grad(ref, whole, go)
 
-            def mine(x, dim=2):
-                return layout.shard(x, g.rank, cp, dim).contiguous()
+            def mine(x, dim=2, rank=g.rank, cp=cp):
+                return layout.shard(x, rank, cp, dim).contiguous()
 
             local = [mine(x).requires_grad_() for x in (q, k, v)]
             before = topo.stats.snapshot()
@@ -68,7 +66,9 @@ def _ring_function() -> dict:
             kv = 2 * local[1].numel() * 4
             ids = 0 if d is None else mine(d, 1).numel() * 8
             errs = [float((o - mine(ref)).abs().max())]
-            errs += [float((a - mine(b)).abs().max()) for a, b in zip(grads, ref_grads)]
+            errs += [
+                float((a - mine(b)).abs().max()) for a, b in zip(grads, ref_grads, strict=True)
+            ]
             out[cp, d is not None] = {
                 "errs": errs,
                 "forward": topo.stats.diff(mid, before),
@@ -94,8 +94,6 @@ def test_ring_attention_matches_whole_sequence_and_moves_exact_bytes():
 
 def _grads_per_tensor(kind: str, topo) -> float:
     """One step's gradients of each tensor at cp vs one process: worst normwise error."""
-    import torch
-
     from meshtrain.config import load_config
     from meshtrain.distributed import comm
     from meshtrain.parallel.context.apply import apply_context_parallel
@@ -215,7 +213,7 @@ def _refusals(topo) -> list[str]:
 
 def _cp2(path: str) -> dict:
     from meshtrain.distributed.topology import Topology
-    from tests.distributed.cp_models import KINDS, engine_run, norm_rel, reference, rel
+    from tests.distributed.cp_models import KINDS, engine_run, max_rel, norm_rel, reference
     from tests.distributed.training import max_rel_diff
 
     topo = Topology(cp=2)
@@ -224,7 +222,7 @@ def _cp2(path: str) -> dict:
         ref_losses, ref_state = reference(kind, STEPS, 1)
         losses, _, state = engine_run(kind, STEPS, {"mesh": {"context_parallel_size": 2}}, topo)
         out[kind] = {
-            "loss": max(rel(a, b) for a, b in zip(losses, ref_losses)),
+            "loss": max_rel(losses, ref_losses),
             "norm": norm_rel(state, ref_state),
             "params": max_rel_diff(state, ref_state),
             "grads": _grads_per_tensor(kind, topo),
@@ -233,7 +231,7 @@ def _cp2(path: str) -> dict:
     ref_losses, ref_state = reference("decoder", 3, 1, seq=14)
     losses, _, state = engine_run("decoder", 3, {"mesh": {"context_parallel_size": 2}}, topo, 14)
     out["padded"] = {
-        "loss": max(rel(a, b) for a, b in zip(losses, ref_losses)),
+        "loss": max_rel(losses, ref_losses),
         "norm": norm_rel(state, ref_state),
     }
     out["bytes"] = _model_ring_bytes(topo)
@@ -269,7 +267,7 @@ def test_cp2_parity_bytes_checkpoint_and_refusals(tmp_path):
 def _four() -> dict:
     from meshtrain.distributed.topology import Topology
     from meshtrain.errors import ConfigError
-    from tests.distributed.cp_models import build, engine_run, norm_rel, reference, rel
+    from tests.distributed.cp_models import build, engine_run, max_rel, norm_rel, reference
 
     out: dict = {}
     layouts = [
@@ -297,7 +295,7 @@ def _four() -> dict:
             ref_losses, ref_state = reference(kind, STEPS, dp)
             losses, _, state = engine_run(kind, STEPS, config, topo)
             out[name, kind] = {
-                "loss": max(rel(a, b) for a, b in zip(losses, ref_losses)),
+                "loss": max_rel(losses, ref_losses),
                 "norm": norm_rel(state, ref_state),
             }
     import meshtrain
