@@ -12,12 +12,29 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.tp_models import build
+from tests.distributed import tp_models
 
 SEQ = 16
 ROWS = 2  # rows per data-parallel rank
 KINDS = ("decoder", "llama", "gpt2")
 LR = 1e-3
+
+
+def build(kind: str):
+    """``tp_models.build`` kinds, plus tiny Qwen2 and Mistral (GQA, sliding window off)."""
+    if kind not in ("qwen2", "mistral"):
+        return tp_models.build(kind)
+    import transformers
+
+    torch.manual_seed(7)
+    sizes = dict(
+        vocab_size=250, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes))
+    return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=None, **sizes))
 
 
 def batch(step: int, rows: int, seq: int = SEQ) -> dict:

@@ -19,7 +19,8 @@ Checked, per spawn:
 * cp 2 through ``meshtrain.initialize``: the Decoder, tiny Llama (GQA) and GPT-2, on rows
   with a -100 prompt and a packed row (three documents): 20 AdamW steps, per-tensor
   gradients, ring bytes per layer of a whole model, a length 2C does not divide (padded),
-  a checkpoint saved at cp 2 loaded at cp 1, and the refusals (left padding, a model
+  a checkpoint saved at cp 2 loaded at cp 1, one step's per-tensor gradients of tiny
+  Qwen2 and Mistral, a cp mesh started from the config alone, and the refusals (left padding, a model
   without cp attention, chunked loss);
 * 4 ranks: cp 4 (Decoder, Llama), cp 2 x dp 2 with ZeRO-3, cp 2 x tp 2 with sequence
   parallelism (Decoder, Llama, GPT-2), and cp 2 x pp 2 refused by name.
@@ -192,6 +193,11 @@ def _refusals(topo) -> list[str]:
 
     seen = []
     cfg = {"train_micro_batch_size_per_gpu": ROWS, "optimizer": {"type": "SGD"}}
+    # the config alone builds the cp mesh (no topology given)
+    started, *_ = meshtrain.initialize(
+        model=build("decoder"), config={**cfg, "mesh": {"context_parallel_size": 2}}
+    )
+    seen.append(f"cp={started.topology.cp_size} dp={started.topology.dp_size}")
     engine, *_ = meshtrain.initialize(model=build("llama"), config=cfg, topology=topo)
     inputs = batch(0, ROWS)
     mask = torch.ones_like(inputs["input_ids"])
@@ -227,6 +233,8 @@ def _cp2(path: str) -> dict:
             "params": max_rel_diff(state, ref_state),
             "grads": _grads_per_tensor(kind, topo),
         }
+    for kind in ("qwen2", "mistral"):  # the other transformers families: one step's gradients
+        out[kind] = {"grads": _grads_per_tensor(kind, topo)}
     # 14 tokens: not divisible by 2C = 4, padded to 16 with -100 labels
     ref_losses, ref_state = reference("decoder", 3, 1, seq=14)
     losses, _, state = engine_run("decoder", 3, {"mesh": {"context_parallel_size": 2}}, topo, 14)
@@ -247,6 +255,8 @@ def test_cp2_parity_bytes_checkpoint_and_refusals(tmp_path):
             assert r["loss"] < 1e-6 and r["norm"] < 1e-6, (kind, r)
             if kind != "padded":
                 assert r["params"] < 1e-5 and r["grads"] < 1e-5, (kind, r)
+        for kind in ("qwen2", "mistral"):
+            assert res[kind]["grads"] < 1e-5, (kind, res[kind])
         b = res["bytes"]
         want = {("send", "cp"): b["want_forward"], ("recv", "cp"): b["want_forward"]}
         # the forward also all-reduces the loss's value over cp (a scalar, "control")
@@ -258,7 +268,8 @@ def test_cp2_parity_bytes_checkpoint_and_refusals(tmp_path):
         assert ck["same"], ck
         assert abs(ck["loss"] - ck["ref_loss"]) <= 1e-6 * abs(ck["ref_loss"]), ck
         assert abs(ck["cp_loss"] - ck["ref_loss"]) <= 1e-6 * abs(ck["ref_loss"]), ck
-        left, other, chunked = res["refused"]
+        started, left, other, chunked = res["refused"]
+        assert started == "cp=2 dp=1", started
         assert left.startswith("context parallelism: attention_mask has left"), left
         assert "BasicNet" in other and "has no context-parallel attention" in other, other
         assert chunked.startswith("loss.chunked with mesh.context_parallel_size 2"), chunked
