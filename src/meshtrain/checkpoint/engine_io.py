@@ -164,10 +164,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
     ``pieces``, ``rank_state``, ``meta``, ``group``, ``keep_last``. A collective (the tag)."""
     topo = engine.topology
     world = topo.group("world")
-    # the replicas of the weights are dp x cp (cp ranks hold the same weights): each writes
-    # its 1/(dp x cp) of the replicated state, as ZeRO shards over the same ranks
-    replicas = topo.replica_group
-    dp = topo.dp_size
+    replicas = topo.replica_group  # dp x cp hold the same weights: each writes its share
     tag = _agreed_tag(tag or f"global_step{engine.global_steps}", world, engine.config)
     names = model_names(engine)
     canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
@@ -236,7 +233,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
         "global_steps": state["global_steps"],
         "micro_steps": state["micro_steps"],
         "skipped_steps": state["skipped_steps"],
-        "mesh": {"pp": topo.pp_size, "dp": dp, "cp": topo.cp_size, "tp": topo.tp_size},
+        "mesh": {"pp": topo.pp_size, "dp": topo.dp_size, "cp": topo.cp_size, "tp": topo.tp_size},
         "zero_stage": engine.zero_stage,
         "precision": engine.config.precision,
         "config": engine.config.to_dict(derived=False),
