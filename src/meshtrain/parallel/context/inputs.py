@@ -83,6 +83,11 @@ class SequenceSharder:
                 f"seq] (got {None if ids is None else tuple(ids.shape)}); inputs_embeds "
                 "are not sharded by meshtrain"
             )
+        if a.get("past_key_values") is not None or a.get("cache") is not None:
+            raise ConfigError(
+                "context parallelism: a key/value cache (generation) is not built under cp; "
+                "generate with the model outside the cp mesh (load the checkpoint at cp 1)"
+            )
         c, rank = self.group.size, self.group.rank
         b, length = ids.shape
         _check_mask(a.pop("attention_mask", None))
