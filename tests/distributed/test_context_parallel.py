@@ -17,12 +17,13 @@ Checked, per spawn:
   on the whole sequence; bytes on the ledger exactly ``(C-1) x (|k| + |v| [+ |ids|])``
   sent and received forward and ``(C-1) x (|dk| + |dv|)`` backward;
 * cp 2 through ``meshtrain.initialize``: the Decoder, tiny Llama (GQA) and GPT-2, on rows
-  with a -100 prompt and a packed row (three documents): 20 AdamW steps, per-tensor
+  with a -100 prompt and a packed row (three documents): 20 AdamW steps with each method
+  (``context_parallel.method`` ring and all_to_all), per-tensor
   gradients, ring bytes per layer of a whole model, a length 2C does not divide (padded),
   a checkpoint saved at cp 2 loaded at cp 1, one step's per-tensor gradients of tiny
   Qwen2 and Mistral, a cp mesh started from the config alone, and the refusals (left padding, a model
   without cp attention, chunked loss);
-* 4 ranks: cp 4 (Decoder, Llama), cp 2 x dp 2 with ZeRO-3, cp 2 x tp 2 with sequence
+* 4 ranks: cp 4 (Decoder, Llama; both methods), cp 2 x dp 2 with ZeRO-3, cp 2 x tp 2 with sequence
   parallelism (Decoder, Llama, GPT-2), and cp 2 x pp 2 refused by name.
 """
 
@@ -233,6 +234,14 @@ def _cp2(path: str) -> dict:
             "params": max_rel_diff(state, ref_state),
             "grads": _grads_per_tensor(kind, topo),
         }
+    a2a = {"mesh": {"context_parallel_size": 2}, "context_parallel": {"method": "all_to_all"}}
+    for kind in KINDS:  # the same training with the all-to-all (Ulysses) method
+        ref_losses, ref_state = reference(kind, STEPS, 1)
+        losses, _, state = engine_run(kind, STEPS, a2a, topo)
+        out[kind, "all_to_all"] = {
+            "loss": max_rel(losses, ref_losses),
+            "norm": norm_rel(state, ref_state),
+        }
     for kind in ("qwen2", "mistral"):  # the other transformers families: one step's gradients
         out[kind] = {"grads": _grads_per_tensor(kind, topo)}
     # 14 tokens: not divisible by 2C = 4, padded to 16 with -100 labels
@@ -257,6 +266,9 @@ def test_cp2_parity_bytes_checkpoint_and_refusals(tmp_path):
                 assert r["params"] < 1e-5 and r["grads"] < 1e-5, (kind, r)
         for kind in ("qwen2", "mistral"):
             assert res[kind]["grads"] < 1e-5, (kind, res[kind])
+        for kind in ("decoder", "llama", "gpt2"):
+            r = res[kind, "all_to_all"]
+            assert r["loss"] < 1e-6 and r["norm"] < 1e-6, (kind, "all_to_all", r)
         b = res["bytes"]
         want = {("send", "cp"): b["want_forward"], ("recv", "cp"): b["want_forward"]}
         # the forward also all-reduces the loss's value over cp (a scalar, "control")
@@ -281,8 +293,11 @@ def _four() -> dict:
     from tests.distributed.cp_models import build, engine_run, max_rel, norm_rel, reference
 
     out: dict = {}
+    cp4 = Topology(cp=4)
+    a2a = {"mesh": {"context_parallel_size": 4}, "context_parallel": {"method": "all_to_all"}}
     layouts = [
-        ("cp4", Topology(cp=4), {"mesh": {"context_parallel_size": 4}}, ("decoder", "llama"), 1),
+        ("cp4", cp4, {"mesh": {"context_parallel_size": 4}}, ("decoder", "llama"), 1),
+        ("cp4_all_to_all", cp4, a2a, ("decoder", "llama"), 1),
         (
             "cp2_dp2_zero3",
             Topology(cp=2, dp=2),
