@@ -18,6 +18,10 @@ packing here is a few lines of the example's own; meshtrain's packing collator
 
 Rank 0 prints a JSON line: the loss of each step, tokens per step (all real) and the
 tokens a padded batch of the same documents would have needed.
+
+transformers masks packed documents (from ``position_ids``) only when the model keeps no
+key/value cache, so the model is built with ``use_cache=False``; with a cache the
+one-process run would attend across documents (under cp meshtrain masks them itself).
 """
 
 from __future__ import annotations
@@ -46,30 +50,34 @@ def vocabulary(docs: list[str], size: int) -> dict[str, int]:
     return {tok: i for i, tok in enumerate((*SPECIALS, *chars))}
 
 
-def pack(docs: list[str], vocab: dict[str, int], seq_len: int) -> tuple[list[dict], int]:
-    """Rows of exactly ``seq_len`` tokens of whole documents (each ends in <eos>; one longer
-    than a row is cut), ``position_ids`` restarting per document. Also returns the tokens a
-    padded batch would hold (each document in its own row, padded to the longest)."""
+def pack(docs: list[str], vocab: dict[str, int], seq_len: int) -> tuple[list[dict], int, int]:
+    """Rows of exactly ``seq_len`` tokens: documents (each ending in <eos>) one after the
+    other, ``position_ids`` restarting at 0 for each; a document that crosses the end of a
+    row continues at the start of the next as a new document (TRL's wrapped packing), so
+    no token is padding. Also returns the tokens a padded batch of the same documents
+    would hold (one document per row, padded to the longest) and the documents' tokens."""
     unk, eos = vocab["<unk>"], vocab["<eos>"]
-    rows, ids, pos = [], [], []
-    lengths: list[int] = []  # of the documents in finished rows
-    pending: list[int] = []
+    ids, pos, lengths = [], [], []
     for doc in docs:
-        toks = [vocab.get(ch, unk) for ch in doc][: seq_len - 1] + [eos]
-        if len(ids) + len(toks) > seq_len:
-            rows.append((ids, pos))
-            lengths += pending
-            ids, pos, pending = [], [], []
-        ids += toks
-        pos += list(range(len(toks)))
-        pending.append(len(toks))
-    packed = []
-    for ids, pos in rows:
-        pad = seq_len - len(ids)  # the last document that did not fit starts the next row
-        ids, pos = ids + [eos] * pad, pos + list(range(pos[-1] + 1, pos[-1] + 1 + pad))
-        labels = ids[: seq_len - pad] + [-100] * pad
-        packed.append({"input_ids": ids, "labels": labels, "position_ids": pos})
-    return packed, max(lengths) * len(lengths)
+        toks = [vocab.get(ch, unk) for ch in doc] + [eos]
+        lengths.append(len(toks))
+        p = 0
+        for tok in toks:
+            if len(ids) % seq_len == 0:
+                p = 0  # a row starts: the rest of the document starts over in it
+            ids.append(tok)
+            pos.append(p)
+            p += 1
+    rows = len(ids) // seq_len
+    packed = [
+        {
+            "input_ids": ids[r * seq_len : (r + 1) * seq_len],
+            "labels": ids[r * seq_len : (r + 1) * seq_len],
+            "position_ids": pos[r * seq_len : (r + 1) * seq_len],
+        }
+        for r in range(rows)
+    ]
+    return packed, max(lengths) * len(lengths), sum(lengths)
 
 
 def collate(rows: list[dict]) -> dict:
@@ -94,12 +102,13 @@ def main() -> dict:
 
     docs = documents(limit=4000)
     vocab = vocabulary(docs, 3000)
-    rows, padded_tokens = pack(docs, vocab, a.seq_len)
+    rows, padded_tokens, real_all = pack(docs, vocab, a.seq_len)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=a.seq_len,
         attn_implementation="sdpa",
+        use_cache=False,  # transformers masks packed documents only without a cache
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config)
     args = TrainingArguments(
@@ -136,7 +145,7 @@ def main() -> dict:
         "tokens_per_step": a.seq_len,
         "real_token_fraction": round(real / (len(rows) * a.seq_len), 4),
         "padded_batch_tokens_for_same_documents": padded_tokens,
-        "packed_tokens_for_same_documents": len(rows) * a.seq_len,
+        "packed_tokens_for_same_documents": -(-real_all // a.seq_len) * a.seq_len,
     }
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)
