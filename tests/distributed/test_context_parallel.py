@@ -18,13 +18,15 @@ Checked, per spawn:
   sent and received forward and ``(C-1) x (|dk| + |dv|)`` backward;
 * cp 2 through ``meshtrain.initialize``: the Decoder, tiny Llama (GQA) and GPT-2, on rows
   with a -100 prompt and a packed row (three documents): 20 AdamW steps with each method
-  (``context_parallel.method`` ring and all_to_all), per-tensor
-  gradients, ring bytes per layer of a whole model, a length 2C does not divide (padded),
-  a checkpoint saved at cp 2 loaded at cp 1, one step's per-tensor gradients of tiny
-  Qwen2 and Mistral, a cp mesh started from the config alone, and the refusals (left padding, a model
-  without cp attention, chunked loss);
-* 4 ranks: cp 4 (Decoder, Llama; both methods), cp 2 x dp 2 with ZeRO-3, cp 2 x tp 2 with sequence
-  parallelism (Decoder, Llama, GPT-2), and cp 2 x pp 2 refused by name.
+  (``context_parallel.method`` ring and all_to_all), per-tensor gradients, ring bytes per
+  layer of a whole model, a length 2C does not divide (padded), a checkpoint saved at
+  cp 2 loaded at cp 1, one step's per-tensor gradients of tiny Qwen2 and Mistral, a cp
+  mesh started from the config alone, and the refusals (left padding, a model without cp
+  attention, chunked loss);
+* 4 ranks: cp 4 (Decoder, Llama; both methods); cp 2 x dp 2 with ZeRO-3 (Llama), ZeRO-2
+  (Decoder) and ZeRO-1 with activation checkpointing (Decoder); cp 2 x tp 2 with sequence
+  parallelism (Decoder, Llama, GPT-2) and without (Decoder); a ZeRO-3 checkpoint saved at
+  cp 2 x dp 2 loaded at cp 4; cp 2 x pp 2 refused by name.
 """
 
 from __future__ import annotations
@@ -287,34 +289,44 @@ def test_cp2_parity_bytes_checkpoint_and_refusals(tmp_path):
         assert chunked.startswith("loss.chunked with mesh.context_parallel_size 2"), chunked
 
 
-def _four() -> dict:
+def _four(path: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import meshtrain
     from meshtrain.distributed.topology import Topology
     from meshtrain.errors import ConfigError
-    from tests.distributed.cp_models import build, engine_run, max_rel, norm_rel, reference
+    from tests.distributed.cp_models import ROWS, build, engine_run, max_rel, norm_rel, reference
 
     out: dict = {}
-    cp4 = Topology(cp=4)
+    cp4, cp2_dp2 = Topology(cp=4), Topology(cp=2, dp=2)
     a2a = {"mesh": {"context_parallel_size": 4}, "context_parallel": {"method": "all_to_all"}}
+    cp2 = {"mesh": {"context_parallel_size": 2}}
+    tp = {"mesh": {"context_parallel_size": 2, "tensor_parallel_size": 2}}
     layouts = [
         ("cp4", cp4, {"mesh": {"context_parallel_size": 4}}, ("decoder", "llama"), 1),
         ("cp4_all_to_all", cp4, a2a, ("decoder", "llama"), 1),
+        ("cp2_dp2_zero3", cp2_dp2, {**cp2, "zero_optimization": {"stage": 3}}, ("llama",), 2),
+        ("cp2_dp2_zero2", cp2_dp2, {**cp2, "zero_optimization": {"stage": 2}}, ("decoder",), 2),
         (
-            "cp2_dp2_zero3",
-            Topology(cp=2, dp=2),
-            {"mesh": {"context_parallel_size": 2}, "zero_optimization": {"stage": 3}},
-            ("decoder", "llama"),
+            "cp2_dp2_zero1_checkpointing",
+            cp2_dp2,
+            {
+                **cp2,
+                "zero_optimization": {"stage": 1},
+                "activation_checkpointing": {"enabled": True},
+            },
+            ("decoder",),
             2,
         ),
         (
             "cp2_tp2_sp",
             Topology(cp=2, tp=2),
-            {
-                "mesh": {"context_parallel_size": 2, "tensor_parallel_size": 2},
-                "tensor_parallel": {"sequence_parallel": True},
-            },
+            {**tp, "tensor_parallel": {"sequence_parallel": True}},
             ("decoder", "llama", "gpt2"),
             1,
         ),
+        ("cp2_tp2", Topology(cp=2, tp=2), tp, ("decoder",), 1),
     ]
     for name, topo, config, kinds, dp in layouts:
         for kind in kinds:
@@ -324,16 +336,23 @@ def _four() -> dict:
                 "loss": max_rel(losses, ref_losses),
                 "norm": norm_rel(state, ref_state),
             }
-    import meshtrain
-
+    # saved at cp 2 x dp 2 under ZeRO-3 (sharded over the 4 replicas), loaded at cp 4
+    _, engine, state = engine_run("decoder", 3, {**cp2, "zero_optimization": {"stage": 3}}, cp2_dp2)
+    engine.save_checkpoint(path, tag="cp2dp2")
+    dist.barrier()
+    cfg = {"train_micro_batch_size_per_gpu": ROWS, "optimizer": {"type": "AdamW"}}
+    loaded, *_ = meshtrain.initialize(
+        model=build("decoder"), config={**cfg, "mesh": {"context_parallel_size": 4}}, topology=cp4
+    )
+    loaded.load_checkpoint(path, tag="cp2dp2")
+    again = loaded.module_state_dict()
+    out["checkpoint_cp4"] = again.keys() == state.keys() and all(
+        torch.equal(again[k], state[k]) for k in state
+    )
     try:
         meshtrain.initialize(
             model=build("decoder"),
-            config={
-                "train_micro_batch_size_per_gpu": 2,
-                "optimizer": {"type": "SGD"},
-                "mesh": {"context_parallel_size": 2, "pipeline_parallel_size": 2},
-            },
+            config={**cfg, "mesh": {"context_parallel_size": 2, "pipeline_parallel_size": 2}},
             topology=Topology(cp=2, pp=2),
         )
         out["pp"] = "accepted"
@@ -342,8 +361,9 @@ def _four() -> dict:
     return out
 
 
-def test_cp4_and_cp_with_zero3_tp_sp_and_pp_refused():
-    for res in run_ranks(_four, 4, timeout=600):
+def test_cp4_and_cp_with_zero_tp_sp_checkpoint_at_cp4_and_pp_refused(tmp_path):
+    for res in run_ranks(_four, 4, str(tmp_path / "ckpt"), timeout=600):
+        assert res.pop("checkpoint_cp4") is True
         for key, r in res.items():
             if key == "pp":
                 continue
