@@ -106,6 +106,9 @@ class SequenceSharder:
             pos = torch.cat((pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)), 1)
             shift = None if shift is None else F.pad(shift, (0, pad), value=IGNORE)
             docs = None if docs is None else torch.cat((docs, docs[:, -1:].expand(b, pad)), 1)
+        types = a.get("token_type_ids")  # GPT-2's segment embeddings: per token, like ids
+        if types is not None:
+            a["token_type_ids"] = layout.shard(F.pad(types, (0, pad)), rank, c)
         a["input_ids"] = layout.shard(ids, rank, c)
         a["position_ids"] = layout.shard(pos, rank, c).contiguous()
         local_docs = None if docs is None else layout.shard(docs, rank, c)

@@ -46,7 +46,7 @@ Bytes per rank per attention layer (recorded under ``send``/``recv`` on the ``cp
 Memory per rank per layer: the ``C`` key/value blocks of the whole sequence
 (``2 x B x Hkv x L x hd`` elements, ``Hkv/Hq`` of the whole sequence's queries under GQA) are
 kept for the backward instead of being passed around a second time, plus one block's
-fp32 scores (``B x Hq x (L/C)^2``... at most) while a block is computed.
+fp32 scores (at most ``B x Hq x (L/C) x (L/C)`` values) while a block is computed.
 """
 
 from __future__ import annotations
