@@ -21,7 +21,7 @@ Checked, per spawn:
   (``context_parallel.method`` ring and all_to_all), per-tensor gradients, ring bytes per
   layer of a whole model, a length 2C does not divide (padded), a checkpoint saved at
   cp 2 loaded at cp 1, one step's per-tensor gradients of tiny Qwen2 and Mistral, a cp
-  mesh started from the config alone, and the refusals (left padding, a model without cp
+  mesh started from the config alone, 5 bf16 steps (within 1e-2 of fp32), and the refusals (left padding, a model without cp
   attention, chunked loss);
 * 4 ranks: cp 4 (Decoder, Llama; both methods); cp 2 x dp 2 with ZeRO-3 (Llama), ZeRO-2
   (Decoder) and ZeRO-1 with activation checkpointing (Decoder); cp 2 x tp 2 with sequence
@@ -253,6 +253,11 @@ def _cp2(path: str) -> dict:
         "loss": max_rel(losses, ref_losses),
         "norm": norm_rel(state, ref_state),
     }
+    # bf16 (fp32 masters): the ring computes in fp32 and returns bf16; within bf16's 1e-2
+    ref_losses, _ = reference("decoder", 5, 1)
+    bf16 = {"mesh": {"context_parallel_size": 2}, "bf16": {"enabled": True}}
+    losses, _, _ = engine_run("decoder", 5, bf16, topo)
+    out["bf16"] = max_rel(losses, ref_losses)
     out["bytes"] = _model_ring_bytes(topo)
     out["checkpoint"] = _checkpoint_across_cp(topo, path)
     out["refused"] = _refusals(topo)
@@ -271,6 +276,7 @@ def test_cp2_parity_bytes_checkpoint_and_refusals(tmp_path):
         for kind in ("decoder", "llama", "gpt2"):
             r = res[kind, "all_to_all"]
             assert r["loss"] < 1e-6 and r["norm"] < 1e-6, (kind, "all_to_all", r)
+        assert res["bf16"] < 1e-2, res["bf16"]
         b = res["bytes"]
         want = {("send", "cp"): b["want_forward"], ("recv", "cp"): b["want_forward"]}
         # the forward also all-reduces the loss's value over cp (a scalar, "control")
