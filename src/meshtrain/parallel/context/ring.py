@@ -45,8 +45,8 @@ Bytes per rank per attention layer (recorded under ``send``/``recv`` on the ``cp
 
 Memory per rank per layer: the ``C`` key/value blocks of the whole sequence
 (``2 x B x Hkv x L x hd`` elements, ``Hkv/Hq`` of the whole sequence's queries under GQA) are
-kept for the backward instead of being passed around a second time, plus one block's
-fp32 scores (at most ``B x Hq x (L/C) x (L/C)`` values) while a block is computed.
+kept for the backward instead of being passed around a second time, plus a piece of one
+block's fp32 scores (``blocks.SCORE_ELEMENTS`` values at most) while it is computed.
 """
 
 from __future__ import annotations
@@ -55,12 +55,7 @@ import torch
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
-from meshtrain.parallel.context.blocks import (
-    block_backward,
-    block_forward,
-    merge_into,
-    same_document,
-)
+from meshtrain.parallel.context.blocks import block_backward, block_forward, merge_into
 
 
 def ring_attention(
@@ -97,14 +92,23 @@ def _region(step: int, rank: int, size: int, c: int):
     return slice(c, None), slice(None), False
 
 
-def _mask(docs_q, docs_k, rows, keys, causal: bool, t: int, device):
-    mask = same_document(
-        None if docs_q is None else docs_q[:, rows], None if docs_k is None else docs_k[:, keys]
-    )
-    if causal:
-        tril = torch.ones(t, t, dtype=torch.bool, device=device).tril()[None]
-        mask = tril if mask is None else mask & tril
-    return mask
+def _mask_of(docs_q, docs_k, rows: slice, keys: slice, causal: bool, t: int, device):
+    """``mask_of(lo, hi)``: the ``[B, hi - lo, S]`` mask of the region's query rows
+    ``[lo, hi)`` (same document, and causal on step 0), or None when nothing is masked."""
+    r0 = rows.start or 0
+    dk = None if docs_k is None else docs_k[:, keys]
+
+    def mask_of(lo: int, hi: int):
+        mask = None
+        if docs_q is not None:
+            mask = docs_q[:, r0 + lo : r0 + hi, None] == dk[:, None, :]
+        if causal:
+            q_pos = torch.arange(lo, hi, device=device)[:, None]
+            tri = (q_pos >= torch.arange(t, device=device)[None])[None]
+            mask = tri if mask is None else mask & tri
+        return mask
+
+    return mask_of
 
 
 def _post_shift(tensors: list[torch.Tensor], group: Group, forward: bool):
@@ -140,8 +144,10 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = block[0].float(), block[1].float()
             docs_k = block[2] if docs is not None else None
             rows, keys, causal = _region(step, rank, size, c)
-            mask = _mask(docs, docs_k, rows, keys, causal, t, q.device)
-            o, lse_b = block_forward(qf[..., rows, :], kb[:, :, keys], vb[:, :, keys], mask, scale)
+            mask_of = _mask_of(docs, docs_k, rows, keys, causal, t, q.device)
+            o, lse_b = block_forward(
+                qf[..., rows, :], kb[:, :, keys], vb[:, :, keys], mask_of, scale
+            )
             if step == 0:
                 out.copy_(o)
                 lse.copy_(lse_b)
@@ -180,9 +186,9 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = block[0].float(), block[1].float()
             docs_k = block[2] if docs is not None else None
             rows, keys, causal = _region(step, rank, size, c)
-            mask = _mask(docs, docs_k, rows, keys, causal, t, q.device)
+            mask_of = _mask_of(docs, docs_k, rows, keys, causal, t, q.device)
             dq_b, dk_b, dv_b = block_backward(
-                qf[..., rows, :], kb[:, :, keys], vb[:, :, keys], mask, scale,
+                qf[..., rows, :], kb[:, :, keys], vb[:, :, keys], mask_of, scale,
                 dout[..., rows, :], lse[..., rows], delta[..., rows],
             )  # fmt: skip
             dq[..., rows, :] += dq_b
