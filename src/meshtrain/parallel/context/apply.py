@@ -10,9 +10,16 @@ What it changes (no parameter: a checkpoint is the same at any C):
 * both: ``inputs.SequenceSharder``'s hooks cut each batch to this rank's chunks and give
   the loss its cp form.
 
+Under a pipeline (the Decoder): ``parallelize`` installs the hooks before step 4 cuts
+the model, and each stage runs a shallow copy of the root module
+(``pipeline.split._rewire``), which shares the root's hooks: every stage cuts the batch it
+is given the same way (later stages only use its positions and document ids, and the
+chunk-long dummy ids that carry the activation's shape), and the last stage's loss gets
+its cp form. Each cp rank of a stage sends to the same cp rank of the next stage.
+
 Refused by name: any other model, chunked loss (``loss.chunked``: its head sees only
-this rank's tokens and its count would be local), and pipeline parallelism (its stages
-pass activations, not the rows the sharder cuts; see docs/context_parallel.md).
+this rank's tokens and its count would be local), and a transformers model under a
+pipeline (its stages before the last call the backbone, not the hooked root).
 """
 
 from __future__ import annotations
@@ -31,19 +38,20 @@ def check_context_parallel(model: nn.Module, topology: Topology, config) -> str:
     """The model's family ("decoder" or "transformers"), or ConfigError naming what does
     not compose with cp (before anything changes)."""
     cp = topology.cp_size
-    if topology.pp_size > 1:
+    from meshtrain.models.decoder import Decoder
+
+    if topology.pp_size > 1 and not isinstance(model, Decoder):
         raise ConfigError(
             f"mesh.context_parallel_size {cp} with mesh.pipeline_parallel_size "
-            f"{topology.pp_size}: context parallelism under a pipeline is not built (the "
-            "stages pass activations, not the rows cp cuts); use cp with dp, tp and ZeRO"
+            f"{topology.pp_size} is not built for {type(model).__name__}: a transformers "
+            "model's stages before the last run its backbone, which the batch cut does not "
+            "reach; use meshtrain's Decoder under a pipeline, or cp with dp, tp and ZeRO"
         )
     if config.loss.chunked:
         raise ConfigError(
             f"loss.chunked with mesh.context_parallel_size {cp} is not built; set "
             "loss.chunked to false (each rank's logits are already 1/C of the sequence)"
         )
-    from meshtrain.models.decoder import Decoder
-
     if isinstance(model, Decoder):
         return "decoder"
     model_type = getattr(getattr(model, "config", None), "model_type", None)
