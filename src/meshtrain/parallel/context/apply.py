@@ -10,16 +10,18 @@ What it changes (no parameter: a checkpoint is the same at any C):
 * both: ``inputs.SequenceSharder``'s hooks cut each batch to this rank's chunks and give
   the loss its cp form.
 
-Under a pipeline (the Decoder): ``parallelize`` installs the hooks before step 4 cuts
-the model, and each stage runs a shallow copy of the root module
-(``pipeline.split._rewire``), which shares the root's hooks: every stage cuts the batch it
-is given the same way (later stages only use its positions and document ids, and the
-chunk-long dummy ids that carry the activation's shape), and the last stage's loss gets
-its cp form. Each cp rank of a stage sends to the same cp rank of the next stage.
+Under a pipeline: ``parallelize`` installs the hooks before step 4 cuts the model, and
+each stage runs a shallow copy of the root module (``pipeline.split._rewire``), which
+shares the root's hooks: every stage cuts the batch it is given the same way (later
+stages only use its positions and document ids, and the chunk-long dummy ids that carry
+the activation's shape), and the last stage's loss gets its cp form. A transformers
+model's stages before the last call its backbone (``Layout.body``) directly, so the
+backbone gets the same pre-hook; called from the hooked root it finds the batch marked as
+cut (``inputs.CUT``) and passes it on. Each cp rank of a stage sends to the same cp rank
+of the next stage.
 
-Refused by name: any other model, chunked loss (``loss.chunked``: its head sees only
-this rank's tokens and its count would be local), and a transformers model under a
-pipeline (its stages before the last call the backbone, not the hooked root).
+Refused by name: any other model, and chunked loss (``loss.chunked``: its head sees only
+this rank's tokens and its count would be local).
 """
 
 from __future__ import annotations
@@ -38,20 +40,13 @@ def check_context_parallel(model: nn.Module, topology: Topology, config) -> str:
     """The model's family ("decoder" or "transformers"), or ConfigError naming what does
     not compose with cp (before anything changes)."""
     cp = topology.cp_size
-    from meshtrain.models.decoder import Decoder
-
-    if topology.pp_size > 1 and not isinstance(model, Decoder):
-        raise ConfigError(
-            f"mesh.context_parallel_size {cp} with mesh.pipeline_parallel_size "
-            f"{topology.pp_size} is not built for {type(model).__name__}: a transformers "
-            "model's stages before the last run its backbone, which the batch cut does not "
-            "reach; use meshtrain's Decoder under a pipeline, or cp with dp, tp and ZeRO"
-        )
     if config.loss.chunked:
         raise ConfigError(
             f"loss.chunked with mesh.context_parallel_size {cp} is not built; set "
             "loss.chunked to false (each rank's logits are already 1/C of the sequence)"
         )
+    from meshtrain.models.decoder import Decoder
+
     if isinstance(model, Decoder):
         return "decoder"
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -87,6 +82,15 @@ def apply_context_parallel(model: nn.Module, topology: Topology, config) -> Cont
     sharder = SequenceSharder(model, topology.cp_group, family)
     model.register_forward_pre_hook(sharder.pre, with_kwargs=True)
     model.register_forward_hook(sharder.post, with_kwargs=True)
+    if family == "transformers" and topology.pp_size > 1:
+        # a pipeline stage before the last calls the backbone itself: it cuts its batch
+        # too (after the root's cut, the root's marker makes it pass the batch on as is)
+        from meshtrain.parallel.pipeline.split import find_layout
+
+        body = model.get_submodule(find_layout(model).body)
+        body.register_forward_pre_hook(
+            SequenceSharder(body, topology.cp_group, family).pre, with_kwargs=True
+        )
     return context
 
 

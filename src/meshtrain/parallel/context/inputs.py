@@ -48,6 +48,7 @@ from meshtrain.models.decoder import documents_from_positions
 from meshtrain.parallel.context import layout
 
 IGNORE = -100
+CUT = "meshtrain_cp_cut"  # kwarg marking a batch already cut to this rank's chunks
 
 
 class SequenceSharder:
@@ -75,6 +76,8 @@ class SequenceSharder:
         return out
 
     def pre(self, _module, args: tuple, kwargs: dict):
+        if kwargs.pop(CUT, False):  # a backbone called by its already-cut model
+            return args, kwargs
         a = self._arguments(args, kwargs)
         ids = a.get("input_ids")
         if ids is None or ids.dim() != 2:
@@ -116,6 +119,7 @@ class SequenceSharder:
             a["document_ids"] = local_docs
         else:
             a["use_cache"] = False
+            a[CUT] = True  # passed down to the backbone (its own hook under a pipeline)
             if local_docs is not None:
                 a["meshtrain_document_ids"] = local_docs
         if shift is not None:
