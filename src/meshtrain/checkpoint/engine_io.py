@@ -165,7 +165,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
     ``pieces``, ``rank_state``, ``meta``, ``group``, ``keep_last``. A collective (the tag)."""
     topo = engine.topology
     world = topo.group("world")
-    dp = topo.dp_size
+    replicas = topo.replica_group  # dp x cp hold the same weights: each writes its share
     tag = _agreed_tag(tag or f"global_step{engine.global_steps}", world, engine.config)
     names = model_names(engine)
     canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
@@ -176,7 +176,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
     opt_state = engine.optimizer.state
     for gi, g in enumerate(engine.zero.flat_groups):
         for b, master in zip(g.buckets, g.master_chunks, strict=True):
-            lo, hi, base = _save_range(g, b, dp, topo.dp_rank)
+            lo, hi, base = _save_range(g, b, replicas.size, replicas.rank)
             if hi <= lo:
                 continue
             sources = {"param": master.detach()}
@@ -195,7 +195,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
                         pieces.append(Piece(name, state, key, local - lo, start, n))
     frozen_specs = _frozen_specs(engine)
     # frozen tensors and buffers: split over the ranks holding this stage (the world at pp 1)
-    share, part = topo.dp_size * topo.tp_size, topo.dp_rank * topo.tp_size + topo.tp_rank
+    share, part = replicas.size * topo.tp_size, replicas.rank * topo.tp_size + topo.tp_rank
     done: set[str] = set()  # a module two stages of this rank share is listed twice
     frozen_ids = {id(p) for g in engine.zero.frozen_groups for p in g.params}
     for key, t in whole_state_items(engine.module, engine.zero):
@@ -239,7 +239,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
         "global_steps": state["global_steps"],
         "micro_steps": state["micro_steps"],
         "skipped_steps": state["skipped_steps"],
-        "mesh": {"pp": topo.pp_size, "dp": dp, "tp": topo.tp_size},
+        "mesh": {"pp": topo.pp_size, "dp": topo.dp_size, "cp": topo.cp_size, "tp": topo.tp_size},
         "zero_stage": engine.zero_stage,
         "precision": engine.config.precision,
         "config": engine.config.to_dict(derived=False),

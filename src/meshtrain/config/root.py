@@ -39,6 +39,7 @@ from meshtrain.config.sections import (
     BF16Config,
     CheckpointConfig,
     CompileConfig,
+    ContextParallelConfig,
     DistributedConfig,
     FP8Config,
     FP16Config,
@@ -102,7 +103,9 @@ class Config(Section):
     loss: LossConfig = LossConfig()
     """meshtrain: chunked cross-entropy for causal LMs."""
     mesh: MeshConfig = MeshConfig()
-    """meshtrain: pipeline and tensor parallel sizes."""
+    """meshtrain: pipeline, data, context and tensor parallel sizes."""
+    context_parallel: ContextParallelConfig = ContextParallelConfig()
+    """meshtrain: the context-parallel attention method (ring or all_to_all)."""
     pipeline: PipelineConfig = PipelineConfig()
     """meshtrain: pipeline schedule and stage balancing."""
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()

@@ -262,7 +262,7 @@ class MeshConfig(Section):
     tensor_parallel_size: PosInt = 1
     """Tensor-parallel ranks (tp) sharing each layer; data-parallel size = world size / (pp * cp * tp)."""
     context_parallel_size: PosInt = 1
-    """Context-parallel ranks (cp) holding different chunks of each sequence. Not built yet: only 1 is accepted."""
+    """Context-parallel ranks (cp) holding different chunks of each sequence (2C chunks, rank i holds chunks i and 2C-1-i); attention spans them by context_parallel.method. meshtrain's Decoder and transformers Llama, Qwen2, Mistral and GPT-2; docs/context_parallel.md."""
     expert_parallel_size: PosInt = 1
     """Expert-parallel ranks (ep), carved out of dp x cp, each holding a slice of the experts. Not built yet: only 1 is accepted."""
 
@@ -270,10 +270,7 @@ class MeshConfig(Section):
     def _built(self) -> MeshConfig:
         # refused at load, before any process group or model exists: a run that asked for
         # a dimension must never silently run without it
-        for key, issue in (
-            ("context_parallel_size", "context"),
-            ("expert_parallel_size", "expert"),
-        ):
+        for key, issue in (("expert_parallel_size", "expert"),):
             value = getattr(self, key)
             if value > 1:
                 raise ConfigError(
@@ -281,6 +278,13 @@ class MeshConfig(Section):
                     f"built); remove mesh.{key} or set it to 1"
                 )
         return self
+
+
+class ContextParallelConfig(Section):
+    """``context_parallel`` (meshtrain): how attention spans the cp ranks when mesh.context_parallel_size > 1 (docs/context_parallel.md)."""
+
+    method: canonical_choice(("ring", "all_to_all")) = "ring"
+    """ring: key/value blocks passed around the cp group with an online-softmax merge, overlapped with each block's compute; all_to_all (DeepSpeed Ulysses): re-shard from sequence to heads around attention. Read only when mesh.context_parallel_size > 1."""
 
 
 class PipelineConfig(Section):

@@ -13,6 +13,7 @@ all_reduce          2 x b of the tensor reduced            2 Psi for a gradient
                                                            all-reduce of Psi bytes
 reduce_scatter      b of the full (input) tensor           Psi
 all_gather          b of the full (output) tensor          Psi
+all_to_all          b of the input (= the output) tensor   --
 broadcast           b of the tensor                        --
 send / recv         b of the tensor, on the sender as      --
                     ``send`` and on the receiver as
@@ -165,6 +166,36 @@ def all_gather(
     return _call(
         group, "all_gather", (output,), async_op,
         _all_gather_single, output, input, group=group.pg, async_op=async_op,
+    )  # fmt: skip
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    async_op: bool = False,
+    label: str | None = None,
+):
+    """Even all-to-all over dim 0: ``input``'s ``j``-th of ``size`` equal slices goes to
+    group rank ``j``; ``output``'s ``j``-th slice comes from group rank ``j``.
+
+    Records the bytes of ``input`` (a rank keeps its own slice: the wire carries
+    ``(n - 1) / n`` of them, as for the other collectives).
+    """
+    if output.numel() != input.numel() or input.shape[0] % group.size:
+        raise ValueError(
+            f"all_to_all over {group.name} (size {group.size}): input {tuple(input.shape)} "
+            f"and output {tuple(output.shape)} must have equal sizes and a first dimension "
+            f"divisible by {group.size}"
+        )
+    if group.size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+    _record(group, "all_to_all", _nbytes(input), label)
+    return _call(
+        group, "all_to_all", (input,), async_op,
+        dist.all_to_all_single, output, input, group=group.pg, async_op=async_op,
     )  # fmt: skip
 
 

@@ -19,6 +19,12 @@ MFU (``mfu`` in ``last``, ``| MFU x%`` in the line) appears once the engine call
 ranks / (peak FLOP/s per device x data-parallel size). The peak is a data-sheet figure for
 known GPUs and a measured matmul peak elsewhere; ``mfu_peak_source`` says which.
 
+Activation memory (``activation_bytes`` in ``last``, ``| act x MB/rank`` in the line)
+appears once ``set_activations`` was called (``meshtrain.estimate.activations.
+attach_activations``): the formula's bytes per rank for the last micro-batch's rows and
+this rank's tokens per row (``L/C`` under context parallelism), an estimate, not a
+measurement.
+
 Silence or redirect the lines with the standard logging API, e.g.
 ``logging.getLogger("meshtrain").setLevel(logging.WARNING)``.
 """
@@ -85,6 +91,8 @@ class StepLog:
         self._dense = self._per_seq = self._peak = 0.0
         self._seq = 0
         self._peak_source = ""
+        self._activations = None  # (micro-batch rows, tokens per row) -> bytes per rank
+        self._rows = 0
         if every and is_logging_rank:
             ensure_visible()
 
@@ -94,6 +102,11 @@ class StepLog:
         says where it comes from."""
         self._dense, self._per_seq = dense, per_seq
         self._peak, self._peak_source = peak_flops, source
+
+    def set_activations(self, estimate) -> None:
+        """Report activation memory per rank from now on: ``estimate(rows, tokens)`` is
+        the bytes for one micro-batch of ``rows`` rows of ``tokens`` tokens on this rank."""
+        self._activations = estimate
 
     def mfu(self, tokens_per_s: float) -> tuple[float, str] | None:
         """(MFU at ``tokens_per_s`` over all ranks, the peak's source), or None when the
@@ -107,6 +120,7 @@ class StepLog:
         samples, tokens = _batch_size_and_tokens(args, kwargs)
         if tokens and samples:
             self._seq = tokens // samples
+            self._rows = samples
         self._samples += samples
         self._tokens += tokens
 
@@ -158,6 +172,8 @@ class StepLog:
         mfu = self.mfu(self.last["tokens_per_s"]) if self._tokens else None
         if mfu is not None:
             self.last["mfu"], self.last["mfu_peak_source"] = mfu
+        if self._activations is not None and self._rows and self._seq:
+            self.last["activation_bytes"] = self._activations(self._rows, self._seq)
         if self.breakdown:
             self.last.update({f"{k}_ms": v * 1e3 for k, v in self._phase.items()})
             self._phase = dict.fromkeys(PHASES, 0.0)
@@ -176,6 +192,8 @@ class StepLog:
             f"{s['samples_per_s']:.1f} samples/s | {s['tokens_per_s']:.0f} tokens/s | "
             f"comm {s['comm_bytes'] / 1e6:.1f} MB"
         )
+        if "activation_bytes" in s:
+            line += f" | act {s['activation_bytes'] / 1e6:.1f} MB/rank"
         if "mfu" in s:
             line += f" | MFU {100 * s['mfu']:.1f}%"
         if self.breakdown:

@@ -137,6 +137,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.pp > 1:
             print()
             print(_pipeline(args, source))
+        if args.cp > 1 or (args.seq_len and args.pp == 1):
+            print()
+            print(_activations(args, source))
     except ConfigError as exc:
         print(f"meshtrain estimate: error: {exc}", file=sys.stderr)
         return 2
@@ -175,6 +178,28 @@ def _pipeline(args: argparse.Namespace, source: int | nn.Module) -> str:
     return pipeline_table(rows, schedule=args.schedule, m=m, seq_len=seq, b=args.micro_batch_size)
 
 
+def _activations(args: argparse.Namespace, source: int | nn.Module) -> str:
+    """Activation memory per rank at the sequence length for cp 1, 2, 4, ... up to --cp
+    (``meshtrain.estimate.activations``); needs --model."""
+    from meshtrain.estimate.activations import DecoderDims, activation_table
+
+    dims = DecoderDims.of(source) if isinstance(source, nn.Module) else None
+    if dims is None:
+        return (
+            "Activations per rank: give --model (a reference decoder or a Llama-style "
+            "transformers config) to see them at each context-parallel size"
+        )
+    if args.cp < 1:
+        raise ConfigError(f"--cp: must be a positive integer, got {args.cp}")
+    seq = args.seq_len or getattr(source.config, "max_seq_len", None)
+    seq = seq or getattr(source.config, "max_position_embeddings", None)
+    cps = sorted({c for c in (1, 2, 4, 8, 16, 32, 64) if c <= args.cp} | {args.cp})
+    width = 4 if str(args.precision).lower() == "fp32" else 2
+    return activation_table(
+        dims, [seq], cps, batch=args.micro_batch_size, width=width, method=args.cp_method
+    )
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``meshtrain estimate`` on the top-level ``meshtrain`` command."""
     p = subparsers.add_parser(
@@ -207,6 +232,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: with --model, activation memory per rank at "
+        "--seq-len for cp 1, 2, 4, ... up to this (default 1)",
+    )
+    p.add_argument(
+        "--cp-method",
+        default="all_to_all",
+        choices=("all_to_all", "ring"),
+        help="context-parallel attention for the activation table (default all_to_all)",
+    )
     pipe = p.add_argument_group("pipeline (--pp > 1 with --model: a table per pp rank)")
     pipe.add_argument(
         "--schedule",

@@ -11,6 +11,11 @@ single-process reference get bit-identical weights.
 
 ``forward(input_ids, labels=None)`` returns logits ``[batch, seq, vocab]``, or the mean
 next-token cross-entropy (labels shifted inside; -100 is ignored) when labels are given.
+As in transformers, ``shift_labels`` (already aligned with the logits: the label of
+position t is the token at t+1) replaces ``labels`` and is not shifted again, and
+``num_items_in_batch`` makes the loss a sum over valid tokens divided by that count
+(context parallelism shifts the whole rows before cutting them, so the token at a chunk
+border still has its label).
 
 Packed rows (padding-free): ``position_ids`` ``[batch, seq]`` that restart at 0 for each
 document give each token its rotary position, and the attention of a token stays inside its
@@ -196,6 +201,8 @@ class Decoder(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
         t = input_ids.shape[1]
         x = self.embed(input_ids)
@@ -218,9 +225,13 @@ class Decoder(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, document_ids)
         logits = self.lm_head(self.norm(x))
-        if labels is None:
+        if labels is None and shift_labels is None:
             return logits
-        return self.loss_fn(logits, labels)
+        if shift_labels is None and num_items_in_batch is None:
+            return self.loss_fn(logits, labels)
+        return self.loss_fn(
+            logits, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
+        )
 
 
 def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -233,13 +244,26 @@ def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
     return starts.cumsum(-1)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting token t+1 from position t; -100 labels are ignored."""
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-        labels[:, 1:].reshape(-1),
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy of predicting token t+1 from position t; -100 labels are ignored.
+
+    ``shift_labels``: targets already aligned with ``logits`` (no shift here). With
+    ``num_items_in_batch`` the loss is the sum over valid targets divided by it."""
+    if shift_labels is None:
+        logits, shift_labels = logits[:, :-1], labels[:, 1:]
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        shift_labels.reshape(-1),
         ignore_index=-100,
+        reduction="mean" if num_items_in_batch is None else "sum",
     )
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

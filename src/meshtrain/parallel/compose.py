@@ -4,7 +4,8 @@
 
     place      model.to(device, dtype)
     1. TP      tensor-parallel plan: swap linears/embeddings for sharded ones
-    2. CP      context-parallel attention (not built: a cp > 1 mesh is refused here)
+    2. CP      context-parallel attention: each attention layer spans the cp group
+               (ring or all_to_all) and a pre-hook cuts every batch to this rank's chunks
     3. EP      expert sharding: each ep rank keeps its slice of the experts (not built)
     4. PP      pipeline split: keep this stage's layers only
     4b. fp8    float8 linear layers (torchao), when fp8.enabled
@@ -89,6 +90,10 @@ def parallelize(
         from meshtrain.parallel.pipeline.engine_step import check_pipeline
 
         check_pipeline(model, topology, config)
+    if topology.cp_size > 1:  # what context parallelism cannot combine with, likewise
+        from meshtrain.parallel.context.apply import check_context_parallel
+
+        check_context_parallel(model, topology, config)
     # 1. tensor parallelism: changes the parameters themselves, so it comes first
     if config.mesh.tensor_parallel_size not in (1, topology.tp_size):
         raise ConfigError(
@@ -112,9 +117,13 @@ def parallelize(
     # 2. context-parallel attention: replaces how attention is computed (not what the
     # parameters are), inside the tp-sharded attention of step 1
     if topology.cp_size > 1:
+        from meshtrain.parallel.context.apply import apply_context_parallel
+
+        apply_context_parallel(model, topology, config)
+    elif config.mesh.context_parallel_size > 1:
         raise ConfigError(
-            f"mesh.context_parallel_size: the topology has cp={topology.cp_size}, but "
-            "context-parallel attention is not built yet; build the Topology with cp=1"
+            f"mesh.context_parallel_size: {config.mesh.context_parallel_size} but the "
+            f"topology has cp={topology.cp_size}; build the Topology from the config"
         )
     # 3. expert sharding: changes which expert parameters a rank holds, so it comes
     # before anything that counts or lays out parameters (pipeline balance, flat buffers)

@@ -88,10 +88,21 @@ def vocab_parallel_cross_entropy(
 
 
 def causal_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, group: Group, vocab_size: int
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    group: Group,
+    vocab_size: int,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
-    """The reference decoder's loss (predict token t+1 at t; -100 ignored), vocab-parallel."""
-    return vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], group, vocab_size)
+    """The reference decoder's loss (predict token t+1 at t; -100 ignored), vocab-parallel;
+    ``shift_labels`` / ``num_items_in_batch`` as in ``meshtrain.models.decoder``."""
+    if shift_labels is None:
+        logits, shift_labels = logits[:, :-1], labels[:, 1:]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = vocab_parallel_cross_entropy(logits, shift_labels, group, vocab_size, -100, reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 class HFLoss:

@@ -1,0 +1,406 @@
+"""Context-parallel attention against its peers on CPU/gloo, and activation memory per rank.
+
+Issue 29's benchmark, in one run:
+
+1. **Attention, cp 2.** The same causal attention (fp32, ``B=1``, ``--heads`` heads of
+   ``--head-dim``, global length ``--seq``, seeded q/k/v) forward + backward on 2 ranks by
+
+   ==================  ===========================================================================
+   name                what
+   ==================  ===========================================================================
+   meshtrain           ``meshtrain.parallel.context.all_to_all.ulysses_attention`` on the
+                       load-balanced layout (rank i holds chunks i and 2C-1-i), ``[B, H, L/C, hd]``
+   deepspeed           ``deepspeed.sequence.layer.DistributedAttention`` (Ulysses) around the same
+                       SDPA call, its own layout: contiguous ``[B, L/C, H, hd]`` chunks,
+                       ``scatter_idx=2, gather_idx=1, batch_dim_idx=0``
+   meshtrain-ring      ``meshtrain.parallel.context.ring`` where this branch has it
+   torch-cp            ``torch.distributed.tensor.experimental.context_parallel`` (ring) on a CPU
+                       ``DeviceMesh``; where it cannot run its error is recorded and printed
+   ==================  ===========================================================================
+
+   Each framework runs in fresh ``torchrun`` processes (one thread per rank), ``--repeats``
+   times, the order reversed on odd repeats. Time: the slowest rank's seconds per
+   forward+backward over ``--iters`` iterations after one warm-up. Memory: ``saved`` is what
+   autograd keeps for the backward after the forward (distinct storages,
+   ``meshtrain.estimate.activation_probe``, deterministic), ``peak`` the larger rank's RSS
+   high-water mark (``VmHWM``) minus its RSS once the inputs exist (includes temporaries and
+   the allocator's caching; noisier). Every rank checks its output rows against a
+   one-process ``causal_attention`` of the whole sequence (``max_rel_err``). Ratios are
+   meshtrain / peer (speed > 1 and memory < 1 favour meshtrain).
+
+2. **Decoder activation memory at cp 1, 2, 4** (``--memory-lens``, default 8192 and
+   16384): meshtrain's ``Decoder`` (2 layers, d 64, 4 heads, SwiGLU 172, vocab 256, fp32)
+   forward + backward on each rank's ``L/C`` tokens (global positions as ``position_ids``),
+   attention through ``ulysses_attention`` via the Decoder's ``Attention.context`` seam, in
+   ``torchrun`` processes of ``C`` ranks. Recorded per rank: ``saved`` bytes,
+   the formula (``meshtrain.estimate.activations.activation_bytes``), the RSS growth, and
+   seconds.
+
+    python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--iters 5]
+        [--memory-lens 8192,16384] [--memory-cps 1,2,4] [--skip-memory]
+
+Results: ``benchmarks/results/context_parallel-<date>-<HHMM>.json`` (machine, versions,
+load average, every run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+FRAMEWORKS = ("meshtrain", "deepspeed", "meshtrain-ring", "torch-cp")
+PAIRS = (("meshtrain", "deepspeed"), ("meshtrain-ring", "torch-cp"))
+DECODER = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=172)
+SEED = 1234
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _shard(t, cp: int, rank: int, dim: int):
+    import torch
+
+    chunks = t.chunk(2 * cp, dim=dim)
+    return torch.cat((chunks[rank], chunks[2 * cp - 1 - rank]), dim=dim)
+
+
+# ------------------------------------------------------------------------ attention worker
+def _attention_fn(name: str, group, cp: int, rank: int):
+    """(fn(q, k, v) -> output, the function that cuts this rank's slice out of a whole
+    ``[B, H, L, hd]`` tensor in the framework's own layout) for framework ``name``."""
+    import torch.nn.functional as F
+
+    if name == "meshtrain":
+        from meshtrain.parallel.context.all_to_all import ulysses_attention
+
+        return (
+            lambda q, k, v: ulysses_attention(q, k, v, group),
+            lambda t: _shard(t, cp, rank, 2),
+        )
+    if name == "meshtrain-ring":
+        from meshtrain.parallel.context import ring  # not on every branch
+
+        return (
+            lambda q, k, v: ring.ring_attention(q, k, v, group),
+            lambda t: _shard(t, cp, rank, 2),
+        )
+    if name == "deepspeed":
+        from deepspeed.sequence.layer import DistributedAttention
+
+        def local(q, k, v):  # [B, L, H/C, hd] -> SDPA on [B, H/C, L, hd]
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
+            return o.transpose(1, 2)
+
+        da = DistributedAttention(local, group.pg, scatter_idx=2, gather_idx=1)
+        # its layout: contiguous chunk `rank` of the sequence, [B, L/C, H, hd]
+        return (
+            lambda q, k, v: da(q, k, v, 0),
+            lambda t: t.chunk(cp, dim=2)[rank].transpose(1, 2).contiguous(),
+        )
+    if name == "torch-cp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cpu", (cp,))
+
+        def probe(q, k, v):  # the whole sequence, sharded in place by the manager
+            q, k, v = (t.detach().clone() for t in (q, k, v))
+            with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+                qq = q.detach().requires_grad_()
+                F.scaled_dot_product_attention(qq, k, v, is_causal=True).sum().backward()
+
+        return probe, None
+    raise ValueError(name)
+
+
+def attention_worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    if args.framework == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed("gloo", verbose=False)
+    import torch.distributed as dist
+
+    from meshtrain.distributed.env import init_distributed
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.estimate.activation_probe import SavedBytes
+    from meshtrain.models.attention import causal_attention
+
+    if not dist.is_initialized():
+        init_distributed()
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    topo = Topology(cp=cp)
+    gen = torch.Generator().manual_seed(SEED)
+    B, H, L, hd = 1, args.heads, args.seq, args.head_dim
+    Q, K, V, G = (torch.randn(B, H, L, hd, generator=gen) for _ in range(4))
+    out: dict = {"framework": args.framework, "world": cp}
+    try:
+        fn, mine = _attention_fn(args.framework, topo.cp_group, cp, rank)
+        if mine is None:  # torch-cp: forward+backward inside its context manager
+            fn(Q, K, V)  # on CPU this raises (recorded below)
+            raise NotImplementedError("ran, but this script times it on CUDA only")
+        q, k, v = (mine(t).requires_grad_(True) for t in (Q, K, V))
+        g = mine(G)
+        base = _status("VmRSS")
+        times = []
+        for i in range(args.iters + 1):
+            q.grad = k.grad = v.grad = None
+            dist.barrier()
+            t0 = time.perf_counter()
+            if i == 1:
+                with SavedBytes([q, k, v]) as probe:
+                    o = fn(q, k, v)
+                out["saved_bytes"] = probe.bytes
+            else:
+                o = fn(q, k, v)
+            (o * g).sum().backward()
+            if i:  # the first is the warm-up
+                times.append(time.perf_counter() - t0)
+        t = torch.tensor([sum(times) / len(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out["seconds_per_iter"] = float(t)
+        growth = [None] * cp
+        dist.all_gather_object(growth, _status("VmHWM") - base)
+        out["peak_growth_bytes"] = max(growth)
+        saved = [None] * cp
+        dist.all_gather_object(saved, out["saved_bytes"])
+        out["saved_bytes"] = max(saved)
+        ref = causal_attention(Q, K, V)  # this rank's rows of the whole sequence's result
+        err = float((o.detach() - mine(ref)).norm() / mine(ref).norm())
+        errs = [None] * cp
+        dist.all_gather_object(errs, err)
+        out["max_rel_err"] = max(errs)
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is a result
+        out["error"] = f"{type(exc).__name__}: {exc}"[:1500]
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -------------------------------------------------------------------------- memory worker
+class _Ulysses:
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def attend(self, q, k, v, *, document_ids=None, scale=None):
+        from meshtrain.parallel.context.all_to_all import ulysses_attention
+
+        return ulysses_attention(q, k, v, self.group, document_ids=document_ids, scale=scale)
+
+
+def memory_worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from meshtrain.distributed.env import init_distributed
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.estimate.activation_probe import SavedBytes
+    from meshtrain.estimate.activations import DecoderDims, activation_bytes
+    from meshtrain.models import Decoder, DecoderConfig
+
+    init_distributed()
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    topo = Topology(cp=cp)
+    L = args.seq
+    model = Decoder(DecoderConfig(**DECODER, max_seq_len=L, seed=SEED))
+    if cp > 1:
+        for layer in model.layers:
+            layer.attn.context = _Ulysses(topo.cp_group)
+    ids = torch.randint(
+        0, DECODER["vocab_size"], (1, L), generator=torch.Generator().manual_seed(0)
+    )
+    pos = torch.arange(L)[None]
+    ids, pos = _shard(ids, cp, rank, 1), _shard(pos, cp, rank, 1)
+    base = _status("VmRSS")
+    dist.barrier()
+    t0 = time.perf_counter()
+    with SavedBytes([*model.parameters(), *model.buffers()]) as probe:
+        loss = model(ids, labels=ids, position_ids=pos)
+    loss.backward()
+    seconds = time.perf_counter() - t0
+    est = activation_bytes(DecoderDims.of(model), seq_len=L, cp=cp, width=4, position_ids=True)
+    row = {
+        "rank": rank,
+        "saved_bytes": probe.bytes,
+        "formula_bytes": est,
+        "peak_growth_bytes": _status("VmHWM") - base,
+        "seconds": seconds,
+    }
+    rows = [None] * cp
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps({"seq": L, "cp": cp, "ranks": rows}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------- driver
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT.parent / "src"), str(ROOT.parent), env.get("PYTHONPATH")])
+    )
+    return env
+
+
+def _launch(nproc: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "r.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", str(nproc), __file__, *extra, "--result", str(result),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=1800)
+        if result.exists():
+            return json.loads(result.read_text())
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+
+
+def _versions() -> dict:
+    import torch
+
+    def version(pkg: str) -> str | None:
+        try:
+            from importlib.metadata import version as v
+
+            return v(pkg)
+        except Exception:  # noqa: BLE001
+            return None
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": version("deepspeed"),
+        "commit": commit,
+        "load_average": os.getloadavg(),
+    }
+
+
+def _attention(args) -> dict:
+    runs: dict[str, list[dict]] = {f: [] for f in FRAMEWORKS}
+    common = ["--seq", str(args.seq), "--heads", str(args.heads), "--head-dim",
+              str(args.head_dim), "--iters", str(args.iters)]  # fmt: skip
+    for rep in range(args.repeats):
+        for name in FRAMEWORKS if rep % 2 == 0 else FRAMEWORKS[::-1]:
+            if rep and runs[name] and "error" in runs[name][0]:
+                continue  # a peer that cannot run here fails the same way every time
+            r = _launch(2, ["--worker", "attention", "--framework", name, *common])
+            r["load_before"] = os.getloadavg()[0]
+            runs[name].append(r)
+            if "error" in r:
+                print(f"repeat {rep} {name}: cannot run: {r['error'][:300]}")
+            else:
+                print(f"repeat {rep} {name}: {r['seconds_per_iter'] * 1e3:.0f} ms/iter, saved "
+                      f"{r['saved_bytes'] / 2**20:.1f} MiB, peak +{r['peak_growth_bytes'] / 2**20:.0f}"
+                      f" MiB, rel err {r['max_rel_err']:.1e}")  # fmt: skip
+    summary, ratios = {}, {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        if ok:
+            summary[name] = {
+                k: statistics.median(r[k] for r in ok)
+                for k in ("seconds_per_iter", "saved_bytes", "peak_growth_bytes", "max_rel_err")
+            }
+        elif rs:
+            err = rs[0]["error"]
+            missing = name == "meshtrain-ring" and err.startswith("ImportError")
+            summary[name] = {"error": err, "not_on_branch": missing}
+    for a, b in PAIRS:
+        sa, sb = summary.get(a, {}), summary.get(b, {})
+        if "seconds_per_iter" in sa and "seconds_per_iter" in sb:
+            ratios[f"{a} vs {b}"] = {
+                "speed": sb["seconds_per_iter"] / sa["seconds_per_iter"],
+                "saved_memory": sa["saved_bytes"] / sb["saved_bytes"],
+                "peak_memory": sa["peak_growth_bytes"] / max(sb["peak_growth_bytes"], 1),
+            }
+    return {"runs": runs, "summary": summary, "ratios": ratios}
+
+
+def _memory(args) -> list[dict]:
+    table = []
+    for length in args.memory_lens:
+        for cp in args.memory_cps:
+            r = _launch(cp, ["--worker", "memory", "--seq", str(length)])
+            table.append(r)
+            if "error" in r:
+                print(f"L={length} cp={cp}: failed: {r['error'][:300]}")
+                continue
+            r0 = max(r["ranks"], key=lambda x: x["saved_bytes"])
+            print(f"L={length} cp={cp}: saved {r0['saved_bytes'] / 2**20:.1f} MiB/rank, formula "
+                  f"{r0['formula_bytes'] / 2**20:.1f} MiB, peak RSS +"
+                  f"{max(x['peak_growth_bytes'] for x in r['ranks']) / 2**20:.0f} MiB, "
+                  f"{max(x['seconds'] for x in r['ranks']):.1f} s")  # fmt: skip
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", choices=("attention", "memory"))
+    p.add_argument("--framework", choices=FRAMEWORKS)
+    p.add_argument("--result")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--memory-lens", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[8192, 16384])  # fmt: skip
+    p.add_argument("--memory-cps", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 2, 4])  # fmt: skip
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--out")
+    args = p.parse_args()
+    if args.worker == "attention":
+        return attention_worker(args)
+    if args.worker == "memory":
+        return memory_worker(args)
+    started = time.time()
+    result = {"versions": _versions(), "args": vars(args)}
+    result["attention"] = _attention(args)
+    if not args.skip_memory:
+        result["memory"] = _memory(args)
+    result["wall_seconds"] = time.time() - started
+    for pair, r in result["attention"]["ratios"].items():
+        print(f"pair {pair}: speed {r['speed']:.2f}x saved memory {r['saved_memory']:.2f}x "
+              f"peak memory {r['peak_memory']:.2f}x")  # fmt: skip
+    for name, s in result["attention"]["summary"].items():
+        if s.get("not_on_branch"):
+            print(f"{name}: not on this branch (no meshtrain.parallel.context.ring): not run")
+        elif "error" in s:
+            print(f"{name}: cannot run on CPU/gloo: {s['error'][:400]}")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
+    path = Path(args.out) if args.out else ROOT / "results" / f"context_parallel-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""All-to-all context parallelism (DeepSpeed Ulysses; Jacobs et al., 2023): attention over
+the whole sequence with each rank holding ``1/C`` of it, by re-sharding from sequence to
+heads around the attention and back.
+
+**What is sharded.** Outside attention every cp rank holds ``L/C`` tokens of each sequence
+in the load-balanced layout shared with ring attention: the sequence is cut into ``2C``
+equal chunks and cp rank ``i`` holds chunks ``i`` and ``2C-1-i``, concatenated (so under a
+causal mask every rank does the same work in the layers that stay sequence-sharded, and
+switching ``context_parallel.method`` changes nothing outside attention). Inside attention
+rank ``j`` holds the *whole* sequence, in natural order, for ``1/C`` of the heads:
+
+    q [B, Hq, L/C, hd] --all-to-all--> [B, Hq/C, L, hd] --reorder--> natural order
+    causal_attention(q, k, v, document_ids)   (the one seam, models/attention.py)
+    out [B, Hq/C, L, hd] --reorder back--> --all-to-all--> [B, Hq, L/C, hd]
+
+**The four all-to-alls** (``comm.all_to_all``, so the ledger and ``CommStats`` see them):
+forward ``q``, ``k``, ``v`` sequence -> heads and the output heads -> sequence; backward,
+their adjoints in the other order: the output's gradient sequence -> heads, then the
+gradients of ``q``, ``k``, ``v`` heads -> sequence (an even all-to-all is its own inverse,
+so each backward is the same collective on the gradient). ``document_ids`` (packing) are
+all-gathered once in the forward (integers, no gradient) and put in natural order.
+
+**Heads that do not split over C.** Each rank needs the key/value heads of its own query
+heads. With ``Hq % C == 0`` and grouped-query attention (``Hkv`` heads, ``g = Hq/Hkv``):
+``Hkv % C == 0`` needs nothing; otherwise each key/value head is repeated ``r`` times to
+``Hkv' = lcm(Hkv, C)`` heads (``r = Hkv'/Hkv``; ``Hkv'`` divides ``Hq`` because ``Hkv`` and
+``C`` both do), so rank ``j``'s query heads ``[j Hq/C, (j+1) Hq/C)`` meet exactly their
+key/value heads ``[j Hkv'/C, (j+1) Hkv'/C)``; the repeat's backward sums the copies'
+gradients. With ``Hq % C != 0`` the key/value heads are repeated to ``Hq`` (plain
+multi-head) and ``q``, ``k``, ``v`` padded with zero heads to ``Hq' = C ceil(Hq/C)``; the
+padded heads' outputs are dropped (their gradients are zero). Both cost bytes and compute,
+given below; nothing is refused for its head count.
+
+**Bytes per rank per attention call** (``comm``'s convention: an all-to-all records the
+bytes of its input; ``w`` = element size, ``S = L/C`` local tokens)::
+
+    forward   all_to_all  B S hd w (2 Hq' + 2 Hkv')          (q, output; k, v)
+              all_gather  8 B L                               (only with document_ids)
+    backward  all_to_all  B S hd w (2 Hq' + 2 Hkv')           (d output; dq, dk, dv)
+
+with ``Hq' = Hq`` and ``Hkv' = Hkv`` (or ``lcm(Hkv, C)``) when ``C`` divides ``Hq``, and
+``Hq' = Hkv' = C ceil(Hq/C)`` otherwise. Each rank keeps ``1/C`` of what it sends, so the
+bytes on its wire are ``(C-1)/C`` of that; for multi-head attention the forward puts
+``4 (C-1)/C B (L/C) H hd w`` on each rank's wire (DeepSpeed-Ulysses' ``4Nh/P`` per link),
+the backward the same again. Nothing is recorded on a cp group of size 1.
+
+**Memory.** Inside attention a rank holds ``q``, ``k``, ``v`` and the output for the whole
+sequence but ``1/C`` of the heads: the same bytes as its ``L/C`` tokens for every head.
+So activation memory per rank falls as ``1/C`` (``meshtrain.estimate.activations``), as
+long as the attention kernel itself is memory-efficient (an ``[L, L]`` score matrix per
+head, as the math kernel or a ``document_ids`` mask keeps, falls as ``1/C`` too: ``Hq/C``
+heads of ``L x L``).
+
+**Against ring attention.** Ulysses moves ``(C-1)/C`` of ``2 (Hq + Hkv)`` head-slices of
+its ``L/C`` tokens per layer forward; ring moves ``C-1`` key/value blocks, ``2 Hkv`` heads
+of ``L/C`` tokens each. Per rank, Ulysses' volume falls as ``1/C`` for a fixed ``L`` while
+ring's stays near ``2 B L Hkv hd w``: Ulysses moves fewer bytes once ``C > (Hq + Hkv) /
+Hkv`` (``C > 2`` for multi-head, ``C > g + 1`` under grouped-query attention, where ring's
+small key/value blocks win). Ulysses runs one ordinary attention call (any kernel, packed
+``document_ids`` masks included, no online-softmax merge), but its all-to-alls block the
+compute (ring overlaps each transfer with a block's attention), each is an all-to-all over
+the whole cp group (ring only talks to its neighbours, so it scales across nodes), and its
+degree is bounded by the heads: beyond ``C = Hq`` every extra rank only computes padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.distributed import comm
+from meshtrain.distributed.comm import Group
+from meshtrain.errors import TopologyError
+from meshtrain.models.attention import causal_attention
+
+__all__ = ["head_layout", "ulysses_attention", "ulysses_bytes"]
+
+
+def head_layout(hq: int, hkv: int, cp: int) -> tuple[int, int]:
+    """``(Hq', Hkv')``: query and key/value heads after repeating/padding for ``cp`` ranks
+    (module docstring, "Heads that do not split over C")."""
+    if hq % cp:
+        padded = cp * math.ceil(hq / cp)
+        return padded, padded
+    if hkv % cp == 0:
+        return hq, hkv
+    return hq, math.lcm(hkv, cp)
+
+
+def ulysses_bytes(
+    b: int, seq_len: int, hq: int, hkv: int, head_dim: int, itemsize: int, cp: int,
+    *, documents: bool = False,
+) -> dict[str, int]:  # fmt: skip
+    """Recorded bytes per rank of one ``ulysses_attention`` call at global length
+    ``seq_len``: ``{"forward_all_to_all", "backward_all_to_all", "forward_all_gather"}``
+    (module docstring; all zero at ``cp == 1``)."""
+    if cp == 1:
+        return {"forward_all_to_all": 0, "backward_all_to_all": 0, "forward_all_gather": 0}
+    hq2, hkv2 = head_layout(hq, hkv, cp)
+    a2a = b * (seq_len // cp) * head_dim * itemsize * (2 * hq2 + 2 * hkv2)
+    gather = 8 * b * seq_len if documents else 0
+    return {"forward_all_to_all": a2a, "backward_all_to_all": a2a, "forward_all_gather": gather}
+
+
+class _AllToAll(torch.autograd.Function):
+    """Even all-to-all over dim 0 of a ``[C, ...]`` tensor; its backward is the same
+    all-to-all of the gradient (the block transpose is its own inverse)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()  # before empty_like, which would copy a permuted x's strides
+        out = torch.empty_like(x)
+        comm.all_to_all(out, x, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        comm.all_to_all(out, grad, ctx.group)
+        return out, None
+
+
+def _to_natural(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """``[C, B, h, S, ...]`` (rank r's chunks r, 2C-1-r) -> ``[B, h, L, ...]`` in order."""
+    c = x.shape[3] // 2
+    first, second = x[:, :, :, :c], x[:, :, :, c:].flip(0)  # chunks 0..C-1, C..2C-1
+    chunks = torch.cat((first, second), dim=0)  # [2C, B, h, c, ...]
+    return chunks.movedim(0, 2).flatten(2, 3)
+
+
+def _from_natural(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """The inverse of ``_to_natural``: ``[B, h, L, ...]`` -> ``[C, B, h, S, ...]``."""
+    chunks = x.unflatten(2, (2 * cp, -1)).movedim(2, 0)  # [2C, B, h, c, ...]
+    return torch.cat((chunks[:cp], chunks[cp:].flip(0)), dim=3)
+
+
+def _seq_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``[B, H, S, hd]`` this rank's tokens, every head -> ``[B, H/C, L, hd]`` every token
+    in natural order, this rank's heads."""
+    cp = group.size
+    parts = x.unflatten(1, (cp, -1)).movedim(1, 0)  # [C, B, H/C, S, hd]: part j to rank j
+    return _to_natural(_AllToAll.apply(parts, group), cp)
+
+
+def _heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """The inverse of ``_seq_to_heads``."""
+    parts = _AllToAll.apply(_from_natural(x, group.size), group)  # [C, B, H/C, S, hd]
+    return parts.movedim(0, 1).flatten(1, 2)
+
+
+def _gather_documents(ids: torch.Tensor, group: Group) -> torch.Tensor:
+    """``[B, S]`` this rank's document ids -> ``[B, L]`` the whole row's, natural order."""
+    full = torch.empty(group.size * ids.numel(), dtype=ids.dtype, device=ids.device)
+    comm.all_gather(full, ids.contiguous().view(-1), group)
+    # [C, B, S] -> [C, B, 1, S] (a head axis of 1 for _to_natural) -> [B, L]
+    return _to_natural(full.view(group.size, *ids.shape).unsqueeze(2), group.size)[:, 0]
+
+
+def _check(q, k, v, document_ids, cp: int) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise TopologyError(
+            f"ulysses_attention: q, k, v must be [B, H, L/C, hd]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    b, hq, s, hd = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (s, hd):
+        raise TopologyError(
+            f"ulysses_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+            f"[B={b}, Hkv, L/C={s}, hd={hd}] like q {tuple(q.shape)}"
+        )
+    if hq % k.shape[1]:
+        raise TopologyError(
+            f"ulysses_attention: {hq} query heads are not a multiple of {k.shape[1]} "
+            "key/value heads; grouped-query attention needs Hkv to divide Hq"
+        )
+    if cp > 1 and s % 2:
+        raise TopologyError(
+            f"ulysses_attention: this rank holds {s} tokens, an odd number; context "
+            f"parallelism over {cp} ranks cuts a sequence into 2 x {cp} = {2 * cp} equal "
+            f"chunks (two per rank), so pad the sequence length to a multiple of {2 * cp}"
+        )
+    if document_ids is not None and tuple(document_ids.shape) != (b, s):
+        raise TopologyError(
+            f"ulysses_attention: document_ids {tuple(document_ids.shape)} must be "
+            f"[B={b}, L/C={s}], this rank's tokens in the same layout as q"
+        )
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    document_ids: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention over the whole sequence of which this rank holds chunks ``i`` and
+    ``2C-1-i`` (``C = group.size``, ``i = group.rank``): ``q`` ``[B, Hq, L/C, hd]``, ``k``
+    and ``v`` ``[B, Hkv, L/C, hd]``, ``document_ids`` ``[B, L/C]`` global document ids in
+    the same layout; returns ``[B, Hq, L/C, hd]`` in that layout. Equal to this rank's
+    rows of ``causal_attention`` over the whole sequence (module docstring for the
+    communication and its bytes). Raises ``TopologyError`` for shapes that cannot work."""
+    cp = group.size
+    _check(q, k, v, document_ids, cp)
+    if cp == 1:
+        return causal_attention(q, k, v, document_ids=document_ids, scale=scale)
+    hq, hkv = q.shape[1], k.shape[1]
+    hq2, hkv2 = head_layout(hq, hkv, cp)
+    if hkv2 != hkv:  # repeat each key/value head so every rank holds its queries' heads
+        k = k.repeat_interleave(hkv2 // hkv if hq2 == hq else hq // hkv, dim=1)
+        v = v.repeat_interleave(hkv2 // hkv if hq2 == hq else hq // hkv, dim=1)
+    if hq2 != hq:  # zero heads up to a multiple of C; their outputs are dropped below
+        pad = (0, 0, 0, 0, 0, hq2 - hq)
+        q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
+    docs = None if document_ids is None else _gather_documents(document_ids, group)
+    qh, kh, vh = (_seq_to_heads(t, group) for t in (q, k, v))
+    out = causal_attention(qh, kh, vh, document_ids=docs, scale=scale)
+    out = _heads_to_seq(out, group)
+    return out[:, :hq] if hq2 != hq else out
