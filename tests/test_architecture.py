@@ -124,7 +124,7 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "packing.py, its master layouts in master_layout.py)",
     ),
     "meshtrain.trainer.arguments": (
-        420,
+        422,
         "TrainingArguments: transformers' fields, each checked (value checks live in "
         "checks.py), and their engine config",
     ),

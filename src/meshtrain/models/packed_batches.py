@@ -68,7 +68,11 @@ def check_packed_batch(model: Any, batch: Any) -> Any:
             "/ padding_free / packing"
         )
     impl = config._attn_implementation or "eager"
-    if not impl.startswith(FLASH_PREFIX):
+    from meshtrain.parallel.context.transformers_attention import ATTN_NAME
+
+    if impl == ATTN_NAME:  # context parallelism masks documents itself, from the restarts
+        _check_restarts_at_zero(None, batch["position_ids"])
+    elif not impl.startswith(FLASH_PREFIX):
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
         if impl not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
@@ -100,20 +104,22 @@ def check_packed_batch(model: Any, batch: Any) -> Any:
 
 
 def _check_restarts_at_zero(model: Any, position_ids: Any) -> None:
-    """meshtrain's Decoder finds a document where the position restarts at 0 (that rule
-    survives context-parallel chunking); a packed row whose positions jump elsewhere
-    (``position_ids_start=1``, a document continued from another row) would be read as
-    fewer documents, so it is refused rather than attended across."""
+    """meshtrain's Decoder, and context parallelism for any model (``model`` None), find
+    a document where the position restarts at 0 (that rule survives context-parallel
+    chunking); a packed row whose positions jump elsewhere (``position_ids_start=1``, a
+    document continued from another row) would be read as fewer documents, so it is
+    refused rather than attended across."""
     from meshtrain.models.decoder import Decoder
 
-    if not isinstance(model, Decoder):
+    if model is not None and not isinstance(model, Decoder):
         return
     jumps = position_ids[..., 1:] - position_ids[..., :-1] != 1
     if bool((jumps & (position_ids[..., 1:] != 0)).any()):
         raise ConfigError(
-            "packed batch for Decoder: its position_ids jump to a value other than 0 inside "
-            "a row, but the Decoder starts a document only where the position restarts at "
-            "0; number every document's positions from 0 (position_ids_start=0)"
+            f"packed batch for {'Decoder' if model is not None else 'context parallelism'}: "
+            "its position_ids jump to a value other than 0 inside a row, but a document "
+            "starts only where the position restarts at 0; number every document's "
+            "positions from 0 (position_ids_start=0)"
         )
 
 
