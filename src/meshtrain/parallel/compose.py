@@ -60,7 +60,9 @@ from meshtrain.distributed.topology import Topology
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import ConfigError
 from meshtrain.optim.builders import param_groups
+from meshtrain.parallel.experts import is_expert_param
 from meshtrain.parallel.zero.stage import ZeroStage
+from meshtrain.parallel.zero.stages import ZeroStages, build_zero
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Parallelized:
 
     module: nn.Module
     groups: list[dict]
-    zero: ZeroStage
+    zero: ZeroStage | ZeroStages  # ZeroStages: expert parameters reduced over edp
     pipeline: object | None = None  # PipelineRuntime when pp > 1
 
 
@@ -166,7 +168,7 @@ def parallelize(
     # trainable parameters move into flat buckets (sharded by stage)
     _broadcast(model, topology)
     groups = param_groups(model, model_parameters)
-    return Parallelized(model, groups, ZeroStage(model, groups, config, topology), pipeline)
+    return Parallelized(model, groups, build_zero(model, groups, config, topology), pipeline)
 
 
 def _broadcast(model: nn.Module, topology: Topology) -> None:
@@ -174,13 +176,17 @@ def _broadcast(model: nn.Module, topology: Topology) -> None:
     ``topology.replica_group``: cp ranks hold the same weights too). A
     model whose every rank reads the same files next (``meshtrain.from_pretrained`` sets
     ``meshtrain_weights_from_files``) skips it: it would write the whole model on every
-    rank but 0, the very copy sliced loading avoids."""
-    replicas = topology.replica_group
-    if replicas.size == 1 or getattr(model, "meshtrain_weights_from_files", False):
+    rank but 0, the very copy sliced loading avoids. Expert parameters
+    (``parallel.experts``) differ between ep ranks: they come from their ``edp`` group's
+    first rank instead."""
+    if getattr(model, "meshtrain_weights_from_files", False):
         return
+    replicas, edp = topology.replica_group, topology.group("edp")
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, 0, replicas, label="init")
+            group = edp if is_expert_param(t) else replicas
+            if group.size > 1:
+                comm.broadcast(t.data, 0, group, label="init")
 
 
 __all__ = ["Parallelized", "parallelize"]
