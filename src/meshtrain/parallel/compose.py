@@ -5,7 +5,8 @@
     place      model.to(device, dtype)
     1. TP      tensor-parallel plan: swap linears/embeddings for sharded ones
     2. CP      context-parallel attention (not built: a cp > 1 mesh is refused here)
-    3. EP      expert sharding: each ep rank keeps its slice of the experts (not built)
+    3. EP      expert sharding: each ep rank keeps its slice of the experts and
+               dispatches tokens to them by all-to-all (``parallel.experts``)
     4. PP      pipeline split: keep this stage's layers only
     4b. fp8    float8 linear layers (torchao), when fp8.enabled
     5. AC      activation checkpointing of each block
@@ -60,6 +61,7 @@ from meshtrain.distributed.topology import Topology
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import ConfigError
 from meshtrain.optim.builders import param_groups
+from meshtrain.parallel.experts import is_expert_param
 from meshtrain.parallel.zero.stage import ZeroStage
 
 
@@ -119,10 +121,10 @@ def parallelize(
     # 3. expert sharding: changes which expert parameters a rank holds, so it comes
     # before anything that counts or lays out parameters (pipeline balance, flat buffers)
     if topology.ep_size > 1:
-        raise ConfigError(
-            f"mesh.expert_parallel_size: the topology has ep={topology.ep_size}, but "
-            "expert parallelism is not built yet; build the Topology with ep=1"
-        )
+        from meshtrain.parallel.experts.shard import apply_expert_parallel, remap_parameters
+
+        replaced = apply_expert_parallel(model, topology)
+        model_parameters = remap_parameters(model_parameters, replaced)
     # 4. pipeline split: a rank keeps only its stages before anything is allocated for them
     pipeline = None
     if topology.pp_size > 1:
@@ -171,16 +173,25 @@ def parallelize(
 
 def _broadcast(model: nn.Module, topology: Topology) -> None:
     """Start every replica from its group's first rank's weights and buffers (over dp x cp,
-    ``topology.replica_group``: cp ranks hold the same weights too). A
+    ``topology.replica_group``: cp ranks hold the same weights too; expert weights over
+    ``edp``, the ranks holding the same experts). A
     model whose every rank reads the same files next (``meshtrain.from_pretrained`` sets
     ``meshtrain_weights_from_files``) skips it: it would write the whole model on every
     rank but 0, the very copy sliced loading avoids."""
-    replicas = topology.replica_group
-    if replicas.size == 1 or getattr(model, "meshtrain_weights_from_files", False):
+    if getattr(model, "meshtrain_weights_from_files", False):
         return
+    # expert weights differ between the ranks of an ep group: each comes from the first
+    # rank holding the same experts (its edp group), never from rank 0's other experts
+    plain = [p for p in model.parameters() if not is_expert_param(p)]
+    experts = [p for p in model.parameters() if is_expert_param(p)]
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, 0, replicas, label="init")
+        for tensors, group in (
+            (plain + list(model.buffers()), topology.replica_group),
+            (experts, topology.group("edp")),
+        ):
+            if group.size > 1:
+                for t in tensors:
+                    comm.broadcast(t.data, 0, group, label="init")
 
 
 __all__ = ["Parallelized", "parallelize"]

@@ -1,0 +1,167 @@
+"""Mixture-of-experts layers under expert parallelism (gloo), against one process.
+
+Each rank routes its own tokens (different inputs per rank, so the routing differs) through
+a transformers sparse-MoE block whose experts were sharded over the ep group, and compares
+with the unsharded block run in the same process on the same tokens:
+
+* the block's output and the gradient of its input: per rank, against the block on that
+  rank's tokens;
+* each local expert's weight gradient: against the slice, for this rank's experts, of the
+  sum over the ep group's ranks of the reference gradients (an expert computes the tokens
+  of every rank in its ep group);
+* the router's (replicated) gradient: per rank.
+
+Tolerance: 1e-6 relative (norm of the difference over the norm of the reference). The
+sharded layer computes each expert's rows in another grouping (a different matmul blocking)
+and sums the ep ranks' contributions to an expert's gradient in one matmul instead of
+several: fp32 sums in another order. Bytes are exact (``dispatch``'s docstring): per layer
+and rank ``(N k + R) H 4`` bytes forward and the same backward under ``all_to_all`` on
+``ep``, and ``8 E`` of counts under ``control``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_ranks
+
+TOL = 1e-6
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _block(family: str, seed: int = 0):
+    import torch
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    common = dict(hidden_size=16, num_experts_per_tok=2)
+    if family == "mixtral":
+        block = MixtralSparseMoeBlock(
+            MixtralConfig(intermediate_size=24, num_local_experts=8, **common)
+        )
+    elif family == "qwen2_moe":
+        cfg = Qwen2MoeConfig(
+            moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=8, **common
+        )
+        block = Qwen2MoeSparseMoeBlock(cfg)
+    else:
+        cfg = Qwen3MoeConfig(
+            moe_intermediate_size=24, num_experts=8, norm_topk_prob=False, **common
+        )
+        block = Qwen3MoeSparseMoeBlock(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return block
+
+
+def _run(block, x, g):
+    x = x.clone().requires_grad_(True)
+    y = block(x)
+    y.backward(g)
+    return y.detach(), x.grad
+
+
+def _layer_checks(ep: int, families=("mixtral", "qwen2_moe", "qwen3_moe")) -> dict:
+    import copy
+
+    import torch
+
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.parallel.experts import is_expert_param
+    from meshtrain.parallel.experts.shard import apply_expert_parallel
+
+    topo = Topology(ep=ep)
+    eg, stats = topo.group("ep"), topo.stats
+    world, r = topo.world_size, topo.rank
+    out: dict = {}
+    B, S, H, E = 2, 5, 16, 8
+    for fam in families:
+        ref = _block(fam)
+        gen = torch.Generator().manual_seed(7)
+        xs = torch.randn(world, B, S, H, generator=gen)  # every rank's tokens differ
+        gs = torch.randn(world, B, S, H, generator=gen)
+        # the reference: the whole block, in this process, on every ep peer's tokens
+        ref_grads, routed = {}, torch.zeros(E, dtype=torch.long)
+        y_ref = gx_ref = None
+        for peer in eg.ranks:
+            ref.zero_grad()
+            y, gx = _run(ref, xs[peer], gs[peer])
+            _, _, idx = ref.gate(xs[peer].view(-1, H))
+            routed += torch.bincount(idx.reshape(-1), minlength=E)
+            for n, p in ref.named_parameters():
+                if "experts" in n:
+                    ref_grads[n] = ref_grads.get(n, 0) + p.grad
+            if peer == r:
+                y_ref, gx_ref = y, gx
+                router_ref = ref.gate.weight.grad.clone()
+                mine = torch.bincount(idx.reshape(-1), minlength=E)
+        sharded = copy.deepcopy(ref)
+        sharded.zero_grad()
+        apply_expert_parallel(sharded, topo)
+        before = stats.snapshot()
+        y = sharded(xs[r].clone().requires_grad_(True))
+        mid = stats.snapshot()
+        x = xs[r].clone().requires_grad_(True)
+        y = sharded(x)
+        fwd = stats.diff(stats.snapshot(), mid)
+        y.backward(gs[r])
+        bwd = stats.diff(stats.snapshot(), mid)
+        bwd = {key: v - fwd.get(key, 0) for key, v in bwd.items() if v - fwd.get(key, 0)}
+        n_local = E // ep
+        lo = eg.rank * n_local
+        experts = sharded.experts
+        out[fam] = {
+            "y": rel(y.detach(), y_ref),
+            "gx": rel(x.grad, gx_ref),
+            "router": rel(sharded.gate.weight.grad, router_ref),
+            "gate_up": rel(
+                experts.gate_up_proj.grad, ref_grads["experts.gate_up_proj"][lo : lo + n_local]
+            ),
+            "down": rel(experts.down_proj.grad, ref_grads["experts.down_proj"][lo : lo + n_local]),
+            "marked": sorted(n for n, p in sharded.named_parameters() if is_expert_param(p)),
+            "local_shape": tuple(experts.gate_up_proj.shape),
+            "fwd": fwd,
+            "bwd": bwd,
+            "expect_a2a": (int(mine.sum()) + int(routed[lo : lo + n_local].sum())) * H * 4,
+            "expect_counts": 8 * E,
+            "first_call": stats.diff(mid, before) == fwd,
+        }
+    return out
+
+
+def _check_layer(results, ep: int, world: int) -> None:
+    assert len(results) == world
+    for rank, res in enumerate(results):
+        for fam, c in res.items():
+            where = f"rank {rank} {fam}"
+            for key in ("y", "gx", "router", "gate_up", "down"):
+                assert c[key] < TOL, (where, key, c[key])
+            assert c["marked"] == ["experts.down_proj", "experts.gate_up_proj"], where
+            assert c["local_shape"][0] == 8 // ep, where
+            a2a = ("all_to_all", "ep")
+            assert c["fwd"] == {a2a: c["expect_a2a"], ("control", "ep"): c["expect_counts"]}, (
+                where,
+                c["fwd"],
+            )
+            assert c["bwd"] == {a2a: c["expect_a2a"]}, (where, c["bwd"])
+            assert c["first_call"], where
+
+
+def test_layer_parity_and_bytes_ep2():
+    """ep 2 on 2 ranks: Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE (unnormalised
+    top-k) blocks, output / input grad / expert and router grads within 1e-6, and the
+    all-to-all bytes exactly."""
+    _check_layer(run_ranks(_layer_checks, 2, 2), ep=2, world=2)
+
+
+@pytest.mark.slow
+def test_layer_parity_and_bytes_ep4():
+    """ep 4 on 4 ranks (two experts per rank), Mixtral and Qwen2-MoE."""
+    _check_layer(run_ranks(_layer_checks, 4, 4, ("mixtral", "qwen2_moe")), ep=4, world=4)
