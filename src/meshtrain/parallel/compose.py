@@ -173,25 +173,20 @@ def parallelize(
 
 def _broadcast(model: nn.Module, topology: Topology) -> None:
     """Start every replica from its group's first rank's weights and buffers (over dp x cp,
-    ``topology.replica_group``: cp ranks hold the same weights too; expert weights over
-    ``edp``, the ranks holding the same experts). A
+    ``topology.replica_group``: cp ranks hold the same weights too). A
     model whose every rank reads the same files next (``meshtrain.from_pretrained`` sets
     ``meshtrain_weights_from_files``) skips it: it would write the whole model on every
-    rank but 0, the very copy sliced loading avoids."""
+    rank but 0, the very copy sliced loading avoids. Expert parameters
+    (``parallel.experts``) differ between ep ranks: they come from their ``edp`` group's
+    first rank instead."""
     if getattr(model, "meshtrain_weights_from_files", False):
         return
-    # expert weights differ between the ranks of an ep group: each comes from the first
-    # rank holding the same experts (its edp group), never from rank 0's other experts
-    plain = [p for p in model.parameters() if not is_expert_param(p)]
-    experts = [p for p in model.parameters() if is_expert_param(p)]
+    replicas, edp = topology.replica_group, topology.group("edp")
     with torch.no_grad():
-        for tensors, group in (
-            (plain + list(model.buffers()), topology.replica_group),
-            (experts, topology.group("edp")),
-        ):
+        for t in list(model.parameters()) + list(model.buffers()):
+            group = edp if is_expert_param(t) else replicas
             if group.size > 1:
-                for t in tensors:
-                    comm.broadcast(t.data, 0, group, label="init")
+                comm.broadcast(t.data, 0, group, label="init")
 
 
 __all__ = ["Parallelized", "parallelize"]
