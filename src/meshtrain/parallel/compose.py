@@ -125,6 +125,12 @@ def parallelize(
 
         replaced = apply_expert_parallel(model, topology)
         model_parameters = remap_parameters(model_parameters, replaced)
+    # the router's load-balancing loss over every replica's tokens, as one process on the
+    # whole batch computes it (it is not linear in the batch; see parallel.experts.aux_loss)
+    if topology.replica_group.size > 1:
+        from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over
+
+        reduce_aux_loss_over(model, topology.replica_group)
     # 4. pipeline split: a rank keeps only its stages before anything is allocated for them
     pipeline = None
     if topology.pp_size > 1:

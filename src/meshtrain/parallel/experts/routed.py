@@ -16,7 +16,9 @@ expert) runs unchanged around it. Dispatch and combine: :mod:`.dispatch`; the ex
 SwiGLU: :mod:`.gemm` (chosen once, at the first forward).
 
 ``last_counts`` (``[E]``, int64) keeps the tokens this rank routed to each expert in the
-latest forward, for the step log (min/max tokens per expert).
+latest forward and ``tokens_seen`` their sum since the step log last read it
+(:mod:`.load`); a forward recomputed inside backward (activation checkpointing) is not
+counted twice.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class RoutedExperts(nn.Module):
         self.group = group
         self.gemm = gemm_impl  # None: chosen at the first forward
         self.last_counts: torch.Tensor | None = None
+        self.tokens_seen: torch.Tensor | None = None
 
     @property
     def num_local_experts(self) -> int:
@@ -69,6 +72,9 @@ class RoutedExperts(nn.Module):
             self.gemm = gemm.choose(self.gate_up_proj, self.down_proj, self.act_fn)
         plan = plan_dispatch(top_k_index, self.num_experts, self.group)
         self.last_counts = plan.counts.detach()
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            seen = self.tokens_seen
+            self.tokens_seen = self.last_counts if seen is None else seen + self.last_counts
         rows = dispatch(hidden_states, plan, self.group)
         y = gemm.SWIGLU[self.gemm](
             rows, self.gate_up_proj, self.down_proj, plan.local_counts, self.act_fn
