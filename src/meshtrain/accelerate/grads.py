@@ -81,8 +81,7 @@ class EngineDriver:
         engine.log.add_loss(loss.detach())
         zero.after_backward()
         if sync and self.stage < 2:
-            zero.reducer.finish()  # wait for the overlapped buckets, launch the rest
-            zero._window_reduced = True
+            zero.finish_window_reduction()  # wait for the overlapped buckets, launch the rest
             self._average()
 
     def _average(self) -> None:
@@ -100,10 +99,7 @@ class EngineDriver:
 
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()`` at a boundary: the next backward starts a fresh window."""
-        zero = self.engine.zero
-        for g in zero.flat_groups:
-            g.zero_grads()
-        zero._window_reduced = False
+        self.engine.zero.after_step()  # clears every gradient, reopens the reduction
         self.engine.grads_divided_by = 1.0
         self.window_open = False
 

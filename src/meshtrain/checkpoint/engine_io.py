@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from meshtrain.checkpoint import storage
+from meshtrain.checkpoint.expert_layout import expert_specs, local_experts
 from meshtrain.checkpoint.manifest import Piece
 from meshtrain.checkpoint.model_names import model_names
 from meshtrain.checkpoint.reader import CheckpointReader
@@ -82,15 +83,23 @@ def _runs(
     names: dict[int, str],
     tp: tuple[dict[int, ShardSpec], int] | None = None,
     writing: bool = False,
+    ep: tuple[dict[int, ShardSpec], int] | None = None,
 ):
     """(name, start in the FULL param, bucket-local offset, numel) for each param
     overlapping ``[lo, hi)``. ``tp``: (specs by param id, tp rank) under tensor
-    parallelism; ``writing`` leaves replicated params to tp rank 0."""
+    parallelism; ``writing`` leaves replicated params to tp rank 0. ``ep``: (specs of
+    the expert parameters, ep rank) under expert parallelism (``expert_layout``)."""
     specs, tp_rank = tp if tp is not None else ({}, 0)
     for p, off in zip(b.params, b.offsets, strict=True):
         a, z = off - b.start, off - b.start + g.shapes[p].numel()
         s, e = max(a, lo), min(z, hi)
         if s >= e:
+            continue
+        espec = ep[0].get(id(p)) if ep is not None else None
+        if espec is not None:  # this ep rank's experts, named by their global index
+            if not (writing and tp_rank):
+                for rel, full_start, n in full_runs(espec, tuple(g.shapes[p]), ep[1], s - a, e - s):
+                    yield names[id(p)], full_start, s + rel, n
             continue
         spec = specs.get(id(p))
         if spec is None:
@@ -99,6 +108,16 @@ def _runs(
             continue
         for rel, full_start, n in full_runs(spec, tuple(g.shapes[p]), tp_rank, s - a, e - s):
             yield names[id(p)], full_start, s + rel, n
+
+
+def _writers(engine) -> dict[int, tuple[int, int]]:
+    """(ranks, this rank's place) sharing the writing of each flat group at stage 0: its
+    replica group (``dp``, or ``edp`` for expert parameters under ``ZeroStages``)."""
+    topo = engine.topology
+    parts = getattr(engine.zero, "parts", None)
+    if parts is None:
+        return {id(g): (topo.dp_size, topo.dp_rank) for g in engine.zero.flat_groups}
+    return {id(g): (p.replicas.size, p.replicas.rank) for p in parts for g in p.flat_groups}
 
 
 def _tp(engine) -> tuple[dict[int, ShardSpec], int] | None:
@@ -169,13 +188,15 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
     names = model_names(engine)
     canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
     tp = _tp(engine)
+    ep = expert_specs(engine)
+    writers = _writers(engine)
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[Piece] = []
     steps = set()
     opt_state = engine.optimizer.state
     for gi, g in enumerate(engine.zero.flat_groups):
         for b, master in zip(g.buckets, g.master_chunks, strict=True):
-            lo, hi, base = _save_range(g, b, dp, topo.dp_rank)
+            lo, hi, base = _save_range(g, b, *writers[id(g)])
             if hi <= lo:
                 continue
             sources = {"param": master.detach()}
@@ -187,7 +208,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
             for state, src in sources.items():
                 key = f"g{gi}.b{b.index}.{state}"
                 tensors[key] = src[lo - base : hi - base].detach().float().cpu().contiguous()
-                for name, start, local, n in _runs(g, b, lo, hi, canon, tp, writing=True):
+                for name, start, local, n in _runs(g, b, lo, hi, canon, tp, True, ep):
                     if names.writes(name, topo.pp_rank):  # a tied weight: its first stage
                         pieces.append(Piece(name, state, key, local - lo, start, n))
     frozen_specs = _frozen_specs(engine)
@@ -207,12 +228,19 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
         if key in frozen_specs:  # a frozen tensor-parallel shard: write the full tensor
             t = unshard_tensor(t, frozen_specs[key], topo.tp_group)
         flat = t.reshape(-1)
-        c = -(-flat.numel() // share)
-        lo, hi = min(part * c, flat.numel()), min((part + 1) * c, flat.numel())
+        n_share, n_part, offset = share, part, 0
+        if ep is not None and id(t) in ep[0]:  # frozen experts: this ep rank's, over edp
+            _frozen_experts_supported(ep[0][id(t)], key)
+            edp = topo.group("edp")
+            n_share = edp.size * topo.tp_size
+            n_part = edp.rank * topo.tp_size + topo.tp_rank
+            offset = ep[1] * flat.numel()  # expert dim 0: this rank's experts are one run
+        c = -(-flat.numel() // n_share)
+        lo, hi = min(n_part * c, flat.numel()), min((n_part + 1) * c, flat.numel())
         if hi > lo:
             chunk = flat[lo:hi].cpu().contiguous()
             tensors[f"x.{name}"] = chunk.clone() if gathered else chunk
-            pieces.append(Piece(name, "param", f"x.{name}", 0, lo, hi - lo))
+            pieces.append(Piece(name, "param", f"x.{name}", 0, offset + lo, hi - lo))
 
     rng, rng_tensors = _rng_state()
     tensors.update(rng_tensors)
@@ -233,7 +261,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
         "global_steps": state["global_steps"],
         "micro_steps": state["micro_steps"],
         "skipped_steps": state["skipped_steps"],
-        "mesh": {"pp": topo.pp_size, "dp": dp, "tp": topo.tp_size},
+        "mesh": {"pp": topo.pp_size, "dp": dp, "tp": topo.tp_size, "ep": topo.ep_size},
         "zero_stage": engine.zero_stage,
         "precision": engine.config.precision,
         "config": engine.config.to_dict(derived=False),
@@ -262,6 +290,15 @@ def _unsplit_view(engine) -> torch.nn.Module:
         return engine.module
     stage = next(iter(engine.module.stages.values()))
     return getattr(stage, "model", stage)
+
+
+def _frozen_experts_supported(spec: ShardSpec, key: str) -> None:
+    if spec.dim != 0:
+        raise CheckpointError(
+            f"checkpoint: frozen expert parameter {key} stacks its experts along dimension "
+            f"{spec.dim}; frozen experts are saved along dimension 0 only (set "
+            "meshtrain_expert_dim to 0, or train them)"
+        )
 
 
 def _frozen_specs(engine) -> dict[str, ShardSpec]:
@@ -360,6 +397,7 @@ def _load(
     names = model_names(engine)
     canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
     tp = _tp(engine)
+    ep = expert_specs(engine)
     reader.check_model(names.expected())
     meta = reader.meta
     states = [s for s in reader.states() if s != "param"] if load_optimizer_states else []
@@ -375,7 +413,7 @@ def _load(
                 lo, hi = g.owned_range(b)
                 fresh = {s: torch.zeros_like(master) for s in states}
                 master.zero_()
-                for name, start, local, n in _runs(g, b, lo, hi, canon, tp):
+                for name, start, local, n in _runs(g, b, lo, hi, canon, tp, False, ep):
                     dst = slice(local - lo, local - lo + n)
                     master[dst] = reader.read(name, "param", start, n).to(master.dtype)
                     for s in states:
@@ -394,6 +432,8 @@ def _load(
             full = reader.read_full(name)
             if key in frozen_specs:
                 full = shard_tensor(full, frozen_specs[key], topo.tp_rank)
+            if ep is not None and id(t) in ep[0]:  # frozen experts: this ep rank's
+                full = local_experts(full, ep[0][id(t)], ep[1])
             if id(t) in sharded:  # ZeRO-3 frozen: write this rank's chunk of the shard
                 sharded[id(t)].load_full(t, full)
             else:

@@ -127,7 +127,13 @@ def _quantized_base(model: nn.Module, partitions: int) -> None:
 
 
 def _build_plan(
-    model: nn.Module, groups: list[dict], config, topology: Topology, stage: int, replicas: Group
+    model: nn.Module,
+    groups: list[dict],
+    config,
+    topology: Topology,
+    stage: int,
+    replicas: Group,
+    frozen_select=None,
 ) -> ZeroPlan:
     """Lay out the trainable parameters of ``groups`` for ``stage`` (see module docstring)."""
     z = config.zero_optimization
@@ -178,6 +184,7 @@ def _build_plan(
         partitions=partitions,
         rank=rank,
         param_device=param_device,
+        select=frozen_select,
     )
     gatherer = None
     if sharded or frozen:
