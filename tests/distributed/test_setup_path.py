@@ -4,8 +4,9 @@ Each door joins the process group itself (the harness does not join it first), s
 ``distributed`` section of its config is what the group gets: the collective timeout
 read back from the gloo process group must be the config's, from ``initialize``, from
 ``Accelerator`` and from the Trainer. A key that is accepted and ignored must warn from
-each door (rank 0). And a mesh dimension that is not built yet (context or expert
-parallelism) fails at start, before a process group or a model exists, at 4 ranks.
+each door (rank 0). And a mesh dimension that is not built yet (context parallelism) fails
+at start, before a process group or a model exists, at 4 ranks; expert parallelism on a
+model without experts is refused by ``parallelize``, naming the key.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _refused(key: str):
         except ConfigError as exc:
             seen.append((str(exc), dist.is_initialized()))
     meshtrain.init_distributed()
-    dim = {"context_parallel_size": "cp", "expert_parallel_size": "ep"}[key]
+    dim = {"context_parallel_size": "cp"}[key]
     topology = Topology(**{dim: 2})
     try:
         meshtrain.initialize(model=BasicNet(), config=dict(CONFIG), topology=topology)
@@ -115,7 +116,7 @@ def _refused(key: str):
     return seen
 
 
-@pytest.mark.parametrize("key", ["context_parallel_size", "expert_parallel_size"])
+@pytest.mark.parametrize("key", ["context_parallel_size"])
 def test_unbuilt_dimension_fails_at_start(key):
     for seen in run_on_ranks(_refused, 4, (key,), timeout=240, setup_distributed=False):
         assert len(seen) == 3, seen
@@ -123,3 +124,26 @@ def test_unbuilt_dimension_fails_at_start(key):
             assert message.startswith(f"mesh.{key}: 2 is not supported yet"), message
             assert joined is False  # refused before the process group (and any model)
         assert seen[2][0].startswith(f"mesh.{key}: the topology has"), seen[2]
+
+
+def _ep_without_experts():
+    import meshtrain
+    from meshtrain.errors import ConfigError
+    from tests.trainer.common import BasicNet
+
+    try:
+        meshtrain.initialize(
+            model=BasicNet(), config={**CONFIG, "mesh": {"expert_parallel_size": 2}}
+        )
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_expert_parallel_needs_experts():
+    """ep is built (docs/moe.md): the config loads, and a model with no MoE layer is refused
+    by name on every rank instead of running without expert parallelism."""
+    for message in run_on_ranks(_ep_without_experts, 2, (), timeout=240, setup_distributed=False):
+        assert message is not None and message.startswith(
+            "mesh.expert_parallel_size: 2 but the model has no mixture-of-experts layer"
+        ), message

@@ -264,16 +264,13 @@ class MeshConfig(Section):
     context_parallel_size: PosInt = 1
     """Context-parallel ranks (cp) holding different chunks of each sequence. Not built yet: only 1 is accepted."""
     expert_parallel_size: PosInt = 1
-    """Expert-parallel ranks (ep), carved out of dp x cp, each holding a slice of the experts. Not built yet: only 1 is accepted."""
+    """Expert-parallel ranks (ep), carved out of dp x cp: each holds 1/ep of every MoE layer's experts and tokens reach them by all-to-all (docs/moe.md). Needs a model with MoE layers meshtrain knows (transformers Mixtral, Qwen2-MoE, Qwen3-MoE, or the Decoder's model.moe) whose expert count it divides."""
 
     @model_validator(mode="after")
     def _built(self) -> MeshConfig:
         # refused at load, before any process group or model exists: a run that asked for
         # a dimension must never silently run without it
-        for key, issue in (
-            ("context_parallel_size", "context"),
-            ("expert_parallel_size", "expert"),
-        ):
+        for key, issue in (("context_parallel_size", "context"),):
             value = getattr(self, key)
             if value > 1:
                 raise ConfigError(

@@ -14,6 +14,8 @@ all_reduce          2 x b of the tensor reduced            2 Psi for a gradient
 reduce_scatter      b of the full (input) tensor           Psi
 all_gather          b of the full (output) tensor          Psi
 broadcast           b of the tensor                        --
+all_to_all          b of the input (what this rank sends,  --
+                    its own chunk included)
 send / recv         b of the tensor, on the sender as      --
                     ``send`` and on the receiver as
                     ``recv``
@@ -182,6 +184,34 @@ def broadcast(
     return _call(
         group, "broadcast", (tensor,), async_op,
         dist.broadcast, tensor, src=group.global_rank(src), group=group.pg, async_op=async_op,
+    )  # fmt: skip
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    output_splits: Sequence[int] | None = None,
+    input_splits: Sequence[int] | None = None,
+    label: str | None = None,
+) -> None:
+    """Blocking all-to-all along dim 0 with variable split sizes (``None``: equal chunks).
+
+    Rank ``i`` sends rows ``input_splits[j]`` of ``input`` to rank ``j`` and receives
+    ``output_splits[j]`` rows from rank ``j``, in group-rank order. Records the bytes of
+    ``input`` (what this rank sends, its own chunk included); on a group of size 1 it is a
+    copy and records nothing. Zero rows to or from any rank is a normal call: every member
+    still enters the collective.
+    """
+    if group.size == 1:
+        output.copy_(input)
+        return
+    _record(group, "all_to_all", _nbytes(input), label)
+    outs = None if output_splits is None else list(output_splits)
+    ins = None if input_splits is None else list(input_splits)
+    _call(
+        group, "all_to_all", (input,), False,
+        dist.all_to_all_single, output, input, outs, ins, group=group.pg,
     )  # fmt: skip
 
 

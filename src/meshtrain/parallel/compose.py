@@ -5,7 +5,8 @@
     place      model.to(device, dtype)
     1. TP      tensor-parallel plan: swap linears/embeddings for sharded ones
     2. CP      context-parallel attention (not built: a cp > 1 mesh is refused here)
-    3. EP      expert sharding: each ep rank keeps its slice of the experts (not built)
+    3. EP      expert sharding: each ep rank keeps its slice of the experts and
+               dispatches tokens to them by all-to-all (``parallel.experts``)
     4. PP      pipeline split: keep this stage's layers only
     4b. fp8    float8 linear layers (torchao), when fp8.enabled
     5. AC      activation checkpointing of each block
@@ -121,10 +122,16 @@ def parallelize(
     # 3. expert sharding: changes which expert parameters a rank holds, so it comes
     # before anything that counts or lays out parameters (pipeline balance, flat buffers)
     if topology.ep_size > 1:
-        raise ConfigError(
-            f"mesh.expert_parallel_size: the topology has ep={topology.ep_size}, but "
-            "expert parallelism is not built yet; build the Topology with ep=1"
-        )
+        from meshtrain.parallel.experts.shard import apply_expert_parallel, remap_parameters
+
+        replaced = apply_expert_parallel(model, topology)
+        model_parameters = remap_parameters(model_parameters, replaced)
+    # the router's load-balancing loss over every replica's tokens, as one process on the
+    # whole batch computes it (it is not linear in the batch; see parallel.experts.aux_loss)
+    if topology.replica_group.size > 1:
+        from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over
+
+        reduce_aux_loss_over(model, topology.replica_group)
     # 4. pipeline split: a rank keeps only its stages before anything is allocated for them
     pipeline = None
     if topology.pp_size > 1:
