@@ -293,8 +293,36 @@ def test_skewed_routing_no_hang_ep2():
             assert res[("empty_on_rank0", "loop")]["counts"][5] > 0
 
 
-def tiny_causal_lm(family: str, seed: int = 0, **over):
-    """A tiny transformers MoE causal LM (8 experts, top-2, 2 layers), fp32, deterministic."""
+def _forced_router(router, skew: str, token_offset: int, rank0_tokens: int):
+    """The family's router (softmax -> top-k -> renormalise as configured) with logits pushed
+    down by 1e4 where ``skew`` forbids: ``one_expert`` keeps experts 0 and 1 only (every
+    token goes to expert 0); ``empty_on_rank0`` forbids expert 5 to the tokens of data rank
+    0 (global token index < ``rank0_tokens``; this process's first token is
+    ``token_offset``)."""
+    import torch
+    import torch.nn.functional as F
+
+    def forward(hidden_states):
+        h = hidden_states.reshape(-1, router.hidden_dim)
+        logits = F.linear(h, router.weight)
+        mask = torch.zeros_like(logits)
+        if skew == "one_expert":
+            mask[:, 2:] = -1e4
+        else:
+            rows = torch.arange(h.shape[0]) + token_offset < rank0_tokens
+            mask[rows, 5] = -1e4
+        logits = logits + mask
+        top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), router.top_k, dim=-1)
+        if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+    router.forward = forward
+
+
+def tiny_causal_lm(family: str, seed: int = 0, skew=None, token_offset=0, rank0_tokens=0, **over):
+    """A tiny transformers MoE causal LM (8 experts, top-2, 2 layers), fp32, deterministic;
+    ``skew``: its routers forced (:func:`_forced_router`)."""
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -327,6 +355,9 @@ def tiny_causal_lm(family: str, seed: int = 0, **over):
     with torch.no_grad():  # larger router weights: routing that differs between tokens
         for n, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "gate" in n else 0.1))
+    if skew is not None:
+        for layer in model.model.layers:
+            _forced_router(layer.mlp.gate, skew, token_offset, rank0_tokens)
     return model.float()
 
 
@@ -409,11 +440,11 @@ def _batch(step: int, rows: int):
     return torch.randint(0, 64, (rows, 8), generator=torch.Generator().manual_seed(100 + step))
 
 
-def _reference_training(fam: str, rows: int):
+def _reference_training(fam: str, rows: int, skew=None):
     """One process, every row of each step's global batch, torch's AdamW."""
     import torch
 
-    model = tiny_causal_lm(fam)
+    model = tiny_causal_lm(fam, skew=skew, rank0_tokens=ROWS * 8)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
     for step in range(STEPS):
@@ -426,7 +457,7 @@ def _reference_training(fam: str, rows: int):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe")) -> dict:
+def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe"), skew=None) -> dict:
     """The engine at ``mesh.expert_parallel_size = ep`` and ZeRO ``stage``: losses per step
     (mean over ranks) and the whole model (expert slices gathered over ep) after 20 steps,
     against one process; plus the step log's MoE numbers."""
@@ -438,7 +469,8 @@ def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe")) -> dic
 
     out = {}
     for fam in families:
-        model = tiny_causal_lm(fam)
+        r = dist.get_rank()  # no pp / tp here: the data-parallel rank is the global rank
+        model = tiny_causal_lm(fam, skew=skew, token_offset=ROWS * 8 * r, rank0_tokens=ROWS * 8)
         config = {
             "train_micro_batch_size_per_gpu": ROWS,
             "gradient_accumulation_steps": 1,
@@ -471,7 +503,8 @@ def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe")) -> dic
                 dist.all_gather(parts, t.contiguous(), group=ep_group.pg)
                 t = torch.cat(parts)
             state[name] = t.detach().clone()
-        ref_losses, ref_state = _reference_training(fam, ROWS * dp)
+        assert r == topo.replica_group.rank
+        ref_losses, ref_state = _reference_training(fam, ROWS * dp, skew)
         from tests.distributed.training import max_rel_diff
 
         norm = sum(float(v.double().pow(2).sum()) for v in state.values()) ** 0.5
@@ -491,7 +524,13 @@ def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe")) -> dic
     return out
 
 
-def _check_training(results) -> None:
+def _train_matrix(cases) -> dict:
+    """Several (ep, stage, families, skew) trainings in one spawn (process start-up is the
+    cost)."""
+    return {case: _train_checks(*case) for case in cases}
+
+
+def _check_training(results, skew=None) -> None:
     for rank, res in enumerate(results):
         for fam, c in res.items():
             where = (rank, fam)
@@ -502,8 +541,13 @@ def _check_training(results) -> None:
             log = c["log"]
             assert 0 <= log["tokens_per_expert_min"] <= log["tokens_per_expert_max"], where
             assert log["all_to_all_bytes"] > 0, where
-    for fam in results[0]:
-        assert len({str(res[fam]["routed"]) for res in results}) > 1, fam  # routing differs
+            if skew == "one_expert":  # every token to experts 0 and 1, on every rank
+                assert c["routed"][2:] == [0] * 6 and c["routed"][0] == ROWS * 8, where
+            if skew == "empty_on_rank0":  # expert 5 empty on rank 0 only
+                assert (c["routed"][5] == 0) == (rank == 0), (where, c["routed"])
+    if skew is None:
+        for fam in results[0]:
+            assert len({str(res[fam]["routed"]) for res in results}) > 1, fam  # routing differs
 
 
 def test_training_parity_ep2_zero0():
@@ -513,3 +557,30 @@ def test_training_parity_ep2_zero0():
     rows. 1e-6: fp32 sums in another order (the all-to-all moves rows, it does not round
     them), which Adam's normalised update does not amplify beyond that over 20 steps here."""
     _check_training(run_ranks(_train_checks, 2, 2, 0))
+
+
+def test_skewed_routing_training_zero3_ep2():
+    """ZeRO-3 at ep 2 on 2 ranks, routers forced: every token to expert 0 (and 1), and an
+    expert that gets no token from rank 0; 20 AdamW steps of tiny Mixtral complete on
+    every rank and match one process within 1e-6 (as above)."""
+    cases = [(2, 3, ("mixtral",), "one_expert"), (2, 3, ("mixtral",), "empty_on_rank0")]
+    results = run_ranks(_train_matrix, 2, cases)
+    for case in cases:
+        _check_training([res[case] for res in results], skew=case[3])
+
+
+@pytest.mark.slow
+def test_training_parity_4_ranks():
+    """4 ranks: ep 4 (ZeRO-0), ep 2 x edp 2 with ZeRO-1 and with ZeRO-3 (expert weights
+    sharded and gathered over edp), and the skewed routings at ep 2 x edp 2 ZeRO-3; tiny
+    Mixtral and Qwen2-MoE, 20 AdamW steps each, within 1e-6 of one process."""
+    cases = [
+        (4, 0, ("mixtral", "qwen2_moe"), None),
+        (2, 1, ("mixtral", "qwen2_moe"), None),
+        (2, 3, ("mixtral", "qwen2_moe"), None),
+        (2, 3, ("qwen2_moe",), "one_expert"),
+        (2, 3, ("qwen2_moe",), "empty_on_rank0"),
+    ]
+    results = run_ranks(_train_matrix, 4, cases, timeout=600)
+    for case in cases:
+        _check_training([res[case] for res in results], skew=case[3])
