@@ -36,9 +36,13 @@ FAMILIES = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts")
 SLICE_ATTR = "meshtrain_expert_slice"
 
 
-def _holds_experts(module: nn.Module) -> bool:
-    name = type(module).__name__
-    return name.endswith(("Experts", "NaiveMoe")) or name in ("MoE", "SparseMoE")
+def _holds_experts(name: str, module: nn.Module) -> bool:
+    """An experts container of a family not in FAMILIES: a class named like one, or a
+    submodule called ``experts`` (older layouts: an ``nn.ModuleList`` of expert MLPs)."""
+    return (
+        type(module).__name__.endswith(("Experts", "NaiveMoe"))
+        or name.rpartition(".")[2] == "experts"
+    )
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -48,7 +52,7 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if isinstance(module, RoutedExperts) or type(module).__name__ in FAMILIES:
             found.append((name, module))
-        elif _holds_experts(module) and not any(name.startswith(f + ".") for f, _ in found):
+        elif _holds_experts(name, module) and not any(name.startswith(f + ".") for f, _ in found):
             raise ConfigError(
                 f"mesh.expert_parallel_size: {name} ({type(module).__name__}) holds experts "
                 f"meshtrain cannot shard; expert parallelism supports {', '.join(FAMILIES)} "
