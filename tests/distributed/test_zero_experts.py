@@ -58,14 +58,14 @@ def initialize_ep(model, config, topology):
     return engine
 
 
-def _config(stage: int, accum: int = 1) -> dict:
+def _config(stage: int, accum: int = 1, extra: dict | None = None) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": accum,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "gradient_clipping": CLIP,
         "steps_per_print": 1000,
-        "zero_optimization": {"stage": stage, **(STAGE3 if stage == 3 else {})},
+        "zero_optimization": {"stage": stage, **(STAGE3 if stage == 3 else {}), **(extra or {})},
     }
 
 
@@ -77,7 +77,7 @@ def _ledger(diff: dict) -> dict[str, int]:
     return out
 
 
-def _train(stage: int, accum: int = 1, route_to=None) -> dict:
+def _train(stage: int, accum: int = 1, route_to=None, extra=None) -> dict:
     import torch.distributed as dist
 
     import meshtrain
@@ -87,7 +87,7 @@ def _train(stage: int, accum: int = 1, route_to=None) -> dict:
     meshtrain.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     topo = Topology(ep=2)
-    engine = initialize_ep(toy_moe(topo, route_to), _config(stage, accum), topo)
+    engine = initialize_ep(toy_moe(topo, route_to), _config(stage, accum, extra), topo)
     assert isinstance(engine.zero, ZeroStages)
     norms, ledgers = [], []
     rows = MICRO * accum
@@ -138,15 +138,16 @@ def _reference(world: int, accum: int = 1, route_to=None):
 
 
 CASES = [(0, 1, None), (1, 1, None), (2, 1, None), (3, 1, None), (3, 1, 0)]
+OVERLAP = {"overlap_param_gather": True}  # both parts' all-gathers run into the next forward
 
 
 def _all_cases(cases):
-    return [_train(stage, accum, route_to) for stage, accum, route_to in cases]
+    return [_train(*case) for case in cases]
 
 
 def _check(results_by_rank, world, cases):
-    for c, (stage, accum, route_to) in enumerate(cases):
-        label = f"world {world} stage {stage} accum {accum} route_to {route_to}"
+    for c, (stage, accum, route_to, *extra) in enumerate(cases):
+        label = f"world {world} stage {stage} accum {accum} route_to {route_to} {extra}"
         runs = [r[c] for r in results_by_rank]
         ref_state, ref_norms = _reference(world, accum, route_to)
         by_ep = {}
@@ -185,8 +186,9 @@ def test_experts_ep2_world2():
 
 def test_experts_ep2_world4():
     """ep 2 x edp 2 (dp 4): expert gradients reduced and sharded over edp; with gradient
-    accumulation at stage 2 (reduce-scatter into the shard on every micro-step)."""
-    cases = [*CASES, (2, 2, None)]
+    accumulation at stage 2 (reduce-scatter into the shard on every micro-step), and with
+    the parameter all-gathers of stage 1 overlapped with the next forward."""
+    cases = [*CASES, (2, 2, None), (1, 1, None, OVERLAP)]
     results = run_ranks(_all_cases, 4, cases)
     _check(results, 4, cases)
 
