@@ -129,12 +129,18 @@ class ToyMoE(nn.Module):
         return nn.functional.mse_loss(self.head(h), y)
 
 
-def toy_moe(topology=None, route_to: int | None = None) -> ToyMoE:
-    """The model as ``topology``'s rank holds it (None: one process, every expert)."""
+def toy_moe(topology=None, route_to: int | None = None, frozen_experts: bool = False) -> ToyMoE:
+    """The model as ``topology``'s rank holds it (None: one process, every expert);
+    ``frozen_experts``: the experts do not train (``requires_grad=False``)."""
     if topology is None or topology.ep_size == 1:
-        return ToyMoE(route_to=route_to)
-    ep = topology.ep_group
-    return ToyMoE(ep.size, ep.rank, (ep.pg, ep.size, ep.rank), route_to)
+        model = ToyMoE(route_to=route_to)
+    else:
+        ep = topology.ep_group
+        model = ToyMoE(ep.size, ep.rank, (ep.pg, ep.size, ep.rank), route_to)
+    for name, p in model.named_parameters():
+        if frozen_experts and is_expert_name(name):
+            p.requires_grad_(False)
+    return model
 
 
 def is_expert_name(name: str) -> bool:

@@ -77,7 +77,7 @@ def _ledger(diff: dict) -> dict[str, int]:
     return out
 
 
-def _train(stage: int, accum: int = 1, route_to=None, extra=None) -> dict:
+def _train(stage: int, accum: int = 1, route_to=None, extra=None, frozen=False) -> dict:
     import torch.distributed as dist
 
     import meshtrain
@@ -87,7 +87,8 @@ def _train(stage: int, accum: int = 1, route_to=None, extra=None) -> dict:
     meshtrain.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     topo = Topology(ep=2)
-    engine = initialize_ep(toy_moe(topo, route_to), _config(stage, accum, extra), topo)
+    model = toy_moe(topo, route_to, frozen_experts=frozen)
+    engine = initialize_ep(model, _config(stage, accum, extra), topo)
     assert isinstance(engine.zero, ZeroStages)
     norms, ledgers = [], []
     rows = MICRO * accum
@@ -116,22 +117,24 @@ def _train(stage: int, accum: int = 1, route_to=None, extra=None) -> dict:
         },
         "by_group": zero.comm_bytes_by_group(accum),
         "numel": {"dp": zero.dense.trainable_numel, "edp": zero.experts.trainable_numel},
+        "frozen_edp": zero.experts.frozen_sharded_numel,
         "sizes": {"dp": topo.replica_group.size, "edp": topo.group("edp").size},
     }
 
 
-def _reference(world: int, accum: int = 1, route_to=None):
+def _reference(world: int, accum: int = 1, route_to=None, frozen=False):
     """One process on the global batch, as ``world`` ranks x ``accum`` micro-batches."""
     torch.manual_seed(0)
-    model = toy_moe(None, route_to)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    model = toy_moe(None, route_to, frozen_experts=frozen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
     chunks, norms = world * accum, []
     for step in range(STEPS):
         x, y = toy_batch(step, MICRO * chunks)
         for c in range(chunks):
             rows = slice(c * MICRO, (c + 1) * MICRO)
             (model(x[rows], y[rows]) / chunks).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
@@ -149,7 +152,8 @@ def _check(results_by_rank, world, cases):
     for c, (stage, accum, route_to, *extra) in enumerate(cases):
         label = f"world {world} stage {stage} accum {accum} route_to {route_to} {extra}"
         runs = [r[c] for r in results_by_rank]
-        ref_state, ref_norms = _reference(world, accum, route_to)
+        frozen = len(extra) > 1 and extra[1]
+        ref_state, ref_norms = _reference(world, accum, route_to, frozen)
         by_ep = {}
         for run in runs:  # ranks of one ep index (edp replicas) hold the same experts
             if run["ep_rank"] in by_ep:
@@ -163,10 +167,12 @@ def _check(results_by_rank, world, cases):
         for got, want in zip(runs[0]["norms"], ref_norms, strict=True):
             assert abs(got - want) <= 1e-6 * want, f"{label}: grad norm {got} != {want}"
         for run in runs:
+            want = {g: run["theory"][g] for g in ("dp", "edp") if run["sizes"][g] > 1}
+            assert run["by_group"] == want, label
+            if frozen:  # frozen expert shards: gathered for forward and backward, 2 x 4 bytes
+                want["edp"] += 8 * run["frozen_edp"]
             for ledger in run["ledgers"]:
-                want = {g: run["theory"][g] for g in ("dp", "edp") if run["sizes"][g] > 1}
                 assert ledger == want, f"{label}: ledger {ledger} != theory {want}"
-                assert run["by_group"] == want, label
             if stage == 0:  # nothing padded at stage 0: 2 x 4 bytes x numel of each kind
                 for g in ("dp", "edp"):
                     if run["sizes"][g] > 1:
@@ -187,8 +193,9 @@ def test_experts_ep2_world2():
 def test_experts_ep2_world4():
     """ep 2 x edp 2 (dp 4): expert gradients reduced and sharded over edp; with gradient
     accumulation at stage 2 (reduce-scatter into the shard on every micro-step), and with
-    the parameter all-gathers of stage 1 overlapped with the next forward."""
-    cases = [*CASES, (2, 2, None), (1, 1, None, OVERLAP)]
+    the parameter all-gathers of stage 1 overlapped with the next forward; and frozen
+    experts at stage 3 (sharded over edp, gathered, never reduced)."""
+    cases = [*CASES, (2, 2, None), (1, 1, None, OVERLAP), (3, 1, None, None, True)]
     results = run_ranks(_all_cases, 4, cases)
     _check(results, 4, cases)
 

@@ -178,20 +178,23 @@ def memory_report(engine) -> MemoryReport:
 
 def _expert_formula(zero, whole_frozen: dict, common: dict) -> ModelStates:
     """The formula for each part of a ``ZeroStages`` (this rank's local counts, its own
-    data-parallel degree: replicas for the rest, edp for the experts), summed."""
+    data-parallel degree: replicas for the rest, edp for the experts), summed. A part with
+    frozen parameters only (frozen experts) holds their bytes alone."""
     from meshtrain.parallel.experts import is_expert_param
 
     total = [0, 0, 0, 0]
     for part in zero.parts:
         expert = part is zero.experts
         loose = sum(p.numel() for p in whole_frozen.values() if is_expert_param(p) == expert)
-        s = model_states_bytes(
-            part.trainable_numel,  # every part holds some (ZeroStages builds none empty)
-            dp=part.replicas.size,
-            frozen_params=part.frozen_sharded_numel + loose,
-            **common,
-        )
-        for i, v in enumerate((s.params, s.grads, s.optimizer, s.host)):
+        frozen, n = part.frozen_sharded_numel + loose, part.replicas.size
+        if part.trainable_numel:
+            s = model_states_bytes(part.trainable_numel, dp=n, frozen_params=frozen, **common)
+            parts = (s.params, s.grads, s.optimizer, s.host)
+        else:
+            width = 4 if common["precision"] == "fp32" else 2
+            held = width * (-(-frozen // n) if common["stage"] >= 3 else frozen)
+            parts = (0, 0, 0, held) if common["offload_param"] else (held, 0, 0, 0)
+        for i, v in enumerate(parts):
             total[i] += v
     return ModelStates(*total)
 

@@ -60,7 +60,8 @@ from meshtrain.parallel.zero.stage import ZeroStage
 def build_zero(model: nn.Module, groups: list[dict], config, topology: Topology):
     """The ZeRO stage for ``groups``: one ``ZeroStage`` over the replicas, or, when
     ``ep > 1`` and some trainable parameters are experts, ``ZeroStages`` (module docstring)."""
-    has_experts = any(is_expert_param(p) for g in groups for p in g["params"])
+    # frozen experts count too: under ZeRO-3 they are sharded over edp, never over dp
+    has_experts = any(is_expert_param(p) for p in model.parameters())
     if topology.ep_size == 1 or not has_experts:
         return ZeroStage(model, groups, config, topology)
     return ZeroStages(model, groups, config, topology)
