@@ -262,17 +262,42 @@ def _skew_checks(ep: int) -> dict:
         out[(case, "zero_grads_exact")] = [
             int((t == 0).all()) for t in (got["grouped"][2], got["loop"][2])
         ]
+    out["refused"] = _refusals()
     return out
 
 
+def _refusals() -> list[str]:
+    """MoE layouts that are not built, each refused by ``parallelize`` before it changes
+    the model: tp 2 with a MoE Decoder, ep 2 with 3 experts per layer."""
+    from meshtrain.config import load_config
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.errors import ConfigError
+    from meshtrain.parallel.compose import parallelize
+
+    messages = []
+    config = load_config({"train_micro_batch_size_per_gpu": 1})
+    for kw, model in (
+        (dict(tp=2), tiny_decoder()),
+        (dict(ep=2), tiny_causal_lm("mixtral", num_local_experts=3)),
+    ):
+        try:
+            parallelize(model, Topology(**kw), config)
+        except ConfigError as exc:
+            messages.append(str(exc))
+    return messages
+
+
 def test_skewed_routing_no_hang_ep2():
-    """Every token to one expert pair (rank 1's experts get nothing), an expert empty on
+    """(And the refused MoE layouts, in the same processes.) Every token to one expert pair (rank 1's experts get nothing), an expert empty on
     rank 0 only, and a rank with no tokens at all: every rank finishes forward and
     backward, the results match the single-process experts within 1e-6 (a local expert
     with no rows anywhere gets an exactly-zero gradient, never a missing one), and the
     grouped GEMM equals the per-expert loop within 1e-6."""
     results = run_ranks(_skew_checks, 2, 2)
     for rank, res in enumerate(results):
+        tp, split = res.pop("refused")
+        assert tp.startswith("mesh.tensor_parallel_size: 2 with a mixture-of-experts model"), tp
+        assert split.startswith("mesh.expert_parallel_size: 2 does not divide the 3 experts"), split
         for key, c in res.items():
             if key[1] == "grouped_vs_loop":
                 assert c < TOL, (rank, key, c)
@@ -372,19 +397,13 @@ def tiny_causal_lm(family: str, seed: int = 0, skew=None, token_offset=0, rank0_
         router_aux_loss_coef=0.02,
         max_position_embeddings=64,
     )
-    common.update(over)
     torch.manual_seed(seed)
     if family == "mixtral":
-        cfg = MixtralConfig(intermediate_size=24, num_local_experts=8, **common)
+        cfg = MixtralConfig(**{"intermediate_size": 24, "num_local_experts": 8, **common, **over})
         model = MixtralForCausalLM(cfg)
     else:
-        cfg = Qwen2MoeConfig(
-            intermediate_size=24,
-            moe_intermediate_size=24,
-            shared_expert_intermediate_size=32,
-            num_experts=8,
-            **common,
-        )
+        sizes = dict(moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=8)
+        cfg = Qwen2MoeConfig(**{"intermediate_size": 24, **sizes, **common, **over})
         model = Qwen2MoeForCausalLM(cfg)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # larger router weights: routing that differs between tokens
