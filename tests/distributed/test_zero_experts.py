@@ -35,9 +35,9 @@ STAGE3 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size"
 
 def initialize_ep(model, config, topology):
     """``meshtrain.initialize`` at ``topology``'s ep with a model whose experts are sliced
-    over ep already (``ToyMoE``). Until the EP step of ``parallelize`` (step 3) is merged,
-    which refuses ep > 1 on this branch, steps 1-6 are skipped (this model needs none of
-    them: no tp, pp, ac or compile) and step 7, the one under test, runs as it is."""
+    over ep by hand (``ToyMoE``). ``parallelize``'s step 3 shards the MoE families it knows
+    and refuses any other model at ep > 1, so steps 1-6 are skipped here (this model needs
+    none of them: no tp, pp, ac or compile) and step 7, the one under test, runs as it is."""
     import meshtrain
     from meshtrain.engine import engine as engine_module
     from meshtrain.optim.builders import param_groups

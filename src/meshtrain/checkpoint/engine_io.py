@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshtrain.checkpoint import expert_layout as experts
 from meshtrain.checkpoint import storage
-from meshtrain.checkpoint.expert_layout import expert_specs, local_experts
 from meshtrain.checkpoint.manifest import Piece
 from meshtrain.checkpoint.model_names import model_names
 from meshtrain.checkpoint.reader import CheckpointReader
@@ -108,16 +108,6 @@ def _runs(
             continue
         for rel, full_start, n in full_runs(spec, tuple(g.shapes[p]), tp_rank, s - a, e - s):
             yield names[id(p)], full_start, s + rel, n
-
-
-def _writers(engine) -> dict[int, tuple[int, int]]:
-    """(ranks, this rank's place) sharing the writing of each flat group at stage 0: its
-    replica group (``dp``, or ``edp`` for expert parameters under ``ZeroStages``)."""
-    topo = engine.topology
-    parts = getattr(engine.zero, "parts", None)
-    if parts is None:
-        return {id(g): (topo.dp_size, topo.dp_rank) for g in engine.zero.flat_groups}
-    return {id(g): (p.replicas.size, p.replicas.rank) for p in parts for g in p.flat_groups}
 
 
 def _tp(engine) -> tuple[dict[int, ShardSpec], int] | None:
@@ -188,8 +178,8 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
     names = model_names(engine)
     canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
     tp = _tp(engine)
-    ep = expert_specs(engine)
-    writers = _writers(engine)
+    ep = experts.expert_specs(engine)
+    writers = experts.stage0_writers(engine)
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[Piece] = []
     steps = set()
@@ -228,13 +218,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
         if key in frozen_specs:  # a frozen tensor-parallel shard: write the full tensor
             t = unshard_tensor(t, frozen_specs[key], topo.tp_group)
         flat = t.reshape(-1)
-        n_share, n_part, offset = share, part, 0
-        if ep is not None and id(t) in ep[0]:  # frozen experts: this ep rank's, over edp
-            _frozen_experts_supported(ep[0][id(t)], key)
-            edp = topo.group("edp")
-            n_share = edp.size * topo.tp_size
-            n_part = edp.rank * topo.tp_size + topo.tp_rank
-            offset = ep[1] * flat.numel()  # expert dim 0: this rank's experts are one run
+        n_share, n_part, offset = experts.frozen_split(engine, ep, t, key, share, part)
         c = -(-flat.numel() // n_share)
         lo, hi = min(n_part * c, flat.numel()), min((n_part + 1) * c, flat.numel())
         if hi > lo:
@@ -290,15 +274,6 @@ def _unsplit_view(engine) -> torch.nn.Module:
         return engine.module
     stage = next(iter(engine.module.stages.values()))
     return getattr(stage, "model", stage)
-
-
-def _frozen_experts_supported(spec: ShardSpec, key: str) -> None:
-    if spec.dim != 0:
-        raise CheckpointError(
-            f"checkpoint: frozen expert parameter {key} stacks its experts along dimension "
-            f"{spec.dim}; frozen experts are saved along dimension 0 only (set "
-            "meshtrain_expert_dim to 0, or train them)"
-        )
 
 
 def _frozen_specs(engine) -> dict[str, ShardSpec]:
@@ -397,7 +372,7 @@ def _load(
     names = model_names(engine)
     canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
     tp = _tp(engine)
-    ep = expert_specs(engine)
+    ep = experts.expert_specs(engine)
     reader.check_model(names.expected())
     meta = reader.meta
     states = [s for s in reader.states() if s != "param"] if load_optimizer_states else []
@@ -433,7 +408,7 @@ def _load(
             if key in frozen_specs:
                 full = shard_tensor(full, frozen_specs[key], topo.tp_rank)
             if ep is not None and id(t) in ep[0]:  # frozen experts: this ep rank's
-                full = local_experts(full, ep[0][id(t)], ep[1])
+                full = experts.local_experts(full, ep[0][id(t)], ep[1])
             if id(t) in sharded:  # ZeRO-3 frozen: write this rank's chunk of the shard
                 sharded[id(t)].load_full(t, full)
             else:

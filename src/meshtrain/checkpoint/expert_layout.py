@@ -58,10 +58,46 @@ def expert_specs(engine) -> tuple[dict[int, ShardSpec], int] | None:
     return specs, topo.ep_rank
 
 
+def stage0_writers(engine) -> dict[int, tuple[int, int]]:
+    """(ranks, this rank's place) that share the writing of each flat group at ZeRO-0, where
+    every replica holds it whole: its replica group (``dp``; ``edp`` for the expert part of
+    a ``ZeroStages``), so each element is written once."""
+    topo = engine.topology
+    parts = getattr(engine.zero, "parts", None)
+    if parts is None:
+        return {id(g): (topo.dp_size, topo.dp_rank) for g in engine.zero.flat_groups}
+    return {id(g): (p.replicas.size, p.replicas.rank) for p in parts for g in p.flat_groups}
+
+
+def frozen_split(engine, ep, t: torch.Tensor, key: str, share: int, part: int):
+    """``(ranks, place, full offset)`` for writing a whole frozen tensor ``t``: as given
+    (``share`` ranks, this one ``part``, offset 0), or for frozen experts split over the
+    edp x tp ranks holding the same experts and offset to this ep rank's experts."""
+    if ep is None or id(t) not in ep[0]:
+        return share, part, 0
+    spec = ep[0][id(t)]
+    if spec.dim != 0:
+        raise CheckpointError(
+            f"checkpoint: frozen expert parameter {key} stacks its experts along dimension "
+            f"{spec.dim}; frozen experts are saved along dimension 0 only (set "
+            f"{EXPERT_DIM_ATTR} to 0, or train them)"
+        )
+    topo, edp = engine.topology, engine.topology.group("edp")
+    place = edp.rank * topo.tp_size + topo.tp_rank
+    return edp.size * topo.tp_size, place, ep[1] * t.numel()  # dim 0: one run per ep rank
+
+
 def local_experts(full: torch.Tensor, spec: ShardSpec, ep_rank: int) -> torch.Tensor:
     """This ep rank's experts of the whole tensor ``full``."""
     n = spec.local_units
     return full.narrow(spec.dim, ep_rank * n, n)
 
 
-__all__ = ["EXPERT_DIM_ATTR", "expert_dim", "expert_specs", "local_experts"]
+__all__ = [
+    "EXPERT_DIM_ATTR",
+    "expert_dim",
+    "expert_specs",
+    "frozen_split",
+    "local_experts",
+    "stage0_writers",
+]
