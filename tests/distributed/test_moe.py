@@ -519,7 +519,9 @@ def _reference_training(fam: str, rows: int, skew=None):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe"), skew=None) -> dict:
+def _train_checks(
+    ep: int, stage: int, families=("mixtral", "qwen2_moe"), skew=None, extra=None
+) -> dict:
     """The engine at ``mesh.expert_parallel_size = ep`` and ZeRO ``stage``: losses per step
     (mean over ranks) and the whole model (expert slices gathered over ep) after 20 steps,
     against one process; plus the step log's MoE numbers."""
@@ -540,6 +542,7 @@ def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe"), skew=N
             "zero_optimization": {"stage": stage},
             "mesh": {"expert_parallel_size": ep},
             "steps_per_print": 1000,
+            **dict(extra or ()),  # (key, value) pairs: a case is a dict key
         }
         engine, *_ = meshtrain.initialize(
             model=model, model_parameters=model.parameters(), config=config
@@ -586,10 +589,10 @@ def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe"), skew=N
     return out
 
 
-def _train_matrix(cases) -> dict:
+def _train_matrix(cases) -> list:
     """Several (ep, stage, families, skew) trainings in one spawn (process start-up is the
     cost)."""
-    return {case: _train_checks(*case) for case in cases}
+    return [_train_checks(*case) for case in cases]
 
 
 def _check_training(results, skew=None) -> None:
@@ -623,11 +626,18 @@ def test_training_parity_ep2_zero0():
 
 def test_decoder_moe_training_parity_ep2():
     """meshtrain's Decoder with model.moe (DeepSeek-style: shared + 8 routed experts, aux
-    loss on), softmax_topk and sigmoid_topk routing, at ep 2 ZeRO-2 on 2 ranks: 20 AdamW
-    steps within 1e-6 of one process (as above)."""
-    cases = [(2, 2, ("decoder", "decoder_sigmoid_topk"), None)]
+    loss on), softmax_topk and sigmoid_topk routing, at ep 2 ZeRO-2 on 2 ranks, and with
+    activation checkpointing at ZeRO-3 (with tiny Mixtral too: the recomputed forward runs
+    the all-to-alls again, the same on every rank): 20 AdamW steps within 1e-6 of one
+    process (as above)."""
+    ac = (("activation_checkpointing", {"enabled": True}),)
+    cases = [
+        (2, 2, ("decoder", "decoder_sigmoid_topk"), None),
+        (2, 3, ("decoder", "mixtral"), None, ac),
+    ]
     results = run_ranks(_train_matrix, 2, cases)
-    _check_training([res[cases[0]] for res in results])
+    for i in range(len(cases)):
+        _check_training([res[i] for res in results])
 
 
 def test_skewed_routing_training_zero3_ep2():
@@ -636,8 +646,8 @@ def test_skewed_routing_training_zero3_ep2():
     every rank and match one process within 1e-6 (as above)."""
     cases = [(2, 3, ("mixtral",), "one_expert"), (2, 3, ("mixtral",), "empty_on_rank0")]
     results = run_ranks(_train_matrix, 2, cases)
-    for case in cases:
-        _check_training([res[case] for res in results], skew=case[3])
+    for i, case in enumerate(cases):
+        _check_training([res[i] for res in results], skew=case[3])
 
 
 @pytest.mark.slow
@@ -653,5 +663,5 @@ def test_training_parity_4_ranks():
         (2, 3, ("qwen2_moe",), "empty_on_rank0"),
     ]
     results = run_ranks(_train_matrix, 4, cases, timeout=600)
-    for case in cases:
-        _check_training([res[case] for res in results], skew=case[3])
+    for i, case in enumerate(cases):
+        _check_training([res[i] for res in results], skew=case[3])
