@@ -23,7 +23,8 @@ differs between ranks); the loss is ``mean(layer(x) ** 2)``. The script is both 
 worker: for each repeat the driver launches each framework in fresh processes (order
 reversed on odd repeats) with ``torchrun --standalone --nproc_per_node N``. steps/s
 excludes ``--warmup`` steps and uses the slowest rank's clock; peak RSS is the largest
-rank's ``VmHWM``. DeepSpeed JIT-compiles a small op on its first run: one untimed warm-up
+rank's ``VmHWM``; CPU ms/step is the process CPU time per timed step (gloo's threads
+included), mean over ranks: on a shared machine the steadier figure. DeepSpeed JIT-compiles a small op on its first run: one untimed warm-up
 run of it comes first. Prints steps/s and peak RSS of each and the ratios meshtrain /
 DeepSpeed (targets: speed >= 1.0x, RSS <= 1.0x). Results:
 ``benchmarks/results/moe-<date>-<HHMM>.json``.
@@ -76,11 +77,13 @@ def _worker(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         if step == args.warmup:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
         loss = runner.forward(data[step])
         runner.backward(loss)
         runner.step()
         losses.append(float(loss))
+    cpu = torch.tensor([time.process_time() - c0])  # the whole process, gloo's threads too
+    dist.all_reduce(cpu)
     elapsed = torch.tensor([time.perf_counter() - t0])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     rss = torch.tensor([_vm_hwm_mib()])
@@ -94,6 +97,7 @@ def _worker(args: argparse.Namespace) -> None:
                     "steps_per_s": timed / float(elapsed),
                     "tokens_per_s": timed * world * args.tokens / float(elapsed),
                     "peak_rss_mib": float(rss),
+                    "cpu_ms_per_step": 1000 * float(cpu) / world / timed,
                     "losses": losses,
                 }
             )
@@ -160,26 +164,33 @@ def main() -> None:
             if out is not None:
                 runs[name].append(out)
                 print(f"repeat {rep} {name}: {out['steps_per_s']:.2f} steps/s, "
-                      f"peak RSS {out['peak_rss_mib']:.0f} MiB")  # fmt: skip
+                      f"peak RSS {out['peak_rss_mib']:.0f} MiB, "
+                      f"CPU {out['cpu_ms_per_step']:.1f} ms/step")  # fmt: skip
     summary = {}
     for name, rs in runs.items():
         if rs:
             summary[name] = {
                 "steps_per_s": statistics.median(r["steps_per_s"] for r in rs),
                 "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs),
+                "cpu_ms_per_step": statistics.median(r["cpu_ms_per_step"] for r in rs),
             }
-    print(f"\n{'framework':12}{'steps/s':>10}{'tokens/s':>12}{'peak RSS MiB':>14}")
+    print(
+        f"\n{'framework':12}{'steps/s':>10}{'tokens/s':>12}{'peak RSS MiB':>14}{'CPU ms/step':>13}"
+    )
     for name in MOE_FRAMEWORKS:
         if name in summary:
             s = summary[name]
             tok = s["steps_per_s"] * args.nproc * args.tokens
-            print(f"{name:12}{s['steps_per_s']:10.2f}{tok:12.0f}{s['peak_rss_mib']:14.0f}")
+            print(f"{name:12}{s['steps_per_s']:10.2f}{tok:12.0f}{s['peak_rss_mib']:14.0f}"
+                  f"{s['cpu_ms_per_step']:13.1f}")  # fmt: skip
     if "mt-moe" in summary and "ds-moe" in summary:
         m, d = summary["mt-moe"], summary["ds-moe"]
         summary["ratio_speed"] = m["steps_per_s"] / d["steps_per_s"]
         summary["ratio_peak_rss"] = m["peak_rss_mib"] / d["peak_rss_mib"]
+        summary["ratio_cpu_per_step"] = m["cpu_ms_per_step"] / d["cpu_ms_per_step"]
         print(f"meshtrain / DeepSpeed MoE at ep {args.nproc}: speed {summary['ratio_speed']:.2f}x, "
-              f"peak RSS {summary['ratio_peak_rss']:.2f}x")  # fmt: skip
+              f"peak RSS {summary['ratio_peak_rss']:.2f}x, CPU per step "
+              f"{summary['ratio_cpu_per_step']:.2f}x")  # fmt: skip
     now = datetime.datetime.now(datetime.timezone.utc)
     out = Path(args.out or ROOT / "results" / f"moe-{now:%Y-%m-%d-%H%M}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -114,11 +114,11 @@ def _parity(stages) -> dict:
     return out
 
 
-def _reference(fam: str, rows: int):
+def _reference(fam: str, rows: int, steps: int = STEPS):
     model = tiny_causal_lm(fam)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         ids = _batch(step, rows)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -155,6 +155,52 @@ def test_training_parity_ep2_edp2_zero1_zero3():
             routes = {str(res[fam, stage]["routed"]) for res in results}
             assert len(routes) > 1, (fam, stage)  # the ranks routed differently
         assert max_rel_diff(ref_state, tiny_causal_lm(fam).state_dict()) > 1e-2  # it trained
+
+
+ACC_STEPS = 6
+
+
+def _accelerate(stages) -> dict:
+    """The Accelerator's documented loop at ep 2 (world 2): prepare, backward,
+    ``clip_grad_norm_`` (the global norm over both kinds), step, zero_grad."""
+    from meshtrain import Accelerator
+
+    out = {}
+    for stage in stages:
+        acc = Accelerator(
+            config={
+                "mesh": {"expert_parallel_size": 2},
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            },
+            cpu=True,
+        )
+        model = tiny_causal_lm("mixtral")
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+        model, opt = acc.prepare(model, opt)
+        r, dp = acc.process_index, acc.num_processes
+        norms = []
+        for step in range(ACC_STEPS):
+            ids = _batch(step, ROWS * dp)[ROWS * r : ROWS * (r + 1)]
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+            opt.step()
+            opt.zero_grad()
+        out[stage] = {"norms": norms, "state": _whole_state(model.engine)}
+    return out
+
+
+def test_accelerator_loop_ep2_clips_by_the_global_norm():
+    """ZeRO-0 and ZeRO-3 at ep 2 through the Accelerator: every step's returned norm and
+    the whole model after 6 steps within 1e-6 of one process with clip_grad_norm_."""
+    results = run_ranks(_accelerate, 2, (0, 3), timeout=600)
+    _, ref_norms, ref_state = _reference("mixtral", ROWS * 2, ACC_STEPS)
+    assert max(ref_norms) > CLIP
+    for rank, res in enumerate(results):
+        for stage, c in res.items():
+            for got, want in zip(c["norms"], ref_norms, strict=True):
+                assert abs(got - want) <= TOL * want, (rank, stage, got, want)
+            err = max_rel_diff(c["state"], ref_state)
+            assert err < TOL, (rank, stage, err)
 
 
 def _save_and_export(save_dir: str, export: str) -> dict:

@@ -14,6 +14,8 @@ fp32 throughout, and the only difference is summation order (per-rank means summ
 ranks instead of one mean, expert outputs summed by an all-reduce); measured ~1e-7. The
 global gradient norm of every step is within 1e-6 relative of the one-process
 ``clip_grad_norm_``, and clipping is active (the norm exceeds ``gradient_clipping``).
+``memory_report`` measures within padding and the ``step`` scalars (5% + 64 bytes) of the
+ZeRO formula applied to each kind over its own replicas (dp; edp for the experts).
 Bytes: per step, the ledger's entries under ``edp`` and under ``dp`` (the norm's
 ``control`` scalars left out) equal each part's ``comm_bytes_theory`` exactly, and at
 stage 0 ``2 x 4 x numel`` of each kind.
@@ -100,7 +102,10 @@ def _train(stage: int, accum: int = 1, route_to=None) -> dict:
         norms.append(engine.get_global_grad_norm())
         ledgers.append(_ledger(topo.stats.diff(topo.stats.snapshot(), before)))
     zero = engine.zero
+    report = engine.memory_report()
+    m, f = report.measured, report.formula
     return {
+        "memory": ((m.params, m.grads, m.optimizer), (f.params, f.grads, f.optimizer)),
         "ep_rank": topo.ep_rank,
         "state": engine.module_state_dict(),
         "norms": norms,
@@ -165,6 +170,9 @@ def _check(results_by_rank, world, cases):
                 for g in ("dp", "edp"):
                     if run["sizes"][g] > 1:
                         assert run["theory"][g] == 8 * run["numel"][g] * accum, label
+        for run in runs:  # memory_report: each kind's formula over its own replicas
+            for got, want in zip(*run["memory"], strict=True):
+                assert want <= got <= 1.05 * want + 64, f"{label}: memory {run['memory']}"
         if world == 4:  # edp 2: expert gradients travel, and only over edp
             assert runs[0]["ledgers"][0]["edp"] > 0, label
 

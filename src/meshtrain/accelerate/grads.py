@@ -114,7 +114,9 @@ class EngineDriver:
             )
         zero.before_step()  # stages 2-3: nothing left to wait for; 0-1: reduced already
         unscale = engine.scaler.scale * zero.grad_divisor / engine.grads_divided_by
-        if self.stage == 0:
+        # under ep a rank holds only its experts' gradients: torch's local norm would differ
+        # between ep ranks, so the engine's global one (both kinds, parallel.zero.stages)
+        if self.stage == 0 and getattr(zero, "parts", None) is None:
             if unscale != 1.0:
                 for g in zero.flat_groups:
                     for chunk in g.grad_chunks:
