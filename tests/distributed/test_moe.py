@@ -262,17 +262,42 @@ def _skew_checks(ep: int) -> dict:
         out[(case, "zero_grads_exact")] = [
             int((t == 0).all()) for t in (got["grouped"][2], got["loop"][2])
         ]
+    out["refused"] = _refusals()
     return out
 
 
+def _refusals() -> list[str]:
+    """MoE layouts that are not built, each refused by ``parallelize`` before it changes
+    the model: tp 2 with a MoE Decoder, ep 2 with 3 experts per layer."""
+    from meshtrain.config import load_config
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.errors import ConfigError
+    from meshtrain.parallel.compose import parallelize
+
+    messages = []
+    config = load_config({"train_micro_batch_size_per_gpu": 1})
+    for kw, model in (
+        (dict(tp=2), tiny_decoder()),
+        (dict(ep=2), tiny_causal_lm("mixtral", num_local_experts=3)),
+    ):
+        try:
+            parallelize(model, Topology(**kw), config)
+        except ConfigError as exc:
+            messages.append(str(exc))
+    return messages
+
+
 def test_skewed_routing_no_hang_ep2():
-    """Every token to one expert pair (rank 1's experts get nothing), an expert empty on
+    """(And the refused MoE layouts, in the same processes.) Every token to one expert pair (rank 1's experts get nothing), an expert empty on
     rank 0 only, and a rank with no tokens at all: every rank finishes forward and
     backward, the results match the single-process experts within 1e-6 (a local expert
     with no rows anywhere gets an exactly-zero gradient, never a missing one), and the
     grouped GEMM equals the per-expert loop within 1e-6."""
     results = run_ranks(_skew_checks, 2, 2)
     for rank, res in enumerate(results):
+        tp, split = res.pop("refused")
+        assert tp.startswith("mesh.tensor_parallel_size: 2 with a mixture-of-experts model"), tp
+        assert split.startswith("mesh.expert_parallel_size: 2 does not divide the 3 experts"), split
         for key, c in res.items():
             if key[1] == "grouped_vs_loop":
                 assert c < TOL, (rank, key, c)
@@ -372,19 +397,13 @@ def tiny_causal_lm(family: str, seed: int = 0, skew=None, token_offset=0, rank0_
         router_aux_loss_coef=0.02,
         max_position_embeddings=64,
     )
-    common.update(over)
     torch.manual_seed(seed)
     if family == "mixtral":
-        cfg = MixtralConfig(intermediate_size=24, num_local_experts=8, **common)
+        cfg = MixtralConfig(**{"intermediate_size": 24, "num_local_experts": 8, **common, **over})
         model = MixtralForCausalLM(cfg)
     else:
-        cfg = Qwen2MoeConfig(
-            intermediate_size=24,
-            moe_intermediate_size=24,
-            shared_expert_intermediate_size=32,
-            num_experts=8,
-            **common,
-        )
+        sizes = dict(moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=8)
+        cfg = Qwen2MoeConfig(**{"intermediate_size": 24, **sizes, **common, **over})
         model = Qwen2MoeForCausalLM(cfg)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # larger router weights: routing that differs between tokens
@@ -500,7 +519,9 @@ def _reference_training(fam: str, rows: int, skew=None):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe"), skew=None) -> dict:
+def _train_checks(
+    ep: int, stage: int, families=("mixtral", "qwen2_moe"), skew=None, extra=None
+) -> dict:
     """The engine at ``mesh.expert_parallel_size = ep`` and ZeRO ``stage``: losses per step
     (mean over ranks) and the whole model (expert slices gathered over ep) after 20 steps,
     against one process; plus the step log's MoE numbers."""
@@ -521,6 +542,7 @@ def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe"), skew=N
             "zero_optimization": {"stage": stage},
             "mesh": {"expert_parallel_size": ep},
             "steps_per_print": 1000,
+            **dict(extra or ()),  # (key, value) pairs: a case is a dict key
         }
         engine, *_ = meshtrain.initialize(
             model=model, model_parameters=model.parameters(), config=config
@@ -567,10 +589,10 @@ def _train_checks(ep: int, stage: int, families=("mixtral", "qwen2_moe"), skew=N
     return out
 
 
-def _train_matrix(cases) -> dict:
+def _train_matrix(cases) -> list:
     """Several (ep, stage, families, skew) trainings in one spawn (process start-up is the
     cost)."""
-    return {case: _train_checks(*case) for case in cases}
+    return [_train_checks(*case) for case in cases]
 
 
 def _check_training(results, skew=None) -> None:
@@ -604,11 +626,18 @@ def test_training_parity_ep2_zero0():
 
 def test_decoder_moe_training_parity_ep2():
     """meshtrain's Decoder with model.moe (DeepSeek-style: shared + 8 routed experts, aux
-    loss on), softmax_topk and sigmoid_topk routing, at ep 2 ZeRO-2 on 2 ranks: 20 AdamW
-    steps within 1e-6 of one process (as above)."""
-    cases = [(2, 2, ("decoder", "decoder_sigmoid_topk"), None)]
+    loss on), softmax_topk and sigmoid_topk routing, at ep 2 ZeRO-2 on 2 ranks, and with
+    activation checkpointing at ZeRO-3 (with tiny Mixtral too: the recomputed forward runs
+    the all-to-alls again, the same on every rank): 20 AdamW steps within 1e-6 of one
+    process (as above)."""
+    ac = (("activation_checkpointing", {"enabled": True}),)
+    cases = [
+        (2, 2, ("decoder", "decoder_sigmoid_topk"), None),
+        (2, 3, ("decoder", "mixtral"), None, ac),
+    ]
     results = run_ranks(_train_matrix, 2, cases)
-    _check_training([res[cases[0]] for res in results])
+    for i in range(len(cases)):
+        _check_training([res[i] for res in results])
 
 
 def test_skewed_routing_training_zero3_ep2():
@@ -617,8 +646,8 @@ def test_skewed_routing_training_zero3_ep2():
     every rank and match one process within 1e-6 (as above)."""
     cases = [(2, 3, ("mixtral",), "one_expert"), (2, 3, ("mixtral",), "empty_on_rank0")]
     results = run_ranks(_train_matrix, 2, cases)
-    for case in cases:
-        _check_training([res[case] for res in results], skew=case[3])
+    for i, case in enumerate(cases):
+        _check_training([res[i] for res in results], skew=case[3])
 
 
 @pytest.mark.slow
@@ -634,5 +663,63 @@ def test_training_parity_4_ranks():
         (2, 3, ("qwen2_moe",), "empty_on_rank0"),
     ]
     results = run_ranks(_train_matrix, 4, cases, timeout=600)
-    for case in cases:
-        _check_training([res[case] for res in results], skew=case[3])
+    for i, case in enumerate(cases):
+        _check_training([res[i] for res in results], skew=case[3])
+
+
+def _trainer_run(tmp: str) -> dict:
+    """A user's fine-tuning script: a transformers Qwen2-MoE through meshtrain's Trainer
+    with a DeepSpeed-style config at ep 2 x ZeRO-3."""
+    import torch
+
+    from meshtrain import Trainer, TrainingArguments
+    from meshtrain.parallel.experts import is_expert_param
+    from tests.trainer.common import lm_rows, pad_collate
+
+    model = tiny_causal_lm("qwen2_moe")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    deepspeed = {
+        "zero_optimization": {"stage": 3},
+        "mesh": {"expert_parallel_size": 2},
+        "steps_per_print": 2,
+    }
+    args = TrainingArguments(
+        f"{tmp}/qwen2moe",
+        per_device_train_batch_size=4,
+        num_train_epochs=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        disable_tqdm=True,
+        save_strategy="no",
+        deepspeed=deepspeed,
+    )
+    trainer = Trainer(model, args, train_dataset=lm_rows(24), data_collator=pad_collate)
+    trainer.train()
+    engine = trainer.prepare_engine()  # the engine train() ran on
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    experts = [n for n, p in engine.module.named_parameters() if is_expert_param(p)]
+    local = engine.module_state_dict()
+    moved = max(
+        float((local[n] - before[n]).abs().max())
+        for n in local
+        if n in before and "experts" not in n
+    )
+    return {
+        "losses": losses,
+        "experts": experts,
+        "shape": tuple(local["model.layers.0.mlp.experts.gate_up_proj"].shape),
+        "moved": moved,
+        "log": {k: engine.log.last.get(k) for k in ("tokens_per_expert_max", "all_to_all_bytes")},
+        "finite": all(torch.isfinite(torch.tensor(losses)).tolist()),
+    }
+
+
+def test_trainer_fine_tunes_qwen2_moe_ep2_zero3(tmp_path):
+    """The Trainer with ``deepspeed={"mesh": {"expert_parallel_size": 2}, "zero_optimization":
+    {"stage": 3}}`` fine-tunes a transformers Qwen2-MoE on 2 ranks: each rank holds 4 of the
+    8 experts, the run completes, the loss falls, and the step log has the MoE numbers."""
+    for res in run_ranks(_trainer_run, 2, str(tmp_path)):
+        assert res["finite"] and len(res["losses"]) >= 9, res["losses"]
+        assert min(res["losses"][-3:]) < res["losses"][0], res["losses"]
+        assert res["shape"][0] == 4 and len(res["experts"]) == 4, res
+        assert res["moved"] > 0 and res["log"]["all_to_all_bytes"] > 0, res

@@ -88,6 +88,9 @@ def parallelize(
     """
     model = model.to(device=topology.device, dtype=PRECISIONS[config.precision])
 
+    from meshtrain.parallel.experts.shard import check_layout
+
+    check_layout(model, topology)  # MoE layers under tp or pp: refused by name, up front
     if topology.pp_size > 1:  # what a pipeline cannot combine with, before anything changes
         from meshtrain.parallel.pipeline.engine_step import check_pipeline
 

@@ -71,8 +71,11 @@ def choose(gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> str:
     shapes, device and dtype, else ``"loop"``."""
     if not hasattr(torch, "_grouped_mm"):
         return "loop"
+    # its own saved-tensor hooks: under activation checkpointing the probe (first forward
+    # only) must not add to what the checkpoint expects the recomputation to save
+    identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     try:
-        with torch.enable_grad():  # one expert's copy is enough: the shapes are per expert
+        with torch.enable_grad(), identity:  # one expert is enough: shapes are per expert
             gu = gate_up.detach()[:1].clone().requires_grad_()
             dn = down.detach()[:1].clone().requires_grad_()
             x = gu.new_zeros(2, gu.shape[-1], requires_grad=True)

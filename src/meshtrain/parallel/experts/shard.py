@@ -61,6 +61,28 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def check_layout(model: nn.Module, topology: Topology) -> None:
+    """Refuse, by name and before anything changes, the layouts a model with MoE layers
+    cannot run yet: tensor parallelism (a TP plan's MLP region would sum the replicated MoE
+    output over tp) and pipeline parallelism (its stages call the blocks, not the model's
+    forward that adds the router's auxiliary loss; untested with the all-to-all)."""
+    if topology.tp_size == 1 and topology.pp_size == 1:
+        return
+    layers = expert_modules(model)
+    if not layers:
+        return
+    key, size = (
+        ("tensor_parallel_size", topology.tp_size)
+        if topology.tp_size > 1
+        else ("pipeline_parallel_size", topology.pp_size)
+    )
+    raise ConfigError(
+        f"mesh.{key}: {size} with a mixture-of-experts model ({layers[0][0]} and "
+        f"{len(layers) - 1} more): {key.split('_')[0]} parallelism of MoE layers is not built "
+        f"yet; set mesh.{key} to 1 (expert_parallel_size and ZeRO shard MoE models)"
+    )
+
+
 def apply_expert_parallel(model: nn.Module, topology: Topology) -> dict[int, nn.Parameter]:
     """Shard every experts module over ``topology.group("ep")`` in place; returns
     ``{id(full parameter): its shard}`` (for :func:`remap_parameters`). ConfigError when the
@@ -123,6 +145,7 @@ __all__ = [
     "FAMILIES",
     "SLICE_ATTR",
     "apply_expert_parallel",
+    "check_layout",
     "expert_modules",
     "remap_parameters",
 ]
