@@ -240,3 +240,119 @@ def setup(name: str, model, *, micro: int, world: int, zero: dict, threads: int 
         )
 
     raise SystemExit(f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}")
+
+
+# the MoE layer's workload (bench_moe.py): Mixtral-style SwiGLU experts, top-2, dropless
+MOE = dict(hidden=256, ffn=512, experts=8, top_k=2)
+MOE_FRAMEWORKS = ("mt-moe", "ds-moe")
+
+
+def moe_setup(name: str, *, ep: int, micro: int, seed: int, threads: int = 1) -> Runner:
+    """One MoE layer (``MOE``) at expert parallelism ``ep``, trained through its framework's
+    engine at ZeRO-0 with ``ADAMW``; ``forward(x)`` returns ``mean(layer(x) ** 2)``.
+
+    ``mt-moe``: meshtrain's MoE layer (``meshtrain.models.moe.MoE``, Mixtral's routing:
+    softmax, top-k, renormalised) under ``meshtrain.initialize`` with
+    ``mesh.expert_parallel_size = ep`` (experts sharded by ``parallelize`` step 3, dropless
+    all-to-all dispatch). ``ds-moe``: ``deepspeed.moe.layer.MoE`` with the same
+    SwiGLU expert, top-2, ``drop_tokens=False`` (dropless: capacity = the largest expert's
+    load), no random token selection and no sampled second expert (both change only which
+    tokens are kept or routed, not the work), under ``deepspeed.initialize``."""
+    import torch
+    from torch import nn
+
+    h, f, e, k = MOE["hidden"], MOE["ffn"], MOE["experts"], MOE["top_k"]
+    torch.manual_seed(seed)
+    if name == "mt-moe":
+        import meshtrain
+        from meshtrain.models.moe import MoE, MoEConfig
+
+        class Layer(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.moe = MoE(h, f, MoEConfig(n_experts=e, top_k=k))  # softmax, top-k, renorm
+                with torch.no_grad():
+                    for p in self.moe.parameters():
+                        p.normal_(0.0, 0.02)
+
+            def forward(self, x):
+                return self.moe(x).pow(2).mean()
+
+        model = Layer()
+        engine, _, _, _ = meshtrain.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config={
+                "train_micro_batch_size_per_gpu": micro,
+                "gradient_clipping": 0.0,
+                "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(BETAS)}},
+                "zero_optimization": {"stage": 0},
+                "mesh": {"expert_parallel_size": ep},
+                "steps_per_print": 10**9,
+            },
+        )
+
+        def state():
+            m = engine.memory_report().measured
+            return {"params": m.params, "grads": m.grads, "optimizer": m.optimizer}
+
+        return Runner(
+            engine, engine.backward, engine.step, state, meshtrain.shutdown_distributed, engine
+        )
+
+    if name == "ds-moe":
+        import deepspeed
+        from deepspeed.moe.layer import MoE
+
+        class SwiGLU(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.gate = nn.Linear(h, f, bias=False)
+                self.up = nn.Linear(h, f, bias=False)
+                self.down = nn.Linear(f, h, bias=False)
+
+            def forward(self, x):
+                return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+        class Layer(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.moe = MoE(
+                    h,
+                    SwiGLU(),
+                    num_experts=e,
+                    ep_size=ep,
+                    k=k,
+                    drop_tokens=False,
+                    use_rts=False,
+                    top2_2nd_expert_sampling=False,
+                )
+
+            def forward(self, x):
+                out, _aux, _counts = self.moe(x)
+                return out.pow(2).mean()
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = Layer()
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        ds_engine, ds_opt, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=opt,
+            config={
+                "train_micro_batch_size_per_gpu": micro,
+                "zero_optimization": {"stage": 0},
+                "gradient_clipping": 0.0,
+                "steps_per_print": 10**9,
+            },
+        )
+        torch.set_num_threads(threads)
+        inner = getattr(ds_opt, "optimizer", ds_opt)
+        return Runner(
+            ds_engine,
+            ds_engine.backward,
+            ds_engine.step,
+            lambda: state_bytes(ds_engine.module.parameters(), inner),
+            _torch_shutdown,
+        )
+
+    raise SystemExit(f"unknown MoE framework {name!r}; known: {', '.join(MOE_FRAMEWORKS)}")

@@ -4,8 +4,9 @@ Each door joins the process group itself (the harness does not join it first), s
 ``distributed`` section of its config is what the group gets: the collective timeout
 read back from the gloo process group must be the config's, from ``initialize``, from
 ``Accelerator`` and from the Trainer. A key that is accepted and ignored must warn from
-each door (rank 0). And a mesh dimension that is not built yet (context or expert
-parallelism) fails at start, before a process group or a model exists, at 4 ranks.
+each door (rank 0). Expert parallelism on a model without experts is refused by
+``parallelize``, naming the key (every mesh dimension is built: cp in
+test_context_parallel.py, ep in test_moe.py).
 """
 
 from __future__ import annotations
@@ -85,42 +86,24 @@ def test_timeout_and_ignored_keys_from_every_door(door, tmp_path, monkeypatch):
             assert warnings == []  # warned once, by rank 0
 
 
-def _refused(key: str):
-    """Each door with ``mesh.<key>: 2`` at 4 ranks: ConfigError before any process group;
-    a Topology built with the dimension directly is refused by ``parallelize``."""
-    import torch.distributed as dist
-
+def _ep_without_experts():
     import meshtrain
-    from meshtrain.distributed.topology import Topology
     from meshtrain.errors import ConfigError
     from tests.trainer.common import BasicNet
 
-    bad = {**CONFIG, "mesh": {key: 2}}
-    seen = []
-    for door in (
-        lambda: meshtrain.Accelerator(config={k: v for k, v in bad.items() if k != "optimizer"}),
-        lambda: meshtrain.initialize(model=BasicNet(), config=bad),
-    ):
-        try:
-            door()
-        except ConfigError as exc:
-            seen.append((str(exc), dist.is_initialized()))
-    meshtrain.init_distributed()
-    dim = {"context_parallel_size": "cp", "expert_parallel_size": "ep"}[key]
-    topology = Topology(**{dim: 2})
     try:
-        meshtrain.initialize(model=BasicNet(), config=dict(CONFIG), topology=topology)
+        meshtrain.initialize(
+            model=BasicNet(), config={**CONFIG, "mesh": {"expert_parallel_size": 2}}
+        )
     except ConfigError as exc:
-        seen.append((str(exc), None))
-    return seen
+        return str(exc)
+    return None
 
 
-# context_parallel_size is built (tests/distributed/test_context_parallel.py starts it)
-@pytest.mark.parametrize("key", ["expert_parallel_size"])
-def test_unbuilt_dimension_fails_at_start(key):
-    for seen in run_on_ranks(_refused, 4, (key,), timeout=240, setup_distributed=False):
-        assert len(seen) == 3, seen
-        for message, joined in seen[:2]:
-            assert message.startswith(f"mesh.{key}: 2 is not supported yet"), message
-            assert joined is False  # refused before the process group (and any model)
-        assert seen[2][0].startswith(f"mesh.{key}: the topology has"), seen[2]
+def test_expert_parallel_needs_experts():
+    """ep is built (docs/moe.md): the config loads, and a model with no MoE layer is refused
+    by name on every rank instead of running without expert parallelism."""
+    for message in run_on_ranks(_ep_without_experts, 2, (), timeout=240, setup_distributed=False):
+        assert message is not None and message.startswith(
+            "mesh.expert_parallel_size: 2 but the model has no mixture-of-experts layer"
+        ), message

@@ -81,8 +81,7 @@ class EngineDriver:
         engine.log.add_loss(loss.detach())
         zero.after_backward()
         if sync and self.stage < 2:
-            zero.reducer.finish()  # wait for the overlapped buckets, launch the rest
-            zero._window_reduced = True
+            zero.finish_window_reduction()  # wait for the overlapped buckets, launch the rest
             self._average()
 
     def _average(self) -> None:
@@ -100,10 +99,7 @@ class EngineDriver:
 
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()`` at a boundary: the next backward starts a fresh window."""
-        zero = self.engine.zero
-        for g in zero.flat_groups:
-            g.zero_grads()
-        zero._window_reduced = False
+        self.engine.zero.after_step()  # clears every gradient, reopens the reduction
         self.engine.grads_divided_by = 1.0
         self.window_open = False
 
@@ -118,7 +114,9 @@ class EngineDriver:
             )
         zero.before_step()  # stages 2-3: nothing left to wait for; 0-1: reduced already
         unscale = engine.scaler.scale * zero.grad_divisor / engine.grads_divided_by
-        if self.stage == 0:
+        # under ep a rank holds only its experts' gradients: torch's local norm would differ
+        # between ep ranks, so the engine's global one (both kinds, parallel.zero.stages)
+        if self.stage == 0 and getattr(zero, "parts", None) is None:
             if unscale != 1.0:
                 for g in zero.flat_groups:
                     for chunk in g.grad_chunks:

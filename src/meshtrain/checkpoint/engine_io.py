@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshtrain.checkpoint import expert_layout as experts
 from meshtrain.checkpoint import slice_state, storage
 from meshtrain.checkpoint.manifest import Piece
 from meshtrain.checkpoint.model_names import model_names
@@ -83,15 +84,23 @@ def _runs(
     names: dict[int, str],
     tp: tuple[dict[int, ShardSpec], int] | None = None,
     writing: bool = False,
+    ep: tuple[dict[int, ShardSpec], int] | None = None,
 ):
     """(name, start in the FULL param, bucket-local offset, numel) for each param
     overlapping ``[lo, hi)``. ``tp``: (specs by param id, tp rank) under tensor
-    parallelism; ``writing`` leaves replicated params to tp rank 0."""
+    parallelism; ``writing`` leaves replicated params to tp rank 0. ``ep``: (specs of
+    the expert parameters, ep rank) under expert parallelism (``expert_layout``)."""
     specs, tp_rank = tp if tp is not None else ({}, 0)
     for p, off in zip(b.params, b.offsets, strict=True):
         a, z = off - b.start, off - b.start + g.shapes[p].numel()
         s, e = max(a, lo), min(z, hi)
         if s >= e:
+            continue
+        espec = ep[0].get(id(p)) if ep is not None else None
+        if espec is not None:  # this ep rank's experts, named by their global index
+            if not (writing and tp_rank):
+                for rel, full_start, n in full_runs(espec, tuple(g.shapes[p]), ep[1], s - a, e - s):
+                    yield names[id(p)], full_start, s + rel, n
             continue
         spec = specs.get(id(p))
         if spec is None:
@@ -170,13 +179,15 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
     names = model_names(engine)
     canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
     tp = _tp(engine)
+    ep = experts.expert_specs(engine)
+    writers = experts.stage0_writers(engine)
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[Piece] = []
     steps = set()
     opt_state = engine.optimizer.state
     for gi, g in enumerate(engine.zero.flat_groups):
         for b, master in zip(g.buckets, g.master_chunks, strict=True):
-            lo, hi, base = _save_range(g, b, replicas.size, replicas.rank)
+            lo, hi, base = _save_range(g, b, *writers[id(g)])
             if hi <= lo:
                 continue
             sources = {"param": master.detach()}
@@ -190,7 +201,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
             for state, src in sources.items():
                 key = f"g{gi}.b{b.index}.{state}"
                 tensors[key] = src[lo - base : hi - base].detach().float().cpu().contiguous()
-                for name, start, local, n in _runs(g, b, lo, hi, canon, tp, writing=True):
+                for name, start, local, n in _runs(g, b, lo, hi, canon, tp, True, ep):
                     if names.writes(name, topo.pp_rank):  # a tied weight: its first stage
                         pieces.append(Piece(name, state, key, local - lo, start, n))
     frozen_specs = _frozen_specs(engine)
@@ -210,12 +221,13 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
         if key in frozen_specs:  # a frozen tensor-parallel shard: write the full tensor
             t = unshard_tensor(t, frozen_specs[key], topo.tp_group)
         flat = t.reshape(-1)
-        c = -(-flat.numel() // share)
-        lo, hi = min(part * c, flat.numel()), min((part + 1) * c, flat.numel())
+        n_share, n_part, offset = experts.frozen_split(engine, ep, t, key, share, part)
+        c = -(-flat.numel() // n_share)
+        lo, hi = min(n_part * c, flat.numel()), min((n_part + 1) * c, flat.numel())
         if hi > lo:
             chunk = flat[lo:hi].cpu().contiguous()
             tensors[f"x.{name}"] = chunk.clone() if gathered else chunk
-            pieces.append(Piece(name, "param", f"x.{name}", 0, lo, hi - lo))
+            pieces.append(Piece(name, "param", f"x.{name}", 0, offset + lo, hi - lo))
 
     rng, rng_tensors = _rng_state()
     tensors.update(rng_tensors)
@@ -239,7 +251,13 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
         "global_steps": state["global_steps"],
         "micro_steps": state["micro_steps"],
         "skipped_steps": state["skipped_steps"],
-        "mesh": {"pp": topo.pp_size, "dp": topo.dp_size, "cp": topo.cp_size, "tp": topo.tp_size},
+        "mesh": {
+            "pp": topo.pp_size,
+            "dp": topo.dp_size,
+            "cp": topo.cp_size,
+            "tp": topo.tp_size,
+            "ep": topo.ep_size,
+        },
         "zero_stage": engine.zero_stage,
         "precision": engine.config.precision,
         "config": engine.config.to_dict(derived=False),
@@ -366,6 +384,7 @@ def _load(
     names = model_names(engine)
     canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
     tp = _tp(engine)
+    ep = experts.expert_specs(engine)
     reader.check_model(names.expected())
     meta = reader.meta
     states = [s for s in reader.states() if s != "param"] if load_optimizer_states else []
@@ -382,7 +401,7 @@ def _load(
                 lo, hi = g.owned_range(b)
                 fresh = {s: torch.zeros_like(master) for s in mine}
                 master.zero_()
-                for name, start, local, n in _runs(g, b, lo, hi, canon, tp):
+                for name, start, local, n in _runs(g, b, lo, hi, canon, tp, False, ep):
                     dst = slice(local - lo, local - lo + n)
                     master[dst] = reader.read(name, "param", start, n).to(master.dtype)
                     for s in mine:
@@ -403,6 +422,8 @@ def _load(
             full = reader.read_full(name)
             if key in frozen_specs:
                 full = shard_tensor(full, frozen_specs[key], topo.tp_rank)
+            if ep is not None and id(t) in ep[0]:  # frozen experts: this ep rank's
+                full = experts.local_experts(full, ep[0][id(t)], ep[1])
             if id(t) in sharded:  # ZeRO-3 frozen: write this rank's chunk of the shard
                 sharded[id(t)].load_full(t, full)
             else:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from meshtrain.checkpoint.expert_layout import expert_specs
 from meshtrain.checkpoint.manifest import dtype_from_name, dtype_name
 from meshtrain.parallel.tensor.sharding import full_shape, specs_by_param
 
@@ -87,6 +88,8 @@ def _local(engine) -> ModelNames:
     frozen = {p: s for g in engine.zero.frozen_groups for p, s in g.shapes.items()}
     shapes = {**trainable, **frozen}  # ZeRO-3 frozen shards: placeholders hold no shape
     specs = specs_by_param(module) if engine.topology.tp_size > 1 else {}
+    experts = expert_specs(engine)  # an ep rank's experts: the checkpoint holds all E
+    specs.update(experts[0] if experts else {})
     tensors: dict[str, dict[str, Any]] = {}
     aliases: dict[str, str] = {}
     placed: dict[str, tuple[int, int, str]] = {}  # model key -> (stage, position, key)
@@ -106,7 +109,7 @@ def _local(engine) -> ModelNames:
             else "buffer"
         )
         shape = shapes.get(t, t.shape)
-        if id(t) in specs:  # a tensor-parallel shard: the checkpoint holds the full tensor
+        if id(t) in specs:  # a tp shard or an ep rank's experts: the checkpoint holds all
             shape = full_shape(tuple(shape), specs[id(t)])
         tensors[name] = {"shape": list(shape), "dtype": dtype_name(t.dtype), "kind": kind}
     places = sorted(placed.values())

@@ -264,20 +264,7 @@ class MeshConfig(Section):
     context_parallel_size: PosInt = 1
     """Context-parallel ranks (cp) holding different chunks of each sequence (2C chunks, rank i holds chunks i and 2C-1-i); attention spans them by context_parallel.method. meshtrain's Decoder and transformers Llama, Qwen2, Mistral and GPT-2; docs/context_parallel.md."""
     expert_parallel_size: PosInt = 1
-    """Expert-parallel ranks (ep), carved out of dp x cp, each holding a slice of the experts. Not built yet: only 1 is accepted."""
-
-    @model_validator(mode="after")
-    def _built(self) -> MeshConfig:
-        # refused at load, before any process group or model exists: a run that asked for
-        # a dimension must never silently run without it
-        for key, issue in (("expert_parallel_size", "expert"),):
-            value = getattr(self, key)
-            if value > 1:
-                raise ConfigError(
-                    f"mesh.{key}: {value} is not supported yet ({issue} parallelism is not "
-                    f"built); remove mesh.{key} or set it to 1"
-                )
-        return self
+    """Expert-parallel ranks (ep), carved out of dp x cp: each holds 1/ep of every MoE layer's experts and tokens reach them by all-to-all (docs/moe.md). Needs a model with MoE layers meshtrain knows (transformers Mixtral, Qwen2-MoE, Qwen3-MoE, or the Decoder's model.moe) whose expert count it divides."""
 
 
 class ContextParallelConfig(Section):

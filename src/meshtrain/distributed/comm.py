@@ -15,6 +15,8 @@ reduce_scatter      b of the full (input) tensor           Psi
 all_gather          b of the full (output) tensor          Psi
 all_to_all          b of the input (= the output) tensor   --
 broadcast           b of the tensor                        --
+all_to_all          b of the input (what this rank sends,  --
+                    its own chunk included)
 send / recv         b of the tensor, on the sender as      --
                     ``send`` and on the receiver as
                     ``recv``
@@ -169,36 +171,6 @@ def all_gather(
     )  # fmt: skip
 
 
-def all_to_all(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: Group,
-    async_op: bool = False,
-    label: str | None = None,
-):
-    """Even all-to-all over dim 0: ``input``'s ``j``-th of ``size`` equal slices goes to
-    group rank ``j``; ``output``'s ``j``-th slice comes from group rank ``j``.
-
-    Records the bytes of ``input`` (a rank keeps its own slice: the wire carries
-    ``(n - 1) / n`` of them, as for the other collectives).
-    """
-    if output.numel() != input.numel() or input.shape[0] % group.size:
-        raise ValueError(
-            f"all_to_all over {group.name} (size {group.size}): input {tuple(input.shape)} "
-            f"and output {tuple(output.shape)} must have equal sizes and a first dimension "
-            f"divisible by {group.size}"
-        )
-    if group.size == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return _Done() if async_op else None
-    _record(group, "all_to_all", _nbytes(input), label)
-    return _call(
-        group, "all_to_all", (input,), async_op,
-        dist.all_to_all_single, output, input, group=group.pg, async_op=async_op,
-    )  # fmt: skip
-
-
 def broadcast(
     tensor: torch.Tensor,
     src: int,
@@ -213,6 +185,44 @@ def broadcast(
     return _call(
         group, "broadcast", (tensor,), async_op,
         dist.broadcast, tensor, src=group.global_rank(src), group=group.pg, async_op=async_op,
+    )  # fmt: skip
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    output_splits: Sequence[int] | None = None,
+    input_splits: Sequence[int] | None = None,
+    async_op: bool = False,
+    label: str | None = None,
+):
+    """All-to-all along dim 0: rank ``i`` sends rows ``input_splits[j]`` of ``input`` to
+    rank ``j`` and receives ``output_splits[j]`` rows from rank ``j``, in group-rank order
+    (``None``: ``size`` equal slices, which the first dimension must divide).
+
+    Records the bytes of ``input`` (what this rank sends, its own slice included: the wire
+    carries the others, as for the other collectives); on a group of size 1 it is a copy
+    and records nothing. Zero rows to or from any rank is a normal call: every member still
+    enters the collective.
+    """
+    even = output_splits is None and input_splits is None
+    if even and (output.numel() != input.numel() or input.shape[0] % group.size):
+        raise ValueError(
+            f"all_to_all over {group.name} (size {group.size}): input {tuple(input.shape)} "
+            f"and output {tuple(output.shape)} must have equal sizes and a first dimension "
+            f"divisible by {group.size}"
+        )
+    if group.size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+    _record(group, "all_to_all", _nbytes(input), label)
+    outs = None if output_splits is None else list(output_splits)
+    ins = None if input_splits is None else list(input_splits)
+    return _call(
+        group, "all_to_all", (input,), async_op,
+        dist.all_to_all_single, output, input, outs, ins, group=group.pg, async_op=async_op,
     )  # fmt: skip
 
 

@@ -225,7 +225,12 @@ class Topology:
             elif len(expected) == 1:
                 pg = None
             else:
-                pg = self._same_as(expected) or _new_groups(layout, dim, rank)
+                # ep runs the token all-to-all inside forward and backward, interleaved
+                # with the gradient reductions autograd hooks launch on dp: a process
+                # group of its own keeps the two sequences of collectives apart (on one
+                # shared group, routing-dependent backward order would mismatch them)
+                same = None if dim == "ep" else self._same_as(expected)
+                pg = same or _new_groups(layout, dim, rank)
             self._groups[dim] = Group(dim, pg, expected, expected.index(rank), self.stats)
         self._groups["world"] = Group(
             "world", dist.group.WORLD, tuple(range(world)), rank, self.stats

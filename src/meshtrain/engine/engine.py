@@ -102,6 +102,10 @@ class Engine(EngineQueries):
         from meshtrain.engine.flops import attach_mfu
 
         attach_mfu(self.log, model, self.zero, self.device, self.dtype)
+        from meshtrain.parallel.experts.load import ExpertLoad
+
+        # MoE: tokens per expert and all-to-all bytes in the step log, expert-bias updates
+        self.expert_load = ExpertLoad.find(self.module, topology.replica_group)
         self._step_comm: dict[tuple[str, str], int] = {}
         self._comm_mark = topology.stats.snapshot()
         self.checkpoint_saver = None  # AsyncSaver, made by the first async save
@@ -242,6 +246,7 @@ class Engine(EngineQueries):
         now = self.topology.stats.snapshot()
         self._step_comm = comm.CommStats.diff(now, self._comm_mark)
         self._comm_mark = now
+        moe = self.expert_load.end_step(self._step_comm) if self.expert_load else None
         self.log.end_step(
             step=self.global_steps,
             lr=self.get_lr()[0],
@@ -249,6 +254,7 @@ class Engine(EngineQueries):
             grad_norm=self._global_grad_norm,
             comm_bytes=self.last_step_comm_bytes()["total"],
             skipped=not self._step_applied,
+            moe=moe,
         )
         if self.checkpoint_saver is not None:
             self.checkpoint_saver.check()  # a failed background save surfaces here

@@ -148,16 +148,20 @@ def memory_report(engine) -> MemoryReport:
     name = _optimizer_name(engine.optimizer)
     formula = None
     if name is not None and trainable:
-        formula = model_states_bytes(
-            trainable,
-            dp=engine.topology.dp_size,
+        common = dict(
             stage=engine.zero_stage,
             precision=engine.config.precision,
             optimizer=name,
             offload_optimizer=offload_opt,
             offload_param=offload_par,
-            frozen_params=frozen_numel,
         )
+        parts = getattr(zero, "parts", None)
+        if parts is None:
+            formula = model_states_bytes(
+                trainable, dp=engine.topology.dp_size, frozen_params=frozen_numel, **common
+            )
+        else:  # expert parallelism: each kind over its own replicas (parallel.zero.stages)
+            formula = _expert_formula(zero, frozen, common)
     # Under tensor parallelism the flat groups hold this rank's shards (sharded weights
     # / tp, replicated norms whole), so the formula over the same local counts is exact.
     return MemoryReport(
@@ -170,6 +174,29 @@ def memory_report(engine) -> MemoryReport:
         tp=engine.topology.tp_size,
         pipeline=_pipeline_part(engine) if engine.pipeline is not None else None,
     )
+
+
+def _expert_formula(zero, whole_frozen: dict, common: dict) -> ModelStates:
+    """The formula for each part of a ``ZeroStages`` (this rank's local counts, its own
+    data-parallel degree: replicas for the rest, edp for the experts), summed. A part with
+    frozen parameters only (frozen experts) holds their bytes alone."""
+    from meshtrain.parallel.experts import is_expert_param
+
+    total = [0, 0, 0, 0]
+    for part in zero.parts:
+        expert = part is zero.experts
+        loose = sum(p.numel() for p in whole_frozen.values() if is_expert_param(p) == expert)
+        frozen, n = part.frozen_sharded_numel + loose, part.replicas.size
+        if part.trainable_numel:
+            s = model_states_bytes(part.trainable_numel, dp=n, frozen_params=frozen, **common)
+            parts = (s.params, s.grads, s.optimizer, s.host)
+        else:
+            width = 4 if common["precision"] == "fp32" else 2
+            held = width * (-(-frozen // n) if common["stage"] >= 3 else frozen)
+            parts = (0, 0, 0, held) if common["offload_param"] else (held, 0, 0, 0)
+        for i, v in enumerate(parts):
+            total[i] += v
+    return ModelStates(*total)
 
 
 def _pipeline_part(engine) -> PipelinePart:

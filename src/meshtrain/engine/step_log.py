@@ -14,6 +14,11 @@ micro-batches of the step; samples and tokens are counted from the batches seen 
 size; throughput is over the wall time since the previous step ended; ``comm`` is the
 bytes the step recorded (see ``meshtrain.distributed.comm`` for the convention).
 
+A mixture-of-experts model adds ``| tokens/expert 12-40 | all-to-all 1.2 MB``: the fewest
+and most tokens any expert of any layer received in the step's global batch, and the
+bytes of the step's token all-to-alls (``meshtrain.parallel.experts.load``); ``last``
+holds them as ``tokens_per_expert_min``, ``tokens_per_expert_max``, ``all_to_all_bytes``.
+
 MFU (``mfu`` in ``last``, ``| MFU x%`` in the line) appears once the engine called
 ``set_mfu`` (see ``meshtrain.engine.flops``): model FLOPs per token x tokens/s over all
 ranks / (peak FLOP/s per device x data-parallel size). The peak is a data-sheet figure for
@@ -152,6 +157,7 @@ class StepLog:
         grad_norm: float | None,
         comm_bytes: int,
         skipped: bool,
+        moe: dict[str, int] | None = None,
     ) -> dict[str, Any]:
         """Record the facts of optimizer step ``step`` (1-based); returns ``last``."""
         now = time.perf_counter()
@@ -168,6 +174,7 @@ class StepLog:
             "comm_bytes": comm_bytes,
             "skipped": skipped,
             "seconds": seconds,
+            **(moe or {}),
         }
         mfu = self.mfu(self.last["tokens_per_s"]) if self._tokens else None
         if mfu is not None:
@@ -196,6 +203,11 @@ class StepLog:
             line += f" | act {s['activation_bytes'] / 1e6:.1f} MB/rank"
         if "mfu" in s:
             line += f" | MFU {100 * s['mfu']:.1f}%"
+        if "tokens_per_expert_min" in s:
+            line += (
+                f" | tokens/expert {s['tokens_per_expert_min']}-{s['tokens_per_expert_max']}"
+                f" | all-to-all {s['all_to_all_bytes'] / 1e6:.1f} MB"
+            )
         if self.breakdown:
             line += "".join(f" | {k} {s[f'{k}_ms']:.1f} ms" for k in PHASES)
         return line + (" | skipped (non-finite gradients)" if s["skipped"] else "")

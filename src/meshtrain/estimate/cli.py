@@ -132,6 +132,8 @@ def _run(args: argparse.Namespace) -> int:
                 offload_param=args.offload_param,
                 tp=args.tp,
                 pp=args.pp,
+                ep=args.ep,
+                expert_params=parse_count(args.expert_params) if args.expert_params else 0,
             )
         )
         if args.pp > 1:
@@ -244,6 +246,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="all_to_all",
         choices=("all_to_all", "ring"),
         help="context-parallel attention for the activation table (default all_to_all)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree E, carved out of --dp (default 1): experts 1/E per "
+        "rank, ZeRO-partitioned over dp/E",
+    )
+    p.add_argument(
+        "--expert-params",
+        metavar="N",
+        default=None,
+        help="with --params: how many of them are routed experts (with --model they are "
+        "counted from it: parameters under a module named 'experts')",
     )
     pipe = p.add_argument_group("pipeline (--pp > 1 with --model: a table per pp rank)")
     pipe.add_argument(

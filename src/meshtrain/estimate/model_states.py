@@ -162,6 +162,8 @@ def model_states_bytes(
     tp: int = 1,
     pp: int = 1,
     frozen_params: int | float = 0,
+    ep: int = 1,
+    expert_params: int | float = 0,
 ) -> ModelStates:
     """Model-state bytes per rank for ZeRO ``stage`` at data-parallel degree ``dp``.
 
@@ -173,22 +175,12 @@ def model_states_bytes(
     states in host memory, ``offload_param`` (stage 3) the parameter partition. ``tp`` and
     ``pp`` divide the parameters first; for a model with a tensor-parallel plan the
     per-rank count is exact instead (sharded weights padded / tp, norms and row biases
-    whole: ``meshtrain.parallel.tensor.sizes``). Raises ``ConfigError`` on a bad argument.
+    whole: ``meshtrain.parallel.tensor.sizes``). Expert parallelism (``ep`` > 1, carved
+    out of ``dp``): ``expert_params`` of the trainable parameters (for a model: the ones
+    ``meshtrain.estimate.experts`` finds) are routed experts, ``1 / (ep pp)`` of them per
+    rank and ZeRO-partitioned over ``dp / ep``; the rest as without ep. Raises
+    ``ConfigError`` on a bad argument.
     """
-    tp_divides = tp
-    if isinstance(num_params, nn.Module):
-        trainable, frozen = _param_split(num_params)
-        if tp > 1:
-            from meshtrain.parallel.tensor.plans import plan_for
-
-            if plan_for(num_params) is not None:  # exact: replicated norms, padding
-                from meshtrain.parallel.tensor.sizes import local_parameter_counts
-
-                trainable, frozen = local_parameter_counts(num_params, tp)
-                tp_divides = 1
-    else:
-        trainable, frozen = _count("num_params", num_params, 1), 0
-    frozen += _count("frozen_params", frozen_params, 0)
     dp, tp, pp = _positive_int("dp", dp), _positive_int("tp", tp), _positive_int("pp", pp)
     if stage not in STAGES or isinstance(stage, bool):
         raise ConfigError(f"stage: must be one of 0, 1, 2, 3, got {stage!r}")
@@ -207,20 +199,51 @@ def model_states_bytes(
     if offload_optimizer and width == 4 and not isinstance(optimizer, int):
         k += 4  # an fp32 model offloaded: the host steps its own fp32 copy of the weights
 
-    def shard(n: int, parts: int) -> int:
-        return -(-n // parts)  # ceil: the largest rank's share
+    def states(trainable: int, frozen: int, n_d: int) -> ModelStates:
+        every = trainable + frozen
+        params = width * (_shard(every, n_d) if stage >= 3 else every)
+        grads = width * (_shard(trainable, n_d) if stage >= 2 else trainable)
+        opt = math.ceil(k * (_shard(trainable, n_d) if stage >= 1 else trainable))
+        host = 0
+        if offload_optimizer:
+            host, opt = host + opt, 0
+        if offload_param:
+            host, params = host + params, 0
+        return ModelStates(params=params, grads=grads, optimizer=opt, host=host)
 
-    trainable, frozen = shard(trainable, tp_divides * pp), shard(frozen, tp_divides * pp)
-    every = trainable + frozen
-    params = width * (shard(every, dp) if stage >= 3 else every)
-    grads = width * (shard(trainable, dp) if stage >= 2 else trainable)
-    opt = math.ceil(k * (shard(trainable, dp) if stage >= 1 else trainable))
-    host = 0
-    if offload_optimizer:
-        host, opt = host + opt, 0
-    if offload_param:
-        host, params = host + params, 0
-    return ModelStates(params=params, grads=grads, optimizer=opt, host=host)
+    if ep != 1 or expert_params:
+        from meshtrain.estimate.experts import expert_counts, split_model
+
+        (dense, dense_frozen), (expert, expert_frozen) = split_model(num_params, expert_params)
+        dense_frozen += _count("frozen_params", frozen_params, 0)
+        counts = expert_counts(dense, expert, ep=ep, dp=dp, tp=tp, pp=pp)
+        a = states(counts.dense_per_rank, _shard(dense_frozen, tp * pp), dp)
+        b = states(counts.expert_per_rank, _shard(expert_frozen, ep * pp), dp // ep)
+        return ModelStates(*(x + y for x, y in zip(_fields(a), _fields(b), strict=True)))
+
+    tp_divides = tp
+    if isinstance(num_params, nn.Module):
+        trainable, frozen = _param_split(num_params)
+        if tp > 1:
+            from meshtrain.parallel.tensor.plans import plan_for
+
+            if plan_for(num_params) is not None:  # exact: replicated norms, padding
+                from meshtrain.parallel.tensor.sizes import local_parameter_counts
+
+                trainable, frozen = local_parameter_counts(num_params, tp)
+                tp_divides = 1
+    else:
+        trainable, frozen = _count("num_params", num_params, 1), 0
+    frozen += _count("frozen_params", frozen_params, 0)
+    return states(_shard(trainable, tp_divides * pp), _shard(frozen, tp_divides * pp), dp)
+
+
+def _shard(n: int, parts: int) -> int:
+    return -(-n // parts)  # ceil: the largest rank's share
+
+
+def _fields(s: ModelStates) -> tuple[int, int, int, int]:
+    return (s.params, s.grads, s.optimizer, s.host)
 
 
 def _gb(nbytes: int) -> str:
@@ -250,17 +273,31 @@ def estimate_table(
     tp: int = 1,
     pp: int = 1,
     frozen_params: int | float = 0,
+    ep: int = 1,
+    expert_params: int | float = 0,
 ) -> str:
     """The ``meshtrain estimate`` table: one row per ZeRO stage 0..3, in GB (1e9 bytes).
 
     A requested offload is applied to the stages that support it (optimizer offload:
-    1-3, parameter offload: 3) and the ``offload`` column says which were applied.
+    1-3, parameter offload: 3) and the ``offload`` column says which were applied. With
+    ``ep`` > 1 (or ``expert_params``) a line counts expert and non-expert parameters per
+    rank and the rows hold both parts (``model_states_bytes``).
     """
-    if isinstance(num_params, nn.Module):
+    experts_line, extra = None, {}
+    if ep != 1 or expert_params:  # the model stays whole: its experts are counted from it
+        from meshtrain.estimate.experts import expert_counts, split_model
+
+        (dense, _), (expert, _) = split_model(num_params, expert_params)
+        experts_line = expert_counts(dense, expert, ep=ep, dp=dp, tp=tp, pp=pp).line()
+        extra = {
+            "ep": ep,
+            "expert_params": 0 if isinstance(num_params, nn.Module) else expert_params,
+        }
+    elif isinstance(num_params, nn.Module):
         trainable, frozen = _param_split(num_params)
         frozen_params = _count("frozen_params", frozen_params, 0) + frozen
         num_params = trainable
-    common = dict(dp=dp, precision=precision, optimizer=optimizer, tp=tp, pp=pp)
+    common = dict(dp=dp, precision=precision, optimizer=optimizer, tp=tp, pp=pp, **extra)
     rows = []
     for stage in STAGES:
         off_opt, off_par = offload_optimizer and stage >= 1, offload_param and stage == 3
@@ -294,6 +331,9 @@ def estimate_table(
     k = optimizer_state_bytes(optimizer, precision)
     prec = _precision(precision)
     width = 4 if prec == "fp32" else 2
+    if isinstance(num_params, nn.Module):  # with experts: counted from the model
+        trainable, frozen = _param_split(num_params)
+        num_params, frozen_params = trainable, _count("frozen_params", frozen_params, 0) + frozen
     n = _count("num_params", num_params, 1)
     frozen_n = _count("frozen_params", frozen_params, 0)
     mode = "fp32" if prec == "fp32" else f"{prec} mixed precision"
@@ -302,6 +342,7 @@ def estimate_table(
         f"Model states per device: {_human_count(n)} trainable parameters ({n:,})"
         + (f" + {_human_count(frozen_n)} frozen" if frozen_n else "")
         + f", dp={dp}, tp={tp}, pp={pp}",
+        *([experts_line] if experts_line else []),
         f"{mode}, {name}: {width} + {width} + {k} bytes per parameter "
         "(params + grads + optimizer states)",
         "GB = 1e9 bytes, per rank; total = device memory; activations, buffers and "

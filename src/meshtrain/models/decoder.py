@@ -17,6 +17,12 @@ position t is the token at t+1) replaces ``labels`` and is not shifted again, an
 (context parallelism shifts the whole rows before cutting them, so the token at a chunk
 border still has its label).
 
+Mixture of experts: with ``DecoderConfig.moe`` (a :class:`~meshtrain.models.moe.MoEConfig`
+or its dict) every block's MLP is a DeepSeek-style MoE layer (``meshtrain.models.moe``),
+and the loss adds ``router_aux_loss_coef`` x the router's load-balancing loss over every
+layer's router logits (``parallel.experts.aux_loss``; over all replicas' tokens once
+``parallelize`` sets ``aux_group``).
+
 Packed rows (padding-free): ``position_ids`` ``[batch, seq]`` that restart at 0 for each
 document give each token its rotary position, and the attention of a token stays inside its
 own document (``document_ids``, derived from the restarts unless given; see
@@ -33,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.models.attention import causal_attention
+from meshtrain.models.moe import MoE, MoEConfig
 
 
 @dataclass
@@ -49,8 +56,11 @@ class DecoderConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     seed: int = 1234
+    moe: MoEConfig | None = None  # mixture-of-experts blocks (a dict is accepted)
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if (self.dim // self.n_heads) % 2:
@@ -138,7 +148,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg.dim, cfg.ffn_dim, cfg.moe) if cfg.moe else MLP(cfg)
 
     def forward(
         self,
@@ -173,6 +183,7 @@ class Decoder(nn.Module):
         # The loss of (logits, labels); tensor parallelism swaps in the vocab-parallel one
         # because its logits hold only this rank's slice of the vocabulary.
         self.loss_fn = causal_lm_loss
+        self.aux_group = None  # MoE: the replicas the load-balancing loss is reduced over
         self.reset_parameters()
 
     @torch.no_grad()
@@ -192,7 +203,8 @@ class Decoder(nn.Module):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                     continue
-                std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                out = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+                std = out_std if name.endswith(out) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(
@@ -228,10 +240,21 @@ class Decoder(nn.Module):
         if labels is None and shift_labels is None:
             return logits
         if shift_labels is None and num_items_in_batch is None:
-            return self.loss_fn(logits, labels)
-        return self.loss_fn(
-            logits, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
-        )
+            loss = self.loss_fn(logits, labels)
+        else:
+            loss = self.loss_fn(
+                logits, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
+            )
+        moe = self.config.moe
+        if moe is not None and moe.router_aux_loss_coef:
+            from meshtrain.parallel.experts.aux_loss import load_balancing_loss
+
+            routers = tuple(layer.mlp.router_logits for layer in self.layers)
+            aux = load_balancing_loss(
+                routers, moe.n_experts, moe.top_k, None, self.aux_group, moe.routing
+            )
+            loss = loss + moe.router_aux_loss_coef * aux
+        return loss
 
 
 def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -285,6 +308,11 @@ def flops_per_token(cfg: DecoderConfig, seq_len: int, training: bool = True) -> 
     ``2 * 2 * T * d`` per layer, times 3 for backward). Inference is one third of that.
     """
     per_layer = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    if cfg.moe is not None:  # only the routed top-k and the shared experts run per token
+        m = cfg.moe
+        ffn = m.expert_ffn_dim or cfg.ffn_dim
+        per_layer = 4 * cfg.dim * cfg.dim + cfg.dim * (3 * ffn * (m.top_k + m.n_shared_experts))
+        per_layer += cfg.dim * m.n_experts  # the router
     n_matmul = cfg.n_layers * per_layer + cfg.dim * cfg.vocab_size
     train = 6 * n_matmul + 12 * cfg.n_layers * cfg.dim * seq_len
     return float(train if training else train / 3)

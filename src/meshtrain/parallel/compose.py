@@ -6,7 +6,8 @@
     1. TP      tensor-parallel plan: swap linears/embeddings for sharded ones
     2. CP      context-parallel attention: each attention layer spans the cp group
                (ring or all_to_all) and a pre-hook cuts every batch to this rank's chunks
-    3. EP      expert sharding: each ep rank keeps its slice of the experts (not built)
+    3. EP      expert sharding: each ep rank keeps its slice of the experts and
+               dispatches tokens to them by all-to-all (``parallel.experts``)
     4. PP      pipeline split: keep this stage's layers only
     4b. fp8    float8 linear layers (torchao), when fp8.enabled
     5. AC      activation checkpointing of each block
@@ -61,7 +62,9 @@ from meshtrain.distributed.topology import Topology
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import ConfigError
 from meshtrain.optim.builders import param_groups
+from meshtrain.parallel.experts import is_expert_param
 from meshtrain.parallel.zero.stage import ZeroStage
+from meshtrain.parallel.zero.stages import ZeroStages, build_zero
 
 
 @dataclass
@@ -71,7 +74,7 @@ class Parallelized:
 
     module: nn.Module
     groups: list[dict]
-    zero: ZeroStage
+    zero: ZeroStage | ZeroStages  # ZeroStages: expert parameters reduced over edp
     pipeline: object | None = None  # PipelineRuntime when pp > 1
 
 
@@ -86,6 +89,9 @@ def parallelize(
     """
     model = model.to(device=topology.device, dtype=PRECISIONS[config.precision])
 
+    from meshtrain.parallel.experts.shard import check_layout
+
+    check_layout(model, topology)  # MoE layers under tp, pp or cp: refused by name, up front
     if topology.pp_size > 1:  # what a pipeline cannot combine with, before anything changes
         from meshtrain.parallel.pipeline.engine_step import check_pipeline
 
@@ -128,10 +134,16 @@ def parallelize(
     # 3. expert sharding: changes which expert parameters a rank holds, so it comes
     # before anything that counts or lays out parameters (pipeline balance, flat buffers)
     if topology.ep_size > 1:
-        raise ConfigError(
-            f"mesh.expert_parallel_size: the topology has ep={topology.ep_size}, but "
-            "expert parallelism is not built yet; build the Topology with ep=1"
-        )
+        from meshtrain.parallel.experts.shard import apply_expert_parallel, remap_parameters
+
+        replaced = apply_expert_parallel(model, topology)
+        model_parameters = remap_parameters(model_parameters, replaced)
+    # the router's load-balancing loss over every replica's tokens, as one process on the
+    # whole batch computes it (it is not linear in the batch; see parallel.experts.aux_loss)
+    if topology.replica_group.size > 1:
+        from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over
+
+        reduce_aux_loss_over(model, topology.replica_group)
     # 4. pipeline split: a rank keeps only its stages before anything is allocated for them
     pipeline = None
     if topology.pp_size > 1:
@@ -175,7 +187,7 @@ def parallelize(
     # trainable parameters move into flat buckets (sharded by stage)
     _broadcast(model, topology)
     groups = param_groups(model, model_parameters)
-    return Parallelized(model, groups, ZeroStage(model, groups, config, topology), pipeline)
+    return Parallelized(model, groups, build_zero(model, groups, config, topology), pipeline)
 
 
 def _broadcast(model: nn.Module, topology: Topology) -> None:
@@ -183,13 +195,17 @@ def _broadcast(model: nn.Module, topology: Topology) -> None:
     ``topology.replica_group``: cp ranks hold the same weights too). A
     model whose every rank reads the same files next (``meshtrain.from_pretrained`` sets
     ``meshtrain_weights_from_files``) skips it: it would write the whole model on every
-    rank but 0, the very copy sliced loading avoids."""
-    replicas = topology.replica_group
-    if replicas.size == 1 or getattr(model, "meshtrain_weights_from_files", False):
+    rank but 0, the very copy sliced loading avoids. Expert parameters
+    (``parallel.experts``) differ between ep ranks: they come from their ``edp`` group's
+    first rank instead."""
+    if getattr(model, "meshtrain_weights_from_files", False):
         return
+    replicas, edp = topology.replica_group, topology.group("edp")
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, 0, replicas, label="init")
+            group = edp if is_expert_param(t) else replicas
+            if group.size > 1:
+                comm.broadcast(t.data, 0, group, label="init")
 
 
 __all__ = ["Parallelized", "parallelize"]

@@ -36,11 +36,13 @@ from meshtrain.config._types import (
     AUTO,
     Auto,
     Bool,
+    NonNegFloat,
     NonNegInt,
     PosFloat,
     PosInt,
     Section,
     Str,
+    canonical_choice,
 )
 from meshtrain.errors import ConfigError
 
@@ -115,6 +117,31 @@ class TrainSection(Section):
     """Local processes; "auto": one per GPU, else 2 CPU processes. Inside torchrun / meshtrain launch the job's world size is used instead."""
 
 
+# meshtrain.parallel.experts.routing.ROUTINGS, spelled out: importing it would import torch
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+
+
+class MoESection(Section):
+    """``model.moe`` (meshtrain train): make every block a DeepSeek-style mixture-of-experts layer (meshtrain.models.moe.MoEConfig; docs/moe.md)."""
+
+    n_experts: PosInt = 8
+    """Routed experts per layer (mesh.expert_parallel_size must divide it)."""
+    top_k: PosInt = 2
+    """Experts each token is routed to (dropless: no capacity limit)."""
+    n_shared_experts: NonNegInt = 0
+    """Always-on shared experts, fused into one SwiGLU of n_shared_experts x expert_ffn_dim."""
+    expert_ffn_dim: NonNegInt = 0
+    """SwiGLU hidden size of one expert; 0: model.ffn_dim."""
+    routing: canonical_choice(ROUTINGS) = "softmax_topk"
+    """softmax_topk (Mixtral, Qwen-MoE), topk_softmax, or sigmoid_topk (DeepSeek-V3)."""
+    norm_topk_prob: Bool = True
+    """Renormalise the chosen experts' weights to sum to 1 (not used by topk_softmax, which is normalised)."""
+    router_aux_loss_coef: NonNegFloat = 0.01
+    """Weight of the router's load-balancing loss added to the LM loss (0: off)."""
+    bias_update_rate: NonNegFloat = 0.0
+    """Auxiliary-loss-free balance (DeepSeek-V3): after each step every expert's routing bias moves by this rate towards the mean load (0: off)."""
+
+
 class ModelSection(Section):
     """``model`` (meshtrain train): sizes of the reference decoder (meshtrain.models.DecoderConfig)."""
 
@@ -136,6 +163,8 @@ class ModelSection(Section):
     """Share the input embedding and the LM head weights."""
     seed: NonNegInt = 1234
     """Seed of the deterministic weight initialisation."""
+    moe: MoESection | None = None
+    """Mixture-of-experts blocks (null: dense SwiGLU blocks); e.g. model.moe.n_experts=8."""
 
 
 class DataSection(Section):

@@ -64,7 +64,10 @@ def decoder_config(job: JobConfig, vocab_size: int):
             rope_theta=m.rope_theta,
             tie_embeddings=m.tie_embeddings,
             seed=m.seed,
+            moe=None if m.moe is None else m.moe.model_dump(),
         )
+    except ConfigError:  # an impossible model.moe names its own field
+        raise
     except ValueError as exc:  # dim / n_heads mismatches
         raise ConfigError(f"model: {exc}; change model.dim or model.n_heads") from None
 

@@ -16,7 +16,8 @@ stage    bytes per optimizer step (ZeRO paper volume, comm.py's convention)
 =======  ===========================================================================
 
 The measured figure is what the last step recorded, without the 8-byte ``control``
-all-reduce of the gradient norm. With ``N = 1`` nothing moves and the theory is 0. Tied
+all-reduce of the gradient norm and without a MoE model's token ``all_to_all`` (activations,
+not model state: its own line, with the step's tokens per expert). With ``N = 1`` nothing moves and the theory is 0. Tied
 weights under stage 3 are gathered once per use, so they add to the measured bytes.
 """
 
@@ -46,9 +47,10 @@ def comm_theory(engine: Any) -> tuple[int, str]:
 
 
 def measured_comm(engine: Any) -> tuple[int, dict[str, int]]:
-    """(model-state bytes of the last step, bytes by op) without the control all-reduce."""
+    """(model-state bytes of the last step, bytes by op) without the control all-reduce
+    and the token all-to-alls."""
     by_op = {k: v for k, v in engine.last_step_comm_bytes().items() if k != "total"}
-    return sum(v for k, v in by_op.items() if k != "control"), by_op
+    return sum(v for k, v in by_op.items() if k not in ("control", "all_to_all")), by_op
 
 
 def _mb(n: float) -> str:
@@ -128,7 +130,9 @@ def build_summary(
     if report is not None:
         lines.append("  memory      " + str(report).replace("\n", "\n              "))
     ratio = f", measured / theory = {measured / theory:.3f}" if theory else ""
-    ops = ", ".join(f"{op} {_mb(b)}" for op, b in sorted(by_op.items()) if op != "control")
+    ops = ", ".join(
+        f"{op} {_mb(b)}" for op, b in sorted(by_op.items()) if op not in ("control", "all_to_all")
+    )
     lines.append(
         f"  comm/step   measured {_mb(measured)} ({ops or 'none'}) vs theory {_mb(theory)} "
         f"= {formula}{ratio}"
@@ -137,6 +141,13 @@ def build_summary(
         "              (ZeRO-paper volume: all-reduce counted 2x, reduce-scatter and "
         "all-gather 1x the full buffer; the norm's control bytes left out)"
     )
+    moe = engine.log.last
+    if "tokens_per_expert_min" in moe:
+        lines.append(
+            f"  experts     tokens per expert {moe['tokens_per_expert_min']}-"
+            f"{moe['tokens_per_expert_max']} (fewest-most over layers and experts, last step); "
+            f"token all-to-all {_mb(moe['all_to_all_bytes'])} per step"
+        )
     lines.append("  outputs     " + "\n              ".join(outputs))
     facts = {
         "global_step": engine.global_steps,

@@ -81,14 +81,17 @@ def frozen_groups(
     partitions: int,
     rank: int,
     param_device: torch.device | None,
+    select=None,
 ) -> list[FrozenGroup]:
     """Shard the frozen parameters of ``units`` (the first unit holding one owns it):
-    one ``FrozenGroup`` per (dtype, device), one bucket per unit."""
+    one ``FrozenGroup`` per (dtype, device), one bucket per unit. ``select(p)``: which
+    frozen parameters this plan shards (expert ones go to the edp plan; default all)."""
     owner: dict[nn.Parameter, int] = {}
     for i, unit in enumerate(units):
         for p in unit.parameters():
             if not p.requires_grad and full_numel(p) >= threshold and p not in owner:
-                owner[p] = i
+                if select is None or select(p):
+                    owner[p] = i
     by_kind: dict[tuple, list[nn.Parameter]] = {}
     for p in owner:
         by_kind.setdefault((p.dtype, p.device), []).append(p)

@@ -111,7 +111,13 @@ def _quantized_base(model: nn.Module, partitions: int) -> None:
 
 
 def build_plan(
-    model: nn.Module, groups: list[dict], config, topology: Topology, stage: int, replicas: Group
+    model: nn.Module,
+    groups: list[dict],
+    config,
+    topology: Topology,
+    stage: int,
+    replicas: Group,
+    frozen_select=None,
 ) -> ZeroPlan:
     """Lay out the trainable parameters of ``groups`` for ``stage`` over ``replicas``
     (see the module docstring)."""
@@ -163,6 +169,7 @@ def build_plan(
         partitions=partitions,
         rank=rank,
         param_device=param_device,
+        select=frozen_select,
     )
     gatherer = None
     if sharded or frozen:

@@ -55,14 +55,30 @@ class ZeroStage:
         config,
         topology: Topology,
         replicas: Group | None = None,
+        *,
+        average_over: int | None = None,
+        across: Group | None = None,
+        frozen_select=None,
+        overlap: bool | None = None,
     ) -> None:
+        """``replicas``: the ranks holding the same copy of these parameters (reduced and
+        sharded over); ``average_over``: the divisor that turns the reduced sum into the
+        single-process gradient (default ``replicas.size``; expert parameters reduce over
+        edp but divide by dp x cp, ``zero.stages``); ``across``: a group whose ranks hold
+        *different* parameters of this kind, whose squared gradient norms add up (the ep
+        group for experts); ``frozen_select``: which frozen parameters stage 3 shards here
+        (default all); ``overlap``: launch reductions as buckets fill (default
+        ``overlap_comm``)."""
         z = config.zero_optimization
         self.stage = int(z.stage)
         self.topology = topology
         # the ranks holding the same copy of these parameters: dp x cp for the model's
         # weights (cp ranks see other chunks of the same rows), edp for expert weights
         self.replicas = replicas = replicas or topology.replica_group
-        plan = build_plan(model, groups, config, topology, self.stage, replicas)
+        self.across = across
+        plan = build_plan(
+            model, groups, config, topology, self.stage, replicas, frozen_select=frozen_select
+        )
         self.per_group = plan.per_group
         self.flat_groups = plan.flat_groups
         self.gatherer = plan.gatherer
@@ -70,7 +86,7 @@ class ZeroStage:
         self.every_backward = self.stage >= 2
         self._window_reduced = False  # stages 0-1: before_step already finished the reduction
         self._reduced_once = False  # gradient storage starts unwritten (FlatGroup._init_grads)
-        dp = replicas.size
+        dp = average_over or replicas.size
         self.predivide = float(
             dp if config.prescale_gradients else config.gradient_predivide_factor
         )
@@ -82,7 +98,7 @@ class ZeroStage:
         self.reducer = GradReducer(
             self.flat_groups,
             replicas,
-            overlap=bool(z.overlap_comm),
+            overlap=bool(z.overlap_comm if overlap is None else overlap),
             comm_dtype=self.comm_dtype,
             ignore_unused=bool(z.ignore_unused_parameters),
             names=names,
@@ -143,24 +159,35 @@ class ZeroStage:
         """L2 norm of the reduced gradients over every rank's owned chunks (inf/NaN if any
         overflowed); the scalar all-reduce is recorded under ``control``. Under tensor
         parallelism replicated parameters count once (``parallel.tensor.grad_norm``)."""
+        return float(self.grad_square_sum().sqrt())
+
+    def grad_square_sum(self) -> torch.Tensor:
+        """Sum of squares of the reduced gradients of these parameters over every shard
+        (summed over tp, the replicas when sharded, and ``across``), a 0-d fp32 tensor."""
         device = self.topology.device
         if self.tp_spans is not None:
             from meshtrain.parallel.tensor.grad_norm import local_square_sum
 
             sq = local_square_sum(self.flat_groups, self.tp_spans, self.topology.tp_size, device)
             comm.all_reduce(sq, self.topology.tp_group, label="control")
-            if any(g.sharded for g in self.flat_groups):
-                comm.all_reduce(sq, self.replicas, label="control")
-            return float(sq.sqrt())
-        parts = [
-            torch.linalg.vector_norm(c, dtype=torch.float32)
-            for g in self.flat_groups
-            for c in g.grad_chunks
-        ]
-        sq = torch.stack(parts).pow(2).sum() if parts else torch.zeros((), device=device)
+        else:
+            parts = [
+                torch.linalg.vector_norm(c, dtype=torch.float32)
+                for g in self.flat_groups
+                for c in g.grad_chunks
+            ]
+            sq = torch.stack(parts).pow(2).sum() if parts else torch.zeros((), device=device)
         if any(g.sharded for g in self.flat_groups):
             comm.all_reduce(sq, self.replicas, label="control")
-        return float(sq.sqrt())
+        if self.across is not None:  # other ranks hold other parameters of this kind
+            comm.all_reduce(sq, self.across, label="control")
+        return sq
+
+    def finish_window_reduction(self) -> None:
+        """Stages 0-1, a synchronising backward outside the Engine's step (the
+        Accelerator): wait for the overlapped buckets, launch the rest, mark it done."""
+        self.reducer.finish()
+        self._window_reduced = True
 
     def step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
         """Step the fp32 masters with gradients x ``factor``, write them back, gather."""

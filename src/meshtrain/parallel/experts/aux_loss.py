@@ -1,0 +1,127 @@
+"""The router's load-balancing loss over every replica's tokens, as one process computes it.
+
+transformers' ``load_balancing_loss_func`` (Switch Transformer, eqs. 4-6), over the router
+logits of all layers, ``T`` rows in all (padding excluded by the attention mask)::
+
+    f_e = (top-k assignments to e) / T      P_e = (sum of softmax probabilities of e) / T
+    aux = E * sum_e f_e P_e
+
+It is not linear in the batch: the mean over dp ranks of each rank's ``aux`` is *not* the
+``aux`` of their union, which is what one process on the whole batch computes. With
+``W = dp x cp`` replicas whose gradients are averaged (divided by ``W``), rank ``r`` uses
+instead::
+
+    aux_r = E * sum_e f_e * (W * S_e^r / T)       f_e, T: all-reduced over the replicas
+                                                   S_e^r: this rank's probability sums
+
+``f`` carries no gradient (top-k), so the mean over ranks of ``aux_r`` is the whole batch's
+``aux`` and the mean of its gradients is the whole batch's gradient, exactly. Cost: one
+all-reduce of ``E + 1`` fp32 per forward (``control``). With one replica, ``aux_r`` is
+transformers' value.
+
+:func:`install_global_aux_loss` wraps a transformers ``...ForCausalLM`` forward so its
+``loss`` and ``aux_loss`` use ``aux_r``; meshtrain's Decoder calls
+:func:`load_balancing_loss` itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from meshtrain.distributed import comm
+from meshtrain.distributed.comm import Group
+
+
+def load_balancing_loss(
+    router_logits,
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+    group: Group | None = None,
+    routing: str = "softmax_topk",
+) -> torch.Tensor:
+    """``aux_r`` of the module docstring for the router logits of every layer (a tuple of
+    ``[rows, E]``); transformers' value when ``group`` is None or of size 1."""
+    logits = [t for t in router_logits]
+    device = logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for layer in logits:
+        probs = torch.softmax(layer.float(), dim=-1)
+        chosen = layer.float() if routing == "topk_softmax" else probs
+        _, experts = torch.topk(chosen, top_k, dim=-1)
+        weight = (
+            torch.ones(experts.numel(), device=device)
+            if mask is None
+            else mask.repeat_interleave(top_k)
+        )
+        counts = counts.index_add(0, experts.reshape(-1), weight)
+        prob_sum = prob_sum + (probs if mask is None else probs * mask[:, None]).sum(0)
+        rows = rows + (probs.shape[0] if mask is None else mask.sum())
+    scale = 1.0
+    if group is not None and group.size > 1:
+        both = torch.cat([counts, rows.reshape(1)]).detach()
+        comm.all_reduce(both, group, label="control")
+        counts, rows, scale = both[:-1], both[-1], float(group.size)
+    return num_experts * torch.sum((counts / rows) * (prob_sum * scale / rows))
+
+
+def reduce_aux_loss_over(model: torch.nn.Module, group: Group) -> bool:
+    """Reduce ``model``'s router auxiliary loss over ``group`` (the replicas): meshtrain's
+    Decoder through its ``aux_group``, a transformers MoE causal LM through
+    :func:`install_global_aux_loss`. False for a model without one (nothing changes)."""
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    if hasattr(model, "aux_group") and moe is not None:
+        model.aux_group = group
+        return True
+    return install_global_aux_loss(model, group)
+
+
+def install_global_aux_loss(model: torch.nn.Module, group: Group) -> bool:
+    """Make a transformers MoE causal LM's ``loss`` use :func:`load_balancing_loss` over
+    ``group`` (the replicas, dp x cp). Returns False (and changes nothing) for a model
+    without a router auxiliary loss. The model's own loss function and coefficient
+    (``router_aux_loss_coef``) are kept; only the auxiliary term's reduction changes."""
+    config = getattr(model, "config", None)
+    coef = getattr(model, "router_aux_loss_coef", None)
+    needed = ("loss_function", "num_experts", "num_experts_per_tok", "vocab_size")
+    if config is None or coef is None or not all(hasattr(model, n) for n in needed):
+        return False
+    forward = model.forward
+    signature = inspect.signature(forward)
+    top_k, n_experts = model.num_experts_per_tok, model.num_experts
+
+    @functools.wraps(forward)
+    def global_aux_forward(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        a = bound.arguments
+        labels = a.get("labels")
+        wanted = a.get("output_router_logits")
+        wanted = config.output_router_logits if wanted is None else wanted
+        if labels is None or not wanted:
+            return forward(*args, **kwargs)
+        a["labels"] = None  # the loss is recomputed below, with the global auxiliary term
+        a["output_router_logits"] = True
+        out = forward(*bound.args, **bound.kwargs)
+        extra = a.get("kwargs", {})
+        aux = load_balancing_loss(
+            out.router_logits, n_experts, top_k, a.get("attention_mask"), group
+        )
+        loss = model.loss_function(out.logits, labels, model.vocab_size, **extra)
+        out.loss = loss + coef * aux.to(loss.device)
+        out.aux_loss = aux
+        return out
+
+    model.forward = global_aux_forward
+    model.meshtrain_global_aux_loss = True
+    return True
+
+
+__all__ = ["install_global_aux_loss", "load_balancing_loss", "reduce_aux_loss_over"]

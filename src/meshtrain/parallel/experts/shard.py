@@ -1,0 +1,155 @@
+"""Expert sharding (``parallelize`` step 3): each ep rank keeps its slice of every MoE layer.
+
+For each experts module of a known family the fused weights are cut along dim 0 (the
+expert dimension): ep rank ``r`` of ``P`` keeps experts ``[r L, (r + 1) L)``, ``L = E / P``,
+in a :class:`RoutedExperts` that dispatches tokens over the ``ep`` group. The module keeps
+its name and its parameters their names (``...mlp.experts.gate_up_proj``), so state-dict
+keys do not change with ep; the slice each rank holds is ``param.meshtrain_expert_slice``
+``(first, count, total)`` along dim 0, for checkpoints.
+
+Known families (their experts module class -> what the block around it does):
+
+==========================  ==================================================================
+MixtralExperts              Mixtral: softmax -> top-k -> renormalise (router ``gate``)
+Qwen2MoeExperts             Qwen2-MoE: softmax -> top-k (-> renormalise if ``norm_topk_prob``)
+                            + a sigmoid-gated shared expert (replicated, not sharded)
+Qwen3MoeExperts             Qwen3-MoE: as Qwen2-MoE without the shared expert
+RoutedExperts               meshtrain's Decoder with ``model.moe`` (DeepSeek-style layer)
+==========================  ==================================================================
+
+The router and the shared experts stay replicated (they follow dp/ZeRO and tp as any other
+weight). Any other module whose class name says it holds experts is refused by name: it
+would otherwise run every expert on every rank while the user asked for ep.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.distributed.topology import Topology
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.experts import mark_expert_param
+from meshtrain.parallel.experts.routed import RoutedExperts
+
+FAMILIES = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts")
+SLICE_ATTR = "meshtrain_expert_slice"
+
+
+def _holds_experts(name: str, module: nn.Module) -> bool:
+    """An experts container of a family not in FAMILIES: a class named like one, or a
+    submodule called ``experts`` (older layouts: an ``nn.ModuleList`` of expert MLPs)."""
+    return (
+        type(module).__name__.endswith(("Experts", "NaiveMoe"))
+        or name.rpartition(".")[2] == "experts"
+    )
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every experts module of a known family; ConfigError
+    naming the first unknown one."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedExperts) or type(module).__name__ in FAMILIES:
+            found.append((name, module))
+        elif _holds_experts(name, module) and not any(name.startswith(f + ".") for f, _ in found):
+            raise ConfigError(
+                f"mesh.expert_parallel_size: {name} ({type(module).__name__}) holds experts "
+                f"meshtrain cannot shard; expert parallelism supports {', '.join(FAMILIES)} "
+                "and meshtrain's Decoder (model.moe); set expert_parallel_size 1"
+            )
+    return found
+
+
+def check_layout(model: nn.Module, topology: Topology) -> None:
+    """Refuse, by name and before anything changes, the layouts a model with MoE layers
+    cannot run yet: tensor parallelism (a TP plan's MLP region would sum the replicated MoE
+    output over tp) and pipeline parallelism (its stages call the blocks, not the model's
+    forward that adds the router's auxiliary loss; untested with the all-to-all), and
+    context parallelism (its loss hook rescales the model's loss by each rank's token
+    share, the auxiliary loss included; untested)."""
+    sizes = [
+        ("tensor_parallel_size", topology.tp_size),
+        ("pipeline_parallel_size", topology.pp_size),
+        ("context_parallel_size", topology.cp_size),
+    ]
+    over = [(k, n) for k, n in sizes if n > 1]
+    if not over:
+        return
+    layers = expert_modules(model)
+    if not layers:
+        return
+    key, size = over[0]
+    raise ConfigError(
+        f"mesh.{key}: {size} with a mixture-of-experts model ({layers[0][0]} and "
+        f"{len(layers) - 1} more): {key.split('_')[0]} parallelism of MoE layers is not built "
+        f"yet; set mesh.{key} to 1 (expert_parallel_size and ZeRO shard MoE models)"
+    )
+
+
+def apply_expert_parallel(model: nn.Module, topology: Topology) -> dict[int, nn.Parameter]:
+    """Shard every experts module over ``topology.group("ep")`` in place; returns
+    ``{id(full parameter): its shard}`` (for :func:`remap_parameters`). ConfigError when the
+    model has no experts module or ep does not divide an expert count."""
+    group = topology.group("ep")
+    layers = expert_modules(model)
+    if not layers:
+        raise ConfigError(
+            f"mesh.expert_parallel_size: {group.size} but the model has no mixture-of-experts "
+            f"layer meshtrain knows ({', '.join(FAMILIES)}, or a Decoder with model.moe); "
+            "set expert_parallel_size 1"
+        )
+    replaced: dict[int, nn.Parameter] = {}
+    for name, module in layers:
+        total = module.num_experts
+        if total % group.size:
+            raise ConfigError(
+                f"mesh.expert_parallel_size: {group.size} does not divide the {total} experts "
+                f"of {name}; pick an ep that divides the expert count"
+            )
+        if module.gate_up_proj.shape[0] != total:
+            raise ConfigError(
+                f"{name}: already sharded ({module.gate_up_proj.shape[0]} of {total})"
+            )
+        n_local = total // group.size
+        first = group.rank * n_local
+        with torch.no_grad():
+            gate_up = module.gate_up_proj.detach()[first : first + n_local].clone()
+            down = module.down_proj.detach()[first : first + n_local].clone()
+        sharded = RoutedExperts(
+            gate_up, down, module.act_fn, total, group, first,
+            getattr(module, "gemm", None),
+        )  # fmt: skip
+        sharded.train(module.training)
+        for p, old in (
+            (sharded.gate_up_proj, module.gate_up_proj),
+            (sharded.down_proj, module.down_proj),
+        ):
+            mark_expert_param(p)
+            setattr(p, SLICE_ATTR, (first, n_local, total))
+            p.requires_grad_(old.requires_grad)
+            replaced[id(old)] = p
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, sharded)
+    return replaced
+
+
+def remap_parameters(model_parameters, replaced: dict[int, nn.Parameter]):
+    """``model_parameters`` (params or torch-style groups, taken before sharding) with each
+    full expert weight swapped for this rank's shard."""
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": [replaced.get(id(p), p) for p in g["params"]]} for g in items]
+    return [replaced.get(id(p), p) for p in items]
+
+
+__all__ = [
+    "FAMILIES",
+    "SLICE_ATTR",
+    "apply_expert_parallel",
+    "check_layout",
+    "expert_modules",
+    "remap_parameters",
+]
