@@ -9,7 +9,8 @@ import differs (``from meshtrain import Trainer, TrainingArguments``).
 Each (framework, lever) runs in a fresh process with one thread (``torchrun`` for 2
 ranks). Measured: peak memory = ``VmHWM`` minus the RSS after every library is imported
 and before the model is loaded (so import costs, e.g. bitsandbytes' native library, are
-left out on both sides), the largest rank; samples/s over the steps after the first.
+left out on both sides), the largest rank; samples/s over the steps after the first;
+each the median of ``--rounds`` runs per side, alternating which side runs first.
 meshtrain's rows also give ``memory_report()``'s formula for the model states (parameters
 + gradients + optimizer states of this rank; activations are not in it).
 
@@ -17,7 +18,7 @@ This machine has no GPU: memory is host RSS and speed CPU speed on a shared host
 load average before and after is printed with the table. transformers runs with
 ``use_cpu=True`` (without it accelerate trains each process alone; docs/trainer.md).
 
-    python benchmarks/bench_levers_trainer.py [--steps 6] [--only NAME,...]
+    python benchmarks/bench_levers_trainer.py [--steps 6] [--rounds 3] [--only NAME,...]
     python benchmarks/bench_levers_trainer.py --accuracy    # seed 000: 4-bit vs bf16 LoRA
 """
 
@@ -227,6 +228,31 @@ def _run(framework: str, lever: str, steps: int) -> dict:
         return json.loads(Path(out).read_text())
 
 
+def _rounds(name: str, steps: int, rounds: int) -> dict:
+    """Both frameworks ``rounds`` times, alternating which runs first (a shared, loaded
+    host drifts between runs): the median samples/s and peak of each, with every run."""
+    import statistics
+
+    runs: dict[str, list[dict]] = {"meshtrain": [], "transformers": []}
+    for r in range(rounds):
+        order = ("meshtrain", "transformers") if r % 2 == 0 else ("transformers", "meshtrain")
+        for fw in order:
+            runs[fw].append(_run(fw, name, steps))
+    out = {}
+    for fw, got in runs.items():
+        ok = [g for g in got if "error" not in g]
+        if not ok:
+            out[fw] = got[0]
+            continue
+        out[fw] = {
+            "peak": statistics.median(g["peak"] for g in ok),
+            "samples_per_s": statistics.median(g["samples_per_s"] for g in ok),
+            "formula": ok[0].get("formula"),
+            "runs": got,
+        }
+    return out
+
+
 def accuracy_worker(quant: str, out: str, train_rows: int, eval_rows: int) -> None:
     """Seed 000's classifier, LoRA on the pretrained MiniLM through meshtrain's Trainer,
     with a bf16 or a 4-bit (nf4) base: held-out accuracy and peak memory."""
@@ -289,6 +315,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", default="", help="comma-separated lever names")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs per side, alternating which goes first"
+    )
     parser.add_argument("--accuracy", action="store_true", help="seed 000: 4-bit vs bf16 LoRA")
     parser.add_argument("--train-rows", type=int, default=2000)
     parser.add_argument("--eval-rows", type=int, default=500)
@@ -316,7 +345,7 @@ def main() -> None:
     names = [n for n in LEVERS if not a.only or n in a.only.split(",")]
     rows = []
     for name in names:
-        got = {fw: _run(fw, name, a.steps) for fw in ("meshtrain", "transformers")}
+        got = _rounds(name, a.steps, a.rounds)
         rows.append({"lever": name, "ranks": LEVERS[name][0], **got})
         m, t = got["meshtrain"], got["transformers"]
         line = f"{name:32s}"

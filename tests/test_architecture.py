@@ -129,7 +129,7 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "checks.py), and their engine config",
     ),
     "meshtrain.checkpoint.engine_io": (
-        440,
+        451,
         "what an engine's checkpoint holds, written and read; the sync and async saves "
         "share shard_contents(); non-element-wise optimizer states go to slice_state.py, "
         "where an ep rank's experts sit lives in expert_layout.py",
