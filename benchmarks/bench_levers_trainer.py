@@ -55,6 +55,12 @@ LEVERS: dict[str, tuple[int, int, dict, dict]] = {
         {},
     ),
     "LoRA r=8 (bf16 base)": (1, 16, {"learning_rate": 1e-3}, {"lora": True, "dtype": "bf16"}),
+    "LoRA r=8 (bf16 base) + bf16 flag": (
+        1,
+        16,
+        {"learning_rate": 1e-3, "bf16": True},
+        {"lora": True, "dtype": "bf16"},
+    ),
     "QLoRA (nf4 base + LoRA r=8)": (1, 16, {"learning_rate": 1e-3}, QLORA),
     "QLoRA + AC": (1, 16, {"learning_rate": 1e-3, "gradient_checkpointing": True}, QLORA),
     "QLoRA + ZeRO-3 (2 ranks)": (2, 16, {"learning_rate": 1e-3, "zero3": True}, QLORA),

@@ -82,8 +82,10 @@ def takes_argument(fn: Callable, name: str) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def forward_names(model: Any) -> set[str] | None:
-    """Names ``model.forward`` accepts; None when it takes ``**kwargs`` (anything goes)."""
+def forward_names(model: Any) -> tuple[str, ...] | None:
+    """Names ``model.forward`` accepts, in its signature's order (the Trainer's default
+    ``label_names`` follow it, as transformers' ``find_labels`` does: a set's order changes
+    with each process's string hashing); None when it takes ``**kwargs`` (anything goes)."""
     forward = getattr(model, "forward", model)
     try:
         params = inspect.signature(forward).parameters
@@ -91,7 +93,7 @@ def forward_names(model: Any) -> set[str] | None:
         return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
-    return set(params)
+    return tuple(params)
 
 
 __all__ = [

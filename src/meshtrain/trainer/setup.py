@@ -62,7 +62,7 @@ def choose_collator(collator: Callable | None, tokenizer: Any, padding_free: boo
 
 
 def prepare_dataset(
-    dataset: Any, args: Any, forward_names: set[str] | None, label_names: list[str]
+    dataset: Any, args: Any, forward_names: tuple[str, ...] | None, label_names: list[str]
 ) -> Any:
     """transformers' ``remove_unused_columns`` for ``datasets.Dataset``."""
     if not args.remove_unused_columns or not hasattr(dataset, "column_names"):
@@ -96,7 +96,7 @@ def build_engine(
     data_collator: Callable,
     optimizer: Any,
     lr_scheduler: Any,
-    forward_names: set[str] | None,
+    forward_names: tuple[str, ...] | None,
     label_names: list[str],
     check_pipeline: Callable[[int], None],
 ) -> Built:

@@ -110,7 +110,8 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         self._improved = False
         self._applied_lr = 0.0
         names = forward_names(model)
-        found = [n for n in (names or ()) if "label" in n]
+        # transformers' rule, less the Decoder's shift_labels (context parallelism's)
+        found = [n for n in (names or ()) if "label" in n and n != "shift_labels"]
         self.label_names = self.args.label_names or found or ["labels"]
         self._forward_names = names
         self._shift = loss_shifts_labels(model)
