@@ -23,8 +23,11 @@ Issue 29's benchmark, in one run:
    forward+backward over ``--iters`` iterations after one warm-up. Memory: ``saved`` is what
    autograd keeps for the backward after the forward (distinct storages,
    ``meshtrain.estimate.activation_probe``, deterministic), ``peak`` the larger rank's RSS
-   high-water mark (``VmHWM``) minus its RSS once the inputs exist (includes temporaries and
-   the allocator's caching; noisier). Every rank checks its output rows against a
+   high-water mark (``VmHWM``, reset after the warm-up through ``/proc/self/clear_refs``)
+   minus its RSS then: the most bytes alive at once in a steady-state iteration,
+   temporaries included. Workers run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed
+   large blocks leave RSS (glibc's adaptive threshold otherwise keeps them resident
+   differently for each framework). Every rank checks its output rows against a
    one-process ``causal_attention`` of the whole sequence (``max_rel_err``). Ratios are
    meshtrain / peer (speed > 1 and memory < 1 favour meshtrain).
 
@@ -32,9 +35,9 @@ Issue 29's benchmark, in one run:
    16384): meshtrain's ``Decoder`` (2 layers, d 64, 4 heads, SwiGLU 172, vocab 256, fp32)
    forward + backward on each rank's ``L/C`` tokens (global positions as ``position_ids``),
    attention through ``ulysses_attention`` via the Decoder's ``Attention.context`` seam, in
-   ``torchrun`` processes of ``C`` ranks. Recorded per rank: ``saved`` bytes,
-   the formula (``meshtrain.estimate.activations.activation_bytes``), the RSS growth, and
-   seconds.
+   ``torchrun`` processes of ``C`` ranks, after one warm-up step. Recorded per rank:
+   ``saved`` bytes, the formula (``meshtrain.estimate.activations.activation_bytes``), the
+   peak RSS growth of the measured step (as above), and its seconds.
 
     python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--iters 5]
         [--memory-lens 8192,16384] [--memory-cps 1,2,4] [--skip-memory]
@@ -70,6 +73,13 @@ def _status(field: str) -> int:
             if line.startswith(field):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _reset_peak() -> int:
+    """Reset this process's RSS high-water mark (``VmHWM``) and return the RSS now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
 
 
 def _shard(t, cp: int, rank: int, dim: int):
@@ -160,10 +170,11 @@ def attention_worker(args) -> None:
             raise NotImplementedError("ran, but this script times it on CUDA only")
         q, k, v = (mine(t).requires_grad_(True) for t in (Q, K, V))
         g = mine(G)
-        base = _status("VmRSS")
-        times = []
+        times, o, base = [], None, 0
         for i in range(args.iters + 1):
-            q.grad = k.grad = v.grad = None
+            q.grad = k.grad = v.grad = o = None
+            if i == 1:  # after the warm-up: the steady state's peak, not the first call's
+                base = _reset_peak()
             dist.barrier()
             t0 = time.perf_counter()
             if i == 1:
@@ -233,7 +244,9 @@ def memory_worker(args) -> None:
     )
     pos = torch.arange(L)[None]
     ids, pos = _shard(ids, cp, rank, 1), _shard(pos, cp, rank, 1)
-    base = _status("VmRSS")
+    model(ids, labels=ids, position_ids=pos).backward()  # warm-up
+    model.zero_grad(set_to_none=True)
+    base = _reset_peak()
     dist.barrier()
     t0 = time.perf_counter()
     with SavedBytes([*model.parameters(), *model.buffers()]) as probe:
@@ -259,6 +272,11 @@ def memory_worker(args) -> None:
 # --------------------------------------------------------------------------------- driver
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    # A fixed mmap threshold: every block of 64 KiB or more is its own mapping, returned to
+    # the system when freed, so RSS follows the bytes alive (glibc's default threshold
+    # grows after frees and keeps freed blocks resident, differently for each framework's
+    # allocation order).
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(ROOT.parent / "src"), str(ROOT.parent), env.get("PYTHONPATH")])
     )
@@ -376,6 +394,7 @@ def main() -> None:
     p.add_argument("--memory-cps", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 2, 4])  # fmt: skip
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
     if args.worker == "attention":
@@ -384,14 +403,16 @@ def main() -> None:
         return memory_worker(args)
     started = time.time()
     result = {"versions": _versions(), "args": vars(args)}
-    result["attention"] = _attention(args)
+    if not args.skip_attention:
+        result["attention"] = _attention(args)
     if not args.skip_memory:
         result["memory"] = _memory(args)
     result["wall_seconds"] = time.time() - started
-    for pair, r in result["attention"]["ratios"].items():
+    attention = result.get("attention", {"ratios": {}, "summary": {}})
+    for pair, r in attention["ratios"].items():
         print(f"pair {pair}: speed {r['speed']:.2f}x saved memory {r['saved_memory']:.2f}x "
               f"peak memory {r['peak_memory']:.2f}x")  # fmt: skip
-    for name, s in result["attention"]["summary"].items():
+    for name, s in attention["summary"].items():
         if s.get("not_on_branch"):
             print(f"{name}: not on this branch (no meshtrain.parallel.context.ring): not run")
         elif "error" in s:
