@@ -29,7 +29,8 @@ Issue 29's benchmark, in one run:
    large blocks leave RSS (glibc's adaptive threshold otherwise keeps them resident
    differently for each framework). Every rank checks its output rows against a
    one-process ``causal_attention`` of the whole sequence (``max_rel_err``). Ratios are
-   meshtrain / peer (speed > 1 and memory < 1 favour meshtrain).
+   meshtrain / peer, medians of the same-round ratios (speed > 1 and memory < 1 favour
+   meshtrain).
 
 2. **Decoder activation memory at cp 1, 2, 4** (``--memory-lens``, default 8192 and
    16384): meshtrain's ``Decoder`` (2 layers, d 64, 4 heads, SwiGLU 172, vocab 256, fp32)
@@ -37,7 +38,8 @@ Issue 29's benchmark, in one run:
    attention through ``ulysses_attention`` via the Decoder's ``Attention.context`` seam, in
    ``torchrun`` processes of ``C`` ranks, after one warm-up step. Recorded per rank:
    ``saved`` bytes, the formula (``meshtrain.estimate.activations.activation_bytes``), the
-   peak RSS growth of the measured step (as above), and its seconds.
+   peak RSS growth of the measured step (as above), the peak formula
+   (``peak_activation_bytes``), and its seconds.
 
     python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--iters 5]
         [--memory-lens 8192,16384] [--memory-cps 1,2,4] [--skip-memory]
@@ -228,7 +230,11 @@ def memory_worker(args) -> None:
     from meshtrain.distributed.env import init_distributed
     from meshtrain.distributed.topology import Topology
     from meshtrain.estimate.activation_probe import SavedBytes
-    from meshtrain.estimate.activations import DecoderDims, activation_bytes
+    from meshtrain.estimate.activations import (
+        DecoderDims,
+        activation_bytes,
+        peak_activation_bytes,
+    )
     from meshtrain.models import Decoder, DecoderConfig
 
     init_distributed()
@@ -253,11 +259,12 @@ def memory_worker(args) -> None:
         loss = model(ids, labels=ids, position_ids=pos)
     loss.backward()
     seconds = time.perf_counter() - t0
-    est = activation_bytes(DecoderDims.of(model), seq_len=L, cp=cp, width=4, position_ids=True)
+    kw = dict(seq_len=L, cp=cp, width=4, position_ids=True)
     row = {
         "rank": rank,
         "saved_bytes": probe.bytes,
-        "formula_bytes": est,
+        "formula_bytes": activation_bytes(DecoderDims.of(model), **kw),
+        "peak_formula_bytes": peak_activation_bytes(DecoderDims.of(model), **kw),
         "peak_growth_bytes": _status("VmHWM") - base,
         "seconds": seconds,
     }
@@ -351,13 +358,26 @@ def _attention(args) -> dict:
             err = rs[0]["error"]
             missing = name == "meshtrain-ring" and err.startswith("ImportError")
             summary[name] = {"error": err, "not_on_branch": missing}
-    for a, b in PAIRS:
-        sa, sb = summary.get(a, {}), summary.get(b, {})
-        if "seconds_per_iter" in sa and "seconds_per_iter" in sb:
+    for a, b in PAIRS:  # medians of the same-round ratios (the suite's convention)
+        rounds = [
+            (ra, rb)
+            for ra, rb in zip(runs[a], runs[b], strict=False)
+            if "error" not in ra and "error" not in rb
+        ]
+        if rounds:
             ratios[f"{a} vs {b}"] = {
-                "speed": sb["seconds_per_iter"] / sa["seconds_per_iter"],
-                "saved_memory": sa["saved_bytes"] / sb["saved_bytes"],
-                "peak_memory": sa["peak_growth_bytes"] / max(sb["peak_growth_bytes"], 1),
+                "speed": statistics.median(
+                    rb["seconds_per_iter"] / ra["seconds_per_iter"] for ra, rb in rounds
+                ),
+                "saved_memory": statistics.median(
+                    ra["saved_bytes"] / rb["saved_bytes"] for ra, rb in rounds
+                ),
+                "peak_memory": statistics.median(
+                    ra["peak_growth_bytes"] / max(rb["peak_growth_bytes"], 1) for ra, rb in rounds
+                ),
+                "speed_per_round": [
+                    rb["seconds_per_iter"] / ra["seconds_per_iter"] for ra, rb in rounds
+                ],
             }
     return {"runs": runs, "summary": summary, "ratios": ratios}
 
@@ -374,7 +394,8 @@ def _memory(args) -> list[dict]:
             r0 = max(r["ranks"], key=lambda x: x["saved_bytes"])
             print(f"L={length} cp={cp}: saved {r0['saved_bytes'] / 2**20:.1f} MiB/rank, formula "
                   f"{r0['formula_bytes'] / 2**20:.1f} MiB, peak RSS +"
-                  f"{max(x['peak_growth_bytes'] for x in r['ranks']) / 2**20:.0f} MiB, "
+                  f"{max(x['peak_growth_bytes'] for x in r['ranks']) / 2**20:.1f} MiB, peak "
+                  f"formula {r0['peak_formula_bytes'] / 2**20:.1f} MiB, "
                   f"{max(x['seconds'] for x in r['ranks']):.1f} s")  # fmt: skip
     return table
 
