@@ -179,3 +179,19 @@ def test_cli_table_and_step_log(capsys):
     assert f"act {want / 1e6:.1f} MB/rank" in log.format(last)
     split = SimpleNamespace(tp_size=2, pp_size=1, cp_size=1)
     assert not attach_activations(StepLog(0, 1, False), model, split, cfg, torch.float32)
+
+
+def test_formula_in_bf16():
+    """The 16-bit terms (norms and rotary keep fp32 copies, the loss fp32 log-probs)."""
+    import torch
+
+    from meshtrain.estimate.activation_probe import SavedBytes
+    from meshtrain.estimate.activations import DecoderDims, activation_bytes
+    from meshtrain.models import Decoder, DecoderConfig
+
+    model = Decoder(DecoderConfig(**DIMS, max_seq_len=512)).to(torch.bfloat16)
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 512), generator=torch.Generator().manual_seed(1))
+    with SavedBytes([*model.parameters(), *model.buffers()]) as probe:
+        model(ids, labels=ids)
+    est = activation_bytes(DecoderDims.of(model), seq_len=512, batch=2, width=2)
+    assert abs(probe.bytes - est) <= 64, (probe.bytes, est)

@@ -33,7 +33,7 @@ the whole sequence, so that term, ``w B L^2`` per layer, does not fall with ``C`
 
 Measured by ``tests/test_estimate_activations.py``: the formula equals the bytes of the
 distinct storages autograd saves (``activation_probe.SavedBytes``) to within 0.1% on the
-Decoder (fp32, CPU), and at ``C = 2, 4`` with all-to-all attention.
+Decoder (fp32 and bf16, CPU), and at ``C = 2, 4`` with all-to-all attention.
 """
 
 from __future__ import annotations
