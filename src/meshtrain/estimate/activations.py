@@ -25,11 +25,15 @@ all-to-all method keeps inside attention the whole sequence for ``1/C`` of the h
 same bytes; so the per-rank estimate is the formula at ``s = L/C`` and falls as ``1/C``
 (under grouped-query attention with ``Hkv % C != 0`` the repeated key/value heads make
 ``kv`` per rank ``Hkv' hd`` with ``Hkv'`` from ``all_to_all.head_layout``). Ring attention
-holds only its ``L/C`` tokens' q, k, v and output too (the formula at ``s = L/C``, if the
-ring keeps no received key/value blocks for its backward). **Document masks** (packed
-rows, ``document_ids``) are the exception: the SDPA kernel keeps the boolean mask as a
-``w``-byte ``[B, 1, L, L]`` tensor per layer, and under all-to-all every rank builds it for
-the whole sequence, so that term, ``w B L^2`` per layer, does not fall with ``C``.
+(``parallel/context/ring.py``) keeps its ``L/C`` queries and output but all ``C`` key/value
+blocks it saw, so its attention term is ``w (3 h + 2 kv C)`` per local token: ``2 w B L
+kv`` per layer that does not fall with ``C`` (measured on the Decoder at 2048 tokens,
+cp 2 and 4, with the ring of the s10-cp-ring branch: exact to the byte). **Document
+masks** (packed rows, ``document_ids``): under all-to-all the SDPA kernel keeps the
+boolean mask as a ``w``-byte ``[B, 1, L, L]`` tensor per layer, built on every rank for the
+whole sequence, so that term, ``w B L^2`` per layer, does not fall with ``C`` (measured
+exact at cp 2 and 4); the ring keeps the blocks' int64 ids instead, at most ``8 B L`` per
+layer (counted as ``8 B L``: the measured bytes are ``8 B L (1 - 1/2C)``).
 
 Measured by ``tests/test_estimate_activations.py``: the formula equals the bytes of the
 distinct storages autograd saves (``activation_probe.SavedBytes``) to within 0.1% on the
@@ -116,15 +120,19 @@ def activation_bytes(
     else:
         h_attn = h
     norms = 2 * (4 * h + 2 * w * h)
-    attention = w * (2 * h_attn + 2 * kv + h)  # q, out (attention heads), k, v; o_proj input
+    if method == "ring":  # q, out, o_proj input; the C key/value blocks it saw
+        attention = w * (3 * h + 2 * kv * cp)
+    else:  # q, out (the attention's heads), k, v; o_proj input
+        attention = w * (2 * h_attn + 2 * kv + h)
     block = norms + attention + 4 * w * dims.ffn + 4 * (h_attn // dims.head_dim) + 8
     per_token = dims.layers * block + (4 * h + 2 * w * h + 4) + 8
     if position_ids:
         per_token += 4 * dims.head_dim
     total = batch * (s * per_token + (s - 1) * (4 * dims.vocab + 8))
-    if documents:
-        full = seq_len if method == "all_to_all" else s
-        total += dims.layers * batch * w * full * full
+    if documents and method == "all_to_all":  # the dense mask, whole sequence, every rank
+        total += dims.layers * batch * w * seq_len * seq_len
+    elif documents:  # ring: the blocks' int64 document ids
+        total += dims.layers * batch * 8 * seq_len
     return total
 
 
