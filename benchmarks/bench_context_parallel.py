@@ -20,7 +20,9 @@ Issue 29's benchmark, in one run:
 
    Each framework runs in fresh ``torchrun`` processes (one thread per rank), ``--repeats``
    times, the order reversed on odd repeats. Time: the slowest rank's seconds per
-   forward+backward over ``--iters`` iterations after one warm-up. Memory: ``saved`` is what
+   forward+backward over ``--iters`` iterations after one warm-up, and the CPU seconds per
+   iteration summed over the ranks (``cpu``: steadier than wall time on a loaded machine,
+   a speed ratio in the same sense: peer / meshtrain). Memory: ``saved`` is what
    autograd keeps for the backward after the forward (distinct storages,
    ``meshtrain.estimate.activation_probe``, deterministic), ``peak`` the larger rank's RSS
    high-water mark (``VmHWM``, reset after the warm-up through ``/proc/self/clear_refs``)
@@ -172,13 +174,13 @@ def attention_worker(args) -> None:
             raise NotImplementedError("ran, but this script times it on CUDA only")
         q, k, v = (mine(t).requires_grad_(True) for t in (Q, K, V))
         g = mine(G)
-        times, o, base = [], None, 0
+        times, cpu, o, base = [], [], None, 0
         for i in range(args.iters + 1):
             q.grad = k.grad = v.grad = o = None
             if i == 1:  # after the warm-up: the steady state's peak, not the first call's
                 base = _reset_peak()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if i == 1:
                 with SavedBytes([q, k, v]) as probe:
                     o = fn(q, k, v)
@@ -188,9 +190,13 @@ def attention_worker(args) -> None:
             (o * g).sum().backward()
             if i:  # the first is the warm-up
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)  # this process, gloo's threads too
         t = torch.tensor([sum(times) / len(times)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out["seconds_per_iter"] = float(t)
+        c = torch.tensor([sum(cpu) / len(cpu)], dtype=torch.float64)
+        dist.all_reduce(c)  # summed over the ranks: steadier than wall time under load
+        out["cpu_seconds_per_iter"] = float(c)
         growth = [None] * cp
         dist.all_gather_object(growth, _status("VmHWM") - base)
         out["peak_growth_bytes"] = max(growth)
@@ -343,7 +349,8 @@ def _attention(args) -> dict:
             if "error" in r:
                 print(f"repeat {rep} {name}: cannot run: {r['error'][:300]}")
             else:
-                print(f"repeat {rep} {name}: {r['seconds_per_iter'] * 1e3:.0f} ms/iter, saved "
+                print(f"repeat {rep} {name}: {r['seconds_per_iter'] * 1e3:.0f} ms/iter "
+                      f"(cpu {r['cpu_seconds_per_iter'] * 1e3:.0f} ms), saved "
                       f"{r['saved_bytes'] / 2**20:.1f} MiB, peak +{r['peak_growth_bytes'] / 2**20:.0f}"
                       f" MiB, rel err {r['max_rel_err']:.1e}")  # fmt: skip
     summary, ratios = {}, {}
@@ -352,7 +359,13 @@ def _attention(args) -> dict:
         if ok:
             summary[name] = {
                 k: statistics.median(r[k] for r in ok)
-                for k in ("seconds_per_iter", "saved_bytes", "peak_growth_bytes", "max_rel_err")
+                for k in (
+                    "seconds_per_iter",
+                    "cpu_seconds_per_iter",
+                    "saved_bytes",
+                    "peak_growth_bytes",
+                    "max_rel_err",
+                )  # fmt: skip
             }
         elif rs:
             err = rs[0]["error"]
@@ -374,6 +387,9 @@ def _attention(args) -> dict:
                 ),
                 "peak_memory": statistics.median(
                     ra["peak_growth_bytes"] / max(rb["peak_growth_bytes"], 1) for ra, rb in rounds
+                ),
+                "cpu": statistics.median(
+                    rb["cpu_seconds_per_iter"] / ra["cpu_seconds_per_iter"] for ra, rb in rounds
                 ),
                 "speed_per_round": [
                     rb["seconds_per_iter"] / ra["seconds_per_iter"] for ra, rb in rounds
@@ -431,7 +447,8 @@ def main() -> None:
     result["wall_seconds"] = time.time() - started
     attention = result.get("attention", {"ratios": {}, "summary": {}})
     for pair, r in attention["ratios"].items():
-        print(f"pair {pair}: speed {r['speed']:.2f}x saved memory {r['saved_memory']:.2f}x "
+        print(f"pair {pair}: speed {r['speed']:.2f}x cpu {r['cpu']:.2f}x saved memory "
+              f"{r['saved_memory']:.2f}x "
               f"peak memory {r['peak_memory']:.2f}x")  # fmt: skip
     for name, s in attention["summary"].items():
         if s.get("not_on_branch"):
