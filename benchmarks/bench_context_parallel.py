@@ -20,21 +20,28 @@ Issue 29's benchmark, in one run:
 
    Each framework runs in fresh ``torchrun`` processes (one thread per rank), ``--repeats``
    times, the order reversed on odd repeats. Time: the slowest rank's seconds per
-   forward+backward over ``--iters`` iterations after one warm-up. Memory: ``saved`` is what
+   forward+backward over ``--iters`` iterations after one warm-up, and the CPU seconds per
+   iteration summed over the ranks (``cpu``: steadier than wall time on a loaded machine,
+   a speed ratio in the same sense: peer / meshtrain). Memory: ``saved`` is what
    autograd keeps for the backward after the forward (distinct storages,
    ``meshtrain.estimate.activation_probe``, deterministic), ``peak`` the larger rank's RSS
-   high-water mark (``VmHWM``) minus its RSS once the inputs exist (includes temporaries and
-   the allocator's caching; noisier). Every rank checks its output rows against a
+   high-water mark (``VmHWM``, reset after the warm-up through ``/proc/self/clear_refs``)
+   minus its RSS then: the most bytes alive at once in a steady-state iteration,
+   temporaries included. Workers run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed
+   large blocks leave RSS (glibc's adaptive threshold otherwise keeps them resident
+   differently for each framework). Every rank checks its output rows against a
    one-process ``causal_attention`` of the whole sequence (``max_rel_err``). Ratios are
-   meshtrain / peer (speed > 1 and memory < 1 favour meshtrain).
+   meshtrain / peer, medians of the same-round ratios (speed > 1 and memory < 1 favour
+   meshtrain).
 
 2. **Decoder activation memory at cp 1, 2, 4** (``--memory-lens``, default 8192 and
    16384): meshtrain's ``Decoder`` (2 layers, d 64, 4 heads, SwiGLU 172, vocab 256, fp32)
    forward + backward on each rank's ``L/C`` tokens (global positions as ``position_ids``),
    attention through ``ulysses_attention`` via the Decoder's ``Attention.context`` seam, in
-   ``torchrun`` processes of ``C`` ranks. Recorded per rank: ``saved`` bytes,
-   the formula (``meshtrain.estimate.activations.activation_bytes``), the RSS growth, and
-   seconds.
+   ``torchrun`` processes of ``C`` ranks, after one warm-up step. Recorded per rank:
+   ``saved`` bytes, the formula (``meshtrain.estimate.activations.activation_bytes``), the
+   peak RSS growth of the measured step (as above), the peak formula
+   (``peak_activation_bytes``), and its seconds.
 
     python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--iters 5]
         [--memory-lens 8192,16384] [--memory-cps 1,2,4] [--skip-memory]
@@ -70,6 +77,13 @@ def _status(field: str) -> int:
             if line.startswith(field):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _reset_peak() -> int:
+    """Reset this process's RSS high-water mark (``VmHWM``) and return the RSS now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
 
 
 def _shard(t, cp: int, rank: int, dim: int):
@@ -160,12 +174,13 @@ def attention_worker(args) -> None:
             raise NotImplementedError("ran, but this script times it on CUDA only")
         q, k, v = (mine(t).requires_grad_(True) for t in (Q, K, V))
         g = mine(G)
-        base = _status("VmRSS")
-        times = []
+        times, cpu, o, base = [], [], None, 0
         for i in range(args.iters + 1):
-            q.grad = k.grad = v.grad = None
+            q.grad = k.grad = v.grad = o = None
+            if i == 1:  # after the warm-up: the steady state's peak, not the first call's
+                base = _reset_peak()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if i == 1:
                 with SavedBytes([q, k, v]) as probe:
                     o = fn(q, k, v)
@@ -175,9 +190,13 @@ def attention_worker(args) -> None:
             (o * g).sum().backward()
             if i:  # the first is the warm-up
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)  # this process, gloo's threads too
         t = torch.tensor([sum(times) / len(times)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out["seconds_per_iter"] = float(t)
+        c = torch.tensor([sum(cpu) / len(cpu)], dtype=torch.float64)
+        dist.all_reduce(c)  # summed over the ranks: steadier than wall time under load
+        out["cpu_seconds_per_iter"] = float(c)
         growth = [None] * cp
         dist.all_gather_object(growth, _status("VmHWM") - base)
         out["peak_growth_bytes"] = max(growth)
@@ -217,7 +236,11 @@ def memory_worker(args) -> None:
     from meshtrain.distributed.env import init_distributed
     from meshtrain.distributed.topology import Topology
     from meshtrain.estimate.activation_probe import SavedBytes
-    from meshtrain.estimate.activations import DecoderDims, activation_bytes
+    from meshtrain.estimate.activations import (
+        DecoderDims,
+        activation_bytes,
+        peak_activation_bytes,
+    )
     from meshtrain.models import Decoder, DecoderConfig
 
     init_distributed()
@@ -233,18 +256,21 @@ def memory_worker(args) -> None:
     )
     pos = torch.arange(L)[None]
     ids, pos = _shard(ids, cp, rank, 1), _shard(pos, cp, rank, 1)
-    base = _status("VmRSS")
+    model(ids, labels=ids, position_ids=pos).backward()  # warm-up
+    model.zero_grad(set_to_none=True)
+    base = _reset_peak()
     dist.barrier()
     t0 = time.perf_counter()
     with SavedBytes([*model.parameters(), *model.buffers()]) as probe:
         loss = model(ids, labels=ids, position_ids=pos)
     loss.backward()
     seconds = time.perf_counter() - t0
-    est = activation_bytes(DecoderDims.of(model), seq_len=L, cp=cp, width=4, position_ids=True)
+    kw = dict(seq_len=L, cp=cp, width=4, position_ids=True)
     row = {
         "rank": rank,
         "saved_bytes": probe.bytes,
-        "formula_bytes": est,
+        "formula_bytes": activation_bytes(DecoderDims.of(model), **kw),
+        "peak_formula_bytes": peak_activation_bytes(DecoderDims.of(model), **kw),
         "peak_growth_bytes": _status("VmHWM") - base,
         "seconds": seconds,
     }
@@ -259,6 +285,11 @@ def memory_worker(args) -> None:
 # --------------------------------------------------------------------------------- driver
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    # A fixed mmap threshold: every block of 64 KiB or more is its own mapping, returned to
+    # the system when freed, so RSS follows the bytes alive (glibc's default threshold
+    # grows after frees and keeps freed blocks resident, differently for each framework's
+    # allocation order).
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(ROOT.parent / "src"), str(ROOT.parent), env.get("PYTHONPATH")])
     )
@@ -318,7 +349,8 @@ def _attention(args) -> dict:
             if "error" in r:
                 print(f"repeat {rep} {name}: cannot run: {r['error'][:300]}")
             else:
-                print(f"repeat {rep} {name}: {r['seconds_per_iter'] * 1e3:.0f} ms/iter, saved "
+                print(f"repeat {rep} {name}: {r['seconds_per_iter'] * 1e3:.0f} ms/iter "
+                      f"(cpu {r['cpu_seconds_per_iter'] * 1e3:.0f} ms), saved "
                       f"{r['saved_bytes'] / 2**20:.1f} MiB, peak +{r['peak_growth_bytes'] / 2**20:.0f}"
                       f" MiB, rel err {r['max_rel_err']:.1e}")  # fmt: skip
     summary, ratios = {}, {}
@@ -327,19 +359,41 @@ def _attention(args) -> dict:
         if ok:
             summary[name] = {
                 k: statistics.median(r[k] for r in ok)
-                for k in ("seconds_per_iter", "saved_bytes", "peak_growth_bytes", "max_rel_err")
+                for k in (
+                    "seconds_per_iter",
+                    "cpu_seconds_per_iter",
+                    "saved_bytes",
+                    "peak_growth_bytes",
+                    "max_rel_err",
+                )  # fmt: skip
             }
         elif rs:
             err = rs[0]["error"]
             missing = name == "meshtrain-ring" and err.startswith("ImportError")
             summary[name] = {"error": err, "not_on_branch": missing}
-    for a, b in PAIRS:
-        sa, sb = summary.get(a, {}), summary.get(b, {})
-        if "seconds_per_iter" in sa and "seconds_per_iter" in sb:
+    for a, b in PAIRS:  # medians of the same-round ratios (the suite's convention)
+        rounds = [
+            (ra, rb)
+            for ra, rb in zip(runs[a], runs[b], strict=False)
+            if "error" not in ra and "error" not in rb
+        ]
+        if rounds:
             ratios[f"{a} vs {b}"] = {
-                "speed": sb["seconds_per_iter"] / sa["seconds_per_iter"],
-                "saved_memory": sa["saved_bytes"] / sb["saved_bytes"],
-                "peak_memory": sa["peak_growth_bytes"] / max(sb["peak_growth_bytes"], 1),
+                "speed": statistics.median(
+                    rb["seconds_per_iter"] / ra["seconds_per_iter"] for ra, rb in rounds
+                ),
+                "saved_memory": statistics.median(
+                    ra["saved_bytes"] / rb["saved_bytes"] for ra, rb in rounds
+                ),
+                "peak_memory": statistics.median(
+                    ra["peak_growth_bytes"] / max(rb["peak_growth_bytes"], 1) for ra, rb in rounds
+                ),
+                "cpu": statistics.median(
+                    rb["cpu_seconds_per_iter"] / ra["cpu_seconds_per_iter"] for ra, rb in rounds
+                ),
+                "speed_per_round": [
+                    rb["seconds_per_iter"] / ra["seconds_per_iter"] for ra, rb in rounds
+                ],
             }
     return {"runs": runs, "summary": summary, "ratios": ratios}
 
@@ -356,7 +410,8 @@ def _memory(args) -> list[dict]:
             r0 = max(r["ranks"], key=lambda x: x["saved_bytes"])
             print(f"L={length} cp={cp}: saved {r0['saved_bytes'] / 2**20:.1f} MiB/rank, formula "
                   f"{r0['formula_bytes'] / 2**20:.1f} MiB, peak RSS +"
-                  f"{max(x['peak_growth_bytes'] for x in r['ranks']) / 2**20:.0f} MiB, "
+                  f"{max(x['peak_growth_bytes'] for x in r['ranks']) / 2**20:.1f} MiB, peak "
+                  f"formula {r0['peak_formula_bytes'] / 2**20:.1f} MiB, "
                   f"{max(x['seconds'] for x in r['ranks']):.1f} s")  # fmt: skip
     return table
 
@@ -376,6 +431,7 @@ def main() -> None:
     p.add_argument("--memory-cps", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 2, 4])  # fmt: skip
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
     if args.worker == "attention":
@@ -384,14 +440,17 @@ def main() -> None:
         return memory_worker(args)
     started = time.time()
     result = {"versions": _versions(), "args": vars(args)}
-    result["attention"] = _attention(args)
+    if not args.skip_attention:
+        result["attention"] = _attention(args)
     if not args.skip_memory:
         result["memory"] = _memory(args)
     result["wall_seconds"] = time.time() - started
-    for pair, r in result["attention"]["ratios"].items():
-        print(f"pair {pair}: speed {r['speed']:.2f}x saved memory {r['saved_memory']:.2f}x "
+    attention = result.get("attention", {"ratios": {}, "summary": {}})
+    for pair, r in attention["ratios"].items():
+        print(f"pair {pair}: speed {r['speed']:.2f}x cpu {r['cpu']:.2f}x saved memory "
+              f"{r['saved_memory']:.2f}x "
               f"peak memory {r['peak_memory']:.2f}x")  # fmt: skip
-    for name, s in result["attention"]["summary"].items():
+    for name, s in attention["summary"].items():
         if s.get("not_on_branch"):
             print(f"{name}: not on this branch (no meshtrain.parallel.context.ring): not run")
         elif "error" in s:

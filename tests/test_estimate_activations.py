@@ -3,10 +3,14 @@ what autograd keeps for the backward (``activation_probe.SavedBytes``), on mesht
 Decoder in fp32 on CPU, at cp 1 and, with all-to-all attention on real gloo ranks, at
 cp 2 and 4.
 
-The measure is the bytes of the distinct storages saved for the backward at the end of
-the forward (see ``activation_probe`` for why not RSS): deterministic, so the formula is
+The main measure is the bytes of the distinct storages saved for the backward at the end
+of the forward (see ``activation_probe`` for why not RSS): deterministic, so the formula is
 held to 10% (the issue's bar) and is in fact within 0.1% (a few scalars are not counted).
 Falling as 1/C: measured bytes at cp 1 over those at cp C lie within [0.9 C, 1.1 C].
+The peak of a whole forward + backward (``peak_activation_bytes``) is checked once, at
+4096 tokens and cp 2, against the RSS high-water mark's growth over one step (reset after a
+warm-up step; ranks run with a fixed malloc mmap threshold so freed blocks leave RSS):
+within 10%; measured within 1% at 8k and 16k by benchmarks/bench_context_parallel.py.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from tests.harness import run_ranks
 
 DIMS = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=172)
 L = 1024
+PEAK_L = 4096
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
 class _Ulysses:
@@ -31,16 +37,27 @@ class _Ulysses:
         return ulysses_attention(q, k, v, self.group, document_ids=document_ids, scale=scale)
 
 
-def _measure(group, batch: int = 1) -> tuple[int, int]:
-    """(saved bytes, formula bytes) of one Decoder forward on this rank's chunks."""
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) * 1024 for x in f if x.startswith(field))
+
+
+def _measure(group, batch: int = 1, length: int = L, peak: bool = False) -> tuple:
+    """(saved bytes, formula bytes) of one Decoder forward on this rank's chunks; with
+    ``peak`` also (peak RSS growth of a forward + backward, the peak formula)."""
     import torch
 
     from meshtrain.estimate.activation_probe import SavedBytes
-    from meshtrain.estimate.activations import DecoderDims, activation_bytes
+    from meshtrain.estimate.activations import (
+        DecoderDims,
+        activation_bytes,
+        peak_activation_bytes,
+    )
     from meshtrain.models import Decoder, DecoderConfig
 
     cp = 1 if group is None else group.size
     rank = 0 if group is None else group.rank
+    L = length
     model = Decoder(DecoderConfig(**DIMS, max_seq_len=L))
     ids = torch.randint(
         0, DIMS["vocab_size"], (batch, L), generator=torch.Generator().manual_seed(0)
@@ -52,20 +69,41 @@ def _measure(group, batch: int = 1) -> tuple[int, int]:
         # this rank's chunks rank and 2C-1-rank, with their global positions
         sel = torch.cat([torch.arange(L).chunk(2 * cp)[c] for c in (rank, 2 * cp - 1 - rank)])
         ids, pos = ids[:, sel], pos[:, sel]
+    if peak:  # a warm-up step, then the high-water mark reset (Linux clear_refs)
+        import ctypes
+
+        # every block of 64 KiB or more its own mapping, unmapped when freed: RSS then
+        # follows the bytes alive (glibc's adaptive threshold keeps freed blocks resident)
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)
+        model(ids, labels=ids, position_ids=pos).backward()
+        model.zero_grad(set_to_none=True)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _rss("VmRSS")
     with SavedBytes([*model.parameters(), *model.buffers()]) as probe:
-        model(ids, labels=ids, position_ids=pos)
-    est = activation_bytes(
-        DecoderDims.of(model), seq_len=L, cp=cp, batch=batch, width=4, position_ids=True
+        loss = model(ids, labels=ids, position_ids=pos)
+    dims = DecoderDims.of(model)
+    est = activation_bytes(dims, seq_len=L, cp=cp, batch=batch, width=4, position_ids=True)
+    if not peak:
+        return probe.bytes, est
+    loss.backward()
+    grown = _rss("VmHWM") - base
+    return (
+        probe.bytes,
+        est,
+        grown,
+        peak_activation_bytes(dims, seq_len=L, cp=cp, batch=batch, width=4, position_ids=True),
     )
-    return probe.bytes, est
 
 
 def _ranks() -> dict:
     from meshtrain.distributed.topology import Topology
 
+    cp4, cp2 = Topology(cp=4), Topology(cp=2)  # cp2: dp 2 x cp 2
     return {
-        4: _measure(Topology(cp=4).cp_group),
-        2: _measure(Topology(cp=2).cp_group),  # dp 2 x cp 2
+        4: _measure(cp4.cp_group),
+        2: _measure(cp2.cp_group),
+        "peak": _measure(cp2.cp_group, length=PEAK_L, peak=True),
     }
 
 
@@ -79,6 +117,9 @@ def test_falls_as_one_over_cp():
     one, _ = _measure(None)
     results = run_ranks(_ranks, 4)
     for res in results:
+        saved, est, grown, peak = res.pop("peak")
+        assert abs(saved - est) / saved < 0.10
+        assert abs(grown - peak) / peak < 0.10, (grown, peak)  # issue 29's bar
         for cp, (measured, est) in res.items():
             assert abs(measured - est) / measured < 0.10, (cp, measured, est)
             assert 0.9 * cp <= one / measured <= 1.1 * cp, (cp, one, measured)
@@ -115,9 +156,9 @@ def test_cli_table_and_step_log(capsys):
                  "--precision", "fp32"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     dims = DecoderDims(hidden=64, heads=4, kv_heads=4, ffn=172, vocab=256, layers=2)
-    row = next(x for x in out.splitlines() if x.strip().startswith("16,384")).split()
-    assert row[0] == "16,384" and len(row) == 1 + 2 * 3  # cp=1, 2, 4: "0.213 GB" each
-    gb = [float(v) for v in row[1::2]]
+    row = next(x for x in out.splitlines() if x.split()[:2] == ["16,384", "kept"]).split()
+    assert len(row) == 2 + 2 * 3  # cp=1, 2, 4: "0.213 GB" each
+    gb = [float(v) for v in row[2::2]]
     for c, shown in zip((1, 2, 4), gb, strict=True):
         want = activation_bytes(dims, seq_len=16384, cp=c, position_ids=c > 1) / 1e9
         assert abs(shown - want) / want < 5e-3  # three significant digits
@@ -138,3 +179,78 @@ def test_cli_table_and_step_log(capsys):
     assert f"act {want / 1e6:.1f} MB/rank" in log.format(last)
     split = SimpleNamespace(tp_size=2, pp_size=1, cp_size=1)
     assert not attach_activations(StepLog(0, 1, False), model, split, cfg, torch.float32)
+
+
+def test_formula_in_bf16():
+    """The 16-bit terms (norms and rotary keep fp32 copies, the loss fp32 log-probs)."""
+    import torch
+
+    from meshtrain.estimate.activation_probe import SavedBytes
+    from meshtrain.estimate.activations import DecoderDims, activation_bytes
+    from meshtrain.models import Decoder, DecoderConfig
+
+    model = Decoder(DecoderConfig(**DIMS, max_seq_len=512)).to(torch.bfloat16)
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 512), generator=torch.Generator().manual_seed(1))
+    with SavedBytes([*model.parameters(), *model.buffers()]) as probe:
+        model(ids, labels=ids)
+    est = activation_bytes(DecoderDims.of(model), seq_len=512, batch=2, width=2)
+    assert abs(probe.bytes - est) <= 64, (probe.bytes, est)
+
+
+class _Attend:
+    """The Decoder's attention seam with ``fn(q, k, v, group, ...)`` over ``group``."""
+
+    def __init__(self, fn, group) -> None:
+        self.fn, self.group = fn, group
+
+    def attend(self, q, k, v, *, document_ids=None, scale=None):
+        return self.fn(q, k, v, self.group, document_ids=document_ids, scale=scale)
+
+
+def _terms(length: int) -> dict:
+    """(saved, formula) per method and with/without packed documents, this rank."""
+    import importlib
+
+    import torch
+
+    from meshtrain.distributed.topology import Topology
+    from meshtrain.estimate.activation_probe import SavedBytes
+    from meshtrain.estimate.activations import DecoderDims, activation_bytes
+    from meshtrain.models import Decoder, DecoderConfig
+    from meshtrain.parallel.context.all_to_all import ulysses_attention
+
+    g = Topology(cp=2).cp_group
+    fns = {"all_to_all": ulysses_attention}
+    try:  # the ring lives beside this module (parallel/context/ring.py) once merged
+        fns["ring"] = importlib.import_module("meshtrain.parallel.context.ring").ring_attention
+    except ImportError:
+        pass
+    sel = torch.cat([torch.arange(length).chunk(4)[c] for c in (g.rank, 3 - g.rank)])
+    ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))[:, sel]
+    pos = torch.arange(length)[None][:, sel]
+    out = {}
+    for method, fn in fns.items():
+        for docs in (False, True):
+            model = Decoder(DecoderConfig(**DIMS, max_seq_len=length))
+            for layer in model.layers:
+                layer.attn.context = _Attend(fn, g)
+            d = (pos // (length // 3)) if docs else None  # three documents, global ids
+            with SavedBytes([*model.parameters(), *model.buffers()]) as probe:
+                model(ids, labels=ids, position_ids=pos, document_ids=d)
+            est = activation_bytes(
+                DecoderDims.of(model), seq_len=length, cp=2, width=4, method=method,
+                position_ids=True, documents=docs,
+            )  # fmt: skip
+            out[method, docs] = (probe.bytes, est)
+    return out
+
+
+def test_document_mask_and_ring_terms():
+    """all_to_all with packed rows keeps the dense [B, 1, L, L] mask per layer on every
+    rank; ring (where present) keeps every key/value block it saw. Within 1% (measured:
+    exact but for a few KiB of int64 ids and labels; the issue's bar is 10%)."""
+    for res in run_ranks(_terms, 2, 2048):
+        for key, (measured, est) in res.items():
+            assert abs(measured - est) / measured < 1e-2, (key, measured, est)
+        plain, masked = res["all_to_all", False][0], res["all_to_all", True][0]
+        assert masked - plain >= 2 * 4 * 2048 * 2048  # the mask term did not fall with C

@@ -25,15 +25,19 @@ all-to-all method keeps inside attention the whole sequence for ``1/C`` of the h
 same bytes; so the per-rank estimate is the formula at ``s = L/C`` and falls as ``1/C``
 (under grouped-query attention with ``Hkv % C != 0`` the repeated key/value heads make
 ``kv`` per rank ``Hkv' hd`` with ``Hkv'`` from ``all_to_all.head_layout``). Ring attention
-holds only its ``L/C`` tokens' q, k, v and output too (the formula at ``s = L/C``, if the
-ring keeps no received key/value blocks for its backward). **Document masks** (packed
-rows, ``document_ids``) are the exception: the SDPA kernel keeps the boolean mask as a
-``w``-byte ``[B, 1, L, L]`` tensor per layer, and under all-to-all every rank builds it for
-the whole sequence, so that term, ``w B L^2`` per layer, does not fall with ``C``.
+(``parallel/context/ring.py``) keeps its ``L/C`` queries and output but all ``C`` key/value
+blocks it saw, so its attention term is ``w (3 h + 2 kv C)`` per local token: ``2 w B L
+kv`` per layer that does not fall with ``C`` (measured on the Decoder at 2048 tokens,
+cp 2 and 4, with the ring of the s10-cp-ring branch: exact to the byte). **Document
+masks** (packed rows, ``document_ids``): under all-to-all the SDPA kernel keeps the
+boolean mask as a ``w``-byte ``[B, 1, L, L]`` tensor per layer, built on every rank for the
+whole sequence, so that term, ``w B L^2`` per layer, does not fall with ``C`` (measured
+exact at cp 2 and 4); the ring keeps the blocks' int64 ids instead, at most ``8 B L`` per
+layer (counted as ``8 B L``: the measured bytes are ``8 B L (1 - 1/2C)``).
 
 Measured by ``tests/test_estimate_activations.py``: the formula equals the bytes of the
 distinct storages autograd saves (``activation_probe.SavedBytes``) to within 0.1% on the
-Decoder (fp32, CPU), and at ``C = 2, 4`` with all-to-all attention.
+Decoder (fp32 and bf16, CPU), and at ``C = 2, 4`` with all-to-all attention.
 """
 
 from __future__ import annotations
@@ -43,7 +47,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["DecoderDims", "activation_bytes", "activation_table", "attach_activations"]
+__all__ = [
+    "DecoderDims",
+    "activation_bytes",
+    "activation_table",
+    "attach_activations",
+    "peak_activation_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -110,16 +120,32 @@ def activation_bytes(
     else:
         h_attn = h
     norms = 2 * (4 * h + 2 * w * h)
-    attention = w * (2 * h_attn + 2 * kv + h)  # q, out (attention heads), k, v; o_proj input
+    if method == "ring":  # q, out, o_proj input; the C key/value blocks it saw
+        attention = w * (3 * h + 2 * kv * cp)
+    else:  # q, out (the attention's heads), k, v; o_proj input
+        attention = w * (2 * h_attn + 2 * kv + h)
     block = norms + attention + 4 * w * dims.ffn + 4 * (h_attn // dims.head_dim) + 8
     per_token = dims.layers * block + (4 * h + 2 * w * h + 4) + 8
     if position_ids:
         per_token += 4 * dims.head_dim
     total = batch * (s * per_token + (s - 1) * (4 * dims.vocab + 8))
-    if documents:
-        full = seq_len if method == "all_to_all" else s
-        total += dims.layers * batch * w * full * full
+    if documents and method == "all_to_all":  # the dense mask, whole sequence, every rank
+        total += dims.layers * batch * w * seq_len * seq_len
+    elif documents:  # ring: the blocks' int64 document ids
+        total += dims.layers * batch * 8 * seq_len
     return total
+
+
+def peak_activation_bytes(dims: DecoderDims, *, seq_len: int, cp: int = 1, batch: int = 1,
+                          **kw) -> int:  # fmt: skip
+    """The most activation bytes alive at once in a forward + backward on one rank: what
+    the forward keeps (``activation_bytes``, same keywords) plus the loss's two fp32
+    ``[batch, L/C, V]`` gradients (log-probabilities and logits) alive together at the
+    start of the backward, the largest transient while the vocabulary is larger than the
+    MLP. Measured on the Decoder (fp32, CPU) at 8k and 16k tokens, cp 1, 2, 4: within 1%
+    of the peak RSS growth of a step (``benchmarks/bench_context_parallel.py``)."""
+    kept = activation_bytes(dims, seq_len=seq_len, cp=cp, batch=batch, **kw)
+    return kept + 2 * 4 * batch * (seq_len // cp) * dims.vocab
 
 
 def activation_table(
@@ -131,35 +157,27 @@ def activation_table(
     width: int = 2,
     method: str = "all_to_all",
 ) -> str:
-    """Rows of sequence length, columns of cp size: activation GB per rank (GB = 1e9)."""
+    """Rows of sequence length (kept and peak), columns of cp size: activation GB per rank
+    (GB = 1e9)."""
     from meshtrain.estimate.model_states import _gb
 
-    head = ["seq len"] + [f"cp={c}" for c in cps]
+    head = ["seq len", ""] + [f"cp={c}" for c in cps]
     body = []
     for length in seq_lens:
-        row = [f"{length:,}"]
-        for c in cps:
-            ok = length % (2 * c) == 0 or c == 1
-            row.append(
-                _gb(
-                    activation_bytes(
-                        dims,
-                        seq_len=length,
-                        cp=c,
-                        batch=batch,
-                        width=width,
-                        method=method,
-                        position_ids=c > 1,
-                    )
-                )  # fmt: skip
-                if ok
-                else "-"
-            )
-        body.append(row)
+        for label, fn in (("kept", activation_bytes), ("peak", peak_activation_bytes)):
+            row = [f"{length:,}", label]
+            for c in cps:
+                if length % (2 * c) and c > 1:
+                    row.append("-")  # not a multiple of 2C: refused by context parallelism
+                    continue
+                kw = dict(batch=batch, width=width, method=method, position_ids=c > 1)
+                row.append(_gb(fn(dims, seq_len=length, cp=c, **kw)))
+            body.append(row)
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = [
         f"Activation memory per rank ({method}, {batch} sequence(s) per micro-batch, "
-        f"{width}-byte activations, no activation checkpointing; GB = 1e9)",
+        f"{width}-byte activations, no activation checkpointing; GB = 1e9; kept: saved for "
+        "the backward; peak: with the loss's gradients at the start of the backward)",
         "  ".join(c.rjust(wd) for c, wd in zip(head, widths, strict=True)),
     ]
     lines += ["  ".join(c.rjust(wd) for c, wd in zip(x, widths, strict=True)) for x in body]
