@@ -4,8 +4,9 @@
   writer) before it is parsed, and parsed with duplicate keys refused, so a damaged byte
   anywhere in it -- a digit of a size, a letter of a tensor name, an RNG state -- is named
   as damage to that file instead of surfacing as a wrong number later.
-* ``verify_rank_file``: a rank file against its per-tensor record (``tensor_files``), or
-  the whole-file sha256 of manifests written before the record existed.
+* rank files are checked as they are read (``rank_file``): the header when the file is
+  opened, each tensor against its record as it is read, or the whole-file sha256 of
+  manifests written before the records existed.
 
 Every message ends with what to do: load the previous complete tag (named), or set
 ``MESHTRAIN_VERIFY=0`` (``verify=False``) to open it anyway and inspect it.
@@ -13,11 +14,10 @@ Every message ends with what to do: load the previous complete tag (named), or s
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
-from meshtrain.checkpoint import storage, tensor_files
+from meshtrain.checkpoint import storage
 from meshtrain.errors import CheckpointError
 from meshtrain.files import checksums
 from meshtrain.files.checksums import VERIFY_ENV, verify_default
@@ -57,24 +57,4 @@ def read_manifest(mpath: Path, verify: bool) -> dict[str, Any]:
     return data
 
 
-def verify_rank_file(path: Path, entry: dict[str, Any]) -> None:
-    """Check one rank file against its manifest entry; CheckpointError names file and part."""
-    fix = fix_for(path.parent)
-    if isinstance(entry.get("checksum"), dict):
-        # one streamed pass (4 MiB reads): memory-mapping would count the whole file in RSS
-        tensor_files.verify(
-            path, entry["checksum"], CheckpointError, f"(rank {entry['rank']}) {fix}"
-        )
-        return
-    h = hashlib.sha256()  # manifests written before per-tensor records
-    with open(path, "rb") as f:
-        while chunk := f.read(checksums.CHUNK):
-            h.update(chunk)
-    if h.hexdigest() != entry["sha256"]:
-        raise CheckpointError(
-            f"checkpoint file {path} (rank {entry['rank']}) is corrupted: its sha256 differs "
-            f"from the manifest's {entry['sha256'][:16]}...; {fix}"
-        )
-
-
-__all__ = ["VERIFY_ENV", "fix_for", "read_manifest", "verify_default", "verify_rank_file"]
+__all__ = ["VERIFY_ENV", "fix_for", "read_manifest", "verify_default"]
