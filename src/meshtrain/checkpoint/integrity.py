@@ -43,8 +43,7 @@ def read_manifest(mpath: Path, verify: bool) -> dict[str, Any]:
     """Bytes of ``manifest.json`` checked against its seal, then parsed (no duplicates)."""
     fix = fix_for(mpath.parent)
     raw = read_bytes(mpath, CheckpointError, "checkpoint manifest")
-    if verify:
-        checksums.unseal(raw, str(mpath), CheckpointError, fix)
+    sealed = checksums.unseal(raw, str(mpath), CheckpointError, fix) if verify else None
     text = decode(raw, str(mpath), CheckpointError, what="checkpoint manifest", empty_fix=fix)
     data = parse_json(
         text,
@@ -54,6 +53,12 @@ def read_manifest(mpath: Path, verify: bool) -> dict[str, Any]:
     )
     if not isinstance(data, dict):
         raise CheckpointError(f"{mpath}: not a manifest (a JSON object); {fix}")
+    version = data.get("format_version")
+    if sealed is False and isinstance(version, int) and version >= 2:
+        raise CheckpointError(
+            f"{mpath}: format_version {version} manifests end with their own checksum "
+            f'("_checksum"), and this one has none: it was edited or damaged; {fix}'
+        )
     return data
 
 
