@@ -37,10 +37,14 @@ def test_flipped_byte_is_a_checksum_error(ckpt):
     data[len(data) - 10] ^= 0xFF  # inside the tensor bytes: safetensors would not notice
     f.write_bytes(bytes(data))
     r = CheckpointReader(save_dir)  # sizes still match
+    # each tensor is verified as it is read: the undamaged ones load with their exact values
+    assert torch.equal(r.read_full("layer.b"), full_state(0)["param"]["layer.b"])
     with pytest.raises(CheckpointError, match="corrupted: its xxh3_64 checksum") as e:
-        r.read("layer.b")
+        r.rank_tensor(0, "rng.torch")
     assert str(f) in str(e.value)
     assert "tensor 'rng.torch' (bytes " in str(e.value)  # the damaged tensor is named
+    with pytest.raises(CheckpointError, match="tensor 'rng.torch' .* is corrupted"):
+        CheckpointReader(save_dir).verify_all()  # every byte, whatever is read
 
 
 def test_truncated_and_missing_files(ckpt):

@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from meshtrain.checkpoint import CheckpointReader, latest_tag, list_tags
+from meshtrain.checkpoint import FORMAT_VERSION, CheckpointReader, latest_tag, list_tags
 from tests.checkpoint.common import ALIASES, SHAPES, STATES, full_state
 
 
@@ -69,7 +69,7 @@ def test_two_rank_roundtrip(two_rank_checkpoint):
     # the tag directory itself works too, and the manifest is plain JSON
     assert CheckpointReader(save_dir / "global_step7").tag == "global_step7"
     manifest = json.loads((save_dir / "global_step7" / "manifest.json").read_text())
-    assert manifest["format_version"] == 1 and len(manifest["ranks"]) == 2
+    assert manifest["format_version"] == FORMAT_VERSION == 2 and len(manifest["ranks"]) == 2
 
 
 def test_bad_saves_fail_on_every_rank(two_rank_checkpoint):

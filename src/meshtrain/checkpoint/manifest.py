@@ -4,7 +4,7 @@ A checkpoint is a directory ``save_dir/<tag>/`` holding one safetensors file per
 (``rank00000.safetensors``, ...) and one ``manifest.json`` written by rank 0::
 
     {
-      "format": "meshtrain-checkpoint", "format_version": 1,
+      "format": "meshtrain-checkpoint", "format_version": 2, "meshtrain_version": "0.1.0",
       "tag": "global_step100", "world_size": 2, "created_unix": 1.7e9,
       "meta": {                       # from the engine, JSON-able, rank 0's copy
         "tensors": {name: {"shape": [...], "dtype": "bfloat16", "kind": "param"}, ...},
@@ -36,7 +36,13 @@ world size or ZeRO stage is "read the ranges I now own". Tensor- and pipeline-pa
 writers fit the same description later (a pipeline stage writes the names it holds; a
 row-split tensor shard is a run of the flattened index, a column split is several runs),
 and new optional fields on a piece or a rank entry stay readable by this version, so
-adding them needs no format break. A reader refuses a ``format_version`` newer than its own.
+adding them needs no format break.
+
+Versions: a reader reads every ``format_version`` up to its own and refuses a newer one by
+name, with the version of meshtrain that wrote it and the fix (upgrade). 1: a whole-file
+``sha256`` per rank file (a per-tensor ``checksum`` record in the last version-1 writers);
+2 (issue 32): the per-tensor record in every rank entry and the manifest sealed with its
+own checksum -- a reader of version 1 could not check either, so it must refuse these.
 
 Size: one piece is ~100 bytes of JSON; a ZeRO-3 job with P parameters, S optimizer states
 and R ranks writes at most about P x (S + 1) x R pieces (most parameters fall on one or two
@@ -58,7 +64,7 @@ from meshtrain.dtypes import BY_MANIFEST_NAME
 from meshtrain.errors import CheckpointError
 
 FORMAT = "meshtrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # see "Versions" above; bump when a reader of the previous one would misread
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -262,15 +268,43 @@ def build_manifest(
     tag: str, meta: dict[str, Any], infos: list[dict[str, Any]], created_unix: float
 ) -> dict[str, Any]:
     """The manifest dict from rank 0's meta and each rank's gathered file info."""
+    from meshtrain import __version__
+
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "meshtrain_version": __version__,
         "tag": tag,
         "world_size": len(infos),
         "created_unix": created_unix,
         "meta": meta,
         "ranks": infos,
     }
+
+
+def check_version(version: Any, writer: Any, where: str) -> None:
+    """Refuse a ``format_version`` this meshtrain cannot read, naming it and the fix."""
+    from meshtrain import __version__
+
+    if (
+        isinstance(version, int)
+        and not isinstance(version, bool)
+        and 1 <= version <= FORMAT_VERSION
+    ):
+        return
+    by = f" (written by meshtrain {writer})" if isinstance(writer, str) else ""
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: checkpoint format_version {version}{by} is newer than this meshtrain "
+            f"{__version__} reads (format_version 1 to {FORMAT_VERSION}); upgrade meshtrain "
+            f"(pip install -U meshtrain) to load it, or load it where it was written and "
+            f"save it again from there"
+        )
+    raise CheckpointError(
+        f"{where}: format_version {version!r}{by} is not a version of the meshtrain "
+        f"checkpoint format (1 to {FORMAT_VERSION}); the manifest is damaged or was not "
+        f"written by meshtrain: load another tag"
+    )
 
 
 def parse_manifest(
@@ -282,11 +316,7 @@ def parse_manifest(
             f'{where}: not a meshtrain checkpoint manifest (no "format": "{FORMAT}")'
         )
     version = data.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{where}: format_version {version!r} is newer than this meshtrain reads "
-            f"({FORMAT_VERSION}); upgrade meshtrain to load it"
-        )
+    check_version(version, data.get("meshtrain_version"), where)
     ranks = data.get("ranks")
     if not isinstance(ranks, list) or not ranks or len(ranks) != data.get("world_size"):
         raise CheckpointError(f"{where}: 'ranks' must list one entry per rank of world_size")
@@ -298,9 +328,9 @@ def parse_manifest(
         for f, typ in (("file", str), ("size", int), ("state", dict)):
             if not isinstance(entry.get(f), typ):
                 raise CheckpointError(f"{w}.{f} is missing or not a {typ.__name__}")
-        # "checksum": per-tensor xxh3-64 record (tensor_files); "sha256": older manifests
+        # "checksum": per-tensor xxh3-64 record (tensor_files); "sha256": version 1 only
         rec = entry.get("checksum")
-        if not isinstance(entry.get("sha256"), str) and not (
+        if not (version < 2 and isinstance(entry.get("sha256"), str)) and not (
             isinstance(rec, dict)
             and isinstance(rec.get("header"), str)
             and isinstance(rec.get("tensors"), dict)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.errors import CheckpointError
+from meshtrain.files.structured import load_json
 
 PEFT_PREFIX = "base_model.model."
 
@@ -73,7 +74,10 @@ def read_adapter_config(path: str | os.PathLike) -> dict:
             f"--merge-lora: {path} does not exist; give the adapter_config.json of the LoRA "
             "(or the adapter folder that save_model/save_pretrained wrote)"
         )
-    cfg = json.loads(path.read_text())
+    fix = "save the adapter again with save_pretrained"
+    cfg = load_json(path, CheckpointError, what="adapter config", fix=fix, empty_fix=fix)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"--merge-lora: {path} is not a JSON object; {fix}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"--merge-lora: {path} is a {cfg['peft_type']} adapter, not LoRA")
     for key in ("rank_pattern", "alpha_pattern"):

@@ -2,18 +2,22 @@
 
 ``CheckpointReader`` trusts nothing it has not checked: on opening it validates the
 manifest (pieces tile every tensor exactly) and that every rank file exists with the size
-the manifest records; the first time a rank file is actually read, its checksums are
-verified (``integrity``: the header and every tensor, naming the damaged one) and its keys are checked against the pieces that point into it. A failure names the file
-and what failed (missing, size, checksum, key) and what to do.
+the manifest records; the first time a rank file is read, its header is checked against
+the manifest's record and its keys against the pieces that point into it, and each tensor
+is verified the first time it is read (``rank_file``: hashed block by block as the load
+reads it, one pass over the bytes). A failure names the file, what failed (missing, size,
+header, tensor checksum, key) and what to do.
 
 Reads are lazy and narrow: ``read(name, state, start, numel)`` touches only the pieces
-overlapping ``[start, start+numel)`` and, inside each, only those elements
-(``safetensors.safe_open(...).get_slice``), so a rank loading its ZeRO partition reads its
-share of the bytes, not the checkpoint. Nothing is unpickled.
+overlapping ``[start, start+numel)``. A request that is one whole key is read straight into
+the tensor returned (no second copy); a part of a key is sliced from safetensors' memory
+map (``get_slice``), so a rank loading its ZeRO partition reads its share of the bytes,
+not the checkpoint. Nothing is unpickled.
 
 Memory: safetensors memory-maps the files it opens; pages it touched stay counted in RSS
-while the file is open. ``release()`` closes the files (consolidation calls it after each
-tensor, which keeps its peak near one tensor).
+while the file is open. Keys read whole for verification and kept for the slices that
+follow hold at most ``rank_file.KEEP_BYTES``. ``release()`` closes the files and drops
+those (consolidation calls it after each chunk, which keeps its peak near one tensor).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 from meshtrain.checkpoint import integrity, storage
 from meshtrain.checkpoint.manifest import MANIFEST, dtype_from_name, full_numel, parse_manifest
+from meshtrain.checkpoint.rank_file import KEEP_BYTES, RankFile
 from meshtrain.errors import CheckpointError
 
 _LIST_MAX = 20  # names shown per category in a model-mismatch message
@@ -86,8 +91,8 @@ class CheckpointReader:
         self._manifest = data
         self._meta, self._pieces, self._index = parse_manifest(data, str(mpath))
         self._starts = {k: [p.start for p, _ in v] for k, v in self._index.items()}
-        self._handles: dict[int, Any] = {}
-        self._checked: set[int] = set()
+        self._files: dict[int, RankFile] = {}
+        self._kept: dict[tuple[int, str], torch.Tensor] = {}  # whole keys read for slices
         for entry in data["ranks"]:
             self._check_size(entry)
 
@@ -166,43 +171,74 @@ class CheckpointReader:
                 f"another tag or restore the file"
             )
 
-    def _open(self, rank: int) -> Any:
-        handle = self._handles.get(rank)
-        if handle is not None:
-            return handle
-        from safetensors import safe_open
-
+    def _open(self, rank: int) -> RankFile:
+        rf = self._files.get(rank)
+        if rf is not None:
+            return rf
         entry = self._rank_entry(rank)
-        f = self.path / entry["file"]
-        if rank not in self._checked:
-            self._check_size(entry)
-            if self._verify:
-                integrity.verify_rank_file(f, entry)
-        try:
-            handle = safe_open(str(f), framework="pt")
-        except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(
-                f"checkpoint file {f} (rank {rank}) is not a readable safetensors file "
-                f"({exc}); restore it or load another tag"
-            ) from None
-        if rank not in self._checked:
-            keys = set(handle.keys())
-            for p in self._pieces[rank]:
-                shape = handle.get_slice(p.key).get_shape() if p.key in keys else None
-                if shape is None or len(shape) != 1 or p.offset + p.numel > shape[0]:
-                    raise CheckpointError(
-                        f"checkpoint file {f} (rank {rank}): piece of {p.name!r} "
-                        f"({p.state!r}) needs elements [{p.offset}, {p.offset + p.numel}) "
-                        f"of key {p.key!r}, which has shape {shape}; the file does not match "
-                        f"its manifest"
-                    )
-            self._checked.add(rank)
-        self._handles[rank] = handle
-        return handle
+        self._check_size(entry)
+        rf = RankFile(
+            self.path / entry["file"],
+            rank,
+            record=entry.get("checksum") if isinstance(entry.get("checksum"), dict) else None,
+            sha256=entry.get("sha256"),
+            verify=self._verify,
+            fix=integrity.fix_for(self.path),
+        )
+        for p in self._pieces[rank]:
+            shape = rf.shape(p.key) if p.key in rf.keys else None
+            if shape is None or len(shape) != 1 or p.offset + p.numel > shape[0]:
+                raise CheckpointError(
+                    f"checkpoint file {rf.path} (rank {rank}): piece of {p.name!r} "
+                    f"({p.state!r}) needs elements [{p.offset}, {p.offset + p.numel}) "
+                    f"of key {p.key!r}, which has shape {shape}; the file does not match "
+                    f"its manifest"
+                )
+        self._files[rank] = rf
+        return rf
+
+    def _slice(self, rank: int, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of 1-D key ``key`` of rank ``rank``'s file, verified."""
+        kept = self._kept.get((rank, key))
+        if kept is not None:
+            return kept[lo:hi]
+        rf = self._open(rank)
+        if self._verify and key not in rf.verified:
+            if rf.nbytes(key) <= KEEP_BYTES:  # read it whole once; the slices come from it
+                whole = rf.read_key(key)
+                self._keep((rank, key), whole)
+                return whole[lo:hi]
+            rf.verify_key(key)  # too large to keep: a streamed pass of its own
+        return rf.mapped().get_slice(key)[lo:hi]
+
+    def _keep(self, k: tuple[int, str], t: torch.Tensor) -> None:
+        self._kept[k] = t
+        total = sum(v.nbytes for v in self._kept.values())
+        while total > KEEP_BYTES and len(self._kept) > 1:  # oldest first; they are verified
+            total -= self._kept.pop(next(iter(self._kept))).nbytes
+
+    def _whole_key(self, rank: int, key: str) -> torch.Tensor:
+        """A whole key in a storage of its own: handed over from the kept ones, or read in
+        one pass (verified as it is read)."""
+        kept = self._kept.pop((rank, key), None)
+        return kept if kept is not None else self._open(rank).read_key(key)
+
+    def verify_all(self) -> None:
+        """Verify every byte of every rank file now, not only what is read (a streamed
+        pass over each tensor not yet verified); a no-op with ``verify=False``."""
+        if not self._verify:
+            return
+        for rank in range(self.world_size):
+            rf = self._open(rank)
+            for key in rf.keys:
+                rf.verify_key(key)
 
     def release(self) -> None:
-        """Close the open files (unmaps them); later reads reopen them (no re-hash)."""
-        self._handles.clear()
+        """Close the files (unmaps them) and drop kept keys; later reads reopen them (what
+        was verified is not hashed again)."""
+        for rf in self._files.values():
+            rf.close()
+        self._kept.clear()
 
     def close(self) -> None:
         self.release()
@@ -214,17 +250,17 @@ class CheckpointReader:
         self.release()
 
     def rank_keys(self, rank: int) -> list[str]:
-        return sorted(self._open(rank).keys())
+        return sorted(self._open(rank).keys)
 
     def rank_tensor(self, rank: int, key: str) -> torch.Tensor:
         """A whole tensor from one rank's file (e.g. its torch RNG state)."""
-        f = self._open(rank)
-        if key not in set(f.keys()):
+        rf = self._open(rank)
+        if key not in rf.keys:
             raise CheckpointError(
                 f"{self.path / self._rank_entry(rank)['file']}: no tensor {key!r}; "
-                f"keys there: {_short(sorted(f.keys()))}"
+                f"keys there: {_short(sorted(rf.keys))}"
             )
-        return f.get_tensor(key)
+        return self._whole_key(rank, key).reshape(rf.shape(key))
 
     # ---- tensors --------------------------------------------------------------------
     def iter_chunks(
@@ -264,7 +300,7 @@ class CheckpointReader:
             for lo in range(a, b, step):
                 hi = min(b, lo + step)
                 # a fresh slice per chunk: holding none across a yield lets release() unmap
-                chunk = self._open(rank).get_slice(p.key)[p.offset + lo : p.offset + hi]
+                chunk = self._slice(rank, p.key, p.offset + lo, p.offset + hi)
                 if dtype is None:
                     dtype = chunk.dtype
                 elif chunk.dtype != dtype:
@@ -280,6 +316,9 @@ class CheckpointReader:
     ) -> torch.Tensor:
         """Elements ``[start, start+numel)`` of flattened ``name`` (its ``state``), 1-D,
         in the stored dtype (fp32 master weights for trainable params)."""
+        whole = self._one_key(name, state, start, numel)
+        if whole is not None:
+            return whole
         out = None
         for pos, chunk in self.iter_chunks(name, state, start, numel):
             if out is None:
@@ -290,6 +329,26 @@ class CheckpointReader:
         if out is None:  # an empty range or tensor
             out = torch.empty(0, dtype=self.dtype(name))
         return out
+
+    def _one_key(self, name: str, state: str, start: int, numel: int | None) -> torch.Tensor | None:
+        """The result itself when the range is exactly one whole key of one rank file (the
+        common case: a tensor, or a rank's whole flat partition): read once, no copy."""
+        canon = self._canonical(name)
+        entries = self._index.get((canon, state))
+        if not entries or start < 0:
+            return None
+        i = bisect_right(self._starts[(canon, state)], start) - 1
+        if i < 0:
+            return None
+        p, rank = entries[i]
+        n = p.end - start if numel is None and len(entries) == i + 1 else numel
+        if n is None or n <= 0 or start + n > p.end:
+            return None
+        first = p.offset + (start - p.start)
+        rf = self._open(rank)
+        if first != 0 or n != rf.shape(p.key)[0]:
+            return None
+        return self._whole_key(rank, p.key).reshape(-1)
 
     def read_full(self, name: str, state: str = "param") -> torch.Tensor:
         """The whole tensor in its shape (stored dtype)."""

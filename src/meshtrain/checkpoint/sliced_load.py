@@ -39,7 +39,6 @@ initialised tensors (small heads, when any).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -49,6 +48,7 @@ from typing import Any
 import torch
 
 from meshtrain.errors import CheckpointError
+from meshtrain.files.structured import load_json
 
 log = logging.getLogger("meshtrain")
 
@@ -64,7 +64,11 @@ class SafetensorsSource:
         self.path = Path(path)
         p = self.path
         if p.is_dir() and (p / INDEX).is_file():
-            weight_map = json.loads((p / INDEX).read_text())["weight_map"]
+            fix = "save the model again with save_pretrained"
+            index = load_json(p / INDEX, CheckpointError, what="weight index", fix=fix)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{p / INDEX}: no 'weight_map' object; {fix}")
             self._file_of = {k: p / f for k, f in weight_map.items()}
         elif p.is_dir() and (p / SINGLE).is_file():
             self._file_of = None

@@ -169,22 +169,19 @@ def config_dtype(config: Mapping[str, Any] | None) -> str | None:
     return value if isinstance(value, str) and value in _FLOATS.values() else None
 
 
-def check_foreign(
-    path: str | os.PathLike, error: type[Exception], declared_dtype: str | None = None
-) -> dict[str, Any]:
-    """Validate a safetensors file without a checksum record; return its header.
+def layout(
+    head: bytes, size: int, where: str, error: type[Exception], fix: str = FOREIGN_FIX
+) -> dict[str, tuple[str, list[int], int, int]]:
+    """``{key: (dtype code, shape, first byte, end byte)}`` of a safetensors file whose
+    header is ``head`` and size ``size``, positions from the start of the file.
 
-    Checked: the header parses; every tensor's byte length is ``prod(shape) x itemsize``;
-    the data offsets tile the data area exactly and end at the end of the file; floating
-    tensors are in ``declared_dtype`` (or float32, which some models keep for norms)."""
-    where = os.fspath(path)
-    fix = FOREIGN_FIX
-    with open(path, "rb") as f:
-        head = header_bytes(f, where, error)
-        size = os.fstat(f.fileno()).st_size
-    header = parse_header(head, where, error)
-    pos = 0
-    for begin, end, key, dtype, shape in _ranges(header, where, error):
+    Checked: the header parses; every tensor's dtype is known and its byte length is
+    ``prod(shape) x itemsize``; the offsets tile the data area exactly and end at the end of
+    the file. Anything else raises ``error`` naming ``where``, the tensor and ``fix``."""
+    header = parse_header(head, where, error, fix)
+    out: dict[str, tuple[str, list[int], int, int]] = {}
+    pos, base = 0, len(head)
+    for begin, end, key, dtype, shape in _ranges(header, where, error, fix):
         item = _ST_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
         if item is None:
             raise error(damaged(where, f"tensor {key!r} has unknown dtype {dtype!r}", fix))
@@ -206,26 +203,38 @@ def check_foreign(
                 damaged(where, f"tensor {key!r} starts at data byte {begin}, expected {pos}", fix)
             )
         pos = end
+        out[key] = (dtype, shape, base + begin, base + end)
+    if base + pos != size:
+        what = "cut short" if base + pos > size else "longer than its header says"
+        raise error(damaged(where, f"{size} bytes, its header describes {base + pos}: {what}", fix))
+    return out
+
+
+def check_foreign(
+    path: str | os.PathLike, error: type[Exception], declared_dtype: str | None = None
+) -> dict[str, Any]:
+    """Validate a safetensors file without a checksum record; return its header.
+
+    Checked: what ``layout`` checks, and floating tensors in ``declared_dtype`` (or
+    float32, which some models keep for norms)."""
+    where = os.fspath(path)
+    fix = FOREIGN_FIX
+    with open(path, "rb") as f:
+        head = header_bytes(f, where, error)
+        size = os.fstat(f.fileno()).st_size
+    keys = layout(head, size, where, error)
+    for key, (dtype, _shape, _begin, _end) in keys.items():
         if (
             declared_dtype
             and dtype in _FLOATS
-            and _FLOATS[dtype]
-            not in (
-                declared_dtype,
-                "float32",
-            )
+            and _FLOATS[dtype] not in (declared_dtype, "float32")
         ):
             raise error(
                 f"{where}: tensor {key!r} is {_FLOATS[dtype]}, but config.json declares "
                 f"dtype {declared_dtype}; the weights and the config come from different "
                 f"exports: {fix}"
             )
-    if len(head) + pos != size:
-        what = "cut short" if len(head) + pos > size else "longer than its header says"
-        raise error(
-            damaged(where, f"{size} bytes, its header describes {len(head) + pos}: {what}", fix)
-        )
-    return header
+    return parse_header(head, where, error)
 
 
 # ---- checksum sidecar of an export ------------------------------------------------------

@@ -8,7 +8,8 @@ on one node):
    bad input raises on every rank instead of leaving the others waiting in a collective.
 2. write -- each rank writes ``.tmp-<tag>/rank{r:05d}.safetensors`` with safetensors,
    fsyncs it; its per-tensor xxh3-64 checksums come from the tensors it was written from
-   (``tensor_files``), so it is never read back (phase ``"shard_written"``).
+   (``tensor_files``), hashed while the fsync waits, so the file is never read back
+   (phase ``"shard_written"``).
 3. gather -- (file, size, checksums, pieces, rank_state) of every rank go to rank 0 through
    ``all_gather_object`` on the group (small metadata in memory; tensors never move).
 4. commit (rank 0) -- check that the pieces tile every tensor, write ``manifest.json``
@@ -45,6 +46,7 @@ import shutil
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -201,8 +203,13 @@ def _write_shard(
             f"save_shards (rank {rank}): safetensors could not write {path}: {exc}; tensors "
             f"under different keys must not overlap in memory"
         ) from exc
-    storage.fsync_file(path)
-    return path, tensor_files.record_from_tensors(path, host)
+    # the tensors are hashed while fsync waits for the disk (it releases the GIL), so the
+    # checksums add CPU time but little wall time to a save
+    with ThreadPoolExecutor(1, thread_name_prefix="meshtrain-fsync") as pool:
+        synced = pool.submit(storage.fsync_file, path)
+        record = tensor_files.record_from_tensors(path, host)
+        synced.result()
+    return path, record
 
 
 def _commit(

@@ -7,7 +7,13 @@ A reader turns an input into rows ``(line, text, label)``; every other row is ei
 row carries its file and line so ``prepare`` can raise :class:`~meshtrain.errors.DataError`
 naming them, or skip and count it under ``--skip-bad-rows``.
 
-Uncompressed JSONL and text files are cut into byte ranges on line boundaries and parsed
+Encodings: UTF-8 (with or without a BOM) is read as it is; UTF-16 and UTF-32 with a BOM
+(what Windows editors save as "Unicode") are decoded with the BOM and re-encoded to UTF-8
+as they are read (``files.text.utf8_stream``), then handled like any UTF-8 file: such a
+file is parsed in the main process (its byte ranges are not UTF-8). Line numbers are the
+same in both encodings. Invalid bytes, binary files and UTF-16 without a BOM are named.
+
+Uncompressed UTF-8 JSONL and text files are cut into byte ranges on line boundaries and parsed
 in the worker processes (parsing is as costly as tokenizing for short rows). Line numbers
 inside a range are relative; ``prepare`` adds the lines of the earlier ranges. CSV (quoted
 fields may span lines), gzip files, JSON arrays and datasets are parsed in the main process
@@ -16,7 +22,6 @@ and only their texts go to the workers.
 
 from __future__ import annotations
 
-import codecs
 import csv
 import gzip
 import io
@@ -27,7 +32,7 @@ from typing import Any
 
 from meshtrain.errors import DataError
 from meshtrain.files.structured import json_row, parse_json
-from meshtrain.files.text import decode
+from meshtrain.files.text import bom_encoding, decode, utf8_stream
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = (".csv", ".tsv")
@@ -60,27 +65,29 @@ def detect_format(path: str) -> str:
     return "text"
 
 
-def _open_binary(path: str) -> io.BufferedIOBase:
+def _open_raw(path: str) -> io.BufferedIOBase:
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")  # type: ignore[return-value]
 
 
+def _open_binary(path: str) -> io.BufferedIOBase:
+    """The file (gunzipped) as UTF-8 bytes, whatever accepted encoding it is in."""
+    return utf8_stream(_open_raw(path), path, DataError, what="data file")  # type: ignore[return-value]
+
+
+def encoding(path: str) -> str:
+    """``utf-8``, or the UTF-16/32 encoding its byte-order mark names."""
+    with _open_raw(path) as f:
+        return bom_encoding(f.read(4))[0]
+
+
 def _check_encoding(path: str) -> None:
-    """Refuse UTF-16/32 and binary inputs up front, naming the file (rows are read as
-    UTF-8, where such a file would only show up as every row being malformed)."""
+    """Name a binary input or UTF-16 without a BOM up front (rows are read as UTF-8, where
+    such a file would only show up as every row being malformed)."""
     try:
         with _open_binary(path) as f:
             head = f.read(4096)
     except (OSError, EOFError) as exc:
         raise DataError(f"{path}: cannot read the data file ({exc}); check the path") from None
-    if head.startswith(codecs.BOM_UTF8):
-        head = head[len(codecs.BOM_UTF8) :]
-    if head[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
-        enc = "UTF-32" if head[:4] in (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE) else "UTF-16"
-        raise DataError(
-            f"{path}: the data file is {enc} (it starts with a {enc} byte-order mark); data "
-            f"files are read as UTF-8: re-save it as UTF-8 (e.g. `iconv -f {enc} -t UTF-8 "
-            "FILE > FILE.utf8`)"
-        )
     if b"\x00" in head:  # UTF-16 without a BOM, or a binary file: named with the position
         decode(head, path, DataError, what="data file")
 
@@ -95,7 +102,7 @@ def _first_byte(path: str) -> bytes:
 
 def is_splittable(path: str, fmt: str) -> bool:
     """Whether workers can parse byte ranges of this file themselves."""
-    return fmt in ("jsonl", "text") and not path.endswith(".gz")
+    return fmt in ("jsonl", "text") and not path.endswith(".gz") and encoding(path) == "utf-8"
 
 
 def split_ranges(path: str, chunk_bytes: int) -> list[tuple[int, int]]:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from meshtrain.errors import DataError
+from meshtrain.files.tokenizer_files import check_tokenizer_files
 
 BYTE_TOKENIZER_NAMES = ("byte", "bytes", "byte-level")
 
@@ -259,6 +260,13 @@ def load_tokenizer(name_or_path: str) -> ByteTokenizer | HFTokenizer:
     happens offline). Raises :class:`DataError` with the fix when it cannot be loaded."""
     if name_or_path.lower() in BYTE_TOKENIZER_NAMES:
         return ByteTokenizer()
+    if os.path.exists(name_or_path):  # its files through the one reading path first
+        check_tokenizer_files(
+            name_or_path,
+            DataError,
+            fix="save the tokenizer again with tokenizer.save_pretrained, or pass another "
+            "--tokenizer",
+        )
     try:
         if os.path.isfile(name_or_path):
             from tokenizers import Tokenizer

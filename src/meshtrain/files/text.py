@@ -1,7 +1,9 @@
 """Bytes to text, one way for every input file: encodings and empty files named.
 
 Accepted: UTF-8 with or without a byte-order mark, and UTF-16/UTF-32 *with* a BOM (what
-Windows editors write as "Unicode"). Refused with file, line, column and the fix in one
+Windows editors write as "Unicode"), decoded with the BOM and then handled as UTF-8 text:
+``decode`` for a whole file, ``utf8_stream`` for a file read line by line (a data file
+too large to hold), which re-encodes it to UTF-8 as it is read. Refused with file, line, column and the fix in one
 line (``FILE: problem at line L, column C; fix``): bytes that are not UTF-8 (a Latin-1 or Windows-1252 file), UTF-16 without a BOM
 (NUL bytes every other byte), and an empty file (a truncated copy or the wrong path).
 """
@@ -9,7 +11,9 @@ line (``FILE: problem at line L, column C; fix``): bytes that are not UTF-8 (a L
 from __future__ import annotations
 
 import codecs
+import io
 import os
+from typing import BinaryIO
 
 from meshtrain.errors import MeshtrainError
 
@@ -104,3 +108,81 @@ def read_text(
     return decode(
         raw, os.fspath(path), error, what=what, allow_empty=allow_empty, empty_fix=empty_fix
     )
+
+
+def bom_encoding(head: bytes) -> tuple[str, int]:
+    """``(encoding, BOM length)`` from a file's first bytes; ``("utf-8", 0)`` without one."""
+    for bom, enc in _BOMS:
+        if head.startswith(bom):
+            return enc, len(bom)
+    return "utf-8", 0
+
+
+class _Recoded(io.RawIOBase):
+    """UTF-8 bytes of a UTF-16/32 stream (positioned past its BOM), decoded incrementally;
+    bytes that are not valid in that encoding raise ``error`` with the file offset and line."""
+
+    def __init__(
+        self, raw: BinaryIO, encoding: str, skip: int, where: str, error: type, what: str
+    ) -> None:
+        self._raw, self._enc, self._where, self._error, self._what = (
+            raw,
+            encoding,
+            where,
+            error,
+            what,
+        )
+        self._dec = codecs.getincrementaldecoder(encoding)("strict")
+        self._out = b""
+        self._offset = skip  # file offset of the next raw byte
+        self._lines = 0  # newlines decoded so far
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()  # the stream owns the file it recodes
+        super().close()
+
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+        while not self._out and not self._eof:
+            chunk = self._raw.read(1 << 16)
+            pending = self._dec.getstate()[0]
+            try:
+                text = self._dec.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                data = pending + chunk
+                good = data[: exc.start].decode(self._enc, errors="replace")
+                pos = self._offset - len(pending) + exc.start
+                enc = self._enc.upper()
+                raise self._error(
+                    f"{self._where}: bytes at offset {pos} (line "
+                    f"{self._lines + good.count(chr(10)) + 1}) are not valid {enc} "
+                    f"({exc.reason}): the {self._what} starts with a {enc} byte-order mark but "
+                    f"is damaged or partly in another encoding; "
+                    + _CONVERT.format(enc=enc.replace("-LE", "LE").replace("-BE", "BE"))
+                ) from None
+            self._offset += len(chunk)
+            self._eof = not chunk
+            self._lines += text.count("\n")
+            self._out = text.encode("utf-8")
+        n = min(len(b), len(self._out))
+        b[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+
+def utf8_stream(
+    f: BinaryIO, where: str, error: type[MeshtrainError], *, what: str = "file"
+) -> BinaryIO:
+    """``f`` (a binary file at its start) as a stream of UTF-8 bytes: a UTF-8 BOM skipped,
+    UTF-16/32 with a BOM decoded and re-encoded as it is read, so line-by-line readers
+    handle every accepted encoding as UTF-8. Costs nothing for a UTF-8 file (the same
+    stream, past its BOM)."""
+    enc, skip = bom_encoding(f.read(4))
+    f.seek(skip)
+    if enc == "utf-8":
+        return f
+    return io.BufferedReader(_Recoded(f, enc, skip, where, error, what), 1 << 16)  # type: ignore[return-value]

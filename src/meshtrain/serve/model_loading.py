@@ -36,6 +36,7 @@ import torch
 
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import CheckpointError, ServeError
+from meshtrain.files.tokenizer_files import check_tokenizer_files
 from meshtrain.serve import diagnose
 
 TASKS = ("text-classification", "chat")
@@ -255,10 +256,11 @@ def _tokenizer(explicit: str | None, folders: list[Path]):
                 f"no tokenizer found in {shown}; pass --tokenizer PATH (a folder written by "
                 f"tokenizer.save_pretrained)"
             )
+    fix = "save the tokenizer again with tokenizer.save_pretrained, or pass --tokenizer"
+    check_tokenizer_files(candidates[0], ServeError, fix=fix)  # file:line:col, not a traceback
     try:
         return AutoTokenizer.from_pretrained(candidates[0]), candidates[0]
     except Exception as exc:
-        fix = "save the tokenizer again with tokenizer.save_pretrained, or pass --tokenizer"
         why = diagnose.bad_json(candidates[0], TOKENIZER_FILES, fix)
         raise ServeError(
             why or f"tokenizer {str(candidates[0])!r} cannot be loaded: {exc}"

@@ -11,11 +11,37 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 Temperature = Annotated[float, Field(ge=0.0, le=100.0, strict=True)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, strict=True)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+def _valid_unicode(v: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``); Python decodes it into a str
+    no tokenizer can encode (a 500 found by tests/fuzz/test_fuzz_serve_http.py): a 422."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate (\\u{ord(v[exc.start]):04x}) at character "
+            f"{exc.start}, which is not text; \\ud800-\\udfff escapes must come as "
+            "high-low pairs: send valid Unicode"
+        ) from None
+    return v
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
 
 
 class ChatRequest(BaseModel):
@@ -23,8 +49,8 @@ class ChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: StrictStr = Field(min_length=1, description="the new user turn")
-    history: list[list[StrictStr]] = Field(
+    prompt: Text = Field(min_length=1, description="the new user turn")
+    history: list[list[Text]] = Field(
         default_factory=list, description="earlier turns as [prompt, response] pairs"
     )
     max_new_tokens: PositiveInt | None = None
@@ -72,7 +98,7 @@ class ClassifyRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    text: StrictStr | list[StrictStr]
+    text: StrictStr | list[StrictStr]  # each checked by _valid_unicode below, named text[i]
 
     @field_validator("text")
     @classmethod
@@ -81,9 +107,13 @@ class ClassifyRequest(BaseModel):
         if not texts:
             raise ValueError("text is an empty list; send at least one text")
         for i, t in enumerate(texts):
+            where = "text" if isinstance(v, str) else f"text[{i}]"
             if not t.strip():
-                where = "text" if isinstance(v, str) else f"text[{i}]"
                 raise ValueError(f"{where} is empty; send text to classify")
+            try:
+                _valid_unicode(t)
+            except ValueError as exc:
+                raise ValueError(f"{where} {exc}") from None
         return v
 
 
@@ -97,7 +127,7 @@ class OpenAIMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant"]
-    content: StrictStr
+    content: Text
 
 
 class OpenAIChatRequest(BaseModel):

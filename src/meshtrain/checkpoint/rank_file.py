@@ -1,0 +1,200 @@
+"""One rank file of a checkpoint, read key by key with one pass over its bytes.
+
+A safetensors file is ``8-byte length | JSON header | tensor bytes back to back``. On
+opening, the header is read once (and checked against the manifest's record when
+verifying); its offsets are validated against the file size, so every later read is a
+plain ``readinto`` at a known position.
+
+**Whole keys, one pass.** ``read_key`` reads a key's bytes with ``readinto`` straight
+into the storage of the tensor it returns, in ``BLOCK`` pieces; when verifying, each
+block is hashed right after it lands, while it is still in the CPU cache, and the
+digest is compared with the record before the tensor is handed out. So verification
+adds the hash's arithmetic over bytes already in cache, never a second read: the reader
+before this one hashed each file in a pass of its own and then let safetensors read it
+again through a memory map (2.5x a load from the page cache, where a load is a memory
+copy). The tensor is the caller's: nothing else refers to its storage.
+
+**Parts of large keys.** A key read only in part (one rank's range of a flat ZeRO
+buffer) is sliced from safetensors' memory map, so a narrow read touches only its bytes.
+When verifying, such a key is checked first: ``CheckpointReader`` reads a key of at most
+``KEEP_BYTES`` whole (one pass, kept for the slices that follow) and calls
+``verify_key`` for a larger one, a streamed pass of its own in ``BLOCK`` reads (memory
+stays one block; the slices then read those bytes a second time).
+
+Manifests written before per-tensor records carry a whole-file sha256; such a file is
+hashed whole when it is opened, as before.
+
+Byte order: safetensors stores little-endian; the tensors are viewed in the host's order,
+as safetensors itself does on the little-endian machines torch supports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtrain.checkpoint import tensor_files
+from meshtrain.dtypes import SAFETENSORS_CODES
+from meshtrain.errors import CheckpointError
+from meshtrain.files import checksums
+
+# 256 KiB: a block and its hash stay in a core's L2 (1 MiB here); measured with
+# benchmarks/bench_integrity.py against 64 KiB (more syscalls) and 1-4 MiB (the block is
+# evicted before it is hashed)
+BLOCK = 1 << 18
+KEEP_BYTES = 64 << 20  # a key read in part is read whole (one pass) when no larger
+_TORCH = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
+
+
+class RankFile:
+    """The header, key table and verification state of one rank file (module docstring).
+
+    ``record``: the manifest's checksum record (``{"header", "tensors", ...}``), or None.
+    ``sha256``: the whole-file digest of an older manifest, or None. ``verify``: check
+    against whichever is present. ``fix``: what a message tells the user to do."""
+
+    def __init__(
+        self,
+        path: Path,
+        rank: int,
+        *,
+        record: dict[str, Any] | None,
+        sha256: str | None,
+        verify: bool,
+        fix: str,
+    ) -> None:
+        self.path, self.rank, self.verify, self.fix = path, rank, verify, fix
+        self.where = f"checkpoint file {path} (rank {rank})"
+        self.record = record if verify else None
+        self.verified: set[str] = set()
+        self._f: Any = None
+        self._mmap: Any = None
+        f = self._file()
+        size = os.fstat(f.fileno()).st_size
+        err_fix = f"(rank {rank}) {fix}"
+        head = tensor_files.header_bytes(f, str(path), CheckpointError, err_fix)
+        if self.record is not None and checksums.digest(head) != self.record["header"]:
+            raise CheckpointError(
+                f"{path}: the safetensors header (bytes 0..{len(head)}, which say where each "
+                f"tensor lies) is corrupted: its {checksums.ALGO} checksum differs from the "
+                f"one recorded at save; {err_fix}"
+            )
+        self.keys = tensor_files.layout(head, size, str(path), CheckpointError, err_fix)
+        for key, (code, _shape, _b, _e) in self.keys.items():
+            if code not in _TORCH:
+                raise CheckpointError(
+                    f"{self.where}: tensor {key!r} has dtype {code!r}, which meshtrain does not "
+                    f"write; {err_fix}"
+                )
+        if self.record is not None and set(self.record["tensors"]) != set(self.keys):
+            raise CheckpointError(f"{path}: holds other tensors than were written; {err_fix}")
+        if verify and self.record is None and sha256 is not None:
+            self._check_sha256(sha256)
+
+    # ---- files -----------------------------------------------------------------------
+    def _file(self) -> Any:
+        if self._f is None:
+            try:
+                self._f = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+            except FileNotFoundError:
+                raise CheckpointError(f"{self.where} is missing; {self.fix}") from None
+        return self._f
+
+    def mapped(self) -> Any:
+        """safetensors' memory-mapped handle (for narrow slices)."""
+        if self._mmap is None:
+            from safetensors import safe_open
+
+            try:
+                self._mmap = safe_open(str(self.path), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(
+                    f"{self.where} is not a readable safetensors file ({exc}); {self.fix}"
+                ) from None
+        return self._mmap
+
+    def close(self) -> None:
+        """Close the file and unmap it; what was verified stays verified."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self._mmap = None
+
+    # ---- keys ------------------------------------------------------------------------
+    def shape(self, key: str) -> list[int]:
+        return self.keys[key][1]
+
+    def nbytes(self, key: str) -> int:
+        _code, _shape, begin, end = self.keys[key]
+        return end - begin
+
+    def read_key(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` (its stored shape and dtype) in a new storage, read in
+        one pass and, unless already verified, hashed block by block and checked."""
+        code, shape, begin, end = self.keys[key]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        h = self._hasher(key)
+        self._pass(key, begin, end, memoryview(out.numpy()), h)
+        self._check(key, h, begin, end)
+        return out.view(_TORCH[code]).reshape(shape)
+
+    def verify_key(self, key: str) -> None:
+        """Hash ``key``'s bytes in a streamed pass (one block of memory) and check them."""
+        h = self._hasher(key)
+        if h is None:
+            return
+        _code, _shape, begin, end = self.keys[key]
+        buf = memoryview(bytearray(min(BLOCK, end - begin) or 1))
+        self._pass(key, begin, end, buf, h, into_buf=False)
+        self._check(key, h, begin, end)
+
+    def _hasher(self, key: str) -> Any:
+        return checksums.hasher() if self.record is not None and key not in self.verified else None
+
+    def _pass(
+        self, key: str, begin: int, end: int, dst: memoryview, h: Any, into_buf: bool = True
+    ) -> None:
+        """Read bytes ``[begin, end)`` block by block into ``dst`` (or through it, when it is
+        one block), feeding each block to ``h`` as it lands."""
+        f = self._file()
+        f.seek(begin)
+        pos, n = 0, end - begin
+        while pos < n:
+            take = min(BLOCK, n - pos)
+            view = dst[pos : pos + take] if into_buf else dst[:take]
+            got = f.readinto(view)
+            if not got:
+                raise CheckpointError(
+                    f"{self.where}: the file ends inside tensor {key!r} (byte {begin + pos}); "
+                    f"it was truncated after it was opened; {self.fix}"
+                )
+            if h is not None:
+                h.update(view[:got])
+            pos += got
+
+    def _check(self, key: str, h: Any, begin: int, end: int) -> None:
+        if h is None:
+            return
+        if h.hexdigest() != self.record["tensors"][key]:
+            raise CheckpointError(
+                f"{self.path}: tensor {key!r} (bytes {begin}..{end} of the file) is corrupted: "
+                f"its {checksums.ALGO} checksum differs from the one recorded at save; "
+                f"(rank {self.rank}) {self.fix}"
+            )
+        self.verified.add(key)
+
+    def _check_sha256(self, want: str) -> None:
+        h = hashlib.sha256()  # manifests written before per-tensor records
+        f = self._file()
+        f.seek(0)
+        while chunk := f.read(checksums.CHUNK):
+            h.update(chunk)
+        if h.hexdigest() != want:
+            raise CheckpointError(
+                f"{self.where} is corrupted: its sha256 differs from the manifest's "
+                f"{want[:16]}...; {self.fix}"
+            )
