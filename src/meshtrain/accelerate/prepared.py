@@ -16,8 +16,9 @@ object                    what its calls do
                           steps the scheduler once per data-parallel process
                           (``split_batches=False``: the loader's length was divided by them)
 ``PreparedDataLoader``    a :class:`~meshtrain.data.loader.ResumableDataLoader` dealing the
-                          dataset over the data-parallel ranks; batches land on the device;
-                          its position is saved by ``save_state`` and resumed exactly
+                          dataset's batches over the data-parallel ranks in accelerate's
+                          order (``batch_shard``); batches land on the device; its
+                          position is saved by ``save_state`` and resumed exactly
 ========================  ==================================================================
 
 A model and its optimizer may come in one ``prepare`` call or in different ones, in any
@@ -168,7 +169,8 @@ class PreparedScheduler:
             return
         if any(o.step_was_skipped for o in self._optimizers()):
             return
-        for _ in range(self.accelerator.num_processes):
+        # split_batches: the loader's length was not divided by the processes: once
+        for _ in range(1 if self.accelerator.split_batches else self.accelerator.num_processes):
             total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR without drop_last
             if total is None or self.scheduler._step_count <= total:
                 self.scheduler.step(*args, **kwargs)
@@ -202,8 +204,8 @@ class PreparedDataLoader(ResumableDataLoader):
     Each rank gets ``batch_size`` samples per batch (the global batch is ``batch_size x
     num_processes``, as in accelerate). A pass that runs to its end moves to the next
     epoch (a new shuffle), so ``for epoch in ...: for batch in loader`` reshuffles as
-    accelerate's loaders do. ``batch_rows()`` says which global slots the last batch held,
-    which is what lets ``gather_for_metrics`` drop the sampler's padding exactly.
+    accelerate's loaders do. ``rows_kept()`` says how much of the last global batch is
+    real, which is what lets ``gather_for_metrics`` drop the padding exactly.
     """
 
     def __init__(self, dataset, batch_size: int, *, device: torch.device, **kwargs: Any) -> None:
@@ -238,10 +240,15 @@ class PreparedDataLoader(ResumableDataLoader):
             self.on_end(self)
         sampler.set_epoch(sampler.epoch + 1)
 
-    def batch_rows(self) -> tuple[int, int, int, int]:
-        """``(local_start, rows, num_replicas, remaining)`` of the last batch yielded."""
+    def rows_kept(self) -> int:
+        """How many leading rows of the last global batch gathered in rank order are real
+        (the rest repeat the pass's first rows to even out the ranks; ``batch_shard``)."""
+        from meshtrain.accelerate.batch_shard import rows_kept
+
         s = self.sampler
-        return self._local_start, self._last_rows, s.num_replicas, self._pass_remaining
+        return rows_kept(
+            self._local_start, self._last_rows, s.num_replicas, self._pass_remaining, s.batch_size
+        )
 
 
 def _rows(batch: Any) -> int:
