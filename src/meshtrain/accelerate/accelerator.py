@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 
 from meshtrain.accelerate.engine_config import (
     config_dict,
@@ -105,16 +105,8 @@ class Accelerator(ProcessQueries, StateIO):
         self.mixed_precision = mixed_precision or "no"
         self.gradient_accumulation_steps = int(self._config["gradient_accumulation_steps"])
         self.seed = None if seed is None else int_argument("seed", seed, 0)
-        if split_batches is not None:
-            import logging
-
-            logging.getLogger("meshtrain").warning(
-                "Accelerator(split_batches=%r) does nothing, as in accelerate 1.15 (which "
-                "ignores it): pass dataloader_config=DataLoaderConfiguration(split_batches=...)",
-                split_batches,
-            )
         self.dataloader_config = dataloader_config
-        self.split_batches = dataloader_options(dataloader_config)
+        self.split_batches = dataloader_options(dataloader_config, split_batches)
         self.device_placement = bool(device_placement)
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
         self.project_dir = None if project_dir is None else str(project_dir)
@@ -224,55 +216,15 @@ class Accelerator(ProcessQueries, StateIO):
     def prepare_data_loader(self, loader: DataLoader, **_: Any) -> PreparedDataLoader:
         """The loader dealt over the data-parallel ranks in accelerate's order: whole
         consecutive batches, rank ``r`` taking batches ``r, r + R, ...``, the last global
-        step padded with the pass's first rows (``batch_shard``); ``batch_size`` rows per
-        rank (``batch_size / R`` with ``split_batches``); shuffled as accelerate shuffles
-        when the original was; resumable."""
-        from meshtrain.accelerate.batch_shard import BatchShardSampler, draw_seed
+        step padded with the pass's first rows; ``batch_size`` rows per rank
+        (``batch_size / R`` with ``split_batches``); shuffled as accelerate shuffles when
+        the original was; resumable (``prepared.prepared_loader``)."""
+        from meshtrain.accelerate.prepared import prepared_loader
 
         if isinstance(loader, PreparedDataLoader):
             return loader
-        if loader.batch_size is None:
-            raise ConfigError(
-                "prepare: a DataLoader with a batch_sampler cannot be resharded; build it "
-                "with batch_size= (and shuffle=) instead"
-            )
-        t = self.topology
-        batch_size = int(loader.batch_size)
-        if self.split_batches:
-            if batch_size % t.dp_size:
-                raise ConfigError(
-                    f"prepare: split_batches=True needs the DataLoader's batch_size "
-                    f"({batch_size}) to be a multiple of the {t.dp_size} data-parallel "
-                    "processes (accelerate's rule); change batch_size"
-                )
-            batch_size //= t.dp_size
-        shuffle = isinstance(loader.sampler, RandomSampler)
-        seed = self.seed
-        if seed is None:
-            # accelerate: one process leaves torch's sampler alone (a new seed from the
-            # global RNG every pass); several get a generator seeded now, rank 0's
-            seed = draw_seed() if shuffle and t.world_size > 1 else 0
-        sampler = BatchShardSampler(
-            loader.dataset,
-            batch_size,
-            num_replicas=t.dp_size,
-            rank=t.dp_rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=loader.drop_last,
-            draw_each_pass=self.seed is None and t.world_size == 1,
-        )
-        prepared = PreparedDataLoader(
-            loader.dataset,
-            batch_size,
-            device=self.device if self.device_placement else torch.device("cpu"),
-            sampler=sampler,
-            collate_fn=loader.collate_fn,
-            drop_last=loader.drop_last,
-            num_workers=loader.num_workers,
-            pin_memory=loader.pin_memory,
-        )
-        prepared.shuffle = shuffle
+        device = self.device if self.device_placement else torch.device("cpu")
+        prepared = prepared_loader(loader, self.topology, device, self.seed, self.split_batches)
         prepared.on_batch = self._set_active_loader
         prepared.on_end = self._end_of_loader
         self._loaders.append(prepared)

@@ -87,11 +87,21 @@ _REFUSED = {
 }
 
 
-def dataloader_options(config: Any) -> bool:
+def dataloader_options(config: Any, split_batches: Any = None) -> bool:
     """accelerate's ``DataLoaderConfiguration`` (read by attribute, so accelerate need not
     be installed): returns ``split_batches``; refuses by name what meshtrain's loaders do
     not do. ``non_blocking`` and ``use_stateful_dataloader`` need nothing: batches are
-    moved with ``non_blocking=True`` and every prepared loader is resumable already."""
+    moved with ``non_blocking=True`` and every prepared loader is resumable already.
+    ``Accelerator(split_batches=...)`` itself does nothing in accelerate 1.15, nor here:
+    a warning says so."""
+    if split_batches is not None:
+        import logging
+
+        logging.getLogger("meshtrain").warning(
+            "Accelerator(split_batches=%r) does nothing, as in accelerate 1.15 (which ignores "
+            "it): pass dataloader_config=DataLoaderConfiguration(split_batches=...)",
+            split_batches,
+        )
     if config is None:
         return False
     wanted = {

@@ -20,7 +20,7 @@ overlapped reduction into the flat buffer is the engine's, unchanged.
 
 Where the averaging pass goes: the reduction leaves the *sum* over ranks in the flat
 buffer; at a synchronising backward at ZeRO stages 0-1 the Engine finishes the reduction
-and multiplies the gradient chunks by ``f / dp`` in place (``Engine.finish_reduction``,
+and multiplies the gradient chunks by ``f / dp`` in place (``visible_grads.finish_reduction``,
 the same call ``engine.backward`` makes at its boundary, DeepSpeed's semantics) and tells
 the step (``engine.grads_divided_by``), whose copy into the fp32 masters then has no
 ``1 / dp`` left to apply. Stages 2-3 keep the sum: their gradients live in sharded
@@ -99,7 +99,9 @@ class EngineDriver:
         engine.log.add_loss(loss.detach())
         zero.after_backward()
         if sync:  # stages 0-1: reduce now and average in place; all: gradients final
-            engine.finish_reduction()
+            from meshtrain.engine.visible_grads import finish_reduction
+
+            finish_reduction(engine)
 
     def after_step(self) -> None:
         """Stage 0: ``p.grad`` keeps the step's gradient until ``zero_grad()`` (DDP)."""

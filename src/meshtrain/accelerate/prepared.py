@@ -251,6 +251,58 @@ class PreparedDataLoader(ResumableDataLoader):
         )
 
 
+def prepared_loader(loader, topology, device, seed: int | None, split_batches: bool):
+    """``Accelerator.prepare_data_loader``: the user's ``DataLoader`` rebuilt over a
+    ``batch_shard.BatchShardSampler`` (accelerate's dealing and shuffle) as a
+    ``PreparedDataLoader``."""
+    from torch.utils.data import RandomSampler
+
+    from meshtrain.accelerate.batch_shard import BatchShardSampler, draw_seed
+
+    if loader.batch_size is None:
+        raise ConfigError(
+            "prepare: a DataLoader with a batch_sampler cannot be resharded; build it "
+            "with batch_size= (and shuffle=) instead"
+        )
+    batch_size = int(loader.batch_size)
+    if split_batches:
+        if batch_size % topology.dp_size:
+            raise ConfigError(
+                f"prepare: split_batches=True needs the DataLoader's batch_size "
+                f"({batch_size}) to be a multiple of the {topology.dp_size} data-parallel "
+                "processes (accelerate's rule); change batch_size"
+            )
+        batch_size //= topology.dp_size
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    fixed = seed is not None
+    if not fixed:
+        # accelerate: one process leaves torch's sampler alone (a new seed from the global
+        # RNG every pass); several get a generator seeded now, rank 0's
+        seed = draw_seed() if shuffle and topology.world_size > 1 else 0
+    sampler = BatchShardSampler(
+        loader.dataset,
+        batch_size,
+        num_replicas=topology.dp_size,
+        rank=topology.dp_rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+        draw_each_pass=not fixed and topology.world_size == 1,
+    )
+    prepared = PreparedDataLoader(
+        loader.dataset,
+        batch_size,
+        device=device,
+        sampler=sampler,
+        collate_fn=loader.collate_fn,
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+    )
+    prepared.shuffle = shuffle
+    return prepared
+
+
 def _rows(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
@@ -266,4 +318,10 @@ def _rows(batch: Any) -> int:
     return 1
 
 
-__all__ = ["PreparedDataLoader", "PreparedModel", "PreparedOptimizer", "PreparedScheduler"]
+__all__ = [
+    "PreparedDataLoader",
+    "PreparedModel",
+    "PreparedOptimizer",
+    "PreparedScheduler",
+    "prepared_loader",
+]

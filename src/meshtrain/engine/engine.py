@@ -5,9 +5,8 @@ One step, in order::
 
     engine(*inputs)        module(*inputs, **kwargs) in the model dtype (as DeepSpeed)
     engine.backward(loss)  backward of loss x scale / (k x f)   (k: accumulation steps,
-                           f: gradient pre-division); buckets reduce as they fill; at
-                           the boundary (stages 0-1) the reduction is finished and
-                           averaged in place, so ``p.grad`` is DeepSpeed's (below)
+                           f: gradient pre-division); buckets reduce as they fill;
+                           at the boundary averaged in place (``visible_grads``)
     engine.step()          at the accumulation boundary: global gradient norm over every
                            shard -> on inf/NaN skip everywhere and lower the loss scale,
                            else scale by clip / (loss scale x dp / f) and step the fp32
@@ -16,14 +15,6 @@ One step, in order::
 What is sharded, reduced and gathered, and when, is the ``ZeroStage`` lifecycle
 (``meshtrain.parallel.zero.stage``) that ``parallelize`` built; the Engine calls it in
 the order above and never looks at the stage itself.
-
-What ``p.grad`` holds after a boundary backward is DeepSpeed's (0.19.8, checked in
-tests/conformance/deepspeed): at stage 0 the gradient averaged over the data-parallel
-ranks (loss-scaled in fp16); at stages 1-3 None, the averaged gradient being
-``meshtrain.utils.safe_get_full_grad(p)``'s (``engine.full_grad``); after ``step()``
-None. The averaging is one in-place multiply of the reduced gradient by ``f / dp``; the
-step's copy into the fp32 masters then has no ``1 / dp`` left to apply, so in fp32
-without clipping the pass only moved (``grads_divided_by`` tells the step).
 """
 
 from __future__ import annotations
@@ -42,6 +33,7 @@ from meshtrain.distributed.topology import Topology
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.engine.queries import EngineQueries
 from meshtrain.engine.step_log import StepLog
+from meshtrain.engine.visible_grads import attach, finish_reduction
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.optim.builders import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
@@ -86,11 +78,8 @@ class Engine(EngineQueries):
         self.skipped_steps = 0
         self._step_applied = False
         self._global_grad_norm: float | None = None
-        # what this window's reduced gradients were already divided by in place (1: the
-        # raw loss-scaled sum; the Accelerator averages them over dp for the user to see)
+        # what this window's reduced gradients were divided by in place (visible_grads)
         self.grads_divided_by = 1.0
-        # between a synchronising backward and the step: safe_get_full_grad may read them
-        self.grads_ready = False
 
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model_parameters or model.parameters())  # a factory
@@ -101,8 +90,6 @@ class Engine(EngineQueries):
         self.pipeline = parallel.pipeline  # PipelineRuntime when pp > 1, else None
         # zero.Init leftovers made whole; owners recorded for zero.GatheredParameters
         adopt(self.module, self.zero)
-        from meshtrain.engine.full_grad import attach
-
         attach(self)  # safe_get_full_grad finds the engine from the parameter
         self.optimizer = make_optimizer(config, optimizer, parallel.groups, self.zero, self.device)
         self.lr_scheduler = make_scheduler(config, lr_scheduler, self.optimizer)
@@ -170,35 +157,7 @@ class Engine(EngineQueries):
             (loss.float() * multiplier).backward()
             self.zero.after_backward()
         if boundary:
-            self.finish_reduction()
-
-    def finish_reduction(self) -> None:
-        """The window's gradients are final (DeepSpeed's boundary backward, module
-        docstring): stages 0-1 finish the overlapped reduction now and average it in
-        place (sum x f / dp); stage 1 then unlinks ``p.grad`` (each rank holds its slice
-        only); stages 2-3 reduced in backward already. Inside ``no_sync`` nothing is
-        reduced yet and the step does it, as before."""
-        zero = self.zero
-        if zero.stage < 2:
-            if not zero.reducer.synchronising:
-                return
-            # wait for the buckets in flight and launch the rest; directly, not through
-            # before_step: a second synchronising backward in one window (a GAN's
-            # discriminator reached again) reduces again, and adds to the average
-            zero.reducer.finish()
-            zero._window_reduced = True
-            # every reduction sums dp copies: back to the mean (what it held plus the
-            # mean of what was added since, DDP's result)
-            if zero.grad_divisor != 1.0:
-                for g in zero.flat_groups:
-                    for chunk in g.grad_chunks:
-                        chunk.mul_(1.0 / zero.grad_divisor)
-            self.grads_divided_by = zero.grad_divisor
-            for g in zero.flat_groups:
-                if g.sharded:  # stage 1: the rest of grad_flat is not the global gradient
-                    for p in g.grad_views:
-                        p.grad = None
-        self.grads_ready = True
+            finish_reduction(self)  # DeepSpeed's p.grad: averaged in place (stages 0-1)
 
     def micro_batches(self, data_iter, m: int) -> list:
         """``m`` batches of ``data_iter`` (None: of the training loader), on device."""

@@ -1,5 +1,14 @@
-"""The whole data-parallel gradient of one parameter, whatever the ZeRO stage: DeepSpeed's
+"""The gradients a script sees: what ``p.grad`` holds when, and the whole data-parallel
+gradient of one parameter at any ZeRO stage, DeepSpeed's
 ``deepspeed.utils.safe_get_full_grad`` (imported by users as ``meshtrain.utils``).
+
+``finish_reduction`` runs at every synchronising backward (``Engine.backward`` at its
+boundary; the Accelerator's driver at a sync step): stages 0-1 finish the overlapped
+reduction there and average it in place (the sum over ranks x ``f / dp``: one multiply of
+the reduced gradient, which the step's copy into the fp32 masters then does not repeat,
+``engine.grads_divided_by``; in fp32 without clipping the pass moved, it was not added);
+stage 1 then unlinks ``p.grad`` (each rank holds only its slice). Stages 2-3 reduced in
+backward already. Inside ``no_sync`` nothing is reduced yet and the step does it.
 
 DeepSpeed's contract (0.19.8, checked against it in tests/conformance/deepspeed):
 
@@ -32,8 +41,35 @@ from meshtrain.errors import TrainingError
 ATTR = "_meshtrain_engine"
 
 
+def finish_reduction(engine) -> None:
+    """A synchronising backward's end (module docstring)."""
+    zero = engine.zero
+    if zero.stage < 2:
+        if not zero.reducer.synchronising:
+            return
+        # wait for the buckets in flight and launch the rest; directly, not through
+        # before_step: a second synchronising backward in one window (a GAN's
+        # discriminator reached again) reduces again, and adds to the average
+        zero.reducer.finish()
+        zero._window_reduced = True
+        # every reduction sums dp copies: back to the mean (what it held plus the mean of
+        # what was added since, DDP's result)
+        if zero.grad_divisor != 1.0:
+            for g in zero.flat_groups:
+                for chunk in g.grad_chunks:
+                    chunk.mul_(1.0 / zero.grad_divisor)
+        engine.grads_divided_by = zero.grad_divisor
+        for g in zero.flat_groups:
+            if g.sharded:  # stage 1: the rest of grad_flat is not the global gradient
+                for p in g.grad_views:
+                    p.grad = None
+    engine.grads_ready = True
+
+
 def attach(engine) -> None:
-    """Record ``engine`` on each trainable parameter it steps."""
+    """Record ``engine`` on each trainable parameter it steps; no gradients to read yet
+    (``engine.grads_ready``: from a synchronising backward until the step)."""
+    engine.grads_ready = False
     ref = weakref.ref(engine)
     for g in engine.zero.flat_groups:
         for p in g.params:
@@ -80,4 +116,4 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     return param.grad
 
 
-__all__ = ["attach", "safe_get_full_grad"]
+__all__ = ["attach", "finish_reduction", "safe_get_full_grad"]
