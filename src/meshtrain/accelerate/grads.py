@@ -35,7 +35,9 @@ After ``optimizer.step()`` at stage 0 ``p.grad`` keeps the gradient the step use
 averaged one, clipped if ``clip_grad_norm_`` ran) until ``zero_grad()``, as under
 accelerate's DDP: nothing is copied, ``.grad`` is pointed at its view of the flat buffer
 again, and a backward without ``zero_grad()`` accumulates into it (DDP's result: the old
-average plus the new one). At stages 1-3 it is None after the step (DeepSpeed).
+average plus the new one); in fp16 it is unscaled then, as accelerate's ``GradScaler.step``
+leaves it (one pass over the fp16 gradients, fp16 only). At stages 1-3 it is None after
+the step (DeepSpeed).
 ``clip_grad_norm_`` at a synchronising step unscales (fp16) and clips in place: stage 0
 through ``torch.nn.utils.clip_grad_norm_`` on the ``p.grad`` views (any subset, any
 norm type, exactly accelerate's call), stages 1-3 through the engine's global L2 norm over
@@ -103,13 +105,20 @@ class EngineDriver:
 
             finish_reduction(engine)
 
-    def after_step(self) -> None:
-        """Stage 0: ``p.grad`` keeps the step's gradient until ``zero_grad()`` (DDP)."""
+    def after_step(self, scaled: float = 1.0) -> None:
+        """Stage 0: ``p.grad`` keeps the step's gradient until ``zero_grad()`` (DDP), in
+        fp16 unscaled (``scaled``: the loss scale it still carried), as accelerate's
+        ``GradScaler.step`` leaves it. The step read fp16 gradients through a copy, so
+        only those are divided here (fp32 ones carry no scale)."""
         self.window_open = False
-        if self.stage == 0:
-            for g in self.engine.zero.flat_groups:
-                for p, view in g.grad_views.items():
-                    p.grad = view
+        if self.stage != 0:
+            return
+        for g in self.engine.zero.flat_groups:
+            for p, view in g.grad_views.items():
+                p.grad = view
+            if scaled != 1.0 and g.dtype != torch.float32:
+                for chunk in g.grad_chunks:
+                    chunk.mul_(1.0 / scaled)
 
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()`` at a boundary: the next backward starts a fresh window."""

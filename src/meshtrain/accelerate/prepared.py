@@ -118,8 +118,10 @@ class PreparedOptimizer:
         if not self.accelerator.sync_gradients:
             return
         engine = self._need_engine()
+        # the loss scale still in the gradients (fp16, unless clip_grad_norm_ unscaled them)
+        scaled = engine.scaler.scale * engine.zero.grad_divisor / engine.grads_divided_by
         engine.step()
-        self.model.driver.after_step()
+        self.model.driver.after_step(scaled)
         self.step_was_skipped = not engine.was_step_applied()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:

@@ -322,6 +322,12 @@ def check_safe_get_full_grad_zero2(impl):
     _check_full_grad(impl, 2)
 
 
+def check_safe_get_full_grad_zero3(impl):
+    """deepspeed.utils.safe_get_full_grad at ZeRO stage 3 (parameters sharded too): as at
+    stage 1, from the parameter's shards (1e-6)."""
+    _check_full_grad(impl, 3)
+
+
 # --- checkpoints (checkpoint/test_other_optimizer.py / test_latest_checkpoint.py) --------------------
 def _ckpt_dir(impl: str, name: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"ds_conf_{impl}_{name}_{os.environ['MASTER_PORT']}")
