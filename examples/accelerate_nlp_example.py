@@ -11,8 +11,10 @@ What is offline instead of downloaded: GLUE/MRPC and ``bert-base-cased`` become 
 Chinese review sentiment (positive / negative, deduplicated) and a tiny BERT (random
 weights, dropout 0) with a character WordPiece vocabulary built from those reviews
 (``tokenizers``); ``evaluate.load("glue", "mrpc")`` becomes accuracy and F1 computed from the
-gathered predictions. The training loader is not shuffled, so that both libraries see the
-same batches (their shuffles draw different permutations by design).
+gathered predictions. The training loader is not shuffled, so that the comparison of the
+two libraries does not hang on the global RNG's state at ``prepare`` (a shuffled loader
+draws its seed there, in both; meshtrain's shuffle is accelerate's: tests/conformance's
+``dataloader_shuffled_order``).
 
     python examples/accelerate_nlp_example.py                       # meshtrain, 1 process
     torchrun --nproc_per_node 2 examples/accelerate_nlp_example.py --backend accelerate

@@ -116,7 +116,8 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         475,
         "the Engine: one training step and its DeepSpeed-facing members; checkpoint, "
         "async-save and pre-emption members only delegate to checkpoint/ and preemption.py, "
-        "and the Accelerator's gradient contract is one hook (grads_divided_by)",
+        "and what p.grad holds (DeepSpeed's, the Accelerator's) is visible_grads.py's, "
+        "called once at the boundary backward (+6 lines, issue 27)",
     ),
     "meshtrain.parallel.zero.flat_group": (
         403,

@@ -18,9 +18,14 @@ Dynamic loss scaling (DeepSpeed's ``DynamicLossScaler``, same knobs and meaning)
 * ``loss_scale > 0`` in the config fixes the scale (static scaling); overflowing steps are
   still skipped.
 
-An overflow while the scale already sits at ``min_loss_scale`` means the model produces
-inf/NaN whatever the scale; after ``max_overflow_steps_at_min`` such steps in a row
-``TrainingError`` is raised instead of skipping forever (or, worse, training on NaN).
+An overflow that would lower the scale while it already sits at ``min_loss_scale`` means
+the model produces inf/NaN whatever the scale. As DeepSpeed's ``DynamicLossScaler``
+(``raise_error_at_min_scale``, true by default and in every DeepSpeed engine) the run
+stops at once with DeepSpeed's words, "Current loss scale already at minimum - cannot
+decrease scale anymore. Exiting run." (a ``TrainingError`` here, with what to try): with
+hysteresis left, an overflow at the minimum first uses it up, as DeepSpeed's does.
+``fp16.raise_error_at_min_scale: false`` skips such steps instead, and raises after
+``max_overflow_steps_at_min`` of them in a row (never skipping forever).
 
 In fp32 and bf16 there is no loss scale (``LossScaler.disabled``) and nothing overflows
 by scaling: a non-finite gradient means the loss or the model went to inf/NaN. The step
@@ -51,6 +56,7 @@ class LossScaler:
         min_loss_scale: float = 1.0,
         consecutive_hysteresis: bool = False,
         max_overflow_steps_at_min: int = 10,
+        raise_error_at_min_scale: bool = True,
         precision: str = "fp16",
     ) -> None:
         self.precision = precision  # "fp16", "bf16" or "fp32": chooses the messages
@@ -61,6 +67,7 @@ class LossScaler:
         self.min_scale = float(min_loss_scale)
         self.consecutive_hysteresis = consecutive_hysteresis
         self.max_overflow_steps_at_min = max_overflow_steps_at_min
+        self.raise_error_at_min_scale = raise_error_at_min_scale
         self.hysteresis_left = hysteresis
         self.steps = 0
         self.last_overflow_step = -1
@@ -76,6 +83,16 @@ class LossScaler:
         if overflow and self.precision != "fp16":
             self._non_finite_unscaled()
         elif overflow:
+            lowers = self.dynamic and (self.hysteresis == 1 or self.hysteresis_left == 1)
+            if lowers and self.scale == self.min_scale and self.raise_error_at_min_scale:
+                raise TrainingError(
+                    "Current loss scale already at minimum - cannot decrease scale anymore. "
+                    f"Exiting run. (fp16 overflow at step {self.steps} with the loss scale "
+                    f"at min_loss_scale={self.min_scale:g}: the model produces inf/NaN "
+                    "whatever the scale. Lower the learning rate, enable gradient_clipping, "
+                    "or train in bf16; fp16.raise_error_at_min_scale: false skips such steps "
+                    "instead, up to fp16.max_overflow_steps_at_min in a row)"
+                )
             if self.scale <= self.min_scale:
                 self.overflows_at_min += 1
                 if self.overflows_at_min >= self.max_overflow_steps_at_min:
@@ -173,4 +190,5 @@ def scaler_from_config(config) -> LossScaler:
         min_loss_scale=fp16.min_loss_scale,
         consecutive_hysteresis=getattr(fp16, "consecutive_hysteresis", False),
         max_overflow_steps_at_min=getattr(fp16, "max_overflow_steps_at_min", 10),
+        raise_error_at_min_scale=getattr(fp16, "raise_error_at_min_scale", True),
     )

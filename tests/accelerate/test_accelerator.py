@@ -46,7 +46,10 @@ def _setup(stage: int, world: int):
     from meshtrain import Accelerator
 
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-    acc = Accelerator(gradient_accumulation_steps=GAS, config={"zero_optimization": zero})
+    # seed=: the shuffle's generator seed fixed (meshtrain's argument), so that 1 and 2
+    # processes deal the same global order; accelerate's default draws it from the global
+    # RNG, per pass in one process and once at prepare in several, orders that differ
+    acc = Accelerator(gradient_accumulation_steps=GAS, config={"zero_optimization": zero}, seed=0)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # accelerate steps a prepared scheduler once per process per optimizer step

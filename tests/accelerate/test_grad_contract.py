@@ -10,7 +10,10 @@ x 4): ``(loss / 2).backward()``, ``clip_grad_norm_``, ``step``.
 Asserted at ZeRO stage 0 (``p.grad`` is the flat buffer's view): inside a window each
 rank's ``p.grad`` is its own local gradient (not the reference's); at the sync step it is
 the reference's averaged gradient; after clipping it is the reference's clipped gradient
-and the returned norm is the reference's pre-clip norm. At stages 0 and 2 the parameters
+and the returned norm is the reference's pre-clip norm. At ZeRO stage 1 (DeepSpeed's
+contract, which accelerate hands ZeRO to): after the sync backward ``p.grad`` is None and
+``meshtrain.utils.safe_get_full_grad(p)`` is the reference's averaged gradient. At stages
+0, 1 and 2 the parameters
 after 3 optimizer steps equal the reference's. Tolerance 1e-6: fp32, no dropout; the runs
 differ only in summation order (two 4-row means averaged against one 8-row mean), a few
 ulps through 3 AdamW steps.
@@ -73,13 +76,18 @@ def _run(stage: int) -> dict:
     loader = DataLoader(_data(), batch_size=GLOBAL // world)
     model, opt, loader = acc.prepare(model, opt, loader)
     params = list(acc.unwrap_model(model).parameters())
-    rec = {"grads": [], "syncs": [], "norms": [], "clipped": []}
+    rec = {"grads": [], "syncs": [], "norms": [], "clipped": [], "full": [], "none": []}
     for x, y in loader:
         with acc.accumulate(model):
             acc.backward(F.cross_entropy(model(x), y))
             rec["syncs"].append(acc.sync_gradients)
             if stage == 0:
                 rec["grads"].append(_grads(params))
+            if stage == 1 and acc.sync_gradients:
+                from meshtrain.utils import safe_get_full_grad
+
+                rec["none"].append(all(p.grad is None for p in params))
+                rec["full"].append([safe_get_full_grad(p).clone() for p in params])
             if acc.sync_gradients:
                 rec["norms"].append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
                 if stage == 0:
@@ -91,7 +99,7 @@ def _run(stage: int) -> dict:
 
 
 def _both() -> dict:
-    return {stage: _run(stage) for stage in (0, 2)}
+    return {stage: _run(stage) for stage in (0, 1, 2)}
 
 
 def _close(a, b, tol=1e-6) -> bool:
@@ -103,7 +111,7 @@ def test_grads_follow_accelerates_contract_and_two_processes_match_one():
     ranks = run_ranks(_both, 2)
     steps = ROWS // GLOBAL
     for rank, out in enumerate(ranks):
-        for stage in (0, 2):
+        for stage in (0, 1, 2):
             got = out[stage]
             assert got["syncs"] == [(i + 1) % GAS == 0 for i in range(steps)], (rank, stage)
             for a, b in zip(got["norms"], ref["norms"], strict=True):
@@ -117,6 +125,11 @@ def test_grads_follow_accelerates_contract_and_two_processes_match_one():
                 assert not _close(got["grads"][i], ref["grads"][i], 1e-4), (rank, i)
         for a, b in zip(got["clipped"], ref["clipped"], strict=True):
             assert _close(a, b), rank
+        z1 = out[1]  # ZeRO-1: p.grad None, the full averaged gradient assembled on request
+        assert z1["none"] == [True] * (steps // GAS), (rank, z1["none"])
+        syncs = [i for i in range(steps) if (i + 1) % GAS == 0]
+        for full, i in zip(z1["full"], syncs, strict=True):
+            assert _close(full, ref["grads"][i]), (rank, i)
     # the local gradients of the two ranks average to the reference's
     for i in range(0, steps, GAS):
         mean = [

@@ -77,7 +77,9 @@ def _setup(stage: int, world: int):
     from meshtrain import Accelerator
 
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-    acc = Accelerator(config={"zero_optimization": zero})
+    # seed=: a fixed shuffle seed, so 1 and 2 processes deal the same global order
+    # (accelerate's default draws it from the global RNG, differently per world size)
+    acc = Accelerator(config={"zero_optimization": zero}, seed=0)
     model = _lora(_bert())
     base0 = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
     base0["frozen_numel"] = (_frozen_numel(model), _frozen_numel(model, ".embeddings."))

@@ -118,19 +118,23 @@ def _precision():
     out["fp16"] = trace
     out["fp16_dtype"] = str(target.dtype)
 
-    # a model that overflows whatever the scale: stuck at the minimum -> error
-    engine = fp16_engine(
-        initial_scale_power=1, hysteresis=1, min_loss_scale=1, max_overflow_steps_at_min=3
-    )
-    engine.module.embed.weight.register_hook(lambda g: g * float("nan"))
-    try:
-        for _ in range(10):
-            ids, _ = global_batch("decoder", 0, 2)
-            engine.backward(engine(ids, ids))
-            engine.step()
-        out["stuck"] = None
-    except TrainingError as exc:
-        out["stuck"] = (str(exc), engine.global_steps)
+    # a model that overflows whatever the scale: stuck at the minimum -> error. By default
+    # at once, as DeepSpeed's scaler (raise_error_at_min_scale); with the flag off, after
+    # max_overflow_steps_at_min skipped steps in a row
+    for key, flags in (
+        ("stuck_at_once", {}),
+        ("stuck", {"raise_error_at_min_scale": False, "max_overflow_steps_at_min": 3}),
+    ):
+        engine = fp16_engine(initial_scale_power=1, hysteresis=1, min_loss_scale=1, **flags)
+        engine.module.embed.weight.register_hook(lambda g: g * float("nan"))
+        try:
+            for _ in range(10):
+                ids, _ = global_batch("decoder", 0, 2)
+                engine.backward(engine(ids, ids))
+                engine.step()
+            out[key] = None
+        except TrainingError as exc:
+            out[key] = (str(exc), engine.global_steps)
     return out
 
 
@@ -156,6 +160,9 @@ def test_precision_and_loss_scaling():
     msg, steps = out["stuck"]
     assert "overflowed 3 steps in a row" in msg and "minimum (1)" in msg
     assert steps == 3  # scale 2 -> 1 on the first overflow, then 3 at the minimum
+    msg, steps = out["stuck_at_once"]
+    assert msg.startswith("Current loss scale already at minimum - cannot decrease scale")
+    assert steps == 1  # scale 2 -> 1 on the first overflow; the second raises (DeepSpeed)
 
 
 def _client_objects():

@@ -4,7 +4,10 @@ tokenizer, ``trainer_state.json``, ``training_args.json`` (JSON, never a pickle)
 engine's shards (optimizer and scheduler state, data position: ``manifest.json``).
 ``AutoModelForSequenceClassification.from_pretrained`` on the folder gives the trained
 model's logits exactly (the same fp32 tensors run the same ops), and ``meshtrain
-serve``'s loader serves the folder with the same logits.
+serve``'s loader serves the folder with the same logits; over real HTTP (uvicorn on a
+free port, as tests/serve does), ``POST /classify`` answers each text with the label and
+score of the trained model's own softmax on that text (within 1e-6: the same fp32 logits,
+one softmax each; the server tokenizes the text alone, as the reference does).
 
 One rank, forked (the test process never holds a process group)."""
 
@@ -13,9 +16,12 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from tests.harness import run_ranks
+
+HTTP_TEXTS = ["房间太小，服务很差", "我觉得不错!", "good", "还行吧"]
 
 
 def _run(out: str) -> dict:
@@ -58,8 +64,14 @@ def _run(out: str) -> dict:
         reloaded = loaded(**batch).logits
         served = load(folder)
         served_logits = served.model(**batch).logits
+        direct = []  # the trained model on each text alone: what /classify must answer
+        for text in HTTP_TEXTS:
+            probs = model(**tok(text, return_tensors="pt")).logits.softmax(-1)[0]
+            k = int(probs.argmax())
+            direct.append((model.config.id2label[k], float(probs[k])))
     args_json = json.loads(open(os.path.join(folder, "training_args.json")).read())
     return {
+        "direct": direct,
         "files": sorted(os.listdir(folder)),
         "checkpoints": sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")),
         "same_from_pretrained": torch.equal(trained, reloaded),
@@ -69,8 +81,14 @@ def _run(out: str) -> dict:
     }
 
 
-def test_checkpoint_folder_is_a_transformers_checkpoint(tmp_path):
-    got = run_ranks(_run, 1, str(tmp_path), timeout=600)[0]
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[str, dict]:
+    out = tmp_path_factory.mktemp("trainer_out")
+    return str(out), run_ranks(_run, 1, str(out), timeout=600)[0]
+
+
+def test_checkpoint_folder_is_a_transformers_checkpoint(trained):
+    got = trained[1]
     files = set(got["files"])
     assert {"config.json", "model.safetensors", "trainer_state.json", "training_args.json"} <= files
     assert "tokenizer.json" in files or "tokenizer_config.json" in files
@@ -79,3 +97,25 @@ def test_checkpoint_folder_is_a_transformers_checkpoint(tmp_path):
     assert got["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
     assert got["same_from_pretrained"] and got["same_served"]
     assert got["task"] == "text-classification" and got["args_steps"] == 4
+
+
+def test_meshtrain_serve_answers_from_a_checkpoint_folder_over_http(trained):
+    """``meshtrain serve out/checkpoint-4``: the CLI's loader on the Trainer's folder, a real
+    uvicorn server, ``POST /classify`` one text at a time and as a list."""
+    httpx = pytest.importorskip("httpx")
+    from meshtrain.serve.model_loading import load
+    from tests.serve.conftest import live_server
+
+    out, got = trained
+    served = load(os.path.join(out, "checkpoint-4"))
+    with live_server(served, max_batch_size=1) as url:
+        alone = [
+            httpx.post(f"{url}/classify", json={"text": t}, timeout=60).json() for t in HTTP_TEXTS
+        ]
+        listed = httpx.post(f"{url}/classify", json={"text": HTTP_TEXTS}, timeout=60).json()
+        info = httpx.get(f"{url}/", timeout=60).json()
+    assert "checkpoint-4" in info["source"] and info["task"] == "text-classification", info
+    for (label, score), a, b in zip(got["direct"], alone, listed, strict=True):
+        assert a["label"] == b["label"] == label, (a, b, label)
+        assert a["score"] == pytest.approx(score, abs=1e-6)
+        assert b["score"] == pytest.approx(score, abs=1e-6)

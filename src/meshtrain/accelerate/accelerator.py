@@ -37,10 +37,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 
 from meshtrain.accelerate.engine_config import (
     config_dict,
+    dataloader_options,
     engine_config,
     int_argument,
     refuse_unsupported,
@@ -71,7 +72,14 @@ class Accelerator(ProcessQueries, StateIO):
         gradient_accumulation_steps: micro-batches per optimizer step.
         config: a meshtrain / DeepSpeed config (dict, JSON/YAML path or ``Config``): ZeRO
             stage, offload, mesh, clipping, ... Batch sizes are filled from the loader.
-        seed: shuffle seed of the prepared training loaders (the same on every rank).
+        seed: meshtrain's: a fixed seed for the shuffled loaders' generator. None (the
+            default) is accelerate's: drawn from the global torch RNG at ``prepare``.
+        dataloader_config: accelerate's ``DataLoaderConfiguration`` (or any object with
+            its attributes): ``split_batches=True`` makes the loader's ``batch_size`` the
+            global batch, split over the processes (it must divide by them); see
+            ``engine_config.dataloader_options`` for the rest.
+        split_batches: accepted and ignored, as accelerate 1.15 ignores it (a warning
+            says so): pass ``dataloader_config`` instead.
         cpu, device_placement, step_scheduler_with_optimizer, project_dir: accelerate's
             arguments of those names; the others accelerate has are refused by name.
     """
@@ -82,7 +90,9 @@ class Accelerator(ProcessQueries, StateIO):
         gradient_accumulation_steps: int = 1,
         config=None,
         *,
-        seed: int = 0,
+        seed: int | None = None,
+        dataloader_config: Any = None,
+        split_batches: Any = None,
         cpu: bool = False,
         device_placement: bool = True,
         step_scheduler_with_optimizer: bool = True,
@@ -94,7 +104,9 @@ class Accelerator(ProcessQueries, StateIO):
         self._config = config_dict(config, mixed_precision, gas)
         self.mixed_precision = mixed_precision or "no"
         self.gradient_accumulation_steps = int(self._config["gradient_accumulation_steps"])
-        self.seed = int_argument("seed", seed, 0)
+        self.seed = None if seed is None else int_argument("seed", seed, 0)
+        self.dataloader_config = dataloader_config
+        self.split_batches = dataloader_options(dataloader_config, split_batches)
         self.device_placement = bool(device_placement)
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
         self.project_dir = None if project_dir is None else str(project_dir)
@@ -202,30 +214,17 @@ class Accelerator(ProcessQueries, StateIO):
         return prepared
 
     def prepare_data_loader(self, loader: DataLoader, **_: Any) -> PreparedDataLoader:
-        """The loader dealt over the data-parallel ranks: ``batch_size`` samples per rank,
-        shuffled (seed ``self.seed`` + epoch) when the original was, resumable."""
+        """The loader dealt over the data-parallel ranks in accelerate's order: whole
+        consecutive batches, rank ``r`` taking batches ``r, r + R, ...``, the last global
+        step padded with the pass's first rows; ``batch_size`` rows per rank
+        (``batch_size / R`` with ``split_batches``); shuffled as accelerate shuffles when
+        the original was; resumable (``prepared.prepared_loader``)."""
+        from meshtrain.accelerate.prepared import prepared_loader
+
         if isinstance(loader, PreparedDataLoader):
             return loader
-        if loader.batch_size is None:
-            raise ConfigError(
-                "prepare: a DataLoader with a batch_sampler cannot be resharded; build it "
-                "with batch_size= (and shuffle=) instead"
-            )
-        t = self.topology
-        prepared = PreparedDataLoader(
-            loader.dataset,
-            int(loader.batch_size),
-            device=self.device if self.device_placement else torch.device("cpu"),
-            num_replicas=t.dp_size,
-            rank=t.dp_rank,
-            shuffle=isinstance(loader.sampler, RandomSampler),
-            seed=self.seed,
-            collate_fn=loader.collate_fn,
-            drop_last=loader.drop_last,
-            num_workers=loader.num_workers,
-            pin_memory=loader.pin_memory,
-        )
-        prepared.shuffle = isinstance(loader.sampler, RandomSampler)
+        device = self.device if self.device_placement else torch.device("cpu")
+        prepared = prepared_loader(loader, self.topology, device, self.seed, self.split_batches)
         prepared.on_batch = self._set_active_loader
         prepared.on_end = self._end_of_loader
         self._loaders.append(prepared)

@@ -4,15 +4,13 @@ All of them run over the data-parallel group with plain ``torch.distributed`` ca
 ``meshtrain.distributed.comm``), so metric traffic never shows up in the engine's
 per-step byte accounting. Every rank must call them with the same structure of tensors.
 
-``gather_for_metrics`` (accelerate#575, #2007): a prepared loader deals ``M`` remaining
-samples round-robin over ``R`` ranks and pads the last ``ceil(M/R)*R - M`` slots with
-repeats, so that every rank runs the same number of batches. Global slot ``j`` of a pass
-is row ``j // R`` on rank ``j % R``. After gathering a batch that held this rank's rows
-``[s, s + n)``, row ``i`` from rank ``r`` is slot ``(s + i) * R + r``; slots ``>= M`` are
-the padding and are dropped, and the rest are put in slot order -- the dataset's order for
-an unshuffled loader. Each row of the dataset is therefore returned exactly once.
-The slot rule is ``meshtrain.data.sampler``'s ("Undealing"), which the Trainer's
-evaluation uses too.
+``gather_for_metrics`` (accelerate#575, #2007): a prepared loader deals whole batches in
+accelerate's order (``batch_shard``), so gathering one batch from every rank gives the
+global step's slots in order, and at the end of a pass only its first rows are real (the
+rest repeat the pass's first rows so that every rank ran the same number of batches):
+``PreparedDataLoader.rows_kept`` says how many, and the rest are dropped, as accelerate
+drops its ``remainder``. Each row of the dataset is therefore returned exactly once, in
+the loader's order.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from meshtrain.data import sampler
 
 
 def _map(fn, data: Any) -> Any:
@@ -108,17 +104,7 @@ def pad_across_processes(
     return _map(one, data)
 
 
-def exact_rows_order(local_start: int, rows: int, replicas: int, remaining: int) -> torch.Tensor:
-    """Indices into a rank-major gathered batch that keep each real slot once, in slot
-    order (module docstring): ``gathered[order]`` drops the sampler's padding. The rule
-    is the sampler's (``meshtrain.data.sampler.exact_rows_order``), every rank holding
-    ``rows`` rows of the batch."""
-    order = sampler.exact_rows_order([rows] * replicas, local_start, remaining)
-    return torch.from_numpy(order)
-
-
 __all__ = [
-    "exact_rows_order",
     "gather",
     "has_tensor",
     "gather_object",

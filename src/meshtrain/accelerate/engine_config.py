@@ -65,9 +65,10 @@ def config_dict(config, mixed_precision: str | None, gas: int) -> dict[str, Any]
 
 # accelerate's constructor arguments meshtrain does not implement, and why
 _REFUSED = {
-    "split_batches": "each prepared loader gives batch_size rows per process",
-    "dispatch_batches": "every process reads its own rows from the dataset",
-    "even_batches": "the loaders always even out the ranks (gather_for_metrics drops the repeats)",
+    "dispatch_batches": "every process reads its own batches from the dataset (the rows "
+    "dispatch_batches=True would send it, in the same order)",
+    "even_batches": "the loaders always even out the ranks, padding the last global batch "
+    "with the first rows as accelerate does (gather_for_metrics drops the repeats)",
     "log_with": "there are no trackers; log on the main process yourself",
     "kwargs_handlers": "DDP/GradScaler/InitProcessGroup kwargs do not apply to the Engine; "
     "use config= (a DeepSpeed config) instead",
@@ -76,7 +77,6 @@ _REFUSED = {
     "megatron_lm_plugin": "use config= with mesh.tensor_parallel_size / pipeline_parallel_size",
     "torch_tp_plugin": "use config= with mesh.tensor_parallel_size",
     "parallelism_config": "use config= with the mesh section",
-    "dataloader_config": "the prepared loaders are meshtrain's resumable loaders",
     "rng_types": "save_state/load_state carry torch, python, numpy (and CUDA) RNG states",
     "dynamo_backend": "use config= with compile",
     "dynamo_plugin": "use config= with compile",
@@ -85,6 +85,47 @@ _REFUSED = {
     "project_config": "pass project_dir=",
     "logging_dir": "there are no trackers",
 }
+
+
+def dataloader_options(config: Any, split_batches: Any = None) -> bool:
+    """accelerate's ``DataLoaderConfiguration`` (read by attribute, so accelerate need not
+    be installed): returns ``split_batches``; refuses by name what meshtrain's loaders do
+    not do. ``non_blocking`` and ``use_stateful_dataloader`` need nothing: batches are
+    moved with ``non_blocking=True`` and every prepared loader is resumable already.
+    ``Accelerator(split_batches=...)`` itself does nothing in accelerate 1.15, nor here:
+    a warning says so."""
+    if split_batches is not None:
+        import logging
+
+        logging.getLogger("meshtrain").warning(
+            "Accelerator(split_batches=%r) does nothing, as in accelerate 1.15 (which ignores "
+            "it): pass dataloader_config=DataLoaderConfiguration(split_batches=...)",
+            split_batches,
+        )
+    if config is None:
+        return False
+    wanted = {
+        "dispatch_batches": (None, False),
+        "even_batches": (True,),
+        "use_seedable_sampler": (False,),
+        "data_seed": (None,),
+    }
+    for name, allowed in wanted.items():
+        value = getattr(config, name, allowed[0])
+        if value not in allowed:
+            why = {
+                "dispatch_batches": _REFUSED["dispatch_batches"],
+                "even_batches": _REFUSED["even_batches"],
+                "use_seedable_sampler": "the shuffled loaders follow accelerate's default "
+                "(a generator seeded from the global RNG at prepare); pass Accelerator(seed=) "
+                "to fix the seed",
+                "data_seed": "it applies to use_seedable_sampler, which is not supported; "
+                "pass Accelerator(seed=) instead",
+            }[name]
+            raise ConfigError(
+                f"Accelerator(dataloader_config=...{name}={value!r}) is not supported: {why}"
+            )
+    return bool(getattr(config, "split_batches", False))
 
 
 def refuse_unsupported(kwargs: dict[str, Any]) -> None:

@@ -18,16 +18,26 @@ lifecycle itself: ``begin_window`` after each step or ``zero_grad``, ``before_ba
 (sync)``, backward of ``loss x loss scale / f``, ``after_backward``. The bucketed,
 overlapped reduction into the flat buffer is the engine's, unchanged.
 
-The rule that decides where the extra pass goes (the flat buffers' speed is kept where
-nobody looks): the reduction leaves the *sum* over ranks in the flat buffer, and the
-engine folds ``1 / dp`` into the optimizer step's master-gradient copy (``initialize``
-and the Trainer: no pass of its own). Under the Accelerator at ZeRO stages 0-1 the user
-can read ``p.grad`` between backward and step, so right after each synchronising
-reduction the owned gradient chunks are multiplied by ``f / dp`` in place (one pass over
-the gradients per optimizer step, the only cost) and the engine is told
-(``engine.grads_divided_by``) so the step does not divide again. Stages 2-3 keep the sum:
-their gradients live in sharded buffers and ``p.grad`` is None after backward, as under
-accelerate's DeepSpeed plugin, so the division stays folded into the step.
+Where the averaging pass goes: the reduction leaves the *sum* over ranks in the flat
+buffer; at a synchronising backward at ZeRO stages 0-1 the Engine finishes the reduction
+and multiplies the gradient chunks by ``f / dp`` in place (``visible_grads.finish_reduction``,
+the same call ``engine.backward`` makes at its boundary, DeepSpeed's semantics) and tells
+the step (``engine.grads_divided_by``), whose copy into the fp32 masters then has no
+``1 / dp`` left to apply. Stages 2-3 keep the sum: their gradients live in sharded
+buffers and ``p.grad`` is None after backward, as under accelerate's DeepSpeed plugin.
+
+ZeRO stage 1 follows DeepSpeed (the peer that defines ZeRO; accelerate hands ZeRO to it):
+after the synchronising backward ``p.grad`` is None, because each rank holds only its
+slice of the averaged gradient; ``meshtrain.utils.safe_get_full_grad(p)`` (DeepSpeed's
+``deepspeed.utils.safe_get_full_grad``) assembles it, a collective every rank calls.
+
+After ``optimizer.step()`` at stage 0 ``p.grad`` keeps the gradient the step used (the
+averaged one, clipped if ``clip_grad_norm_`` ran) until ``zero_grad()``, as under
+accelerate's DDP: nothing is copied, ``.grad`` is pointed at its view of the flat buffer
+again, and a backward without ``zero_grad()`` accumulates into it (DDP's result: the old
+average plus the new one); in fp16 it is unscaled then, as accelerate's ``GradScaler.step``
+leaves it (one pass over the fp16 gradients, fp16 only). At stages 1-3 it is None after
+the step (DeepSpeed).
 ``clip_grad_norm_`` at a synchronising step unscales (fp16) and clips in place: stage 0
 through ``torch.nn.utils.clip_grad_norm_`` on the ``p.grad`` views (any subset, any
 norm type, exactly accelerate's call), stages 1-3 through the engine's global L2 norm over
@@ -55,6 +65,7 @@ class EngineDriver:
         self.engine = engine
         self.window_open = False  # has this window's first backward run?
         self.touched = False  # did the running backward reach this engine's parameters?
+        self.reduced_before = False  # was the window reduced before this backward?
         self.params = [p for g in engine.zero.flat_groups for p in g.params]
         self.param_ids = {id(p) for p in self.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._touch) for p in self.params]
@@ -72,35 +83,48 @@ class EngineDriver:
             zero.begin_window()
             self.window_open = True
         self.touched = False
+        self.reduced_before = zero.window_reduced  # a second reduction in this window?
         zero.before_backward(sync)
 
     def after_backward(self, sync: bool, loss: torch.Tensor) -> None:
         if not self.touched:
             return  # nothing landed and nothing was launched: leave the window as it is
         engine, zero = self.engine, self.engine.zero
+        if self.stage == 1 and self.reduced_before:
+            raise ConfigError(
+                "backward: at ZeRO stage 1 a window's gradient is reduced once, into each "
+                "rank's slice; this backward reached the model again after its "
+                "synchronising backward (e.g. a GAN's discriminator through the "
+                "generator's loss). Call optimizer.step() and zero_grad() before it, detach "
+                "the input it reached this model through, or use ZeRO stage 0"
+            )
         engine.log.add_loss(loss.detach())
         zero.after_backward()
-        if sync and self.stage < 2:
-            zero.finish_window_reduction()  # wait for the overlapped buckets, launch the rest
-            self._average()
+        if sync:  # stages 0-1: reduce now and average in place; all: gradients final
+            from meshtrain.engine.visible_grads import finish_reduction
 
-    def _average(self) -> None:
-        """Sum over ranks -> mean (``f / dp`` in place), once per synchronising reduction."""
-        zero = self.engine.zero
-        divisor = zero.grad_divisor
-        if divisor != 1.0:
-            for g in zero.flat_groups:
-                for chunk in g.grad_chunks:
-                    chunk.mul_(1.0 / divisor)
-        self.engine.grads_divided_by = divisor
+            finish_reduction(engine)
 
-    def after_step(self) -> None:
+    def after_step(self, scaled: float = 1.0) -> None:
+        """Stage 0: ``p.grad`` keeps the step's gradient until ``zero_grad()`` (DDP), in
+        fp16 unscaled (``scaled``: the loss scale it still carried), as accelerate's
+        ``GradScaler.step`` leaves it. The step read fp16 gradients through a copy, so
+        only those are divided here (fp32 ones carry no scale)."""
         self.window_open = False
+        if self.stage != 0:
+            return
+        for g in self.engine.zero.flat_groups:
+            for p, view in g.grad_views.items():
+                p.grad = view
+            if scaled != 1.0 and g.dtype != torch.float32:
+                for chunk in g.grad_chunks:
+                    chunk.mul_(1.0 / scaled)
 
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()`` at a boundary: the next backward starts a fresh window."""
         self.engine.zero.after_step()  # clears every gradient, reopens the reduction
         self.engine.grads_divided_by = 1.0
+        self.engine.grads_ready = False
         self.window_open = False
 
     def clip_(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float):

@@ -87,6 +87,43 @@ def whole_for_save(engine, module: nn.Module):
         yield
 
 
+def prompt_embeddings(engine, module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Collective (every rank calls it): under ZeRO-3, the embeddings peft's
+    ``save_pretrained`` saves for each prompt-learning adapter (prompt / prefix / p-tuning),
+    computed by its prompt encoder from whole weights on every rank together. None when
+    there is nothing to precompute (not ZeRO-3, not peft, no prompt learning).
+
+    For writers that run on one rank, possibly later (a checkpoint's files, written after
+    the commit): ``saved_prompts`` then hands these to peft instead of running the encoder
+    on shards, which would be a gather on one rank only, and a hang."""
+    gatherer = getattr(getattr(engine, "zero", None), "gatherer", None)
+    if gatherer is None or not is_peft_model(module):
+        return None
+    names = [
+        name
+        for name, cfg in module.peft_config.items()
+        if getattr(cfg, "is_prompt_learning", False) and not getattr(cfg, "inference_mode", False)
+    ]
+    if not names:
+        return None
+    with gatherer.gathered(module), gatherer.paused(), torch.no_grad():
+        return {name: module.get_prompt_embedding_to_save(name).clone() for name in names}
+
+
+@contextmanager
+def saved_prompts(module: nn.Module, prompts: dict[str, torch.Tensor] | None):
+    """Inside, ``module.get_prompt_embedding_to_save(name)`` returns ``prompts[name]`` (from
+    ``prompt_embeddings``) without running the encoder; the method is restored after."""
+    if not prompts:
+        yield
+        return
+    module.__dict__["get_prompt_embedding_to_save"] = lambda adapter_name: prompts[adapter_name]
+    try:
+        yield
+    finally:
+        module.__dict__.pop("get_prompt_embedding_to_save", None)
+
+
 def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -97,4 +134,11 @@ def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     )
 
 
-__all__ = ["is_peft_model", "merge_lora_state_dict", "save_model", "whole_for_save"]
+__all__ = [
+    "is_peft_model",
+    "merge_lora_state_dict",
+    "prompt_embeddings",
+    "save_model",
+    "saved_prompts",
+    "whole_for_save",
+]

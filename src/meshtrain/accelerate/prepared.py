@@ -16,8 +16,9 @@ object                    what its calls do
                           steps the scheduler once per data-parallel process
                           (``split_batches=False``: the loader's length was divided by them)
 ``PreparedDataLoader``    a :class:`~meshtrain.data.loader.ResumableDataLoader` dealing the
-                          dataset over the data-parallel ranks; batches land on the device;
-                          its position is saved by ``save_state`` and resumed exactly
+                          dataset's batches over the data-parallel ranks in accelerate's
+                          order (``batch_shard``); batches land on the device; its
+                          position is saved by ``save_state`` and resumed exactly
 ========================  ==================================================================
 
 A model and its optimizer may come in one ``prepare`` call or in different ones, in any
@@ -117,8 +118,10 @@ class PreparedOptimizer:
         if not self.accelerator.sync_gradients:
             return
         engine = self._need_engine()
+        # the loss scale still in the gradients (fp16, unless clip_grad_norm_ unscaled them)
+        scaled = engine.scaler.scale * engine.zero.grad_divisor / engine.grads_divided_by
         engine.step()
-        self.model.driver.after_step()
+        self.model.driver.after_step(scaled)
         self.step_was_skipped = not engine.was_step_applied()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -168,7 +171,8 @@ class PreparedScheduler:
             return
         if any(o.step_was_skipped for o in self._optimizers()):
             return
-        for _ in range(self.accelerator.num_processes):
+        # split_batches: the loader's length was not divided by the processes: once
+        for _ in range(1 if self.accelerator.split_batches else self.accelerator.num_processes):
             total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR without drop_last
             if total is None or self.scheduler._step_count <= total:
                 self.scheduler.step(*args, **kwargs)
@@ -202,8 +206,8 @@ class PreparedDataLoader(ResumableDataLoader):
     Each rank gets ``batch_size`` samples per batch (the global batch is ``batch_size x
     num_processes``, as in accelerate). A pass that runs to its end moves to the next
     epoch (a new shuffle), so ``for epoch in ...: for batch in loader`` reshuffles as
-    accelerate's loaders do. ``batch_rows()`` says which global slots the last batch held,
-    which is what lets ``gather_for_metrics`` drop the sampler's padding exactly.
+    accelerate's loaders do. ``rows_kept()`` says how much of the last global batch is
+    real, which is what lets ``gather_for_metrics`` drop the padding exactly.
     """
 
     def __init__(self, dataset, batch_size: int, *, device: torch.device, **kwargs: Any) -> None:
@@ -238,10 +242,67 @@ class PreparedDataLoader(ResumableDataLoader):
             self.on_end(self)
         sampler.set_epoch(sampler.epoch + 1)
 
-    def batch_rows(self) -> tuple[int, int, int, int]:
-        """``(local_start, rows, num_replicas, remaining)`` of the last batch yielded."""
+    def rows_kept(self) -> int:
+        """How many leading rows of the last global batch gathered in rank order are real
+        (the rest repeat the pass's first rows to even out the ranks; ``batch_shard``)."""
+        from meshtrain.accelerate.batch_shard import rows_kept
+
         s = self.sampler
-        return self._local_start, self._last_rows, s.num_replicas, self._pass_remaining
+        return rows_kept(
+            self._local_start, self._last_rows, s.num_replicas, self._pass_remaining, s.batch_size
+        )
+
+
+def prepared_loader(loader, topology, device, seed: int | None, split_batches: bool):
+    """``Accelerator.prepare_data_loader``: the user's ``DataLoader`` rebuilt over a
+    ``batch_shard.BatchShardSampler`` (accelerate's dealing and shuffle) as a
+    ``PreparedDataLoader``."""
+    from torch.utils.data import RandomSampler
+
+    from meshtrain.accelerate.batch_shard import BatchShardSampler, draw_seed
+
+    if loader.batch_size is None:
+        raise ConfigError(
+            "prepare: a DataLoader with a batch_sampler cannot be resharded; build it "
+            "with batch_size= (and shuffle=) instead"
+        )
+    batch_size = int(loader.batch_size)
+    if split_batches:
+        if batch_size % topology.dp_size:
+            raise ConfigError(
+                f"prepare: split_batches=True needs the DataLoader's batch_size "
+                f"({batch_size}) to be a multiple of the {topology.dp_size} data-parallel "
+                "processes (accelerate's rule); change batch_size"
+            )
+        batch_size //= topology.dp_size
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    fixed = seed is not None
+    if not fixed:
+        # accelerate: one process leaves torch's sampler alone (a new seed from the global
+        # RNG every pass); several get a generator seeded now, rank 0's
+        seed = draw_seed() if shuffle and topology.world_size > 1 else 0
+    sampler = BatchShardSampler(
+        loader.dataset,
+        batch_size,
+        num_replicas=topology.dp_size,
+        rank=topology.dp_rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+        draw_each_pass=not fixed and topology.world_size == 1,
+    )
+    prepared = PreparedDataLoader(
+        loader.dataset,
+        batch_size,
+        device=device,
+        sampler=sampler,
+        collate_fn=loader.collate_fn,
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+    )
+    prepared.shuffle = shuffle
+    return prepared
 
 
 def _rows(batch: Any) -> int:
@@ -259,4 +320,10 @@ def _rows(batch: Any) -> int:
     return 1
 
 
-__all__ = ["PreparedDataLoader", "PreparedModel", "PreparedOptimizer", "PreparedScheduler"]
+__all__ = [
+    "PreparedDataLoader",
+    "PreparedModel",
+    "PreparedOptimizer",
+    "PreparedScheduler",
+    "prepared_loader",
+]

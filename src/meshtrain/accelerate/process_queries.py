@@ -142,12 +142,14 @@ class ProcessQueries:
         being iterated; non-tensor data (a list of rows) goes through ``gather_object``."""
         group, world = self._dp()
         loader = self._active_loader
-        order = None if loader is None or world == 1 else col.exact_rows_order(*loader.batch_rows())
+        # accelerate's rule: the gathered global batch is in slot order; at the pass's end
+        # only its first ``remainder`` rows are real
+        keep = None if loader is None or world == 1 else loader.rows_kept()
         if use_gather_object or not col.has_tensor(data):
             rows = [x for part in col.gather_object(list(data), group, world) for x in part]
-            return rows if order is None else [rows[i] for i in order.tolist()]
+            return rows if keep is None else rows[:keep]
         gathered = col.gather(data, group, world)
-        return gathered if order is None else col._map(lambda t: t[order], gathered)
+        return gathered if keep is None else col._map(lambda t: t[:keep], gathered)
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         return col.reduce(data, *self._dp(), reduction=reduction)

@@ -50,8 +50,10 @@ class FP16Config(Section):
     """The dynamic loss scale is never lowered below this value."""
     fp16_master_weights_and_grads: Bool = False
     """Accepted and ignored: meshtrain always keeps fp32 master weights and gradients."""
+    raise_error_at_min_scale: Bool = True
+    """An overflow that would lower the dynamic scale below min_loss_scale stops the run at once with TrainingError, as DeepSpeed's DynamicLossScaler (raise_error_at_min_scale, true in DeepSpeed's engines). False: skip such steps (see max_overflow_steps_at_min)."""
     max_overflow_steps_at_min: PosInt = 10
-    """meshtrain: consecutive overflowing steps with the scale already at min_loss_scale before training raises TrainingError (instead of skipping steps forever)."""
+    """meshtrain: with raise_error_at_min_scale false (and in fp32/bf16, for non-finite gradients), consecutive overflowing steps with the scale at min_loss_scale before training raises TrainingError (instead of skipping steps forever)."""
 
 
 class BF16Config(Section):

@@ -5,7 +5,8 @@ One step, in order::
 
     engine(*inputs)        module(*inputs, **kwargs) in the model dtype (as DeepSpeed)
     engine.backward(loss)  backward of loss x scale / (k x f)   (k: accumulation steps,
-                           f: gradient pre-division); buckets reduce as they fill
+                           f: gradient pre-division); buckets reduce as they fill;
+                           at the boundary averaged in place (``visible_grads``)
     engine.step()          at the accumulation boundary: global gradient norm over every
                            shard -> on inf/NaN skip everywhere and lower the loss scale,
                            else scale by clip / (loss scale x dp / f) and step the fp32
@@ -32,6 +33,7 @@ from meshtrain.distributed.topology import Topology
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.engine.queries import EngineQueries
 from meshtrain.engine.step_log import StepLog
+from meshtrain.engine.visible_grads import attach, finish_reduction
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.optim.builders import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
@@ -76,8 +78,7 @@ class Engine(EngineQueries):
         self.skipped_steps = 0
         self._step_applied = False
         self._global_grad_norm: float | None = None
-        # what this window's reduced gradients were already divided by in place (1: the
-        # raw loss-scaled sum; the Accelerator averages them over dp for the user to see)
+        # what this window's reduced gradients were divided by in place (visible_grads)
         self.grads_divided_by = 1.0
 
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -89,6 +90,7 @@ class Engine(EngineQueries):
         self.pipeline = parallel.pipeline  # PipelineRuntime when pp > 1, else None
         # zero.Init leftovers made whole; owners recorded for zero.GatheredParameters
         adopt(self.module, self.zero)
+        attach(self)  # safe_get_full_grad finds the engine from the parameter
         self.optimizer = make_optimizer(config, optimizer, parallel.groups, self.zero, self.device)
         self.lr_scheduler = make_scheduler(config, lr_scheduler, self.optimizer)
         self.scaler = scaler_from_config(config)
@@ -153,10 +155,13 @@ class Engine(EngineQueries):
             self.zero.begin_window()
         self.log.add_loss(loss.detach())
         multiplier = self.scaler.scale / (self.gas * self.zero.predivide)
-        self.zero.before_backward(self.is_gradient_accumulation_boundary())
+        boundary = self.is_gradient_accumulation_boundary()
+        self.zero.before_backward(boundary)
         with self.log.timed("backward"):
             (loss.float() * multiplier).backward()
             self.zero.after_backward()
+        if boundary:
+            finish_reduction(self)  # DeepSpeed's p.grad: averaged in place (stages 0-1)
 
     def micro_batches(self, data_iter, m: int) -> list:
         """``m`` batches of ``data_iter`` (None: of the training loader), on device."""
@@ -302,6 +307,7 @@ class Engine(EngineQueries):
                 self.lr_scheduler.step()
         self.zero.after_step()
         self.grads_divided_by = 1.0
+        self.grads_ready = False
         self.scaler.update(overflow)
         self.global_steps += 1
 

@@ -13,6 +13,11 @@ pipeline stages: ``engine.module_state_dict()``); rank 0 then writes
 * for any other ``nn.Module``, ``model.safetensors`` of its state dict;
 * ``training_args.json`` (transformers pickles ``training_args.bin``; meshtrain never
   writes a file that needs an unsafe load to read).
+
+A prompt-learning peft model (prompt / prefix tuning) under ZeRO-3: peft computes the
+embeddings it saves by running the prompt encoder, whose weights are shards; every rank
+computes them together first (``peft_io.prompt_embeddings``) and rank 0 hands them to
+peft, in ``save_model`` and in each ``checkpoint-<step>``.
 """
 
 from __future__ import annotations
@@ -40,14 +45,17 @@ class ModelSaving:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model's whole weights into ``output_dir`` (default ``args.output_dir``); see
         the module docstring. Every rank must call it."""
+        from meshtrain.accelerate.peft_io import prompt_embeddings
+
         path = Path(output_dir or self.args.output_dir)
         if self.engine is not None:
             state_dict = self.engine.module_state_dict()  # collective: every rank gathers
         else:  # before train(): the user's model as it is
             state_dict = self.model.state_dict()
+        prompts = prompt_embeddings(self.engine, self.model)  # collective under ZeRO-3
         if self.is_world_process_zero():
             path.mkdir(parents=True, exist_ok=True)
-            self._export(path, state_dict)
+            self._export(path, state_dict, prompts)
             self._write_args(path)
         self._barrier()
 
@@ -62,10 +70,16 @@ class ModelSaving:
             path.mkdir(parents=True, exist_ok=True)
             self.state.save_to_json(path / "trainer_state.json")
 
-    def _export(self, path: Path, state_dict: dict[str, Any]) -> None:
-        """Rank 0: the model's files into ``path`` (an existing folder)."""
+    def _export(self, path: Path, state_dict: dict[str, Any], prompts=None) -> None:
+        """Rank 0: the model's files into ``path`` (an existing folder). ``prompts``: a
+        prompt-learning peft model's embeddings, computed by every rank beforehand
+        (``peft_io.prompt_embeddings``), so peft does not run its encoder on ZeRO-3 shards
+        here on one rank (a hang)."""
+        from meshtrain.accelerate.peft_io import saved_prompts
+
         if hasattr(self.model, "save_pretrained"):
-            self.model.save_pretrained(path, state_dict=state_dict)
+            with saved_prompts(self.model, prompts):
+                self.model.save_pretrained(path, state_dict=state_dict)
             if hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(path)
             return

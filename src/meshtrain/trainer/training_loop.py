@@ -219,6 +219,8 @@ class TrainingLoop:
 
     def _save_checkpoint(self, epoch_done: bool) -> None:
         """``output_dir/checkpoint-<step>`` (see ``meshtrain.trainer.checkpoints``)."""
+        from meshtrain.accelerate.peft_io import prompt_embeddings
+
         st, args, engine = self.state, self.args, self.engine
         root, prefix = self.checkpoint_dir, self.checkpoint_prefix
         tag = f"{prefix}{st.global_step}"
@@ -227,13 +229,14 @@ class TrainingLoop:
         st.stateful_callbacks = exported_states([*self.callback_handler.callbacks, self.control])
         client = {"trainer_state": st.to_dict(), "epoch_done": epoch_done}
         state_dict = engine.module_state_dict()  # every rank gathers the whole weights
+        prompts = prompt_embeddings(engine, self.model)  # ZeRO-3 prompt tuning: all ranks
         snapshot = TrainerState.from_dict(st.to_dict())  # an async write runs on after this
 
         def beside(path) -> None:  # after the commit (in the background under async_save)
             if self.topology.rank == 0:
                 # transformers' files beside the shards: the model (``from_pretrained`` loads
                 # the folder), the tokenizer / processor, the arguments as JSON, the state
-                self._export(path, state_dict)
+                self._export(path, state_dict, prompts)
                 self._write_args(path)
                 snapshot.save_to_json(path / "trainer_state.json")
                 best = ckpt.step_of(snapshot.best_model_checkpoint, prefix)

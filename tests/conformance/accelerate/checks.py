@@ -27,8 +27,14 @@ from torch.utils.data import DataLoader
 IMPLS = ("accelerate", "meshtrain")
 
 
-def accelerator(impl: str, **kwargs):
-    """A fresh Accelerator of ``impl`` (accelerate's singletons reset between checks)."""
+def accelerator(impl: str, split_batches: bool = False, **kwargs):
+    """A fresh Accelerator of ``impl`` (accelerate's singletons reset between checks).
+    ``split_batches`` goes into a ``DataLoaderConfiguration`` (accelerate 1.15 ignores the
+    constructor argument of that name)."""
+    if split_batches:
+        from accelerate.utils import DataLoaderConfiguration
+
+        kwargs["dataloader_config"] = DataLoaderConfiguration(split_batches=True)
     if impl == "accelerate":
         from accelerate.state import AcceleratorState, GradientState
 
@@ -307,27 +313,86 @@ def check_split_between_processes_tensor(impl):
         assert got.tolist() == [0, 1, 2, 3, 4, 4], got
 
 
-def check_dataloader_each_row_once(impl):
-    """test_script.py::dl_preparation_check (restated as a set: which rank holds which row
-    differs by design, see docs/compatibility.md): gathering every batch of a prepared
-    loader gives each row of the dataset exactly once."""
+def check_dataloader_preparation(impl):
+    """test_script.py::dl_preparation_check: gathering every batch of a prepared loader
+    gives ``arange(length)`` in order (each process holds whole consecutive batches), with
+    and without ``split_batches``; shuffled, every row exactly once."""
+    for split in (False, True):
+        acc = accelerator(impl, split_batches=split)
+        length = 32 * acc.num_processes
+        dl = acc.prepare(DataLoader(list(range(length)), batch_size=8))
+        got = torch.cat([acc.gather(torch.as_tensor(b)) for b in dl])
+        assert torch.equal(got.cpu(), torch.arange(length)), (split, got)
+        assert len(dl) == (length // 8 if split else length // (8 * acc.num_processes))
     acc = accelerator(impl)
-    length = 32 * acc.num_processes
-    dl = acc.prepare(DataLoader(list(range(length)), batch_size=8))
+    dl = acc.prepare(DataLoader(list(range(length)), batch_size=8, shuffle=True))
     got = torch.cat([acc.gather(torch.as_tensor(b)) for b in dl])
     assert sorted(got.tolist()) == list(range(length))
-    assert len(dl) == length // (8 * acc.num_processes)
 
 
-def check_dataloader_shuffled_same_everywhere(impl):
-    """test_script.py::dl_preparation_check with ``shuffle=True``: each epoch still deals
-    every row exactly once over the ranks (the shuffle is the same on every rank)."""
+def check_dataloader_batches_per_process(impl):
+    """data_loader.BatchSamplerShard (tests/test_data_loader.py::test_batch_sampler_shards_*,
+    restated at 2 processes through ``prepare``): 21 rows, batch 4. Process ``r`` gets
+    batches ``r, r + 2, ...``; the last global batch is completed with the first rows
+    (``even_batches``); ``drop_last`` leaves the incomplete global batch out;
+    ``split_batches`` gives each process its half of every batch of 8."""
     acc = accelerator(impl)
-    length = 16 * acc.num_processes
-    dl = acc.prepare(DataLoader(list(range(length)), batch_size=4, shuffle=True))
-    for _ in range(2):
-        got = torch.cat([acc.gather(torch.as_tensor(b)) for b in dl])
-        assert sorted(got.tolist()) == list(range(length))
+    if acc.num_processes != 2:
+        return
+    rows = list(range(21))
+    expected = {
+        "plain": [
+            [[0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18, 19]],
+            [[4, 5, 6, 7], [12, 13, 14, 15], [20, 0, 1, 2]],
+        ],
+        "drop_last": [[[0, 1, 2, 3], [8, 9, 10, 11]], [[4, 5, 6, 7], [12, 13, 14, 15]]],
+        "split": [
+            [[0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18, 19]],
+            [[4, 5, 6, 7], [12, 13, 14, 15], [20, 0, 1, 2]],
+        ],
+    }
+    cases = {
+        "plain": (accelerator(impl), DataLoader(rows, batch_size=4)),
+        "drop_last": (accelerator(impl), DataLoader(rows, batch_size=4, drop_last=True)),
+        "split": (accelerator(impl, split_batches=True), DataLoader(rows, batch_size=8)),
+    }
+    for name, (acc, loader) in cases.items():
+        dl = acc.prepare(loader)
+        got = [torch.as_tensor(b).tolist() for b in dl]
+        assert got == expected[name][acc.process_index], (name, got)
+        assert len(dl) == len(expected[name][0]), (name, len(dl))
+        if name == "plain":  # gather_for_metrics drops the 3 repeated rows
+            kept = torch.cat([acc.gather_for_metrics(torch.as_tensor(b)) for b in dl])
+            assert kept.tolist() == rows, kept
+
+
+def check_dataloader_shuffled_order(impl):
+    """prepare_data_loader with ``shuffle=True`` (use_seedable_sampler=False, the default):
+    the loader's RandomSampler gets a generator seeded from the main process's global RNG
+    at ``prepare``; each epoch is that sampler's next pass, dealt in whole batches. With
+    ``torch.manual_seed(123)`` before ``prepare`` the batches are exactly these, two epochs
+    (the expected order is computed with torch's own RandomSampler)."""
+    from torch.utils.data import RandomSampler
+
+    n, bs = 20, 3
+    torch.manual_seed(123)
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    g = torch.Generator()
+    g.manual_seed(seed)
+    acc = accelerator(impl)
+    world, rank = acc.num_processes, acc.process_index
+    torch.manual_seed(123)
+    dl = acc.prepare(DataLoader(list(range(n)), batch_size=bs, shuffle=True))
+    for epoch in range(2):
+        perm = list(RandomSampler(range(n), generator=g))
+        total = -(-n // (bs * world)) * bs * world
+        stream = perm + perm[: total - n]
+        want = [
+            stream[(k * world + rank) * bs : (k * world + rank + 1) * bs]
+            for k in range(total // (bs * world))
+        ]
+        got = [torch.as_tensor(b).tolist() for b in dl]
+        assert got == want, (epoch, got, want)
 
 
 def check_training_parity(impl):
@@ -650,6 +715,38 @@ def check_clip_grad_norm_in_place(impl):
     assert abs(float(norm) - float(want)) <= 1e-5 * float(want), (norm, want)
     for p, q in zip(acc.unwrap_model(model).parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), (p.grad, q.grad)
+
+
+def check_grad_kept_after_step_until_zero_grad(impl):
+    """AcceleratedOptimizer.step over DDP (test_sync.py's loops read ``p.grad`` around the
+    step): ``optimizer.step()`` leaves ``p.grad`` as it was (the averaged gradient,
+    clipped by ``clip_grad_norm_``); a backward without ``zero_grad()`` adds the next
+    averaged gradient to it; ``zero_grad()`` sets it to None (1e-6)."""
+    acc = accelerator(impl)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    net = acc.unwrap_model(model)
+    g = torch.Generator().manual_seed(1)
+    lo = 2 * acc.process_index
+    for step in range(2):
+        x = torch.randn(2 * acc.num_processes, 4, generator=g)
+        acc.backward(model(x[lo : lo + 2]).pow(2).sum())
+        (ref(x).pow(2).sum() / acc.num_processes).backward()
+        if step == 0:
+            acc.clip_grad_norm_(model.parameters(), 0.5)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        ref_opt.step()  # no zero_grad after the first step: the second backward adds
+        for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+            assert p.grad is not None, step
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), (step, p.grad, q.grad)
+            assert torch.allclose(p, q, atol=1e-6), (step, p, q)
+    opt.zero_grad()
+    assert all(p.grad is None for p in net.parameters())
 
 
 def check_optimizer_noop_off_boundary(impl):

@@ -255,6 +255,79 @@ def check_gradient_clipping(impl):
         assert torch.allclose(p, q, atol=1e-6), (p - q).abs().max()
 
 
+# --- the gradients a script sees (DeepSpeedEngine.backward's allreduce_gradients; ----------------
+# --- deepspeed.utils.safe_get_full_grad, tests/unit/runtime/zero/test_zero_tensor_fragment.py) ----
+def _reference_grads(micro_steps: int) -> list[torch.Tensor]:
+    """One process, the global batches of ``micro_steps`` micro-steps, loss / micro_steps."""
+    torch.manual_seed(0)
+    model = SimpleModel()
+    for step in range(micro_steps):
+        x, y = _batch(step)
+        (model(x, y) / micro_steps).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _boundary_backward(impl, stage: int, gas: int = 2):
+    engine, *_ = _engine(
+        impl,
+        gradient_accumulation_steps=gas,
+        zero_optimization={"stage": stage},
+        zero_allow_untested_optimizer=True,
+    )
+    for step in range(gas):
+        x, y = _batch(step, _rank())
+        engine.backward(engine(x, y))
+        if step < gas - 1:
+            engine.step()
+    return engine
+
+
+def check_grad_averaged_after_boundary_backward(impl):
+    """DeepSpeedEngine.backward at the accumulation boundary (ZeRO stage 0) all-reduces and
+    averages the gradients in place (``allreduce_gradients``): ``p.grad`` is the gradient
+    of one process on the global batch (1e-6); after ``step()`` it is None."""
+    engine = _boundary_backward(impl, 0)
+    for p, want in zip(engine.module.parameters(), _reference_grads(2), strict=True):
+        assert p.grad is not None and torch.allclose(p.grad, want, atol=1e-6), p.grad
+    engine.step()
+    assert all(p.grad is None for p in engine.module.parameters())
+
+
+def _check_full_grad(impl, stage: int) -> None:
+    if impl == "deepspeed":
+        from deepspeed.utils import safe_get_full_grad
+    else:
+        from meshtrain.utils import safe_get_full_grad
+    engine = _boundary_backward(impl, stage)
+    params = list(engine.module.parameters())
+    assert all(p.grad is None for p in params), [p.grad is None for p in params]
+    for p, want in zip(params, _reference_grads(2), strict=True):
+        full = safe_get_full_grad(p)  # a collective: every rank, every parameter
+        assert full.dtype == torch.float32 and full.shape == want.shape
+        assert torch.allclose(full, want, atol=1e-6), (full - want).abs().max()
+    engine.step()
+    assert all(p.grad is None for p in params)
+
+
+def check_safe_get_full_grad_zero1(impl):
+    """deepspeed.utils.safe_get_full_grad at ZeRO stage 1 (test_zero_tensor_fragment.py's
+    use, after the boundary backward): ``p.grad`` is None (each rank holds only its slice
+    of the reduced gradient) and the function assembles the averaged fp32 gradient, equal
+    to one process's on the global batch (1e-6)."""
+    _check_full_grad(impl, 1)
+
+
+def check_safe_get_full_grad_zero2(impl):
+    """deepspeed.utils.safe_get_full_grad at ZeRO stage 2: as at stage 1 (1e-6)."""
+    _check_full_grad(impl, 2)
+
+
+def check_safe_get_full_grad_zero3(impl):
+    """deepspeed.utils.safe_get_full_grad at ZeRO stage 3 (parameters sharded too): as at
+    stage 1, from the parameter's shards (1e-6)."""
+    _check_full_grad(impl, 3)
+
+
 # --- checkpoints (checkpoint/test_other_optimizer.py / test_latest_checkpoint.py) --------------------
 def _ckpt_dir(impl: str, name: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"ds_conf_{impl}_{name}_{os.environ['MASTER_PORT']}")
@@ -316,18 +389,31 @@ def check_was_step_applied(impl):
 class _Scaler:
     """The same calls on DeepSpeed's ``DynamicLossScaler`` and meshtrain's ``LossScaler``."""
 
-    def __init__(self, impl, power, window, hysteresis=2, min_scale=1.0, consecutive=False):
+    def __init__(
+        self, impl, power, window, hysteresis=2, min_scale=1.0, consecutive=False, raises=False
+    ):
         self.impl = impl
         if impl == "deepspeed":
             from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
+            flag = {} if raises else {"raise_error_at_min_scale": False}  # default: raise
             self.s = DynamicLossScaler(
                 init_scale=2.0**power,
                 scale_window=window,
                 min_scale=min_scale,
                 delayed_shift=hysteresis,
                 consecutive_hysteresis=consecutive,
-                raise_error_at_min_scale=False,
+                **flag,
+            )
+        elif raises:  # meshtrain's defaults, as the engine builds them from an fp16 config
+            from meshtrain.precision import LossScaler
+
+            self.s = LossScaler(
+                initial_scale_power=power,
+                loss_scale_window=window,
+                hysteresis=hysteresis,
+                min_loss_scale=min_scale,
+                consecutive_hysteresis=consecutive,
             )
         else:
             from meshtrain.precision import LossScaler
@@ -338,6 +424,7 @@ class _Scaler:
                 hysteresis=hysteresis,
                 min_loss_scale=min_scale,
                 consecutive_hysteresis=consecutive,
+                raise_error_at_min_scale=False,
                 max_overflow_steps_at_min=10**6,
             )
 
@@ -438,6 +525,32 @@ def check_scaler_hysteresis_restored_on_growth(impl):
     for _ in range(3):
         s.update(False)
     assert s.hysteresis == 2 and s.scale == 2**9, (s.hysteresis, s.scale)
+
+
+def check_scaler_raises_at_min_scale(impl):
+    """DynamicLossScaler.update_scale with its default ``raise_error_at_min_scale=True`` (what
+    every DeepSpeed fp16 engine builds): an overflow that would lower the scale when it is
+    already at min_loss_scale raises at once, "Current loss scale already at minimum -
+    cannot decrease scale anymore. Exiting run."; hysteresis left at the minimum is used
+    up first; the scale and step count stay where they were."""
+    # (power, hysteresis, overflows that do not raise): 4 -> 2 -> 1, then the third raises;
+    # starting at the minimum with hysteresis 2, the first overflow spends it, the second raises
+    for power, hysteresis, overflows_before in ((2, 1, 2), (0, 2, 1)):
+        s = _Scaler(impl, power, 1000, hysteresis=hysteresis, min_scale=1.0, raises=True)
+        for _ in range(overflows_before):
+            s.update(True)
+        assert s.scale == 1.0 and s.iteration == overflows_before, (s.scale, s.iteration)
+        assert s.hysteresis == 1, s.hysteresis
+        try:
+            s.update(True)
+        except Exception as exc:
+            assert str(exc).startswith(
+                "Current loss scale already at minimum - cannot decrease scale anymore. "
+                "Exiting run."
+            ), str(exc)
+        else:
+            raise AssertionError("no error at the minimum loss scale")
+        assert s.scale == 1.0 and s.iteration == overflows_before
 
 
 CHECKS = {n[len("check_") :]: f for n, f in sorted(globals().items()) if n.startswith("check_")}

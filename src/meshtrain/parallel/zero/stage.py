@@ -183,6 +183,16 @@ class ZeroStage:
             comm.all_reduce(sq, self.across, label="control")
         return sq
 
+    @property
+    def synchronising(self) -> bool:
+        """This backward reduces (not inside ``no_sync``)."""
+        return self.reducer.synchronising
+
+    @property
+    def window_reduced(self) -> bool:
+        """Stages 0-1: this window's gradients were already reduced (once)."""
+        return self._window_reduced
+
     def finish_window_reduction(self) -> None:
         """Stages 0-1, a synchronising backward outside the Engine's step (the
         Accelerator): wait for the overlapped buckets, launch the rest, mark it done."""

@@ -189,6 +189,14 @@ class ZeroStages:
         for part in self.parts:
             part.before_step()
 
+    @property
+    def synchronising(self) -> bool:
+        return all(part.synchronising for part in self.parts)
+
+    @property
+    def window_reduced(self) -> bool:
+        return any(part.window_reduced for part in self.parts)
+
     def finish_window_reduction(self) -> None:
         for part in self.parts:
             part.finish_window_reduction()
