@@ -290,9 +290,9 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
     def _dropped_header(dropped: int) -> dict[str, str]:
         return {"X-Dropped-Rounds": str(dropped)}
 
-    def _submit(ids: list[int], kwargs: dict, stream: bool = False):
+    def _submit(ids: list[int], kwargs: dict, stream: bool = False, stop=()):
         try:
-            return worker.submit(ids, kwargs, stream=stream)
+            return worker.submit(ids, kwargs, stream=stream, stop=stop)
         except QueueFull as exc:
             raise _busy(exc) from None
 
@@ -345,7 +345,9 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
         )
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         name = settings.model_name
-        job = _submit(ids, kwargs, stream=req.stream)
+        from meshtrain.serve.stops import normalize
+
+        job = _submit(ids, kwargs, stream=req.stream, stop=normalize(req.stop))
         if not req.stream:
             a = await _answer(job)
             usage = {

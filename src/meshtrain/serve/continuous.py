@@ -19,7 +19,7 @@ One worker thread owns the model. Each turn of its loop:
 
 So a request waits for at most one decoding step (plus the prefills admitted with it)
 before it starts, never for another request to finish. Streaming pushes each sequence's
-text through its own ``TextStreamer`` as its tokens are chosen.
+text (``stops.AnswerText``) as its tokens are chosen, and ends it at its own stop strings.
 
 Equality with ``model.generate``. A row's keys and values, positions and causal window
 are exactly its own, and padded columns get zero attention weight, so a greedy answer
@@ -112,7 +112,7 @@ class Sequence:
     temperature: float
     top_k: int
     top_p: float
-    streamer: Any = None
+    text: Any = None  # stops.AnswerText when it streams or has stop strings
     tokens: list[int] = field(default_factory=list)
 
 
@@ -199,9 +199,6 @@ class ContinuousBatcher(JobQueue):
                 value = getattr(gen, name, None)
             return default if value is None else value
 
-        streamer = None
-        if job.stream is not None:
-            streamer = self.chat.streamer(job, prompt_first=False)  # only new tokens are put
         return Sequence(
             job=job,
             n_prompt=len(job.input_ids),
@@ -211,7 +208,7 @@ class ContinuousBatcher(JobQueue):
             temperature=float(pick("temperature", 1.0)),
             top_k=int(pick("top_k", 0)),
             top_p=float(pick("top_p", 1.0)),
-            streamer=streamer,
+            text=self.chat.answer_text(job),
         )
 
     def _forward(self, ids: torch.Tensor, cache: Any, **kw: Any) -> Any:
@@ -302,17 +299,18 @@ class ContinuousBatcher(JobQueue):
         """Append ``token`` to ``seq``; answer it and return False when it is finished."""
         seq.tokens.append(token)
         self.tokens += 1
-        if seq.streamer is not None:
-            seq.streamer.put(torch.tensor([token]))
-        stop = token in self.chat.eos_ids
+        eos = token in self.chat.eos_ids
+        stop = eos or (seq.text is not None and seq.text.add(token))
         if not (stop or len(seq.tokens) >= seq.max_new or seq.job.cancelled.is_set()):
             return True
-        if seq.streamer is not None:
-            seq.streamer.end()
         from meshtrain.serve.chat import Answer
 
+        if seq.text is not None:
+            text = seq.text.finish()
+        else:
+            text = self.chat.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         answer = Answer(
-            text=self.chat.tokenizer.decode(seq.tokens, skip_special_tokens=True),
+            text=text,
             prompt_tokens=seq.n_prompt,
             completion_tokens=len(seq.tokens),
             finish_reason="stop" if stop else "length",

@@ -39,6 +39,7 @@ class GenerationJob:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     stream: asyncio.Queue | None = None  # text pieces, then _STOP, when streaming
+    stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first (stops.py)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def push(self, text: str) -> None:
@@ -66,12 +67,22 @@ class JobQueue:
     max_queue: int
 
     def submit(
-        self, input_ids: list[int], kwargs: dict[str, Any], *, stream: bool = False
+        self,
+        input_ids: list[int],
+        kwargs: dict[str, Any],
+        *,
+        stream: bool = False,
+        stop: tuple[str, ...] = (),
     ) -> GenerationJob:
         """Queue a job (call on the event loop); raises QueueFull when the queue is full."""
         loop = asyncio.get_running_loop()
         job = GenerationJob(
-            input_ids, kwargs, loop, loop.create_future(), asyncio.Queue() if stream else None
+            input_ids,
+            kwargs,
+            loop,
+            loop.create_future(),
+            asyncio.Queue() if stream else None,
+            tuple(stop),
         )
         try:
             self._queue.put_nowait(job)
