@@ -1,10 +1,12 @@
 """Continuous batching (``serve/continuous.py``): greedy answers under batching equal
-``model.generate`` on each prompt alone, sequences join and leave mid-batch, and the
-padded cache (``serve/kv_batch.py``) keeps each row's tokens where they were.
+``model.generate`` on each prompt alone, sequences join and leave mid-batch, prompts are
+prefilled in chunks inside the others' decoding steps, and the paged cache
+(``serve/paged_kv.py``) holds blocks in proportion to the live tokens, gives them back
+when a sequence ends, and admits a request only when its blocks are free.
 
-Exactness: compared token for token in fp32 on CPU. Batched matrix products and attention
-over padded columns may sum in another order than batch 1, so logits can differ in the
-last bits; no argmax changed on these 50 prompts. In bf16/fp16 a near-tie can swap (the
+Exactness: compared token for token in fp32 on CPU. Batched matrix products, chunked
+prefills and attention over gathered slots may sum in another order than batch 1, so
+logits can differ in the last bits; no argmax changed on these 50 prompts. In bf16/fp16 a near-tie can swap (the
 caveat documented in docs/serve.md), so these checks run in fp32 only.
 """
 

@@ -115,7 +115,7 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
         if settings.chat_batch_size > 1:
             from meshtrain.serve.continuous import blocker
 
-            why = blocker(served.model)
+            why = blocker(served.model, served.context_length)
             batching = f"continuous, up to {settings.chat_batch_size} sequences"
             if why is not None:
                 batching = f"off ({why})"
