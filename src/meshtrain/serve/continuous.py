@@ -163,7 +163,7 @@ class _PagedForward:
             positions += range(s.length, s.length + n)
         plan = plan_step(pool, decoding, chunks, self.device, self.context)
         kw: dict[str, Any] = {}
-        rows = torch.tensor(keep, device=self.device)
+        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
         if self.keep_arg:
             kw["logits_to_keep"] = rows
         config = self.model.config
