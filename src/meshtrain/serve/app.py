@@ -58,6 +58,8 @@ class ServeSettings:
     max_new_tokens: int = 256  # default and upper bound of a chat answer's tokens
     max_queue: int = 16  # chat requests waiting for the generation worker before 503
     chat_batch_size: int = 16  # chat sequences decoded together; 1 = one at a time
+    prefill_chunk: int = 256  # prompt tokens one batched forward carries at most
+    kv_blocks: int | None = None  # paged cache blocks (16 tokens); None: batch x context
     context_overflow: str = "drop-oldest"  # or "error": 422 when history outgrows the context
     timeout_s: float = 60.0  # a request waiting longer gets 504
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
@@ -82,6 +84,12 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
             f"context_overflow {settings.context_overflow!r} is not a policy; use one of "
             f"{list(CONTEXT_OVERFLOW)} (meshtrain serve --context-overflow)"
         )
+    for name in ("prefill_chunk", "kv_blocks"):
+        value = getattr(settings, name)
+        if value is not None and value < 1:
+            raise ServeError(
+                f"{name} {value} must be >= 1 (meshtrain serve --{name.replace('_', '-')})"
+            )
     if settings.chat_batch_size < 1:
         raise ServeError(
             f"chat_batch_size {settings.chat_batch_size} must be >= 1 (1 turns batching off)"
@@ -133,6 +141,8 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                 chat,
                 max_batch=settings.chat_batch_size,
                 max_queue=settings.max_queue,
+                prefill_chunk=settings.prefill_chunk,
+                kv_blocks=settings.kv_blocks,
                 on_step=lambda n: metrics.step("chat", n),
             )
         elif chat is not None:
