@@ -123,10 +123,6 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "what an engine's checkpoint holds, written and read; the sync and async saves "
         "share shard_contents()",
     ),
-    "meshtrain.serve.app": (
-        408,
-        "the FastAPI app: each route with its request checks and its error answers",
-    ),
     "meshtrain.parallel.zero.flat_group": (
         410,
         "one param group's flat buffers, buckets and master chunks (its layouts live in "

@@ -33,39 +33,16 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from meshtrain.errors import ServeError
 from meshtrain.serve.batching import DynamicBatcher, QueueFull
 from meshtrain.serve.http_errors import ApiError, BodyLimit, error_body, validation_answer
 from meshtrain.serve.model_loading import ServedModel
-
-CONTEXT_OVERFLOW = ("drop-oldest", "error")
+from meshtrain.serve.settings import ServeSettings
 
 log = logging.getLogger("meshtrain.serve")
-
-
-@dataclass
-class ServeSettings:
-    """Limits and defaults of one server (the ``meshtrain serve`` flags)."""
-
-    max_batch_size: int = 32  # classification texts per forward pass; 1 = no batching
-    max_wait_ms: float = 5.0  # how long a batch waits to fill
-    max_batch_queue: int = 4096  # classification texts waiting before 503
-    max_texts: int = 256  # texts in one /classify request
-    max_new_tokens: int = 256  # default and upper bound of a chat answer's tokens
-    max_queue: int = 16  # chat requests waiting for the generation worker before 503
-    chat_batch_size: int = 16  # chat sequences decoded together; 1 = one at a time
-    prefill_chunk: int = 256  # prompt tokens one batched forward carries at most
-    kv_blocks: int | None = None  # paged cache blocks (16 tokens); None: batch x context
-    context_overflow: str = "drop-oldest"  # or "error": 422 when history outgrows the context
-    timeout_s: float = 60.0  # a request waiting longer gets 504
-    max_body_bytes: int = 1 << 20  # larger request bodies get 413
-    retry_after_s: int = 1  # the Retry-After a 503 sends
-    chat_format: str = "meshtrain"  # turn format when the tokenizer has no chat template
-    model_name: str = "meshtrain"  # the "model" OpenAI responses name
 
 
 def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any:
@@ -79,21 +56,6 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
     from meshtrain.serve.metrics import MetricsMiddleware, ServeMetrics
 
     settings = settings or ServeSettings()
-    if settings.context_overflow not in CONTEXT_OVERFLOW:
-        raise ServeError(
-            f"context_overflow {settings.context_overflow!r} is not a policy; use one of "
-            f"{list(CONTEXT_OVERFLOW)} (meshtrain serve --context-overflow)"
-        )
-    for name in ("prefill_chunk", "kv_blocks"):
-        value = getattr(settings, name)
-        if value is not None and value < 1:
-            raise ServeError(
-                f"{name} {value} must be >= 1 (meshtrain serve --{name.replace('_', '-')})"
-            )
-    if settings.chat_batch_size < 1:
-        raise ServeError(
-            f"chat_batch_size {settings.chat_batch_size} must be >= 1 (1 turns batching off)"
-        )
     classifier = chat = batcher = worker = None
     batching = "off (chat_batch_size=1)"
     metrics = ServeMetrics(

@@ -58,14 +58,8 @@ import torch
 
 from meshtrain.errors import ServeError
 from meshtrain.serve.generation import _STOP, GenerationJob, JobQueue
-from meshtrain.serve.paged_kv import (
-    ATTN_NAME,
-    BlockPool,
-    PagedSeq,
-    PagedUnsupported,
-    plan_step,
-    register,
-)
+from meshtrain.serve.paged_kv import BlockPool, PagedSeq
+from meshtrain.serve.paged_model import PagedForward, probe
 
 log = logging.getLogger("meshtrain.serve")
 
@@ -98,90 +92,15 @@ _UNSUPPORTED = {
 def blocker(model: Any, context: int | None = None) -> str | None:
     """Why ``model`` cannot be continuously batched (module docstring), or None.
 
-    Besides the ``generation_config`` options, it runs the paged path once on a short
-    sequence (a prefill in two chunks, then a decoding step, in 4-token blocks) and
-    compares its logits with a plain forward: a model whose attention does not go
-    through ``transformers``' attention interface, or needs what the paged kernel does
-    not do, is then served one request at a time."""
+    Besides the ``generation_config`` options, the model must pass
+    :func:`~meshtrain.serve.paged_model.probe` (the paged forward reproduces its
+    logits)."""
     gen = model.generation_config
     for name, off in _UNSUPPORTED.items():
         value = getattr(gen, name, off)
         if value not in (off, None) and not (name == "min_length" and value == 0):
             return f"generation_config.{name}={value!r} is not implemented by continuous batching"
-    device = next(model.parameters()).device
-    vocab = int(getattr(model.config, "vocab_size", None) or 2)
-    ids = (torch.arange(8, device=device) * 7 + 1) % vocab
-    try:
-        with torch.inference_mode():
-            want = model(input_ids=ids[None], use_cache=False).logits[0, 6:8].float()
-            pool, seq = BlockPool(block_size=4, max_blocks=8, initial=1), PagedSeq()
-            runner = _PagedForward(model, context)
-            runner(ids[:5], [(seq, 5)], [], pool, keep=[4])
-            got6 = runner(ids[5:7], [(seq, 2)], [], pool, keep=[1])[0]
-            got7 = runner(ids[7:8], [], [seq], pool, keep=[0])[0]
-    except PagedUnsupported as exc:
-        return f"paged attention cannot serve {type(model).__name__}: {exc}"
-    except Exception as exc:  # noqa: BLE001 -- any failure means: not this model
-        return f"paged attention failed on {type(model).__name__}: {type(exc).__name__}: {exc}"
-    got = torch.stack([got6, got7]).float()
-    # fp32: summation order only; bf16/fp16 round every product (the dtype caveat)
-    exact = next(model.parameters()).dtype == torch.float32
-    tol = (1e-4 if exact else 3e-2) * max(1.0, want.abs().max().item())
-    err = (got - want).abs().max().item()
-    if not err <= tol:
-        return (
-            f"paged attention does not reproduce {type(model).__name__}'s logits "
-            f"(max difference {err:.3g} > {tol:.3g}): its attention does not go through "
-            "transformers' attention interface"
-        )
-    return None
-
-
-class _PagedForward:
-    """One forward of a step's tokens laid end to end (``paged_kv`` module docstring):
-    ``(ids, chunks, decoding, pool, keep)`` -> logits of the rows in ``keep``."""
-
-    def __init__(self, model: Any, context: int | None) -> None:
-        register()
-        self.model = model
-        self.context = context
-        self.device = next(model.parameters()).device
-        self.keep_arg = "logits_to_keep" in _forward_params(model)
-        # a ready 4-D mask: transformers then builds none (paged_attention ignores it)
-        self.mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-
-    def __call__(
-        self,
-        ids: torch.Tensor,
-        chunks: list[tuple[PagedSeq, int]],
-        decoding: list[PagedSeq],
-        pool: BlockPool,
-        keep: list[int],
-    ) -> torch.Tensor:
-        positions = [s.length for s in decoding]
-        for s, n in chunks:
-            positions += range(s.length, s.length + n)
-        plan = plan_step(pool, decoding, chunks, self.device, self.context)
-        kw: dict[str, Any] = {}
-        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
-        if self.keep_arg:
-            kw["logits_to_keep"] = rows
-        config = self.model.config
-        before = config._attn_implementation
-        config._attn_implementation = ATTN_NAME  # only for this forward
-        try:
-            out = self.model(
-                input_ids=ids[None],
-                position_ids=torch.tensor([positions], device=self.device),
-                attention_mask=self.mask,
-                use_cache=False,
-                meshtrain_plan=plan,
-                **kw,
-            )
-        finally:
-            config._attn_implementation = before
-        logits = out.logits[0]
-        return logits if self.keep_arg else logits[rows]
+    return probe(model, context)
 
 
 @dataclass
@@ -246,7 +165,7 @@ class ContinuousBatcher(JobQueue):
         if kv_blocks is None:
             kv_blocks = max_batch * -(-context // block_size)
         self.pool = BlockPool(block_size, kv_blocks, initial=min(kv_blocks, 64))
-        self._run = _PagedForward(self.model, chat.context)
+        self._run = PagedForward(self.model, chat.context)
         self._seqs: list[Sequence] = []
         self._pending: collections.deque[GenerationJob] = collections.deque()
         self._outbox = {}  # answers and streamed pieces leave once per step (_flush)
@@ -462,9 +381,3 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) 
         drop[-1] = False
         logits = logits.masked_fill(drop.scatter(0, index, drop), -float("inf"))
     return int(torch.multinomial(logits.softmax(-1), 1))
-
-
-def _forward_params(model: Any) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(model.forward).parameters)
