@@ -8,7 +8,7 @@ Routes (``docs/serve.md`` has curl examples):
 * ``POST /`` -- the seeds' chat shape ``{"prompt", "history"}`` ->
   ``{"response", "history", "status", "time"}``.
 * ``POST /v1/chat/completions`` -- OpenAI's chat completion, ``"stream": true`` as
-  server-sent events ending with ``data: [DONE]``.
+  server-sent events ending with ``data: [DONE]``, ``"stop"`` strings (``stops.py``).
 * ``GET /chat`` -- a chat page (static HTML and JavaScript) streaming from the OpenAI route.
 * ``GET /metrics`` -- Prometheus text format (``metrics.py``).
 

@@ -1,6 +1,12 @@
 """A ``transformers`` causal LM run over the paged cache (``paged_kv``): one forward of a
 step's tokens laid end to end (:class:`PagedForward`), and the start-up check that the
-model's logits come out the same that way (:func:`probe`)."""
+model's logits come out the same that way (:func:`probe`).
+
+The attention implementation is switched to ``meshtrain_paged`` on the model's config
+for the length of each paged forward only, so ``model.generate`` elsewhere is untouched;
+the batcher's thread owns the model while it serves (nothing else may run the same
+model object at the same time: a forward that met the switch would find no step plan
+and raise ``PagedUnsupported``)."""
 
 from __future__ import annotations
 
