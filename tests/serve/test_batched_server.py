@@ -217,3 +217,7 @@ def test_bad_settings_are_refused_by_name(served_chat):
         build_app(served_chat, ServeSettings(context_overflow="drop"))
     with pytest.raises(ServeError, match="chat_batch_size 0 must be >= 1"):
         build_app(served_chat, ServeSettings(chat_batch_size=0))
+    with pytest.raises(ServeError, match="prefill_chunk 0 must be >= 1"):
+        build_app(served_chat, ServeSettings(prefill_chunk=0))
+    with pytest.raises(ServeError, match="kv_blocks -3 must be >= 1"):
+        build_app(served_chat, ServeSettings(kv_blocks=-3))

@@ -1,10 +1,12 @@
 """Continuous batching (``serve/continuous.py``): greedy answers under batching equal
-``model.generate`` on each prompt alone, sequences join and leave mid-batch, and the
-padded cache (``serve/kv_batch.py``) keeps each row's tokens where they were.
+``model.generate`` on each prompt alone, sequences join and leave mid-batch, prompts are
+prefilled in chunks inside the others' decoding steps, and the paged cache
+(``serve/paged_kv.py``) holds blocks in proportion to the live tokens, gives them back
+when a sequence ends, and admits a request only when its blocks are free.
 
-Exactness: compared token for token in fp32 on CPU. Batched matrix products and attention
-over padded columns may sum in another order than batch 1, so logits can differ in the
-last bits; no argmax changed on these 50 prompts. In bf16/fp16 a near-tie can swap (the
+Exactness: compared token for token in fp32 on CPU. Batched matrix products, chunked
+prefills and attention over gathered slots may sum in another order than batch 1, so
+logits can differ in the last bits; no argmax changed on these 50 prompts. In bf16/fp16 a near-tie can swap (the
 caveat documented in docs/serve.md), so these checks run in fp32 only.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 import torch
 
 from tests.serve import models
@@ -71,3 +74,61 @@ def test_greedy_under_batching_equals_generate_alone(served_chat):
     assert max(steps) > 1, "the prompts never shared a decoding step"
     assert worker.prefills < len(prompts), "no two prompts were prefilled together"
     assert worker.done == len(prompts)
+
+
+def test_paged_cache_holds_live_tokens_frees_blocks_and_admits_by_blocks(served_chat):
+    """Small blocks (4 tokens), a pool of 24 blocks (room for two or three of these
+    requests) and 7-token prefill chunks (every prompt is cut): at every step the blocks
+    held are exactly ceil(cached tokens / 4) per live sequence, the reserved blocks never
+    exceed the pool, requests wait for blocks instead of failing, and every greedy answer
+    still equals ``model.generate`` alone."""
+    from meshtrain.errors import ServeError
+    from meshtrain.serve.chat import Chat
+    from meshtrain.serve.continuous import ContinuousBatcher
+
+    model, tok = served_chat.model, served_chat.tokenizer
+    chat = Chat(served_chat)
+    prompts = [p for p in _prompts(tok, 40) if 8 <= len(p) <= 60][:12]
+    max_new = [6 + i % 5 for i in range(len(prompts))]
+    expected = []
+    for ids, n in zip(prompts, max_new, strict=True):
+        x = torch.tensor([ids])
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n
+        )
+        expected.append(out[0, len(ids) :].tolist())
+    seen = {"running": [], "waiting": [], "bad": []}
+    worker = None
+
+    def check(batch: int) -> None:  # on the worker thread, after each forward
+        live = worker._seqs
+        held = sum(-(-s.paged.length // 4) for s in live)
+        if worker.pool.in_use != held or sum(s.need for s in live) > 24:
+            seen["bad"].append((worker.pool.in_use, held, [s.need for s in live]))
+        seen["running"].append(len(live))
+        seen["waiting"].append(worker.waiting)
+
+    worker = ContinuousBatcher(
+        chat, max_batch=8, max_queue=64, on_step=check, prefill_chunk=7, block_size=4, kv_blocks=24
+    )
+
+    async def run_all():
+        jobs = [
+            worker.submit(ids, chat.generate_kwargs(len(ids), n))
+            for ids, n in zip(prompts, max_new, strict=True)
+        ]
+        answers = await asyncio.gather(*(j.future for j in jobs))
+        too_long = worker.submit(list(range(1, 100)), chat.generate_kwargs(99, 8))
+        with pytest.raises(ServeError, match="key/value blocks"):
+            await too_long.future
+        return answers
+
+    try:
+        answers = asyncio.run(run_all())
+    finally:
+        worker.close()
+    assert [a.token_ids for a in answers] == expected
+    assert not seen["bad"], seen["bad"][:3]
+    assert max(seen["running"]) >= 2, "no two requests ever shared a step"
+    assert max(seen["waiting"]) > 0, "no request ever waited for blocks"
+    assert worker.pool.in_use == 0 and worker.pool.capacity <= 24

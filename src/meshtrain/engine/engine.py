@@ -104,6 +104,9 @@ class Engine(EngineQueries):
         from meshtrain.engine.flops import attach_mfu
 
         attach_mfu(self.log, model, self.zero, self.device, self.dtype)
+        from meshtrain.estimate.activations import attach_activations
+
+        attach_activations(self.log, model, topology, config, self.dtype)  # | act MB/rank
         from meshtrain.parallel.experts.load import ExpertLoad
 
         # MoE: tokens per expert and all-to-all bytes in the step log, expert-bias updates

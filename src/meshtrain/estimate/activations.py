@@ -75,7 +75,10 @@ class DecoderDims:
     def of(cls, model: nn.Module) -> DecoderDims | None:
         """From meshtrain's ``Decoder`` or a transformers Llama-style config, else None."""
         cfg = getattr(model, "config", None)
-        if cfg is None:
+        if cfg is None or getattr(cfg, "moe", None) is not None:  # MoE MLPs: not this formula
+            return None
+        model_type = getattr(cfg, "model_type", None)  # transformers: the Llama-style dense ones
+        if model_type is not None and model_type not in ("llama", "mistral", "qwen2", "qwen3"):
             return None
         names = (
             ("dim", "n_heads", "n_heads", "ffn_dim", "vocab_size", "n_layers"),

@@ -8,7 +8,7 @@ Routes (``docs/serve.md`` has curl examples):
 * ``POST /`` -- the seeds' chat shape ``{"prompt", "history"}`` ->
   ``{"response", "history", "status", "time"}``.
 * ``POST /v1/chat/completions`` -- OpenAI's chat completion, ``"stream": true`` as
-  server-sent events ending with ``data: [DONE]``.
+  server-sent events ending with ``data: [DONE]``, ``"stop"`` strings (``stops.py``).
 * ``GET /chat`` -- a chat page (static HTML and JavaScript) streaming from the OpenAI route.
 * ``GET /metrics`` -- Prometheus text format (``metrics.py``).
 
@@ -33,37 +33,16 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from meshtrain.errors import ServeError
 from meshtrain.serve.batching import DynamicBatcher, QueueFull
 from meshtrain.serve.http_errors import ApiError, BodyLimit, error_body, validation_answer
 from meshtrain.serve.model_loading import ServedModel
-
-CONTEXT_OVERFLOW = ("drop-oldest", "error")
+from meshtrain.serve.settings import ServeSettings
 
 log = logging.getLogger("meshtrain.serve")
-
-
-@dataclass
-class ServeSettings:
-    """Limits and defaults of one server (the ``meshtrain serve`` flags)."""
-
-    max_batch_size: int = 32  # classification texts per forward pass; 1 = no batching
-    max_wait_ms: float = 5.0  # how long a batch waits to fill
-    max_batch_queue: int = 4096  # classification texts waiting before 503
-    max_texts: int = 256  # texts in one /classify request
-    max_new_tokens: int = 256  # default and upper bound of a chat answer's tokens
-    max_queue: int = 16  # chat requests waiting for the generation worker before 503
-    chat_batch_size: int = 16  # chat sequences decoded together; 1 = one at a time
-    context_overflow: str = "drop-oldest"  # or "error": 422 when history outgrows the context
-    timeout_s: float = 60.0  # a request waiting longer gets 504
-    max_body_bytes: int = 1 << 20  # larger request bodies get 413
-    retry_after_s: int = 1  # the Retry-After a 503 sends
-    chat_format: str = "meshtrain"  # turn format when the tokenizer has no chat template
-    model_name: str = "meshtrain"  # the "model" OpenAI responses name
 
 
 def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any:
@@ -77,15 +56,6 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
     from meshtrain.serve.metrics import MetricsMiddleware, ServeMetrics
 
     settings = settings or ServeSettings()
-    if settings.context_overflow not in CONTEXT_OVERFLOW:
-        raise ServeError(
-            f"context_overflow {settings.context_overflow!r} is not a policy; use one of "
-            f"{list(CONTEXT_OVERFLOW)} (meshtrain serve --context-overflow)"
-        )
-    if settings.chat_batch_size < 1:
-        raise ServeError(
-            f"chat_batch_size {settings.chat_batch_size} must be >= 1 (1 turns batching off)"
-        )
     classifier = chat = batcher = worker = None
     batching = "off (chat_batch_size=1)"
     metrics = ServeMetrics(
@@ -115,7 +85,7 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
         if settings.chat_batch_size > 1:
             from meshtrain.serve.continuous import blocker
 
-            why = blocker(served.model)
+            why = blocker(served.model, served.context_length)
             batching = f"continuous, up to {settings.chat_batch_size} sequences"
             if why is not None:
                 batching = f"off ({why})"
@@ -133,6 +103,8 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                 chat,
                 max_batch=settings.chat_batch_size,
                 max_queue=settings.max_queue,
+                prefill_chunk=settings.prefill_chunk,
+                kv_blocks=settings.kv_blocks,
                 on_step=lambda n: metrics.step("chat", n),
             )
         elif chat is not None:
@@ -290,9 +262,9 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
     def _dropped_header(dropped: int) -> dict[str, str]:
         return {"X-Dropped-Rounds": str(dropped)}
 
-    def _submit(ids: list[int], kwargs: dict, stream: bool = False):
+    def _submit(ids: list[int], kwargs: dict, stream: bool = False, stop=()):
         try:
-            return worker.submit(ids, kwargs, stream=stream)
+            return worker.submit(ids, kwargs, stream=stream, stop=stop)
         except QueueFull as exc:
             raise _busy(exc) from None
 
@@ -345,7 +317,9 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
         )
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         name = settings.model_name
-        job = _submit(ids, kwargs, stream=req.stream)
+        from meshtrain.serve.stops import normalize
+
+        job = _submit(ids, kwargs, stream=req.stream, stop=normalize(req.stop))
         if not req.stream:
             a = await _answer(job)
             usage = {

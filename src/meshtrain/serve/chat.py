@@ -36,6 +36,7 @@ import torch
 
 from meshtrain.serve.generation import GenerationJob
 from meshtrain.serve.model_loading import ServedModel
+from meshtrain.serve.stops import AnswerStreamer, AnswerText
 
 CHAT_FORMATS = ("meshtrain", "chatglm")
 
@@ -57,7 +58,7 @@ class Chat:
     """Turns conversations into ids and runs generation jobs (on the worker thread)."""
 
     def __init__(self, served: ServedModel, *, chat_format: str = "meshtrain") -> None:
-        from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
+        from transformers import StoppingCriteria, StoppingCriteriaList
 
         from meshtrain.data.chat_data import ChatCollator, ChatTemplate
         from meshtrain.data.tokenizer import HFTokenizer
@@ -80,31 +81,26 @@ class Chat:
         eos = gen.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
 
-        class _Cancelled(StoppingCriteria):
-            def __init__(self, job: GenerationJob) -> None:
-                self.job = job
+        class _Stop(StoppingCriteria):  # a cancelled job, or a stop string in the text
+            def __init__(self, job: GenerationJob, answer: AnswerText | None) -> None:
+                self.job, self.answer = job, answer
 
             def __call__(self, input_ids: torch.Tensor, scores: Any, **kw: Any) -> torch.Tensor:
-                stop = self.job.cancelled.is_set()
+                stop = self.job.cancelled.is_set() or (
+                    self.answer is not None and self.answer.stopped
+                )
                 return torch.full((input_ids.shape[0],), stop, dtype=torch.bool)
 
-        class _Streamer(TextStreamer):
-            def __init__(self, tokenizer: Any, job: GenerationJob) -> None:
-                super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-                self.job = job
+        self._stopping = lambda job, answer: StoppingCriteriaList([_Stop(job, answer)])
 
-            def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-                self.job.push(text)
-
-        self._stopping = lambda job: StoppingCriteriaList([_Cancelled(job)])
-        self._streamer = _Streamer
-
-    def streamer(self, job: GenerationJob, *, prompt_first: bool = True) -> Any:
-        """A ``TextStreamer`` pushing ``job``'s new text; ``prompt_first`` when the first
-        ``put`` is the prompt (as ``generate`` does), which it then skips."""
-        out = self._streamer(self.tokenizer, job)
-        out.next_tokens_are_prompt = prompt_first
-        return out
+    def answer_text(self, job: GenerationJob) -> AnswerText | None:
+        """The :class:`~meshtrain.serve.stops.AnswerText` that watches ``job``'s stop
+        strings and streams its text; None when it neither streams nor has stops (its
+        text is then decoded once, at the end)."""
+        if job.stream is None and not job.stop:
+            return None
+        push = job.push if job.stream is not None else None
+        return AnswerText(self.tokenizer, job.stop, push)
 
     def prompt_ids(
         self, prompt: str, history: list[tuple[str, str]], system: str | None = None
@@ -184,18 +180,22 @@ class Chat:
     def run(self, job: GenerationJob) -> Answer:
         """Generate for one job (on the worker thread)."""
         ids = torch.tensor([job.input_ids], device=self.device)
-        streamer = self.streamer(job) if job.stream is not None else None
+        answer = self.answer_text(job)
         out = self.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            stopping_criteria=self._stopping(job),
-            streamer=streamer,
+            stopping_criteria=self._stopping(job, answer),
+            streamer=AnswerStreamer(answer) if answer is not None else None,
             **job.kwargs,
         )
         new = out[0, ids.shape[1] :].tolist()
         stopped = bool(new) and new[-1] in self.eos_ids
+        if answer is not None:
+            text, stopped = answer.finish(), stopped or answer.stopped
+        else:
+            text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Answer(
-            text=self.tokenizer.decode(new, skip_special_tokens=True),
+            text=text,
             prompt_tokens=ids.shape[1],
             completion_tokens=len(new),
             finish_reason="stop" if stopped else "length",

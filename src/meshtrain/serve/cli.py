@@ -51,6 +51,8 @@ def _main(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         max_queue=args.max_queue,
         chat_batch_size=args.chat_batch_size,
+        prefill_chunk=args.prefill_chunk,
+        kv_blocks=args.kv_blocks,
         context_overflow=args.context_overflow,
         timeout_s=args.timeout,
         max_body_bytes=args.max_body_bytes,
@@ -161,6 +163,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=16,
         help="chat sequences decoded together by continuous batching (default 16); 1 runs "
         "one model.generate at a time",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=_positive(int),
+        default=256,
+        help="prompt tokens one batched forward carries at most: a longer prompt is "
+        "prefilled over several steps, inside the others' decoding (default 256)",
+    )
+    p.add_argument(
+        "--kv-blocks",
+        type=_positive(int),
+        default=None,
+        help="blocks of 16 tokens in the paged key/value cache (default: enough for "
+        "--chat-batch-size sequences of the whole context); requests wait for free blocks",
     )
     p.add_argument(
         "--context-overflow",

@@ -1,46 +1,52 @@
-"""Continuous batching of chat generation: sequences join and leave at every decoding step.
+"""Continuous batching of chat generation: sequences join and leave at every step.
 
 One worker thread owns the model. Each turn of its loop:
 
 1. **Admit.** Requests waiting in the bounded queue (``max_queue`` places, filled while
-   a step runs; full -> ``QueueFull``, answered 503 with ``Retry-After``) join while
-   fewer than ``max_batch`` sequences run.
-   The newcomers' prompts are prefilled together in one forward (left-padded to the
-   longest, each row with its own positions; a lone newcomer is prefilled exactly as
-   ``model.generate`` prefills it), their first tokens chosen, and their cache rows join
-   the running batch (``kv_batch.PaddedKV``: left padding, one row per sequence).
-2. **Decode.** One forward of every running sequence's last token (``[B, 1]``), with the
-   padding mask and each row's own positions; each row's next token is chosen with its
-   own sampling parameters (greedy argmax, or temperature / top-k / top-p sampling) and
-   ``min_new_tokens`` (EOS suppressed before it, as ``generate`` does).
+   a step runs; full -> ``QueueFull``, answered 503 with ``Retry-After``) are admitted,
+   oldest first, while fewer than ``max_batch`` sequences run and the paged cache
+   (``paged_kv.BlockPool``) has the blocks their prompt and whole answer may need; those
+   blocks are reserved then and taken as the sequence grows.
+2. **Step.** One forward carries every running sequence's new tokens laid end to end:
+   the last token of each decoding sequence, and a chunk of prompt for each sequence
+   still being prefilled, at most ``prefill_chunk`` prompt tokens in all (the oldest
+   first). A joining request is therefore prefilled *inside* the decoding step of the
+   others -- it never costs them a forward of its own, and a long prompt is cut so that
+   no step carries more than ``prefill_chunk`` prompt tokens. Each sequence that gets a
+   token (a decoding one, or one whose prompt ended in this chunk) has it chosen with
+   its own sampling parameters (greedy argmax, or temperature / top-k / top-p sampling)
+   and ``min_new_tokens`` (EOS suppressed before it, as ``generate`` does).
 3. **Leave.** A sequence stops at its own EOS, at its own ``max_new_tokens`` (already
-   capped at the context), or when its request is cancelled (504 or the client went
-   away); it is answered at once and its row is dropped before the next step.
+   capped at the context), at one of its stop strings (``stops.AnswerText``, on the
+   decoded text), or when its request is cancelled (504 or the client went away); it is
+   answered at once and its blocks go back to the pool.
 
-So a request waits for at most one decoding step (plus the prefills admitted with it)
-before it starts, never for another request to finish. Streaming pushes each sequence's
-text through its own ``TextStreamer`` as its tokens are chosen.
+So a request starts at the next step, never waiting for another to finish. Streaming
+pushes each sequence's text as its tokens are chosen.
 
-Equality with ``model.generate``. A row's keys and values, positions and causal window
-are exactly its own, and padded columns get zero attention weight, so a greedy answer
-equals what ``model.generate`` gives the prompt alone -- up to floating-point summation
-order: batched matrix products (and attention over padded columns) may reduce in a
-different order than the batch-1 ones, so logits can differ in the last bits. In fp32
-that never changed an argmax in the tests (50 mixed-length prompts, exact equality); in
-bf16/fp16 two logits within one rounding step of each other can swap, and a greedy
-answer may then diverge from its batch-1 answer after that token (vLLM and TGI carry the
-same caveat).
+Equality with ``model.generate``. A sequence's keys and values, positions and causal
+window are exactly its own (``paged_kv``: its block table, its ``position_ids``), so a
+greedy answer equals what ``model.generate`` gives the prompt alone -- up to
+floating-point summation order: batched matrix products, a prefill split into chunks
+and attention over gathered slots may reduce in a different order than the batch-1
+ones, so logits can differ in the last bits. In fp32 that never changed an argmax in
+the tests (50 mixed-length prompts, exact equality); in bf16/fp16 two logits within one
+rounding step of each other can swap, and a greedy answer may then diverge from its
+batch-1 answer after that token (vLLM and TGI carry the same caveat).
 
 What is not batched. ``generation_config`` options beyond EOS, ``min_new_tokens``,
 ``temperature``, ``top_k`` and ``top_p`` (beam search, repetition penalties, forced or
-suppressed tokens, ...), and models whose cache is not plain full attention (sliding
-windows, recurrent layers), are served one sequence at a time by ``model.generate``
-(``blocker`` names the reason; ``GET /`` and the log show it).
+suppressed tokens, ...), and models the paged attention cannot run (``blocker`` probes
+it: sliding windows shorter than the context, softcaps, recurrent layers, attention
+outside ``transformers``' attention interface) are served one sequence at a time by
+``model.generate`` (``blocker`` names the reason; ``GET /`` and the log show it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import logging
 import queue
 import threading
@@ -50,8 +56,10 @@ from typing import Any
 
 import torch
 
+from meshtrain.errors import ServeError
 from meshtrain.serve.generation import _STOP, GenerationJob, JobQueue
-from meshtrain.serve.kv_batch import PaddedKV, cache_kwarg, output_cache, supports
+from meshtrain.serve.paged_kv import BlockPool, PagedSeq
+from meshtrain.serve.paged_model import PagedForward, probe
 
 log = logging.getLogger("meshtrain.serve")
 
@@ -81,28 +89,24 @@ _UNSUPPORTED = {
 }
 
 
-def blocker(model: Any) -> str | None:
-    """Why ``model`` cannot be continuously batched (module docstring), or None."""
-    from transformers import DynamicCache
+def blocker(model: Any, context: int | None = None) -> str | None:
+    """Why ``model`` cannot be continuously batched (module docstring), or None.
 
+    Besides the ``generation_config`` options, the model must pass
+    :func:`~meshtrain.serve.paged_model.probe` (the paged forward reproduces its
+    logits)."""
     gen = model.generation_config
     for name, off in _UNSUPPORTED.items():
         value = getattr(gen, name, off)
         if value not in (off, None) and not (name == "min_length" and value == 0):
             return f"generation_config.{name}={value!r} is not implemented by continuous batching"
-    device = next(model.parameters()).device
-    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
-    if not supports(output_cache(out)):
-        return f"{type(model).__name__}'s cache is not plain full attention (sliding or recurrent)"
-    return None
+    return probe(model, context)
 
 
 @dataclass
 class Sequence:
-    """One running request: its tokens so far and its own stop and sampling settings."""
+    """One admitted request: its tokens so far, its place in the paged cache, and its own
+    stop and sampling settings."""
 
     job: GenerationJob
     n_prompt: int
@@ -112,17 +116,25 @@ class Sequence:
     temperature: float
     top_k: int
     top_p: float
-    streamer: Any = None
+    need: int  # blocks it holds at the end (prompt + max_new): reserved at admission
+    text: Any = None  # stops.AnswerText when it streams or has stop strings
     tokens: list[int] = field(default_factory=list)
+    fed: int = 0  # prompt tokens already in the cache (prefill is chunked)
+    paged: PagedSeq = field(default_factory=PagedSeq)
 
 
 class ContinuousBatcher(JobQueue):
     """The worker of chat generation with continuous batching (module docstring).
 
     Same interface as :class:`~meshtrain.serve.generation.GenerationWorker`: ``submit``,
-    ``waiting``, ``done``, ``close``; plus ``running`` (sequences in the batch now) and
-    ``tokens`` (generated so far). ``on_step(batch_size)`` is called after every
-    decoding step (metrics)."""
+    ``waiting``, ``done``, ``close``; plus ``running`` (sequences admitted now),
+    ``tokens`` (generated so far) and ``pool`` (the paged cache's blocks).
+    ``on_step(batch_size)`` is called after every forward (metrics).
+
+    ``prefill_chunk``: prompt tokens one forward takes at most (a long prompt is
+    prefilled over several steps, so running sequences never wait for more than one
+    such chunk). ``block_size``, ``kv_blocks``: the paged cache (``paged_kv``); by
+    default enough blocks for ``max_batch`` sequences of the whole context."""
 
     def __init__(
         self,
@@ -131,23 +143,32 @@ class ContinuousBatcher(JobQueue):
         max_batch: int = 16,
         max_queue: int = 16,
         on_step: Callable[[int], None] | None = None,
+        prefill_chunk: int = 256,
+        block_size: int = 16,
+        kv_blocks: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.chat = chat
         self.model = chat.model
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.on_step = on_step
+        self.prefill_chunk = prefill_chunk
         self.done = 0
         self.tokens = 0
-        self.steps = 0  # decoding steps
-        self.prefills = 0  # prefill forwards (several newcomers may share one)
-        self._cache_arg = cache_kwarg(self.model)
-        self._sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
-        self._keep_arg = "logits_to_keep" in _forward_params(self.model)
+        self.steps = 0  # forwards run
+        self.prefills = 0  # forwards that carried prompt chunks (several may share one)
+        context = chat.context or 4096
+        if kv_blocks is None:
+            kv_blocks = max_batch * -(-context // block_size)
+        self.pool = BlockPool(block_size, kv_blocks, initial=min(kv_blocks, 64))
+        self._run = PagedForward(self.model, chat.context)
         self._seqs: list[Sequence] = []
-        self._kv = PaddedKV()
+        self._pending: collections.deque[GenerationJob] = collections.deque()
+        self._outbox = {}  # answers and streamed pieces leave once per step (_flush)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._loop, name="meshtrain-batch", daemon=True)
         self._thread.start()
@@ -156,18 +177,21 @@ class ContinuousBatcher(JobQueue):
     def running(self) -> int:
         return len(self._seqs)
 
+    @property
+    def waiting(self) -> int:  # queued, and taken but waiting for cache blocks
+        return self._queue.qsize() + len(self._pending)
+
     # -- the worker thread -------------------------------------------------------------
     @torch.inference_mode()
     def _loop(self) -> None:
         stopping = False
         while not stopping:
-            new: list[GenerationJob] = []
-            if not self._seqs:
+            if not self._seqs and not self._pending:
                 item = self._queue.get()  # idle: sleep until a request comes
                 if item is _STOP:
                     break
-                new.append(item)
-            while len(self._seqs) + len(new) < self.max_batch:
+                self._pending.append(item)
+            while len(self._seqs) + len(self._pending) < self.max_batch:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -175,19 +199,28 @@ class ContinuousBatcher(JobQueue):
                 if item is _STOP:
                     stopping = True
                     break
-                new.append(item)
+                self._pending.append(item)
             try:
-                self._admit(new)
+                self._admit()
                 if self._seqs and not stopping:
                     self._step()
             except Exception as exc:  # a bug here must not kill the worker: fail, go on
                 log.exception("continuous batching failed")
-                for seq in self._seqs:
-                    self._finish(seq.job, error=exc)
-                self._seqs, self._kv = [], PaddedKV()
-        for seq in self._seqs:  # shutting down: nobody will read these answers
-            self._finish(seq.job, error=asyncio.CancelledError())
-        self._seqs, self._kv = [], PaddedKV()
+                self._fail_all(exc)
+                while self._pending:  # also those not admitted: nothing may spin on them
+                    self._finish(self._pending.popleft(), error=exc)
+            self._flush()
+        for job in self._pending:  # shutting down: nobody will read these answers
+            self._finish(job, error=asyncio.CancelledError())
+        self._pending.clear()
+        self._fail_all(asyncio.CancelledError())
+        self._flush()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for seq in self._seqs:
+            self._finish(seq.job, error=exc)
+            self.pool.release(seq.paged.blocks)
+        self._seqs = []
 
     def _sequence(self, job: GenerationJob) -> Sequence:
         gen = self.model.generation_config
@@ -199,120 +232,117 @@ class ContinuousBatcher(JobQueue):
                 value = getattr(gen, name, None)
             return default if value is None else value
 
-        streamer = None
-        if job.stream is not None:
-            streamer = self.chat.streamer(job, prompt_first=False)  # only new tokens are put
+        n_prompt, max_new = len(job.input_ids), int(kw["max_new_tokens"])
         return Sequence(
             job=job,
-            n_prompt=len(job.input_ids),
-            max_new=int(kw["max_new_tokens"]),
+            n_prompt=n_prompt,
+            max_new=max_new,
             min_new=int(getattr(gen, "min_new_tokens", None) or 0),
             do_sample=bool(kw.get("do_sample", False)),
             temperature=float(pick("temperature", 1.0)),
             top_k=int(pick("top_k", 0)),
             top_p=float(pick("top_p", 1.0)),
-            streamer=streamer,
+            need=self.pool.blocks_for(n_prompt + max_new),
+            text=self.chat.answer_text(job),
         )
 
-    def _forward(self, ids: torch.Tensor, cache: Any, **kw: Any) -> Any:
-        if self._keep_arg:
-            kw["logits_to_keep"] = 1
-        return self.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache}, **kw)
-
-    def _admit(self, jobs: list[GenerationJob]) -> None:
-        """Prefill ``jobs`` in one forward and add those that go on to the batch."""
-        from transformers import DynamicCache
-
-        seqs = []
-        for job in jobs:
+    def _admit(self) -> None:
+        """Admit waiting requests, oldest first, while the batch has room and the pool
+        has the blocks their whole answer may need (reserved now, taken as they grow:
+        a running sequence never waits for memory)."""
+        reserved = sum(s.need - len(s.paged.blocks) for s in self._seqs)
+        while self._pending and len(self._seqs) < self.max_batch:
+            job = self._pending[0]
             if job.cancelled.is_set():
+                self._pending.popleft()
                 self._finish(job, error=asyncio.CancelledError())
                 continue
             try:
-                seqs.append(self._sequence(job))
+                seq = self._sequence(job)
+                if seq.need > self.pool.max_blocks:
+                    raise ServeError(
+                        f"a prompt of {seq.n_prompt} tokens with {seq.max_new} new ones needs "
+                        f"{seq.need} key/value blocks; the cache has {self.pool.max_blocks}"
+                    )
             except Exception as exc:  # a bad request fails alone
+                self._pending.popleft()
                 self._finish(job, error=exc)
-        if not seqs:
-            return
-        width = max(s.n_prompt for s in seqs)
-        device = self.chat.device
-        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        for row, s in enumerate(seqs):  # left padding: every prompt ends in the last column
-            ids[row, width - s.n_prompt :] = torch.tensor(s.job.input_ids, device=device)
-            mask[row, width - s.n_prompt :] = 1
-        kw: dict[str, Any] = {"attention_mask": mask}
-        if len(seqs) > 1:  # positions count real tokens only (as generate's batched inputs)
-            kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
-        try:
-            out = self._forward(ids, DynamicCache(config=self.model.config), **kw)
-            tokens = self._choose(out.logits[:, -1, :], seqs)
-        except Exception as exc:  # these requests fail; the running batch goes on
-            log.exception("prefill failed")
-            for s in seqs:
-                self._finish(s.job, error=exc)
-            return
-        self.prefills += 1
-        self._kv.join(output_cache(out), mask)
-        rows = [self._kv.rows - len(seqs) + i for i in range(len(seqs))]
-        self._seqs += seqs
-        going = [self._advance(s, t) for s, t in zip(seqs, tokens, strict=True)]
-        if not all(going):  # some finished on their first token: drop their rows
-            keep = list(range(len(self._seqs) - len(seqs)))
-            keep += [r for r, g in zip(rows, going, strict=True) if g]
-            self._seqs = [self._seqs[i] for i in keep]
-            self._kv.keep(keep)
+                continue
+            if seq.need > self.pool.available - reserved:
+                return  # wait for running sequences to give blocks back (first come first)
+            self._pending.popleft()
+            job.post = functools.partial(self._post, job.loop)
+            reserved += seq.need
+            self._seqs.append(seq)
 
     def _step(self) -> None:
-        keep = [i for i, s in enumerate(self._seqs) if not s.job.cancelled.is_set()]
-        for i in sorted(set(range(len(self._seqs))) - set(keep)):
-            self._finish(self._seqs[i].job, error=asyncio.CancelledError())
-        self._seqs = [self._seqs[i] for i in keep]
-        self._kv.keep(keep)
-        if not self._seqs:
+        """One forward: a token for every decoding sequence, prompt chunks for the others."""
+        gone = [s for s in self._seqs if s.job.cancelled.is_set()]
+        if gone:
+            for s in gone:
+                self._finish(s.job, error=asyncio.CancelledError())
+                self.pool.release(s.paged.blocks)
+            self._seqs = [s for s in self._seqs if not s.job.cancelled.is_set()]
+        decoding = [s for s in self._seqs if s.fed == s.n_prompt]
+        chunks: list[tuple[Sequence, int]] = []
+        budget = self.prefill_chunk
+        for s in self._seqs:
+            if s.fed < s.n_prompt and budget > 0:
+                n = min(s.n_prompt - s.fed, budget)
+                chunks.append((s, n))
+                budget -= n
+        if not decoding and not chunks:
             return
-        last = torch.tensor([[s.tokens[-1]] for s in self._seqs], device=self.chat.device)
-        mask, positions = self._kv.step_inputs()
+        ids = [s.tokens[-1] for s in decoding]
+        keep = list(range(len(decoding)))
+        chosen = list(decoding)  # sequences that get a token from this forward
+        for s, n in chunks:
+            ids += s.job.input_ids[s.fed : s.fed + n]
+            if s.fed + n == s.n_prompt:  # the prompt's last token: its first answer token
+                keep.append(len(ids) - 1)
+                chosen.append(s)
         try:
-            # sdpa takes a ready boolean [B, 1, 1, T + 1] mask (True = attend): transformers
-            # then skips building one from the 2-D mask at every step
-            ready = mask[:, None, None, :].bool() if self._sdpa else mask
-            out = self._forward(last, self._kv.cache, attention_mask=ready, position_ids=positions)
-            tokens = self._choose(out.logits[:, -1, :], self._seqs)
-        except Exception as exc:  # the batched forward failed: every running request learns why
+            logits = self._run(
+                torch.tensor(ids, device=self.chat.device),
+                [(s.paged, n) for s, n in chunks],
+                [s.paged for s in decoding],
+                self.pool,
+                keep,
+            )
+            tokens = self._choose(logits, chosen)
+        except Exception as exc:  # the batched forward failed: every request in it learns why
             log.exception("decoding step failed")
-            for seq in self._seqs:
-                self._finish(seq.job, error=exc)
-            self._seqs, self._kv = [], PaddedKV()
+            self._fail_all(exc)
             return
-        self._kv.stepped(mask)
+        for s, n in chunks:
+            s.fed += n
         self.steps += 1
-        batch = len(self._seqs)
-        keep = [
-            i
-            for i, (s, t) in enumerate(zip(self._seqs, tokens, strict=True))
-            if self._advance(s, t)
-        ]
-        self._seqs = [self._seqs[i] for i in keep]
-        self._kv.keep(keep)
+        self.prefills += bool(chunks)
+        finished = {id(s) for s, t in zip(chosen, tokens, strict=True) if not self._advance(s, t)}
+        if finished:
+            for s in self._seqs:
+                if id(s) in finished:
+                    self.pool.release(s.paged.blocks)
+            self._seqs = [s for s in self._seqs if id(s) not in finished]
         if self.on_step is not None:
-            self.on_step(batch)
+            self.on_step(len(decoding) + len(chunks))
 
     def _advance(self, seq: Sequence, token: int) -> bool:
         """Append ``token`` to ``seq``; answer it and return False when it is finished."""
         seq.tokens.append(token)
         self.tokens += 1
-        if seq.streamer is not None:
-            seq.streamer.put(torch.tensor([token]))
-        stop = token in self.chat.eos_ids
+        eos = token in self.chat.eos_ids
+        stop = eos or (seq.text is not None and seq.text.add(token))
         if not (stop or len(seq.tokens) >= seq.max_new or seq.job.cancelled.is_set()):
             return True
-        if seq.streamer is not None:
-            seq.streamer.end()
         from meshtrain.serve.chat import Answer
 
+        if seq.text is not None:
+            text = seq.text.finish()
+        else:
+            text = self.chat.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         answer = Answer(
-            text=self.chat.tokenizer.decode(seq.tokens, skip_special_tokens=True),
+            text=text,
             prompt_tokens=seq.n_prompt,
             completion_tokens=len(seq.tokens),
             finish_reason="stop" if stop else "length",
@@ -351,9 +381,3 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) 
         drop[-1] = False
         logits = logits.masked_fill(drop.scatter(0, index, drop), -float("inf"))
     return int(torch.multinomial(logits.softmax(-1), 1))
-
-
-def _forward_params(model: Any) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(model.forward).parameters)

@@ -19,6 +19,7 @@ does not hold the worker.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -39,12 +40,19 @@ class GenerationJob:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     stream: asyncio.Queue | None = None  # text pieces, then _STOP, when streaming
+    stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first (stops.py)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # how the worker hands a callback to the event loop (JobQueue._post); None: at once
+    post: Callable[[Callable[[], None]], None] | None = None
 
     def push(self, text: str) -> None:
         """Called on the worker thread with each new piece of text (streaming only)."""
         if self.stream is not None and text:
-            self.loop.call_soon_threadsafe(self.stream.put_nowait, text)
+            put = functools.partial(self.stream.put_nowait, text)
+            if self.post is not None:
+                self.post(put)
+            else:
+                self.loop.call_soon_threadsafe(put)
 
     async def pieces(self):
         """Async iterator over the streamed text pieces (ends when generation ends)."""
@@ -64,14 +72,27 @@ class JobQueue:
     _queue: queue.Queue
     _thread: threading.Thread
     max_queue: int
+    # callbacks for each event loop, sent by _flush in one call_soon_threadsafe; None
+    # (the one-at-a-time worker): each callback is sent at once
+    _outbox: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] | None = None
 
     def submit(
-        self, input_ids: list[int], kwargs: dict[str, Any], *, stream: bool = False
+        self,
+        input_ids: list[int],
+        kwargs: dict[str, Any],
+        *,
+        stream: bool = False,
+        stop: tuple[str, ...] = (),
     ) -> GenerationJob:
         """Queue a job (call on the event loop); raises QueueFull when the queue is full."""
         loop = asyncio.get_running_loop()
         job = GenerationJob(
-            input_ids, kwargs, loop, loop.create_future(), asyncio.Queue() if stream else None
+            input_ids,
+            kwargs,
+            loop,
+            loop.create_future(),
+            asyncio.Queue() if stream else None,
+            tuple(stop),
         )
         try:
             self._queue.put_nowait(job)
@@ -94,6 +115,25 @@ class JobQueue:
             pass
         self._thread.join(timeout)
 
+    def _post(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on ``loop``: at once, or at the next :meth:`_flush` when batched."""
+        if self._outbox is None:
+            _send(loop, [fn])
+        else:
+            self._outbox.setdefault(loop, []).append(fn)
+
+    def _flush(self) -> None:
+        """Send the callbacks gathered since the last flush: one wake-up per event loop.
+
+        Each ``call_soon_threadsafe`` writes to the loop's wake-up socket, and the
+        worker thread, which gives up the GIL for that write, may then wait for the
+        event loop thread to give it back; one per step instead of one per answer and
+        per streamed piece keeps the decoding thread off that hand-over."""
+        if self._outbox:
+            box, self._outbox = self._outbox, {}
+            for loop, fns in box.items():
+                _send(loop, fns)
+
     # called on the worker thread: settle a job's future (and end its stream) on its loop
     def _finish(self, job: GenerationJob, result: Any = None, error: BaseException | None = None):
         def settle() -> None:
@@ -105,7 +145,18 @@ class JobQueue:
             if job.stream is not None:
                 job.stream.put_nowait(_STOP)
 
-        job.loop.call_soon_threadsafe(settle)
+        self._post(job.loop, settle)
+
+
+def _send(loop: asyncio.AbstractEventLoop, fns: list[Callable[[], None]]) -> None:
+    def run_all() -> None:
+        for fn in fns:
+            fn()
+
+    try:
+        loop.call_soon_threadsafe(run_all)
+    except RuntimeError:  # the loop is closed: nobody is waiting for these answers
+        pass
 
 
 class GenerationWorker(JobQueue):

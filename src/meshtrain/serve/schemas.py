@@ -144,6 +144,23 @@ class OpenAIChatRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
+    stop: StrictStr | list[StrictStr] | None = Field(
+        None, description="up to 4 strings; the answer ends before the first that appears"
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        from meshtrain.serve.stops import MAX_STOPS
+
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"{len(stops)} stop strings; at most {MAX_STOPS} (as OpenAI)")
+        for i, s in enumerate(stops):
+            if not s:
+                where = "stop" if isinstance(v, str) else f"stop[{i}]"
+                raise ValueError(f"{where} is an empty string; a stop string needs text")
+        return v
 
     @field_validator("messages")
     @classmethod
