@@ -120,9 +120,15 @@ class _SafetensorsFile:
     def read(self, name: str, start: int, numel: int) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened tensor ``name``."""
         dtype = self.dtype(name)
-        size = dtype.itemsize
-        out = torch.empty(numel * size, dtype=torch.uint8)
-        buf = memoryview(out.numpy())
+        out = torch.empty(numel, dtype=dtype)
+        self.read_into(name, start, out)
+        return out
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Elements ``[start, start + out.numel())`` of ``name`` into ``out`` (a
+        contiguous CPU tensor of the file's dtype), with no buffer in between."""
+        size = self.dtype(name).itemsize
+        buf = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
         offset = self.base + self.entries[name]["data_offsets"][0] + start * size
         done = 0
         while done < len(buf):
@@ -132,7 +138,6 @@ class _SafetensorsFile:
                     f"{self.path}: truncated reading {name!r} ({done} of {len(buf)} bytes)"
                 )
             done += got
-        return out.view(dtype)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -224,6 +229,21 @@ class SafetensorsSource:
             total *= d
         numel = total - start if numel is None else numel
         return f.read(key, start, numel)
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> bool:
+        """Read ``out.numel()`` elements from ``start`` straight into ``out`` when it can
+        take the file's bytes as they are (a contiguous CPU tensor of the file's dtype);
+        False, reading nothing, otherwise (the loader then reads and converts). Saves a
+        buffer per read: the allocator keeps freed buffers of many sizes, which grew a
+        tp 4 rank by up to 0.2 x the model while reading."""
+        key = self._name(name)
+        if key is None or out.device.type != "cpu" or not out.is_contiguous():
+            return False
+        f = self._open(self._file_of[key])
+        if f.dtype(key) != out.dtype:
+            return False
+        f.read_into(key, start, out)
+        return True
 
     def read_full(self, name: str, state: str = "param") -> torch.Tensor:
         key = self._name(name)
