@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     largest_mib = info["largest_tensor_bytes"] / 2**20
     print(f"model: {model_mib:.0f} MiB fp32, largest tensor {largest_mib:.0f} MiB", flush=True)
     table = []
+    load_before = os.getloadavg()  # the box is shared: say how busy it was
     try:
         paths = args.paths.split(",")
         if "transformers" in paths:
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
+    load_after = os.getloadavg()
+    print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     print("\n| path | ranks | peak RSS growth per rank (MiB) | worst / model | slice (MiB) |")
     print("|---|---|---|---|---|")
     for name, n, rows in table:
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_mib": model_mib, "largest_tensor_mib": largest_mib, "layers": args.layers,
         "table": [{"path": n, "ranks": k, "rows": r} for n, k, r in table],
         "machine": platform.platform(), "torch": torch.__version__,
+        "load_average_before": load_before, "load_average_after": load_after,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }, indent=2))  # fmt: skip
     print(f"results: {out}")

@@ -109,3 +109,62 @@ def parity(root, layout, kinds=KINDS):
         sorted(info["unexpected_keys"]), sorted(ref_info["unexpected_keys"]),
     )  # fmt: skip
     return out
+
+
+def checkpoint_sources(root, out):
+    """The same path from a meshtrain checkpoint and from its consolidated exports.
+
+    A Llama loaded the transformers way at ZeRO-3 takes one AdamW step (so its weights
+    are no longer the folder's) and is saved as a meshtrain checkpoint; then
+    ``meshtrain.from_pretrained`` loads that checkpoint at tp 2, its consolidated
+    ``save_pretrained`` folder at ZeRO-3, and its one-file export (config.json beside it)
+    at tp 2. Each gathered model must equal the saved one bitwise (values are copied)."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+    import transformers
+
+    import meshtrain
+    from meshtrain.checkpoint import consolidate
+
+    world = dist.get_world_size()
+    out = Path(out)
+    model = transformers.LlamaForCausalLM.from_pretrained(f"{root}/llama", dtype=torch.float32)
+    ref, *_ = meshtrain.initialize(model=model, config=_config("zero3", world))
+    _step(ref, "llama")
+    ref.save_checkpoint(str(out / "ck"))
+    want = _held(ref)
+    if dist.get_rank() == 0:
+        consolidate(out / "ck", out / "export")  # model.safetensors + config.json
+        (out / "one").mkdir()
+        consolidate(out / "ck", out / "one" / "model.safetensors")
+        shutil.copy(out / "export" / "config.json", out / "one" / "config.json")
+    dist.barrier()
+    results = {}
+    for name, path, layout in (
+        ("meshtrain checkpoint", out / "ck", "tp2"),
+        ("consolidated folder", out / "export", "zero3"),
+        ("one-file export", out / "one" / "model.safetensors", "tp2"),
+    ):
+        engine, *_ = meshtrain.from_pretrained(path, _config(layout, world))
+        got = _held(engine)
+        results[name] = (
+            got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want),
+            any(not torch.equal(want[k], model_k) for k, model_k in _folder(root).items()),
+        )
+    return results
+
+
+def _folder(root) -> dict:
+    """The tiny Llama folder's tensors (to check the step moved the weights)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    index = json.loads((Path(root) / "llama" / "model.safetensors.index.json").read_text())
+    state = {}
+    for f in sorted(set(index["weight_map"].values())):
+        state.update(load_file(str(Path(root) / "llama" / f)))
+    return state

@@ -47,3 +47,14 @@ def test_sliced_load_tp2_pp2(folders):
         missing, ref_missing, unexpected, ref_unexpected = r["info"]
         assert missing == ref_missing == ["model.norm.weight"]
         assert unexpected == ref_unexpected == ["extra.weight"]
+
+
+def test_from_pretrained_reads_meshtrain_checkpoint_and_exports(folders, tmp_path):
+    """2 ranks: a meshtrain checkpoint (saved at ZeRO-3) loads at tp 2, its consolidated
+    folder at ZeRO-3 and its one-file export at tp 2, each bitwise equal to the saved
+    model (which one AdamW step moved away from the original folder)."""
+    results = run_ranks(sliced_ranks.checkpoint_sources, 2, str(folders), str(tmp_path))
+    for r in results:
+        for name, (equal, moved) in r.items():
+            assert moved, (name, "the saved model still equals the original folder")
+            assert equal, (name, "the loaded model differs from the saved one")

@@ -394,6 +394,7 @@ def _load(
     step_values = rank0.get("optimizer_step") or [0.0]
     # torch keeps ``step`` beside the parameters for fused/capturable kernels, else on the CPU
     fused = any(pg.get("fused") or pg.get("capturable") for pg in engine.optimizer.param_groups)
+    read_into = getattr(reader, "read_into", None)
     with torch.no_grad():
         for g in engine.zero.flat_groups:
             mine = states if g.layout == "flat" else []  # the others: load_slice_states
@@ -403,7 +404,9 @@ def _load(
                 master.zero_()
                 for name, start, local, n in _runs(g, b, lo, hi, canon, tp, False, ep):
                     dst = slice(local - lo, local - lo + n)
-                    master[dst] = reader.read(name, "param", start, n).to(master.dtype)
+                    # a source that can (sliced_load's) reads straight into the master
+                    if not (read_into and read_into(name, start, master[dst])):
+                        master[dst] = reader.read(name, "param", start, n).to(master.dtype)
                     for s in mine:
                         fresh[s][dst] = reader.read(name, s, start, n).to(master.dtype)
                 if mine:

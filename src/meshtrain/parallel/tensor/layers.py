@@ -50,10 +50,21 @@ def is_conv1d(module: nn.Module) -> bool:
 def _shard_param(
     p: nn.Parameter, spec: ShardSpec, rank: int, shared: SharedParams | None
 ) -> nn.Parameter:
-    """The shard of ``p`` as a new Parameter; a tied parameter is sharded once."""
+    """The shard of ``p`` as a new Parameter; a tied parameter is sharded once.
+
+    A parameter marked ``meshtrain_values_follow`` (``meshtrain.from_pretrained``: the
+    loader writes every element of it after the layout) gets an uninitialised shard
+    instead of a copy: copying its untouched storage would write, and so make resident,
+    a whole slice per rank that the loader then overwrites."""
     if shared is not None and id(p) in shared:
         return shared[id(p)]
-    new = nn.Parameter(shard_tensor(p.detach(), spec, rank), requires_grad=p.requires_grad)
+    if getattr(p, "meshtrain_values_follow", False) and not spec.padding:
+        shape = list(p.shape)
+        shape[spec.dim] = spec.local
+        data = torch.empty(shape, dtype=p.dtype, device=p.device)
+    else:
+        data = shard_tensor(p.detach(), spec, rank)
+    new = nn.Parameter(data, requires_grad=p.requires_grad)
     if shared is not None:
         shared[id(p)] = new
     return new

@@ -101,7 +101,14 @@ def full_runs(
     """Map flat elements ``[start, start + numel)`` of rank ``rank``'s shard to the FULL
     tensor's flat index space: ``[(offset from start, full flat index, length), ...]``,
     maximal contiguous runs, padding elements left out. Checkpoints name their pieces
-    this way so any tensor-parallel size can read them."""
+    this way so any tensor-parallel size can read them.
+
+    Computed per *piece*, not per element: a dozen int64 index tensors the size of the
+    range (65 MiB each for a tp 4 rank's embedding shard of the 1 GB benchmark Llama)
+    grew a sliced load's read loop by up to 0.2 x the model per rank. In each
+    block of each outer index (the dimensions before ``dim``), the rank's real units are
+    one run of ``valid x inner`` elements in both index spaces (``inner``: the product of
+    the dimensions after ``dim``), followed by its padding units, if any."""
     if numel <= 0:
         return []
     d = spec.dim
@@ -109,23 +116,28 @@ def full_runs(
     for n in local_shape[d + 1 :]:
         inner *= n
     ld = local_shape[d]
-    idx = torch.arange(start, start + numel, dtype=torch.int64)
-    outer, rest = idx // (ld * inner), idx % (ld * inner)
-    c, w = rest // inner, rest % inner
-    per_block = spec.local_units * spec.unit
-    blk, rem = c // per_block, c % per_block
-    unit = rank * spec.local_units + rem // spec.unit
-    valid = unit < spec.units
-    fc = (blk * spec.units + unit) * spec.unit + rem % spec.unit
-    full = outer * (spec.full * inner) + fc * inner + w
-    # a run breaks where an element is padding or does not follow its predecessor
-    starts = valid.clone()
-    starts[1:] &= ~(valid[:-1] & (full[1:] == full[:-1] + 1))
-    ends = valid.clone()
-    ends[:-1] &= ~(valid[1:] & (full[1:] == full[:-1] + 1))
-    s_pos = starts.nonzero().flatten().tolist()
-    e_pos = ends.nonzero().flatten().tolist()
-    return [(a, int(full[a]), b - a + 1) for a, b in zip(s_pos, e_pos, strict=True)]
+    per_block = spec.local_units * spec.unit  # along dim, per block, on this rank
+    valid = max(0, min(spec.local_units, spec.units - rank * spec.local_units)) * spec.unit
+    first = rank * spec.local_units * spec.unit  # this rank's first index in a full block
+    end = start + numel
+    runs: list[tuple[int, int, int]] = []
+    if valid == 0:
+        return runs
+    for outer in range(start // (ld * inner), (end - 1) // (ld * inner) + 1):
+        for blk in range(spec.blocks):
+            lo = outer * ld * inner + blk * per_block * inner  # local flat index
+            hi = lo + valid * inner
+            s, e = max(lo, start), min(hi, end)
+            if s >= e:
+                continue
+            f = outer * spec.full * inner + (blk * spec.units * spec.unit + first) * inner
+            f += s - lo
+            if runs and runs[-1][0] + runs[-1][2] == s - start and runs[-1][1] + runs[-1][2] == f:
+                off, f0, n = runs[-1]
+                runs[-1] = (off, f0, n + e - s)
+            else:
+                runs.append((s - start, f, e - s))
+    return runs
 
 
 def specs_by_param(model: torch.nn.Module) -> dict[int, ShardSpec]:

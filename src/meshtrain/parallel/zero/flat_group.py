@@ -175,11 +175,16 @@ class FlatGroup:
             self.numel // self.partitions, dtype=self.dtype, device=param_device
         )
         with torch.no_grad():
-            for b in self.buckets:  # one bucket at a time: never the whole model twice
-                full = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
-                for p, view in self.views(b, full, base=b.start):
-                    view.copy_(self._value(p))
-                b.in_shard(self.param_shard).copy_(full.narrow(0, self.rank * b.chunk, b.chunk))
+            for b in self.buckets:
+                # each parameter's owned part straight into the shard (padding stays zero):
+                # no bucket-sized temporary, which was the largest transient of a load
+                lo = b.start + self.rank * b.chunk
+                mine = b.in_shard(self.param_shard)
+                for p, off in zip(b.params, b.offsets, strict=True):
+                    value = self._value(p)  # every parameter: zero.Init's gather is collective
+                    s, e = max(off, lo), min(off + value.numel(), lo + b.chunk)
+                    if s < e:
+                        mine[s - lo : e - lo].copy_(value.reshape(-1)[s - off : e - off])
                 for p in b.params:
                     p.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
