@@ -43,6 +43,7 @@ ZeRO-3 copies each parameter's owned part straight into the rank's shard.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import struct
