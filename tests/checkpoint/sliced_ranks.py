@@ -168,3 +168,16 @@ def _folder(root) -> dict:
     for f in sorted(set(index["weight_map"].values())):
         state.update(load_file(str(Path(root) / "llama" / f)))
     return state
+
+
+def expert_refusal(root) -> str:
+    """``meshtrain.from_pretrained`` on a per-expert Mixtral folder: the refusal's text."""
+    import meshtrain
+    from meshtrain.errors import CheckpointError
+
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000}
+    try:
+        meshtrain.from_pretrained(root, config)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"

@@ -58,3 +58,15 @@ def test_from_pretrained_reads_meshtrain_checkpoint_and_exports(folders, tmp_pat
         for name, (equal, moved) in r.items():
             assert moved, (name, "the saved model still equals the original folder")
             assert equal, (name, "the loaded model differs from the saved one")
+
+
+def test_converted_checkpoint_is_refused_not_initialised(tmp_path):
+    """transformers 5 saves a Mixtral's experts one tensor per expert and fuses them on
+    load; meshtrain.from_pretrained does not convert, so it must refuse by name (it left
+    the fused experts freshly initialised, reported only as missing keys)."""
+    from tests.distributed.test_moe import tiny_causal_lm
+
+    tiny_causal_lm("mixtral").save_pretrained(tmp_path / "mixtral")
+    got = run_ranks(sliced_ranks.expert_refusal, 1, str(tmp_path / "mixtral"))[0]
+    assert "are converted by transformers on load" in got, got
+    assert "pass it to meshtrain.initialize" in got, got

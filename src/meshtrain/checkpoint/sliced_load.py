@@ -364,6 +364,7 @@ def from_pretrained(
     info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
     if source is not None:
         info = loading_info(model, set(source.keys()))
+        _check_no_conversion(model, path, info)
     _mark_values_follow(model, info["missing_keys"])
     if source is not None:
         _initialize_missing(model, info["missing_keys"])
@@ -407,6 +408,36 @@ def _mark_values_follow(model: torch.nn.Module, missing: list[str]) -> None:
     for p in model.parameters():
         if id(p) not in initialised:
             setattr(p, VALUES_FOLLOW, True)
+
+
+def _check_no_conversion(model, path: Path, info: dict) -> None:
+    """transformers 5 converts some checkpoints on load (``conversion_mapping``: e.g.
+    Mixtral's and Qwen-MoE's experts stored one tensor per expert, fused into one 3-D
+    tensor in the model; ``save_pretrained`` writes them back per expert). Slices of the
+    fused tensors are not in the files, and loading without the conversion would leave
+    them freshly initialised: refused by name instead."""
+    if not info["missing_keys"] or not info["unexpected_keys"]:
+        return
+    import re
+
+    from transformers.conversion_mapping import WeightConverter, get_checkpoint_conversion_mapping
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    rules = get_checkpoint_conversion_mapping(model_type) if model_type else None
+    sources = [
+        re.escape(pat).replace(r"\*", r"\d+")
+        for rule in rules or ()
+        if isinstance(rule, WeightConverter)
+        for pat in rule.source_patterns
+    ]
+    hit = next((k for k in info["unexpected_keys"] for pat in sources if re.search(pat, k)), None)
+    if hit is not None:
+        raise CheckpointError(
+            f"{path}: {model_type} checkpoint tensors such as {hit!r} are converted by "
+            "transformers on load (fused into the model's experts tensors), which "
+            "meshtrain.from_pretrained does not do yet; load this model with transformers' "
+            "from_pretrained and pass it to meshtrain.initialize"
+        )
 
 
 def _same_fallback(engine, fallback: dict[str, torch.Tensor]) -> None:
