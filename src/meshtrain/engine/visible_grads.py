@@ -90,8 +90,8 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
         )
     zero = engine.zero
     # expert parameters live in their own part (``ZeroStages``), reduced over edp
-    owners = [(part, g) for part in getattr(zero, "parts", [zero]) for g in part.flat_groups]
-    for part, g in owners:
+    owners = [(kind, g) for kind in getattr(zero, "parts", [zero]) for g in kind.flat_groups]
+    for kind, g in owners:
         bucket = g.bucket_of.get(param)
         if bucket is None:
             continue
@@ -108,7 +108,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
             chunk = g.grad_chunks[bucket.index]
             part = chunk.narrow(0, lo - g.rank * bucket.chunk, hi - lo)
             out.narrow(0, lo - start, hi - lo).copy_(part)
-        comm.all_reduce(out, part.replicas, label="full_grad")
+        comm.all_reduce(out, kind.replicas, label="full_grad")
         # the slices hold the sum over ranks (x loss scale / f) unless already averaged
         divisor = zero.grad_divisor / engine.grads_divided_by
         if divisor != 1.0:
