@@ -121,7 +121,7 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "the activation estimate are attached to the step log like MFU",
     ),
     "meshtrain.parallel.zero.flat_group": (
-        403,
+        408,
         "one param group's flat buffers, buckets and master chunks (its packing lives in "
         "packing.py, its master layouts in master_layout.py)",
     ),
@@ -131,7 +131,7 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "checks.py), and their engine config",
     ),
     "meshtrain.checkpoint.engine_io": (
-        451,
+        454,
         "what an engine's checkpoint holds, written and read; the sync and async saves "
         "share shard_contents(); non-element-wise optimizer states go to slice_state.py, "
         "where an ep rank's experts sit lives in expert_layout.py",

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from meshtrain.checkpoint.merge_lora import read_adapter_config
-from meshtrain.checkpoint.sliced_load import SafetensorsSource
+from meshtrain.checkpoint.safetensors_source import SafetensorsSource
 from meshtrain.errors import CheckpointError
 from meshtrain.trainer.state import TrainerState
 
