@@ -170,14 +170,53 @@ def _folder(root) -> dict:
     return state
 
 
-def expert_refusal(root) -> str:
-    """``meshtrain.from_pretrained`` on a per-expert Mixtral folder: the refusal's text."""
-    import meshtrain
-    from meshtrain.errors import CheckpointError
+def expert_parity(root, family):
+    """ep 2 (ZeRO-1, ZeRO-3): ``meshtrain.from_pretrained`` of a tiny MoE folder against
+    transformers' ``from_pretrained`` + ``meshtrain.initialize``; each rank's fp32 masters
+    bitwise, before and after one AdamW step on the same batch; and the loading info."""
+    import transformers
 
-    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000}
-    try:
-        meshtrain.from_pretrained(root, config)
-    except CheckpointError as err:
-        return str(err)
-    return "loaded"
+    import meshtrain
+
+    cls = {
+        "mixtral": transformers.MixtralForCausalLM,
+        "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+    }
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 64, (2, 8), generator=g)
+    out = {}
+    for stage in (1, 3):
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "mesh": {"expert_parallel_size": 2},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "steps_per_print": 1000,
+        }
+        ref_model = cls[family].from_pretrained(root, dtype=torch.float32)
+        ref, *_ = meshtrain.initialize(model=ref_model, config=config)
+        (ours, *_), info = meshtrain.from_pretrained(root, config, output_loading_info=True)
+        out["missing"], out["unexpected"] = info["missing_keys"], info["unexpected_keys"]
+        states = []
+        for engine in (ref, ours):
+            mine = ids[engine.topology.dp_rank : engine.topology.dp_rank + 1]
+            before = _masters(engine)
+            loss = engine(input_ids=mine, labels=mine).loss
+            engine.backward(loss)
+            engine.step()
+            states.append((before, _masters(engine)))
+        (a0, a1), (b0, b1) = states
+        out[stage] = (
+            a0.keys() == b0.keys() and all(torch.equal(a0[k], b0[k]) for k in a0),
+            a1.keys() == b1.keys() and all(torch.equal(a1[k], b1[k]) for k in a1),
+            len(a0),
+        )
+    return out
+
+
+def _masters(engine) -> dict:
+    """This rank's fp32 masters, group by group: exactly what it holds under any stage."""
+    return {
+        f"g{i}": torch.cat([c.detach().flatten() for c in g.master_chunks]).clone()
+        for i, g in enumerate(engine.zero.flat_groups)
+    }

@@ -60,13 +60,20 @@ def test_from_pretrained_reads_meshtrain_checkpoint_and_exports(folders, tmp_pat
             assert equal, (name, "the loaded model differs from the saved one")
 
 
-def test_converted_checkpoint_is_refused_not_initialised(tmp_path):
-    """transformers 5 saves a Mixtral's experts one tensor per expert and fuses them on
-    load; meshtrain.from_pretrained does not convert, so it must refuse by name (it left
-    the fused experts freshly initialised, reported only as missing keys)."""
+def test_sliced_load_expert_parallel_converts_per_expert_tensors(tmp_path):
+    """transformers 5 saves a Mixtral's and a Qwen2-MoE's experts one tensor per expert
+    (Mixtral's under ``block_sparse_moe``) and fuses them on load; meshtrain's sliced load
+    applies the same conversion. 2 ranks, ep 2 at ZeRO-1 and ZeRO-3: each rank's masters
+    (its slice of the experts, its shards) are bitwise equal to transformers' load + the
+    same layout, before and after one AdamW step."""
     from tests.distributed.test_moe import tiny_causal_lm
 
-    tiny_causal_lm("mixtral").save_pretrained(tmp_path / "mixtral")
-    got = run_ranks(sliced_ranks.expert_refusal, 1, str(tmp_path / "mixtral"))[0]
-    assert "are converted by transformers on load" in got, got
-    assert "pass it to meshtrain.initialize" in got, got
+    for family in ("mixtral", "qwen2_moe"):
+        tiny_causal_lm(family).save_pretrained(tmp_path / family, max_shard_size="20KB")
+        for r in run_ranks(sliced_ranks.expert_parity, 2, str(tmp_path / family), family):
+            assert r["unexpected"] == [] and r["missing"] == [], (family, r)
+            for stage in (1, 3):
+                loaded, stepped, groups = r[stage]
+                assert groups >= 2, (family, stage, groups)  # expert and non-expert parts
+                assert loaded, (family, stage, "loaded masters differ")
+                assert stepped, (family, stage, "the step after loading differs")

@@ -138,6 +138,12 @@ class SafetensorsSource:
         if self._file_of is None:
             self._file_of = {k: self._single for k in self._open(self._single).keys()}
         self.fallback = dict(fallback or {})  # missing keys: the model's initialised values
+        # transformers' load-time conversions (``convert``): a renamed key's name in its
+        # file, and fused tensors built from per-expert ones
+        self._in_file: dict[str, str] = {}
+        self._fused: dict[str, list[list[str]]] = {}
+        self._fused_from: dict[str, Path] = {}  # a fused tensor's source key: its file
+        self._cache: tuple[str, torch.Tensor] | None = None
         self.aliases: dict[str, str] = {}
         self.meta: dict[str, Any] = {}
         self.world_size = 0  # never the engine's: no RNG states to restore
@@ -148,11 +154,92 @@ class SafetensorsSource:
             self._handles[file] = _SafetensorsFile(file)
         return self._handles[file]
 
+    def convert(self, model_type: str | None) -> None:
+        """Apply transformers' load-time conversion of ``model_type``'s checkpoints
+        (``transformers.conversion_mapping``), as its ``from_pretrained`` does: renamed keys
+        (Mixtral's ``.block_sparse_moe.`` is the model's ``.mlp.``), and experts stored one
+        tensor per expert that the model holds as one 3-D tensor: ``MergeModulelist(0)``
+        stacks the experts, ``Concatenate(1)`` then joins the stacks of several patterns
+        (w1 and w3 into ``gate_up_proj``). A fused tensor is read whole from its sources the
+        first time a slice of it is asked (one fused tensor in memory at a time: at most
+        the largest tensor beside the rank's slice), then sliced. A conversion with other
+        operations is left alone (``sliced_load`` then refuses the checkpoint by name)."""
+        import re
+
+        from transformers.conversion_mapping import (
+            WeightConverter,
+            WeightRenaming,
+            get_checkpoint_conversion_mapping,
+        )
+
+        rules = (get_checkpoint_conversion_mapping(model_type) if model_type else None) or []
+        for rule in rules:
+            if isinstance(rule, WeightRenaming):
+                pairs = list(zip(rule.source_patterns, rule.target_patterns, strict=True))
+                for key in list(self._file_of):
+                    new = key
+                    for a, b in pairs:
+                        new = new.replace(a, b)
+                    if new != key:
+                        self._file_of[new] = self._file_of.pop(key)
+                        self._in_file[new] = self._in_file.pop(key, key)
+        for rule in rules:
+            if not isinstance(rule, WeightConverter) or len(rule.target_patterns) != 1:
+                continue
+            ops = [(type(o).__name__, getattr(o, "dim", None)) for o in rule.operations]
+            if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+                continue
+            found: dict[str, list[list[tuple[int, str]]]] = {}
+            for j, pattern in enumerate(rule.source_patterns):
+                rx = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+                for key in self._file_of:
+                    m = rx.search(key)
+                    if m is None or m.end() != len(key):
+                        continue
+                    target = key[: m.start()] + rule.target_patterns[0]
+                    parts = found.setdefault(target, [[] for _ in rule.source_patterns])
+                    parts[j].append((int(m.group(1)), key))
+            for target, parts in found.items():
+                if not all(parts) or len({len(p) for p in parts}) != 1:
+                    continue  # an incomplete set: leave the keys as they are (reported)
+                self._fused[target] = [[k for _, k in sorted(p)] for p in parts]
+                for p in parts:
+                    for _, k in p:
+                        self._fused_from[k] = self._file_of.pop(k)
+
+    def _file_key(self, name: str) -> tuple[Path, str]:
+        if name in self._file_of:
+            return self._file_of[name], self._in_file.get(name, name)
+        return self._fused_from[name], self._in_file.get(name, name)
+
+    def _whole_fused(self, name: str) -> torch.Tensor:
+        """The fused tensor ``name``, read from its per-expert sources (cached: one)."""
+        if self._cache is None or self._cache[0] != name:
+            self._cache = None
+            stacks = []
+            for keys in self._fused[name]:
+                parts = []
+                for k in keys:
+                    file, key = self._file_key(k)
+                    f = self._open(file)
+                    parts.append(f.read(key, 0, _numel(f.shape(key))).reshape(f.shape(key)))
+                stacks.append(torch.stack(parts))
+            self._cache = (name, torch.cat(stacks, dim=1) if len(stacks) > 1 else stacks[0])
+        return self._cache[1]
+
     def keys(self) -> list[str]:
-        return list(self._file_of)
+        return [*self._file_of, *self._fused]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._open(self._file_of[name]).shape(name)
+        if name in self._fused:
+            shapes = []
+            for keys in self._fused[name]:
+                file, key = self._file_key(keys[0])
+                shapes.append(self._open(file).shape(key))
+            first = shapes[0]
+            return (len(self._fused[name][0]), sum(s[0] for s in shapes), *first[1:])
+        file, key = self._file_key(name)
+        return self._open(file).shape(key)
 
     def states(self) -> list[str]:
         return ["param"]
@@ -166,7 +253,7 @@ class SafetensorsSource:
         bad = [
             f"{n}: checkpoint {self.shape(n)} vs model {tuple(s)}"
             for n, s in expected.items()
-            if n in self._file_of and self.shape(n) != tuple(s)
+            if (n in self._file_of or n in self._fused) and self.shape(n) != tuple(s)
         ]
         if bad:
             raise CheckpointError(
@@ -176,7 +263,7 @@ class SafetensorsSource:
             )
 
     def _name(self, name: str) -> str | None:
-        if name in self._file_of:
+        if name in self._file_of or name in self._fused:
             return name
         for alias, canon in self.aliases.items():  # a tied weight saved under another name
             if canon == name and alias in self._file_of:
@@ -191,12 +278,14 @@ class SafetensorsSource:
             full = self.fallback[name].reshape(-1)
             numel = full.numel() - start if numel is None else numel
             return full[start : start + numel].clone()
-        f = self._open(self._file_of[key])
-        total = 1
-        for d in f.shape(key):
-            total *= d
-        numel = total - start if numel is None else numel
-        return f.read(key, start, numel)
+        if key in self._fused:
+            full = self._whole_fused(key).reshape(-1)
+            numel = full.numel() - start if numel is None else numel
+            return full[start : start + numel].clone()
+        file, in_file = self._file_key(key)
+        f = self._open(file)
+        numel = _numel(f.shape(in_file)) - start if numel is None else numel
+        return f.read(in_file, start, numel)
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> bool:
         """Read ``out.numel()`` elements from ``start`` straight into ``out`` when it can
@@ -204,22 +293,23 @@ class SafetensorsSource:
         False, reading nothing, otherwise (the loader then reads and converts): no
         buffer and no second copy per read."""
         key = self._name(name)
-        if key is None or out.device.type != "cpu" or not out.is_contiguous():
+        if key is None or key in self._fused or out.device.type != "cpu":
             return False
-        f = self._open(self._file_of[key])
-        if f.dtype(key) != out.dtype:
+        file, in_file = self._file_key(key)
+        f = self._open(file)
+        if not out.is_contiguous() or f.dtype(in_file) != out.dtype:
             return False
-        f.read_into(key, start, out)
+        f.read_into(in_file, start, out)
         return True
 
     def read_full(self, name: str, state: str = "param") -> torch.Tensor:
         key = self._name(name)
         if key is None:
             return self.fallback[name].clone()
-        f = self._open(self._file_of[key])
-        return self.read(name).reshape(f.shape(key))
+        return self.read(name).reshape(self.shape(key))
 
     def close(self) -> None:
+        self._cache = None
         for f in self._handles.values():
             f.close()
         self._handles.clear()
@@ -229,6 +319,13 @@ class SafetensorsSource:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 __all__ = ["INDEX", "SINGLE", "SafetensorsSource"]

@@ -150,6 +150,7 @@ def from_pretrained(
     source = None if meshtrain_ckpt else SafetensorsSource(path)
     info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
     if source is not None:
+        source.convert(getattr(getattr(model, "config", None), "model_type", None))
         info = loading_info(model, set(source.keys()))
         _check_no_conversion(model, path, info)
     _mark_values_follow(model, info["missing_keys"])
