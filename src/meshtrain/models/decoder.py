@@ -184,6 +184,9 @@ class Decoder(nn.Module):
         # because its logits hold only this rank's slice of the vocabulary.
         self.loss_fn = causal_lm_loss
         self.aux_group = None  # MoE: the replicas the load-balancing loss is reduced over
+        # MoE: False on a pipeline stage's copy, where the stages add the loss over every
+        # layer themselves (``parallel.pipeline.router_aux``)
+        self.aux_in_forward = True
         self.reset_parameters()
 
     @torch.no_grad()
@@ -246,7 +249,7 @@ class Decoder(nn.Module):
                 logits, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
             )
         moe = self.config.moe
-        if moe is not None and moe.router_aux_loss_coef:
+        if moe is not None and moe.router_aux_loss_coef and self.aux_in_forward:
             from meshtrain.parallel.experts.aux_loss import load_balancing_loss
 
             routers = tuple(layer.mlp.router_logits for layer in self.layers)

@@ -140,7 +140,8 @@ def parallelize(
         model_parameters = remap_parameters(model_parameters, replaced)
     # the router's load-balancing loss over every replica's tokens, as one process on the
     # whole batch computes it (it is not linear in the batch; see parallel.experts.aux_loss)
-    if topology.replica_group.size > 1:
+    # (under a pipeline the stages do it, over every stage's layers: ``router_aux``)
+    if topology.replica_group.size > 1 and topology.pp_size == 1:
         from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over
 
         reduce_aux_loss_over(model, topology.replica_group)

@@ -45,15 +45,34 @@ def load_balancing_loss(
 ) -> torch.Tensor:
     """``aux_r`` of the module docstring for the router logits of every layer (a tuple of
     ``[rows, E]``); transformers' value when ``group`` is None or of size 1."""
-    logits = [t for t in router_logits]
-    device = logits[0].device
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros((), dtype=torch.float32, device=device)
+    sums = router_sums(router_logits, num_experts, top_k, attention_mask, routing)
+    return balance_loss(*sums, num_experts, group)
+
+
+def router_sums(
+    router_logits,
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+    routing: str = "softmax_topk",
+    start: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts [E], prob_sum [E], rows [])`` over ``router_logits`` (one ``[rows, E]``
+    per layer), fp32, added layer by layer onto ``start`` (the sums of earlier layers, e.g.
+    received from the previous pipeline stage; zeros when None). Only ``prob_sum``
+    carries a gradient: the counts come from top-k."""
+    if start is None:
+        device = router_logits[0].device
+        counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        rows = torch.zeros((), dtype=torch.float32, device=device)
+    else:
+        counts, prob_sum, rows = start
+        device = counts.device
     mask = None
     if attention_mask is not None:
         mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
-    for layer in logits:
+    for layer in router_logits:
         probs = torch.softmax(layer.float(), dim=-1)
         chosen = layer.float() if routing == "topk_softmax" else probs
         _, experts = torch.topk(chosen, top_k, dim=-1)
@@ -65,6 +84,19 @@ def load_balancing_loss(
         counts = counts.index_add(0, experts.reshape(-1), weight)
         prob_sum = prob_sum + (probs if mask is None else probs * mask[:, None]).sum(0)
         rows = rows + (probs.shape[0] if mask is None else mask.sum())
+    return counts, prob_sum, rows
+
+
+def balance_loss(
+    counts: torch.Tensor,
+    prob_sum: torch.Tensor,
+    rows: torch.Tensor,
+    num_experts: int,
+    group: Group | None = None,
+) -> torch.Tensor:
+    """``aux_r`` from the sums of :func:`router_sums` over every layer: ``counts`` and
+    ``rows`` all-reduced over ``group`` (the replicas, ``E + 1`` floats, ``control``) when
+    it has more than one rank, this rank's ``prob_sum`` scaled by the replica count."""
     scale = 1.0
     if group is not None and group.size > 1:
         both = torch.cat([counts, rows.reshape(1)]).detach()
@@ -124,4 +156,10 @@ def install_global_aux_loss(model: torch.nn.Module, group: Group) -> bool:
     return True
 
 
-__all__ = ["install_global_aux_loss", "load_balancing_loss", "reduce_aux_loss_over"]
+__all__ = [
+    "balance_loss",
+    "install_global_aux_loss",
+    "load_balancing_loss",
+    "reduce_aux_loss_over",
+    "router_sums",
+]

@@ -57,9 +57,12 @@ class PipelineStages(nn.Module):
     """This rank's stages; ``stages[str(k)]`` is stage ``k``. Calling it is an error: run
     ``engine.train_batch`` / ``eval_batch``, which follow the schedule."""
 
-    def __init__(self, stages: dict[int, nn.Module]) -> None:
+    def __init__(self, stages: dict[int, nn.Module], has_routed_experts: bool = False) -> None:
         super().__init__()
         self.stages = nn.ModuleDict({str(k): s for k, s in stages.items()})
+        # the whole model's, not this rank's stages': every rank then logs expert load
+        # (``parallel.experts.load``), a stage without MoE layers included
+        self.has_routed_experts = has_routed_experts
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError(
@@ -74,8 +77,10 @@ def check_pipeline(model: nn.Module, topology, config) -> None:
     changes anything: ZeRO stage 3, a ``PipelineModule`` under tensor parallelism, and
     sequence parallelism for a model whose layout cannot send sequence shards (GPT-2)."""
     from meshtrain.parallel.pipeline.module import PipelineModule
+    from meshtrain.parallel.pipeline.router_aux import check_pipeline_moe
     from meshtrain.parallel.pipeline.split import find_layout
 
+    check_pipeline_moe(model, topology.pp_size)
     if int(config.zero_optimization.stage) >= 3:
         raise ConfigError(
             f"zero_optimization.stage: {config.zero_optimization.stage} with "
@@ -103,11 +108,14 @@ def check_pipeline(model: nn.Module, topology, config) -> None:
 
 def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages, PipelineRuntime]:
     """Step 2 of ``parallelize``: this rank's stages and the runtime that schedules them."""
+    from meshtrain.parallel.experts.routed import RoutedExperts
     from meshtrain.parallel.pipeline.module import PipelineModule
+    from meshtrain.parallel.pipeline.router_aux import attach_router_aux
     from meshtrain.parallel.pipeline.split import free_unused, split_model, tied_groups
 
     pc = config.pipeline
     p, v = topology.pp_size, int(pc.virtual_stages)
+    routed = any(isinstance(m, RoutedExperts) for m in model.modules())
     if isinstance(model, PipelineModule):
         if model.num_stages != p * v:
             raise ConfigError(
@@ -124,12 +132,14 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
             model, p * v, method=pc.partition_method, cut_points=pc.cut_points, sequence_parallel=sp
         )
         stages = {k: s for k, s in enumerate(every) if k % p == topology.pp_rank}
+        # MoE: the router's auxiliary loss over every stage's layers (``router_aux``)
+        attach_router_aux(stages.values(), model, topology.replica_group)
         tied = tied_groups(every, topology)
         free_unused(model, list(stages.values()))  # other ranks' blocks: storage released
     runtime = PipelineRuntime(
         stages, topology.pp_group, p * v, pc.schedule, tied, device=topology.device
     )
-    return PipelineStages(stages), runtime
+    return PipelineStages(stages, routed), runtime
 
 
 def local_parameters(model_parameters, module: nn.Module):

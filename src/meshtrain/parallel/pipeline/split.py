@@ -225,6 +225,9 @@ class SplitStage(nn.Module):
         # the last stage returns the model's whole outputs (loss, logits, ...) instead of
         # its loss: ``PipelineRuntime.eval_outputs`` sets it around an evaluation
         self.whole_outputs = False
+        # a MoE model's router auxiliary loss across stages (``router_aux``), set by
+        # ``attach_router_aux``; None for a model without one
+        self.router_aux = None
         self._input = _Input()
         full = _get(model, layout.blocks)
         replace: dict[str, nn.Module] = {layout.blocks: nn.ModuleList(full[i] for i in blocks)}
@@ -268,6 +271,10 @@ class SplitStage(nn.Module):
             ids, labels, kwargs = batch[0], (batch[1] if len(batch) > 1 else None), {}
             args = ()
         swap = None
+        aux, sums = self.router_aux, None
+        if aux is not None:
+            x, sums = aux.begin(x)  # the hidden states and the earlier stages' router sums
+            kwargs.update(aux.model_kwargs())
         if not self.is_first:
             self._input.value = x
             # the batch's own ids, not x's shape: under sequence parallelism x holds 1/T
@@ -293,10 +300,30 @@ class SplitStage(nn.Module):
             self._input.value = None
             if swap is not None:
                 swap.remove()
+        if aux is not None:
+            return self._with_aux(out, aux, sums, labels, kwargs.get("attention_mask"))
         if isinstance(out, torch.Tensor) or (self.is_last and self.whole_outputs):
             return out
         key = "loss" if self.is_last and labels is not None else "logits"
         return out[key] if key in out else out[0]
+
+    def _with_aux(self, out, aux, sums, labels, attention_mask):
+        """The model's output with the router auxiliary loss (``router_aux``): a stage
+        before the last sends its hidden states with the running router sums; the last
+        adds ``coef x aux`` of every layer to the model's loss."""
+        if not self.is_last:
+            hidden = out if isinstance(out, torch.Tensor) else out[0]
+            return aux.send(hidden, sums, attention_mask)
+        if labels is None:  # no loss to add it to (the model's outputs, unchanged)
+            aux.discard()
+            if isinstance(out, torch.Tensor) or self.whole_outputs:
+                return out
+            return out["logits"] if "logits" in out else out[0]
+        extra = aux.spec["coef"] * aux.aux(sums, attention_mask)
+        if isinstance(out, torch.Tensor):
+            return out + extra.to(out.device)
+        out["loss"] = out["loss"] + extra.to(out["loss"].device)
+        return out if self.whole_outputs else out["loss"]
 
 
 def split_model(
