@@ -216,8 +216,18 @@ def _check(results, cases, world: int) -> None:
             for out, _ in results:
                 by_stage.setdefault(out[i]["pp_rank"], set()).add(str(out[i]["routed"]))
             assert all(len(v) == dp for v in by_stage.values()), by_stage
-        # the step log covers every stage's layers: the same numbers on every rank
-        assert len({str(out[i]["logs"]) for out, _ in results}) == 1, case
+        # the step log covers every stage's layers: tokens per expert the same on every
+        # rank, all-to-all bytes those of the rank's pipeline (its pp peers' ledgers summed)
+        tokens = {
+            str([(g["tokens_per_expert_min"], g["tokens_per_expert_max"]) for g in out[i]["logs"]])
+            for out, _ in results
+        }
+        assert len(tokens) == 1, (case, tokens)
+        for out, _ in results:
+            peers = [o[i] for o, _ in results if o[i]["dp_rank"] == out[i]["dp_rank"]]
+            assert len(peers) == 2, case
+            sums = [sum(p["a2a"][s] for p in peers) for s in range(STEPS)]
+            assert [g["all_to_all_bytes"] for g in out[i]["logs"]] == sums, case
 
 
 def test_moe_pipeline_pp2_matches_one_process():
