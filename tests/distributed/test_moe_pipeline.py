@@ -248,11 +248,13 @@ def _check(results, cases, world: int) -> None:
         fam, ep = case[0], case[1]
         ref_losses, ref_state = refs[f"{fam}/{dp}"]
         merged: dict = {}
+        worst = {"loss": 0.0, "param": 0.0}
         for rank, (out, _) in enumerate(results):
             res = out[i]
             where = (case, rank)
             for a, b in zip(res["losses"], ref_losses, strict=True):
                 assert abs(a - b) <= TOL * abs(b), (where, res["losses"], ref_losses)
+                worst["loss"] = max(worst["loss"], abs(a - b) / abs(b))
             if ep > 1:
                 assert res["a2a"] == res["expect"], (where, res["a2a"], res["expect"])
             for log in res["logs"]:
@@ -266,9 +268,12 @@ def _check(results, cases, world: int) -> None:
         for n, t in merged.items():
             d = float((t - ref_state[n]).norm() / ref_state[n].norm())
             assert d <= TOL, (case, n, d)
+            worst["param"] = max(worst["param"], d)
         norm = sum(float(t.double().pow(2).sum()) for t in merged.values()) ** 0.5
         ref_norm = sum(float(t.double().pow(2).sum()) for t in ref_state.values()) ** 0.5
         assert abs(norm - ref_norm) <= TOL * ref_norm, (case, norm, ref_norm)
+        worst["norm"] = abs(norm - ref_norm) / ref_norm
+        print(f"{case[:5]}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
         start = _make(fam).state_dict()
         moved = max(float((ref_state[n] - start[n]).norm() / start[n].norm()) for n in ref_state)
         assert moved > 3e-2, case  # the 20 steps did train
