@@ -44,9 +44,31 @@ def _decoder():
     return Decoder(cfg)
 
 
+def _qwen3_moe():
+    """A tiny transformers Qwen3-MoE (8 experts, top-2, 4 layers, aux coefficient 0.02),
+    initialised as ``test_moe.tiny_causal_lm`` (larger router weights)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=24,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        output_router_logits=True, router_aux_loss_coef=0.02, max_position_embeddings=64,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "gate" in n else 0.1))
+    return model.float()
+
+
 def _make(fam: str):
     if fam == "decoder":
         return _decoder()
+    if fam == "qwen3_moe":
+        return _qwen3_moe()
     from tests.distributed.test_moe import tiny_causal_lm
 
     return tiny_causal_lm(fam, num_hidden_layers=4)
@@ -300,8 +322,8 @@ def _check(results, cases, world: int) -> None:
 
 def test_moe_pipeline_pp2_matches_one_process():
     """pp 2 on 2 ranks: meshtrain's Decoder with model.moe under 1F1B, interleaved 1F1B
-    (4 stages) and 1F1B with activation checkpointing, tiny Mixtral and Qwen2-MoE (4
-    layers) under 1F1B (ZeRO-1): 20 AdamW steps and an evaluation within 1e-6 of one
+    (4 stages) and 1F1B with activation checkpointing, tiny Mixtral, Qwen2-MoE and
+    Qwen3-MoE (4 layers) under 1F1B (ZeRO-1): 20 AdamW steps and an evaluation within 1e-6 of one
     process (module docstring). And the MoE models a pipeline refuses, by name."""
     cases = [
         ("decoder", 1, "1f1b", 1, 0),
@@ -309,6 +331,7 @@ def test_moe_pipeline_pp2_matches_one_process():
         ("decoder", 1, "1f1b", 1, 1, None, True),
         ("mixtral", 1, "1f1b", 1, 1),
         ("qwen2_moe", 1, "1f1b", 1, 1),
+        ("qwen3_moe", 1, "1f1b", 1, 1),
     ]
     results = run_ranks(_runs, 2, cases, True)
     _check(results, cases, 2)
@@ -350,8 +373,9 @@ def _load_one_process(save_dir: str) -> dict:
 @pytest.mark.slow
 def test_moe_pipeline_pp2_ep2_matches_one_process(tmp_path):
     """pp 2 x ep 2 on 4 ranks (ep carved out of dp 2; ZeRO-1 shards the expert weights over
-    edp 1 and the rest over dp 2): the Decoder under 1F1B and ZB-H1, tiny Mixtral under
-    1F1B; each replica routes its own rows; 20 AdamW steps within 1e-6 of one process,
+    edp 1 and the rest over dp 2; ZeRO-2 reduce-scatters after every micro-batch's
+    backward): the Decoder under 1F1B (ZeRO-1) and ZB-H1 (ZeRO-2), tiny Mixtral under
+    1F1B (ZeRO-1); each replica routes its own rows; 20 AdamW steps within 1e-6 of one process,
     the all-to-all bytes exact every step, the step log's tokens per expert the same on
     every rank. The Decoder's 1F1B run saves a checkpoint: one process loads exactly the
     saved weights, and its next step (optimizer state from the checkpoint) matches the
@@ -359,7 +383,7 @@ def test_moe_pipeline_pp2_ep2_matches_one_process(tmp_path):
     save_dir = str(tmp_path / "ckpt")
     cases = [
         ("decoder", 2, "1f1b", 1, 1, save_dir),
-        ("decoder", 2, "zb_h1", 1, 0),
+        ("decoder", 2, "zb_h1", 1, 2),
         ("mixtral", 2, "1f1b", 1, 1),
     ]
     results = run_ranks(_runs, 4, cases, True)
