@@ -14,7 +14,9 @@ adds the layers' router sums in the same order as one process, but the data-para
 average, the all-to-all's regrouping of expert rows and the split backward sum fp32
 values in another order (the same tolerance as the ep-only tests, ``test_moe.py``).
 Bytes are exact: each rank's ``all_to_all`` on ``ep`` per step equals
-``2 (N k + R) H 4`` summed over its stage's layers and the step's micro-batches.
+``2 (N k + R) H 4`` summed over its stage's layers and the step's micro-batches, and its
+``pp_p2p`` ``M (2 (b t H + 2 E + 6) 4 + 80)`` (activation and gradient with the router
+sums, an 80-byte header).
 """
 
 from __future__ import annotations
@@ -177,12 +179,13 @@ def _pipeline_run(
         per_forward.append(mod.last_counts.tolist())
 
     hooks = [m.register_forward_hook(keep) for m in routed_mods]
-    losses, a2a, expect, logs = [], [], [], []
+    losses, a2a, p2p, expect, logs = [], [], [], [], []
     H = 16
     for step in range(STEPS):
         per_forward.clear()
         losses.append(engine.train_batch(iter(_micro_batches(step, dp, r))).item())
         a2a.append(engine._step_comm.get(("all_to_all", "ep"), 0))
+        p2p.append(engine._step_comm.get(("pp_p2p", "pp"), 0))
         logs.append({k: engine.log.last.get(k) for k in ("tokens_per_expert_min",
                      "tokens_per_expert_max", "all_to_all_bytes")})  # fmt: skip
         if ep > 1:  # R: the rows this rank's experts got from every ep peer (test-side)
@@ -209,6 +212,7 @@ def _pipeline_run(
         "losses": losses,
         "state": state,
         "a2a": a2a,
+        "p2p": p2p,
         "expect": expect,
         "logs": logs,
         "routed": first.last_counts.tolist() if first is not None else None,
@@ -279,6 +283,10 @@ def _check(results, cases, world: int) -> None:
                 worst["loss"] = max(worst["loss"], abs(a - b) / abs(b))
             if ep > 1:
                 assert res["a2a"] == res["expect"], (where, res["a2a"], res["expect"])
+            if case[3] == 1:  # one boundary per rank: M activations (+ header) and gradients
+                # the hidden states [ROWS, SEQ, 16] plus the router sums' 2 E + 6 floats
+                crossing = (ROWS * SEQ * 16 + 2 * 8 + 6) * 4
+                assert res["p2p"] == [M * (2 * crossing + 80)] * STEPS, (where, res["p2p"])
             for log in res["logs"]:
                 if log["tokens_per_expert_min"] is None:  # transformers experts at ep 1
                     assert fam != "decoder" and ep == 1, where

@@ -31,7 +31,7 @@ sums forward with its activation, and autograd carries ``d loss / d S`` back:
 Micro-batches: the loss is per micro-batch (as each ``forward`` of one process with
 gradient accumulation computes it); the step's loss is the mean over micro-batches.
 
-Bytes: ``(2 E + 4 + ndim) x 4`` more per activation and per gradient message. The flat
+Bytes: ``(2 E + 3 + ndim) x 4`` more per activation and per gradient message. The flat
 tensor is fp32: with bf16/fp16 activations the hidden states cross the boundary as fp32
 (twice the bytes; the cast back is exact).
 
