@@ -80,7 +80,7 @@ def check_pipeline(model: nn.Module, topology, config) -> None:
     from meshtrain.parallel.pipeline.router_aux import check_pipeline_moe
     from meshtrain.parallel.pipeline.split import find_layout
 
-    check_pipeline_moe(model, topology.pp_size)
+    check_pipeline_moe(model, topology)
     if int(config.zero_optimization.stage) >= 3:
         raise ConfigError(
             f"zero_optimization.stage: {config.zero_optimization.stage} with "

@@ -84,17 +84,25 @@ def model_aux(model: nn.Module) -> dict | None:
     )
 
 
-def check_pipeline_moe(model: nn.Module, pp: int) -> None:
+def check_pipeline_moe(model: nn.Module, topology) -> None:
     """Refuse, by name, the MoE models a pipeline cannot cut yet: experts of a family
-    meshtrain does not know (their router and auxiliary loss are not found), and a
+    meshtrain does not know (their router and auxiliary loss are not found), a
     ``meshtrain.pipe.PipelineModule`` with MoE layers (its stages run the user's
-    ``loss_fn``, which no auxiliary term reaches)."""
+    ``loss_fn``, which no auxiliary term reaches), and tensor parallelism of a pipelined
+    MoE model (the router sums of a tp rank's sequence shard are untested)."""
     from meshtrain.parallel.experts.routed import RoutedExperts
     from meshtrain.parallel.experts.shard import FAMILIES, _holds_experts
     from meshtrain.parallel.pipeline.module import PipelineModule
 
+    pp = topology.pp_size
     for name, module in model.named_modules():
         known = isinstance(module, RoutedExperts) or type(module).__name__ in FAMILIES
+        if known and topology.tp_size > 1:
+            raise ConfigError(
+                f"mesh.tensor_parallel_size: {topology.tp_size} with "
+                f"pipeline_parallel_size {pp} and a mixture-of-experts model ({name}) is "
+                "not built; set tensor_parallel_size 1 or pipeline_parallel_size 1"
+            )
         if known and isinstance(model, PipelineModule):
             raise ConfigError(
                 f"mesh.pipeline_parallel_size: {pp} with a meshtrain.pipe.PipelineModule "

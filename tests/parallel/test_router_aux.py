@@ -1,0 +1,100 @@
+"""The router auxiliary loss across pipeline stages (``parallel.pipeline.router_aux``), in
+one process: a MoE model cut into stages run by hand (stage k's flat output fed to stage
+k + 1, the gradient of the last stage's loss pushed back stage by stage, as the runtime
+does) gives the whole model's loss and gradients.
+
+Tolerance: exact for the loss (the stages add the same fp32 terms in the same order as
+the model's forward), 1e-6 relative for gradients (the same sums, but autograd may
+accumulate a parameter's gradient contributions in another order).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from meshtrain.errors import ConfigError
+from meshtrain.models import Decoder, DecoderConfig
+from meshtrain.parallel.pipeline.router_aux import attach_router_aux, check_pipeline_moe
+from meshtrain.parallel.pipeline.split import split_model
+
+
+def _decoder(coef: float = 0.05, routing: str = "softmax_topk") -> Decoder:
+    moe = dict(
+        n_experts=4, top_k=2, n_shared_experts=1, expert_ffn_dim=8, routing=routing,
+        router_aux_loss_coef=coef,
+    )  # fmt: skip
+    cfg = DecoderConfig(
+        vocab_size=32, dim=8, n_layers=3, n_heads=2, ffn_dim=16, max_seq_len=8, seed=3, moe=moe
+    )
+    return Decoder(cfg)
+
+
+def _piped(model: nn.Module, stages: int, batch: dict):
+    """Forward through every stage and backward from the last, by hand."""
+    parts = split_model(model, stages, method="uniform")
+    assert attach_router_aux(parts, model, None)
+    inputs, outputs, x = [], [], None
+    for part in parts:
+        if x is not None:
+            x = x.detach().requires_grad_(True)
+        inputs.append(x)
+        x = part(x, batch)
+        outputs.append(x)
+    loss = outputs[-1]
+    grad = None
+    for k in range(stages - 1, -1, -1):
+        torch.autograd.backward(outputs[k], grad)
+        grad = inputs[k].grad if inputs[k] is not None else None
+    return loss.detach(), parts
+
+
+@pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stages_give_the_whole_models_loss_and_gradients(stages, routing):
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    ref = _decoder(routing=routing)
+    ref_loss = ref(**batch)
+    ref_loss.backward()
+    model = _decoder(routing=routing)
+    loss, parts = _piped(model, stages, batch)
+    assert torch.equal(loss, ref_loss.detach())
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g, r = p.grad, ref_grads[name].grad
+        assert float((g - r).norm() / r.norm()) <= 1e-6, name
+    # the routers' gradients include the auxiliary term (not only the LM loss's)
+    plain = _decoder(coef=0.0, routing=routing)
+    plain(**batch).backward()
+    router = "layers.0.mlp.router.weight"
+    assert not torch.allclose(plain.get_parameter(router).grad, ref_grads[router].grad)
+    # the model itself still adds its auxiliary loss (only the stages' copies do not)
+    assert model.aux_in_forward and not parts[-1].model.aux_in_forward
+    assert torch.equal(model(**batch).detach(), ref_loss.detach())
+
+
+def test_stage_without_labels_and_no_aux_model():
+    model = _decoder()
+    parts = split_model(model, 2, method="uniform")
+    attach_router_aux(parts, model, None)
+    ids = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(1))
+    x = parts[0](None, {"input_ids": ids})
+    assert x.dim() == 1 and x.numel() == 5 * 8 + 2 * 4 + 6  # hidden + S, C, R, dtype, shape
+    logits = parts[1](x, {"input_ids": ids})
+    assert torch.allclose(logits, model(ids), rtol=0, atol=1e-6)
+    assert not attach_router_aux(split_model(_decoder(coef=0.0), 2), _decoder(coef=0.0), None)
+
+
+def test_refusals_name_the_module():
+    pp2 = SimpleNamespace(pp_size=2, tp_size=1)
+    unknown = _decoder()
+    unknown.layers[2].mlp.experts = nn.ModuleList([nn.Linear(8, 8)])
+    with pytest.raises(ConfigError, match=r"layers\.2\.mlp\.experts \(ModuleList\)"):
+        check_pipeline_moe(unknown, pp2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 with pipeline_parallel_size 2"):
+        check_pipeline_moe(_decoder(), SimpleNamespace(pp_size=2, tp_size=2))
+    check_pipeline_moe(_decoder(), pp2)  # a known family passes
