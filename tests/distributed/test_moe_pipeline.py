@@ -385,8 +385,8 @@ def test_moe_pipeline_pp2_ep2_matches_one_process(tmp_path):
     backward): the Decoder under 1F1B (ZeRO-1) and ZB-H1 (ZeRO-2), tiny Mixtral under
     1F1B (ZeRO-1); each replica routes its own rows; 20 AdamW steps within 1e-6 of one process,
     the all-to-all bytes exact every step, the step log's tokens per expert the same on
-    every rank. The Decoder's 1F1B run saves a checkpoint: one process loads exactly the
-    saved weights, and its next step (optimizer state from the checkpoint) matches the
+    every rank. The Decoder's 1F1B run saves a checkpoint: it consolidates to the whole
+    model exactly, one process loads exactly the saved weights, and its next step (optimizer state from the checkpoint) matches the
     4 ranks' next step within 1e-6 normwise (fp32 summation order)."""
     save_dir = str(tmp_path / "ckpt")
     cases = [
@@ -400,6 +400,14 @@ def test_moe_pipeline_pp2_ep2_matches_one_process(tmp_path):
     for out, _ in results:
         saved.update(out[0]["state"])
         resumed.update(out[0]["resumed"])
+    from safetensors.torch import load_file
+
+    from meshtrain.checkpoint import consolidate
+
+    whole = load_file(str(consolidate(save_dir, tmp_path / "whole.safetensors", tag="moe")))
+    assert sorted(whole) == sorted(saved)
+    for n, t in saved.items():  # every expert at its global index, every stage's blocks
+        assert torch_equal(whole[n], t), n
     one = run_ranks(_load_one_process, 1, save_dir)[0]
     assert sorted(one["loaded"]) == sorted(saved)
     for n, t in saved.items():
