@@ -91,7 +91,7 @@ def parallelize(
 
     from meshtrain.parallel.experts.shard import check_layout
 
-    check_layout(model, topology)  # MoE layers under tp, pp or cp: refused by name, up front
+    check_layout(model, topology)  # MoE layers under tp or cp: refused by name, up front
     if topology.pp_size > 1:  # what a pipeline cannot combine with, before anything changes
         from meshtrain.parallel.pipeline.engine_step import check_pipeline
 

@@ -64,9 +64,9 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def check_layout(model: nn.Module, topology: Topology) -> None:
     """Refuse, by name and before anything changes, the layouts a model with MoE layers
     cannot run yet: tensor parallelism (a TP plan's MLP region would sum the replicated MoE
-    output over tp) and context parallelism (its loss hook rescales the model's loss by
-    each rank's token share, the auxiliary loss included; untested). Pipeline parallelism:
-    ``parallel.pipeline.router_aux.check_pipeline_moe``."""
+    output over tp; pipeline parallelism is checked by ``pipeline.router_aux``), and
+    context parallelism (its loss hook rescales the model's loss by each rank's token
+    share, the auxiliary loss included; untested)."""
     sizes = [
         ("tensor_parallel_size", topology.tp_size),
         ("context_parallel_size", topology.cp_size),
