@@ -77,6 +77,37 @@ def test_stages_give_the_whole_models_loss_and_gradients(stages, routing):
     assert torch.equal(model(**batch).detach(), ref_loss.detach())
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_transformers_stages_with_padding(family):
+    """A transformers MoE causal LM with padded rows (the attention mask excludes them
+    from the auxiliary loss, as transformers' ``load_balancing_loss_func`` does): the
+    stages' loss equals the model's (1e-6: the mask-weighted sums are the same terms),
+    gradients 1e-6, and the last stage's whole outputs carry ``aux_loss``."""
+    from tests.distributed.test_moe import tiny_causal_lm
+
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ref = tiny_causal_lm(family, num_hidden_layers=3)
+    out = ref(**batch)
+    out.loss.backward()
+    model = tiny_causal_lm(family, num_hidden_layers=3)
+    loss, parts = _piped(model, 2, batch)
+    assert abs(loss.item() - out.loss.item()) <= 1e-6 * out.loss.item()
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g, r = p.grad, ref_grads[name].grad
+        assert float((g - r).norm() / r.norm().clamp_min(1e-30)) <= 1e-6, name
+    parts[-1].whole_outputs = True
+    with torch.no_grad():
+        x = parts[0](None, batch)
+        whole = parts[1](x, batch)
+    assert abs(whole.aux_loss.item() - out.aux_loss.item()) <= 1e-6 * out.aux_loss.item()
+    assert abs(whole.loss.item() - out.loss.item()) <= 1e-6 * out.loss.item()
+
+
 def test_stage_without_labels_and_no_aux_model():
     model = _decoder()
     parts = split_model(model, 2, method="uniform")

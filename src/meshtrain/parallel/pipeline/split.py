@@ -319,11 +319,15 @@ class SplitStage(nn.Module):
             if isinstance(out, torch.Tensor) or self.whole_outputs:
                 return out
             return out["logits"] if "logits" in out else out[0]
-        extra = aux.spec["coef"] * aux.aux(sums, attention_mask)
+        value = aux.aux(sums, attention_mask)
+        extra = aux.spec["coef"] * value
         if isinstance(out, torch.Tensor):
             return out + extra.to(out.device)
         out["loss"] = out["loss"] + extra.to(out["loss"].device)
-        return out if self.whole_outputs else out["loss"]
+        if self.whole_outputs:
+            out["aux_loss"] = value  # as the model's own outputs carry it
+            return out
+        return out["loss"]
 
 
 def split_model(
