@@ -73,6 +73,8 @@ def _make(fam: str):
         return _qwen3_moe()
     from tests.distributed.test_moe import tiny_causal_lm
 
+    if fam == "mixtral_one_expert":  # every token to experts 0 and 1, on every rank
+        return tiny_causal_lm("mixtral", skew="one_expert", num_hidden_layers=4)
     return tiny_causal_lm(fam, num_hidden_layers=4)
 
 
@@ -307,7 +309,10 @@ def _check(results, cases, world: int) -> None:
         start = _make(fam).state_dict()
         moved = max(float((ref_state[n] - start[n]).norm() / start[n].norm()) for n in ref_state)
         assert moved > 3e-2, case  # the 20 steps did train
-        if ep > 1:  # the replicas routed their own rows differently
+        if fam == "mixtral_one_expert":  # experts 2-7 (all of ep rank 1's) get nothing
+            for out, _ in results:
+                assert out[i]["routed"][2:] == [0] * 6, out[i]["routed"]
+        elif ep > 1:  # the replicas routed their own rows differently
             by_stage: dict = {}
             for out, _ in results:
                 by_stage.setdefault(out[i]["pp_rank"], set()).add(str(out[i]["routed"]))
@@ -383,7 +388,9 @@ def test_moe_pipeline_pp2_ep2_matches_one_process(tmp_path):
     """pp 2 x ep 2 on 4 ranks (ep carved out of dp 2; ZeRO-1 shards the expert weights over
     edp 1 and the rest over dp 2; ZeRO-2 reduce-scatters after every micro-batch's
     backward): the Decoder under 1F1B (ZeRO-1) and ZB-H1 (ZeRO-2), tiny Mixtral under
-    1F1B (ZeRO-1); each replica routes its own rows; 20 AdamW steps within 1e-6 of one process,
+    1F1B (ZeRO-1), and with its routers forced to send every token to experts 0 and 1 (ep
+    rank 1's experts get no token: its all-to-alls still run, with empty splits); each
+    replica routes its own rows; 20 AdamW steps within 1e-6 of one process,
     the all-to-all bytes exact every step, the step log's tokens per expert the same on
     every rank. The Decoder's 1F1B run saves a checkpoint: it consolidates to the whole
     model exactly, one process loads exactly the saved weights, and its next step (optimizer state from the checkpoint) matches the
@@ -393,6 +400,7 @@ def test_moe_pipeline_pp2_ep2_matches_one_process(tmp_path):
         ("decoder", 2, "1f1b", 1, 1, save_dir),
         ("decoder", 2, "zb_h1", 1, 2),
         ("mixtral", 2, "1f1b", 1, 1),
+        ("mixtral_one_expert", 2, "1f1b", 1, 1),
     ]
     results = run_ranks(_runs, 4, cases, True)
     _check(results, cases, 4)
