@@ -121,7 +121,8 @@ def _reference(kind: str, n_layers: int):
 def _pipeline_runs(n_layers: int):
     from meshtrain.distributed.topology import Topology
     from meshtrain.parallel.pipeline.runtime import PipelineRuntime
-    from meshtrain.parallel.pipeline.split import split_model, tied_groups
+    from meshtrain.parallel.pipeline.split import split_model
+    from meshtrain.parallel.pipeline.tied import tied_groups
 
     topo = Topology(pp=torch.distributed.get_world_size())
     p, out = topo.pp_size, {}

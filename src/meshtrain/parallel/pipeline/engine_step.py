@@ -111,7 +111,8 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
     from meshtrain.parallel.experts.routed import RoutedExperts
     from meshtrain.parallel.pipeline.module import PipelineModule
     from meshtrain.parallel.pipeline.router_aux import attach_router_aux
-    from meshtrain.parallel.pipeline.split import free_unused, split_model, tied_groups
+    from meshtrain.parallel.pipeline.split import free_unused, split_model
+    from meshtrain.parallel.pipeline.tied import tied_groups
 
     pc = config.pipeline
     p, v = topology.pp_size, int(pc.virtual_stages)

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.pipeline.split import make_tied_groups, partition
+from meshtrain.parallel.pipeline.split import partition
+from meshtrain.parallel.pipeline.tied import make_tied_groups
 
 
 class LayerSpec:
