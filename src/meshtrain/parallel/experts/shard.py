@@ -63,13 +63,12 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def check_layout(model: nn.Module, topology: Topology) -> None:
     """Refuse, by name and before anything changes, the layouts a model with MoE layers
-    cannot run yet: tensor parallelism (a TP plan's MLP region would sum the replicated MoE
-    output over tp) and pipeline parallelism (its stages call the blocks, not the model's
+    cannot run yet (tensor parallelism runs them: ``parallel.tensor.moe_blocks``):
+    pipeline parallelism (its stages call the blocks, not the model's
     forward that adds the router's auxiliary loss; untested with the all-to-all), and
     context parallelism (its loss hook rescales the model's loss by each rank's token
     share, the auxiliary loss included; untested)."""
     sizes = [
-        ("tensor_parallel_size", topology.tp_size),
         ("pipeline_parallel_size", topology.pp_size),
         ("context_parallel_size", topology.cp_size),
     ]
