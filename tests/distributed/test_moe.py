@@ -268,8 +268,8 @@ def _skew_checks(ep: int) -> dict:
 
 def _refusals() -> list[str]:
     """MoE layouts that are not built, each refused by ``parallelize`` before it changes
-    the model: tp 2 with sequence parallelism and a MoE Decoder, ep 2 with 3 experts per
-    layer, cp 2 with a MoE Decoder."""
+    the model: ep 2 with 3 experts per layer, cp 2 with a MoE Decoder. (tp 2 with a MoE
+    model is built: ``test_moe_tensor_parallel.py``.)"""
     from meshtrain.config import load_config
     from meshtrain.distributed.topology import Topology
     from meshtrain.errors import ConfigError
@@ -277,33 +277,27 @@ def _refusals() -> list[str]:
 
     messages = []
     config = load_config({"train_micro_batch_size_per_gpu": 1})
-    sp = load_config(
-        {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"sequence_parallel": True}}
-    )
-    for kw, model, cfg in (
-        (dict(tp=2), tiny_decoder(), sp),
-        (dict(ep=2), tiny_causal_lm("mixtral", num_local_experts=3), config),
-        (dict(cp=2), tiny_decoder(), config),
+    for kw, model in (
+        (dict(ep=2), tiny_causal_lm("mixtral", num_local_experts=3)),
+        (dict(cp=2), tiny_decoder()),
     ):
         try:
-            parallelize(model, Topology(**kw), cfg)
+            parallelize(model, Topology(**kw), config)
         except ConfigError as exc:
             messages.append(str(exc))
     return messages
 
 
 def test_skewed_routing_no_hang_ep2():
-    """(And the refused MoE layouts, in the same processes: sequence parallelism, an ep
-    that does not divide the experts, cp.) Every token to one expert pair (rank 1's
-    experts get nothing), an expert empty on rank 0 only, and a rank with no tokens at all: every rank finishes forward and
+    """(And the refused MoE layouts, in the same processes.) Every token to one expert pair (rank 1's experts get nothing), an expert empty on
+    rank 0 only, and a rank with no tokens at all: every rank finishes forward and
     backward, the results match the single-process experts within 1e-6 (a local expert
     with no rows anywhere gets an exactly-zero gradient, never a missing one), and the
     grouped GEMM equals the per-expert loop within 1e-6."""
     results = run_ranks(_skew_checks, 2, 2)
     for rank, res in enumerate(results):
-        tp, split, cp = res.pop("refused")
+        split, cp = res.pop("refused")
         assert cp.startswith("mesh.context_parallel_size: 2 with a mixture-of-experts"), cp
-        assert tp.startswith("tensor_parallel.sequence_parallel: true with a mixture-of-"), tp
         assert split.startswith("mesh.expert_parallel_size: 2 does not divide the 3 experts"), split
         for key, c in res.items():
             if key[1] == "grouped_vs_loop":

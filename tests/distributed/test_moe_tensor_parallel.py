@@ -6,6 +6,7 @@ experts, shared experts) stays whole and runs replicated on the full hidden stat
 experts sharded over the ep group of its tp index. The two ranks of a tp group hold the
 same rows, the two dp replicas different rows, so the ep groups route differently.
 
+
 * **One step, every tensor** (tiny Mixtral, Qwen2-MoE, Qwen3-MoE and the Decoder with
   ``model.moe``, built with ``apply_tensor_parallel`` + ``apply_expert_parallel``): the
   mean loss (auxiliary loss included) and every parameter's gradient, reduced as the
@@ -28,7 +29,12 @@ same rows, the two dp replicas different rows, so the ep groups route differentl
 * **Checkpoint**: the Qwen2-MoE engine's checkpoint (tp-sharded attention and ep-sharded
   experts) loads at one process (tp 1, ep 1) to exactly the trained weights, and
   ``consolidate`` gives a folder ``from_pretrained`` loads to the same weights.
-* **Refused by name**: sequence parallelism with a MoE model.
+
+Every check runs twice: without sequence parallelism (the tp peers route the same tokens
+identically) and with it (``tensor_parallel.sequence_parallel``: each tp rank's MoE
+blocks route its own sequence shard, their gradients summed over tp; the peers route
+differently and send fewer rows; the step log's tokens per expert are the same global
+counts as without it).
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ def _router_weight(model):
 # ------------------------------------------------------------------ one step, every tensor
 
 
-def _step_checks(topo, fam: str) -> dict:
+def _step_checks(topo, fam: str, sp: bool) -> dict:
     import torch.distributed as dist
 
     from meshtrain.distributed import comm
@@ -108,6 +114,7 @@ def _step_checks(topo, fam: str) -> dict:
     from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over
     from meshtrain.parallel.experts.shard import apply_expert_parallel
     from meshtrain.parallel.tensor.apply import apply_tensor_parallel
+    from meshtrain.parallel.tensor.moe_blocks import sum_moe_grads_over
     from meshtrain.parallel.tensor.sharding import specs_by_param, unshard_tensor
 
     replicas, tp, ep, edp = (topo.replica_group, topo.tp_group, topo.ep_group, topo.group("edp"))
@@ -120,9 +127,10 @@ def _step_checks(topo, fam: str) -> dict:
     whole = sum(float(p.grad.double().pow(2).sum()) for p in refs.values()) ** 0.5
 
     model = _make(fam)
-    apply_tensor_parallel(model, topo)
+    apply_tensor_parallel(model, topo, sequence_parallel=sp)
     apply_expert_parallel(model, topo)
-    assert reduce_aux_loss_over(model, replicas)
+    assert sum_moe_grads_over(model, tp) if sp else True  # as ``parallelize`` does
+    assert reduce_aux_loss_over(model, replicas, tp if sp else None)
     specs = specs_by_param(model)
     mine = ids[ROWS * d : ROWS * (d + 1)]
     before = topo.stats.snapshot()
@@ -177,9 +185,10 @@ def _step_checks(topo, fam: str) -> dict:
 # ------------------------------------------------------------------ 20 steps, the engine
 
 
-def _config(fam: str, world_rows: int = ROWS, mesh=MESH) -> dict:
+def _config(fam: str, world_rows: int = ROWS, mesh=MESH, sp: bool = False) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": world_rows,
+        "tensor_parallel": {"sequence_parallel": sp},
         "optimizer": {"type": "AdamW", "params": {"lr": _lr(fam), "weight_decay": 0.01}},
         "zero_optimization": {"stage": 1},
         "mesh": mesh,
@@ -214,7 +223,7 @@ def _whole_state(engine) -> dict:
     return state
 
 
-def _train(fam: str, save_dir: str | None) -> dict:
+def _train(fam: str, sp: bool, save_dir: str | None) -> dict:
     import torch.distributed as dist
 
     import meshtrain
@@ -222,7 +231,7 @@ def _train(fam: str, save_dir: str | None) -> dict:
 
     model = _make(fam)
     engine, *_ = meshtrain.initialize(
-        model=model, model_parameters=model.parameters(), config=_config(fam)
+        model=model, model_parameters=model.parameters(), config=_config(fam, sp=sp)
     )
     topo = engine.topology
     assert isinstance(engine.zero, ZeroStages) and topo.tp_size == 2 and topo.ep_size == 2
@@ -238,7 +247,8 @@ def _train(fam: str, save_dir: str | None) -> dict:
         losses.append(t.item() / topo.world_size)  # both tp ranks hold their replica's loss
         norms.append(engine.get_global_grad_norm())
     out = {"losses": losses, "norms": norms, "state": _whole_state(engine)}
-    out["log"] = {k: engine.log.last.get(k) for k in ("tokens_per_expert_max", "all_to_all_bytes")}
+    keys = ("tokens_per_expert_min", "tokens_per_expert_max", "all_to_all_bytes")
+    out["log"] = {k: engine.log.last.get(k) for k in keys}
     if save_dir is not None:
         from meshtrain.checkpoint import consolidate
 
@@ -250,41 +260,25 @@ def _train(fam: str, save_dir: str | None) -> dict:
     return out
 
 
-def _sequence_parallel_refusal() -> str:
-    from meshtrain.config import load_config
-    from meshtrain.distributed.topology import Topology
-    from meshtrain.errors import ConfigError
-    from meshtrain.parallel.compose import parallelize
-
-    config = load_config(
-        {
-            "train_micro_batch_size_per_gpu": 1,
-            "mesh": MESH,
-            "tensor_parallel": {"sequence_parallel": True},
-        }
-    )
-    try:
-        parallelize(tiny_decoder(), Topology(tp=2, ep=2), config)
-    except ConfigError as exc:
-        return str(exc)
-    return "not refused"
-
-
 def _all_checks(save_dir: str) -> dict:
     import meshtrain
     from meshtrain.distributed.topology import Topology
 
     meshtrain.init_distributed()
     topo = Topology(tp=2, ep=2)
-    out = {"step": {fam: _step_checks(topo, fam) for fam in FAMILIES_STEP}}
-    out["train"] = {fam: _train(fam, save_dir if fam == "qwen2_moe" else None) for fam in FAMILIES}
+    out = {"step": {(f, sp): _step_checks(topo, f, sp) for f in FAMILIES_STEP for sp in SP}}
+    out["train"] = {
+        (f, sp): _train(f, sp, save_dir if (f, sp) == ("qwen2_moe", False) else None)
+        for f in FAMILIES
+        for sp in SP
+    }
     out["coords"] = (topo.tp_rank, topo.dp_rank, topo.ep_rank, topo.group("edp").size)
-    out["sp"] = _sequence_parallel_refusal()
     return out
 
 
 FAMILIES = ("mixtral", "qwen2_moe", "decoder")
 FAMILIES_STEP = ("mixtral", "qwen2_moe", "qwen3_moe", "decoder")
+SP = (False, True)
 
 
 def _reference(fam: str, rows: int):
@@ -320,20 +314,17 @@ def _norm(state: dict) -> float:
 
 
 def test_ep2_tp2_step_training_and_checkpoint(tmp_path):
-    """ep 2 x tp 2 on 4 ranks (module docstring): one step's every gradient and the
-    all-to-all bytes, 20 AdamW steps against one process, the checkpoint at one process,
-    and sequence parallelism refused by name."""
+    """ep 2 x tp 2 on 4 ranks, without and with sequence parallelism (module docstring):
+    one step's every gradient and the all-to-all bytes, 20 AdamW steps against one
+    process, the checkpoint at one process."""
     save_dir = str(tmp_path / "ckpt")
     results = run_ranks(_all_checks, 4, save_dir, timeout=900)
     coords = [res["coords"] for res in results]
     # tp peers (0,1) and (2,3) share a dp replica and an ep index: the same experts
     assert coords == [(0, 0, 0, 1), (1, 0, 0, 1), (0, 1, 1, 1), (1, 1, 1, 1)], coords
     for rank, res in enumerate(results):
-        assert res["sp"].startswith("tensor_parallel.sequence_parallel: true with a mixture-of"), (
-            res["sp"]
-        )
-        for fam, c in res["step"].items():
-            where = (rank, fam)
+        for key, c in res["step"].items():
+            where = (rank, key)
             assert c["loss"] < TOL, (where, c["loss"])
             assert c["grads"] < 10 * TOL, (where, c["worst"], c["grads"])
             assert c["whole"] < TOL, (where, c["whole"])
@@ -341,27 +332,40 @@ def test_ep2_tp2_step_training_and_checkpoint(tmp_path):
             assert c["router_same_over_tp"], where
             assert c["a2a"] == {"ep": c["expect_a2a"]} and c["expect_a2a"] > 0, (where, c)
     for fam in FAMILIES_STEP:
-        routes = [str(res["step"][fam]["routed"]) for res in results]
+        routes = [str(res["step"][fam, False]["routed"]) for res in results]
         assert routes[0] == routes[1] and routes[2] == routes[3], (fam, routes)  # tp peers
         assert routes[0] != routes[2], (fam, routes)  # the replicas route differently
+        # sequence parallelism: each tp rank routes its own shard
+        routes = [str(res["step"][fam, True]["routed"]) for res in results]
+        assert routes[0] != routes[1] and routes[2] != routes[3], (fam, routes)
+        # ... and sends about half the rows of the run without it
+        for res in results:
+            half, whole = (res["step"][fam, sp]["expect_a2a"] for sp in SP[::-1])
+            assert half < whole, (fam, half, whole)
 
     for fam in FAMILIES:
         ref_losses, ref_norms, ref_state = _reference(fam, ROWS * 2)
         if ref_norms:
             assert max(ref_norms) > CLIP, "clipping must be active for the test to mean anything"
         for rank, res in enumerate(results):
-            c, where = res["train"][fam], (fam, rank)
-            loss = max(abs(a - b) / b for a, b in zip(c["losses"], ref_losses, strict=True))
-            assert loss < TOL, (where, "loss", loss)
-            if ref_norms:
-                norm = max(abs(a - b) / b for a, b in zip(c["norms"], ref_norms, strict=True))
-                assert norm < TOL, (where, "grad norm", norm)
-            assert max_rel_diff(c["state"], ref_state) < TOL, (where, "model")
-            assert abs(_norm(c["state"]) - _norm(ref_state)) / _norm(ref_state) < TOL, where
-            assert c["log"]["all_to_all_bytes"] > 0, where
+            for sp in SP:
+                c, where = res["train"][fam, sp], (fam, sp, rank)
+                loss = max(abs(a - b) / b for a, b in zip(c["losses"], ref_losses, strict=True))
+                assert loss < TOL, (where, "loss", loss)
+                if ref_norms:
+                    norm = max(abs(a - b) / b for a, b in zip(c["norms"], ref_norms, strict=True))
+                    assert norm < TOL, (where, "grad norm", norm)
+                assert max_rel_diff(c["state"], ref_state) < TOL, (where, "model")
+                assert abs(_norm(c["state"]) - _norm(ref_state)) / _norm(ref_state) < TOL, where
+                assert c["log"]["all_to_all_bytes"] > 0, where
+            # the last step's tokens per expert are the global batch's either way (summed
+            # over the replicas, and over tp under sequence parallelism)
+            logs = [res["train"][fam, sp]["log"] for sp in SP]
+            assert logs[0]["tokens_per_expert_max"] == logs[1]["tokens_per_expert_max"], logs
+            assert logs[0]["tokens_per_expert_min"] == logs[1]["tokens_per_expert_min"], logs
         assert max_rel_diff(ref_state, _make(fam).state_dict()) > 3e-2, fam  # it trained
 
-    saved = results[0]["train"]["qwen2_moe"]["state"]
+    saved = results[0]["train"]["qwen2_moe", False]["state"]
     loaded = run_ranks(_load_at_one_process, 1, save_dir)[0]
     assert loaded.keys() == saved.keys()
     for k, v in saved.items():

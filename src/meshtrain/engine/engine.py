@@ -110,7 +110,9 @@ class Engine(EngineQueries):
         from meshtrain.parallel.experts.load import ExpertLoad
 
         # MoE: tokens per expert and all-to-all bytes in the step log, expert-bias updates
-        self.expert_load = ExpertLoad.find(self.module, topology.replica_group)
+        tp_info = getattr(self.module, "meshtrain_tp", None) or {}
+        shards = topology.tp_group if tp_info.get("sequence_parallel") else None
+        self.expert_load = ExpertLoad.find(self.module, topology.replica_group, shards)
         self._step_comm: dict[tuple[str, str], int] = {}
         self._comm_mark = topology.stats.snapshot()
         self.checkpoint_saver = None  # AsyncSaver, made by the first async save

@@ -184,6 +184,7 @@ class Decoder(nn.Module):
         # because its logits hold only this rank's slice of the vocabulary.
         self.loss_fn = causal_lm_loss
         self.aux_group = None  # MoE: the replicas the load-balancing loss is reduced over
+        self.aux_sequence_group = None  # and the tp group, under sequence parallelism
         self.reset_parameters()
 
     @torch.no_grad()
@@ -251,7 +252,13 @@ class Decoder(nn.Module):
 
             routers = tuple(layer.mlp.router_logits for layer in self.layers)
             aux = load_balancing_loss(
-                routers, moe.n_experts, moe.top_k, None, self.aux_group, moe.routing
+                routers,
+                moe.n_experts,
+                moe.top_k,
+                None,
+                self.aux_group,
+                moe.routing,
+                sequence=self.aux_sequence_group,
             )
             loss = loss + moe.router_aux_loss_coef * aux
         return loss

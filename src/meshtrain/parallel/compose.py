@@ -138,12 +138,19 @@ def parallelize(
 
         replaced = apply_expert_parallel(model, topology)
         model_parameters = remap_parameters(model_parameters, replaced)
+    # sequence parallelism hands each tp rank's MoE blocks a sequence shard: their
+    # gradients (the experts' too, as EP left them) are summed over tp
+    shards = None
+    if (getattr(model, "meshtrain_tp", None) or {}).get("sequence_parallel"):
+        from meshtrain.parallel.tensor.moe_blocks import sum_moe_grads_over
+
+        shards = topology.tp_group if sum_moe_grads_over(model, topology.tp_group) else None
     # the router's load-balancing loss over every replica's tokens, as one process on the
     # whole batch computes it (it is not linear in the batch; see parallel.experts.aux_loss)
-    if topology.replica_group.size > 1:
+    if topology.replica_group.size > 1 or shards is not None:
         from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over
 
-        reduce_aux_loss_over(model, topology.replica_group)
+        reduce_aux_loss_over(model, topology.replica_group, shards)
     # 4. pipeline split: a rank keeps only its stages before anything is allocated for them
     pipeline = None
     if topology.pp_size > 1:

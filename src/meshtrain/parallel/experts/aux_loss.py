@@ -19,6 +19,13 @@ instead::
 all-reduce of ``E + 1`` fp32 per forward (``control``). With one replica, ``aux_r`` is
 transformers' value.
 
+Under tensor parallelism with sequence parallelism each of the ``T`` tp ranks of a replica
+routes a ``1/T`` shard of its tokens (``parallel.tensor.moe_blocks``). ``f`` and ``T`` are
+then summed over the tp group too (a second ``E + 1`` all-reduce), ``S_e^r`` is this
+rank's shard's, and the router's gradients are summed over tp by the MoE block's gradient
+hooks, so the sum over tp of the ranks' ``aux_r`` is the replica's. The value each rank
+returns is that sum (one more scalar all-reduce), its gradient its own term's.
+
 :func:`install_global_aux_loss` wraps a transformers ``...ForCausalLM`` forward so its
 ``loss`` and ``aux_loss`` use ``aux_r``; meshtrain's Decoder calls
 :func:`load_balancing_loss` itself.
@@ -42,9 +49,12 @@ def load_balancing_loss(
     attention_mask: torch.Tensor | None = None,
     group: Group | None = None,
     routing: str = "softmax_topk",
+    sequence: Group | None = None,
 ) -> torch.Tensor:
     """``aux_r`` of the module docstring for the router logits of every layer (a tuple of
-    ``[rows, E]``); transformers' value when ``group`` is None or of size 1."""
+    ``[rows, E]``); transformers' value when ``group`` and ``sequence`` are None or of
+    size 1. ``sequence``: the tp group when sequence parallelism hands each of its ranks a
+    shard of the replica's tokens (module docstring)."""
     logits = [t for t in router_logits]
     device = logits[0].device
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -65,30 +75,49 @@ def load_balancing_loss(
         counts = counts.index_add(0, experts.reshape(-1), weight)
         prob_sum = prob_sum + (probs if mask is None else probs * mask[:, None]).sum(0)
         rows = rows + (probs.shape[0] if mask is None else mask.sum())
-    scale = 1.0
-    if group is not None and group.size > 1:
+    scale = 1.0 if group is None else float(group.size)
+    over = [g for g in (group, sequence) if g is not None and g.size > 1]
+    if over:
         both = torch.cat([counts, rows.reshape(1)]).detach()
-        comm.all_reduce(both, group, label="control")
-        counts, rows, scale = both[:-1], both[-1], float(group.size)
-    return num_experts * torch.sum((counts / rows) * (prob_sum * scale / rows))
+        for g in over:  # replicas, then the sequence shards of each: every token once
+            comm.all_reduce(both, g, label="control")
+        counts, rows = both[:-1], both[-1]
+    aux = num_experts * torch.sum((counts / rows) * (prob_sum * scale / rows))
+    if sequence is not None and sequence.size > 1:
+        # the value of the replica's whole sequence (the tp ranks' terms summed), the
+        # gradient of this rank's own term: its tokens' share, summed over tp by the
+        # gradient hooks of the MoE blocks
+        total = aux.detach().clone()
+        comm.all_reduce(total, sequence, label="control")
+        aux = aux + (total - aux.detach())
+    return aux
 
 
-def reduce_aux_loss_over(model: torch.nn.Module, group: Group) -> bool:
-    """Reduce ``model``'s router auxiliary loss over ``group`` (the replicas): meshtrain's
-    Decoder through its ``aux_group``, a transformers MoE causal LM through
-    :func:`install_global_aux_loss`. False for a model without one (nothing changes)."""
+def reduce_aux_loss_over(
+    model: torch.nn.Module, group: Group, sequence: Group | None = None
+) -> bool:
+    """Reduce ``model``'s router auxiliary loss over ``group`` (the replicas) and
+    ``sequence`` (the tp group under sequence parallelism, else None): meshtrain's
+    Decoder through its ``aux_group`` / ``aux_sequence_group``, a transformers MoE causal
+    LM through :func:`install_global_aux_loss`. False for a model without one (nothing
+    changes)."""
     moe = getattr(getattr(model, "config", None), "moe", None)
     if hasattr(model, "aux_group") and moe is not None:
         model.aux_group = group
+        model.aux_sequence_group = sequence
         return True
-    return install_global_aux_loss(model, group)
+    return install_global_aux_loss(model, group, sequence)
 
 
-def install_global_aux_loss(model: torch.nn.Module, group: Group) -> bool:
+def install_global_aux_loss(
+    model: torch.nn.Module, group: Group, sequence: Group | None = None
+) -> bool:
     """Make a transformers MoE causal LM's ``loss`` use :func:`load_balancing_loss` over
-    ``group`` (the replicas, dp x cp). Returns False (and changes nothing) for a model
-    without a router auxiliary loss. The model's own loss function and coefficient
-    (``router_aux_loss_coef``) are kept; only the auxiliary term's reduction changes."""
+    ``group`` (the replicas, dp x cp) and ``sequence`` (see :func:`load_balancing_loss`;
+    the attention mask is then cut to this rank's sequence shard, as its router logits
+    are). Returns False (and changes nothing) for a model without a router auxiliary loss.
+    The model's own loss function and coefficient (``router_aux_loss_coef``) are kept;
+    only the auxiliary term's reduction changes."""
     config = getattr(model, "config", None)
     coef = getattr(model, "router_aux_loss_coef", None)
     needed = ("loss_function", "num_experts", "num_experts_per_tok", "vocab_size")
@@ -111,8 +140,11 @@ def install_global_aux_loss(model: torch.nn.Module, group: Group) -> bool:
         a["output_router_logits"] = True
         out = forward(*bound.args, **bound.kwargs)
         extra = a.get("kwargs", {})
+        mask = a.get("attention_mask")
+        if mask is not None and sequence is not None and sequence.size > 1:
+            mask = mask.chunk(sequence.size, dim=1)[sequence.rank]  # this rank's tokens
         aux = load_balancing_loss(
-            out.router_logits, n_experts, top_k, a.get("attention_mask"), group
+            out.router_logits, n_experts, top_k, mask, group, sequence=sequence
         )
         loss = model.loss_function(out.logits, labels, model.vocab_size, **extra)
         out.loss = loss + coef * aux.to(loss.device)

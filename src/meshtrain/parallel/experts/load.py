@@ -4,7 +4,9 @@ auxiliary-loss-free bias update.
 At the end of each optimizer step (every rank, :meth:`ExpertLoad.end_step`): the tokens
 each rank routed to each expert of each layer since the last step (all micro-batches) are
 all-reduced over the replicas (dp x cp, the ranks that see different tokens: one
-all-reduce of ``layers x E`` int64, recorded under ``control``), so the numbers are the
+all-reduce of ``layers x E`` int64, recorded under ``control``; under tensor x sequence
+parallelism a second one over tp, whose ranks route different shards of a replica's
+tokens), so the numbers are the
 whole global batch's and the same on every rank. The step log shows their minimum and
 maximum over experts and layers, and the all-to-all bytes of the step (``all_to_all`` on
 ``ep``: ``comm``'s convention, see :mod:`.dispatch`).
@@ -28,8 +30,9 @@ from meshtrain.parallel.experts.routing import update_expert_bias
 class ExpertLoad:
     """The MoE layers of one model and the group their tokens are counted over."""
 
-    def __init__(self, model: nn.Module, replicas: Group) -> None:
+    def __init__(self, model: nn.Module, replicas: Group, sequence: Group | None = None) -> None:
         self.replicas = replicas
+        self.sequence = sequence  # the tp group when its ranks route sequence shards
         self.layers: list[tuple[nn.Module | None, RoutedExperts]] = []
         parents = {
             id(m.experts): m
@@ -41,9 +44,11 @@ class ExpertLoad:
                 self.layers.append((parents.get(id(m)), m))
 
     @classmethod
-    def find(cls, model: nn.Module, replicas: Group) -> ExpertLoad | None:
+    def find(
+        cls, model: nn.Module, replicas: Group, sequence: Group | None = None
+    ) -> ExpertLoad | None:
         """None for a model without routed experts."""
-        load = cls(model, replicas)
+        load = cls(model, replicas, sequence)
         return load if load.layers else None
 
     def end_step(self, step_comm: dict[tuple[str, str], int]) -> dict[str, int]:
@@ -61,6 +66,8 @@ class ExpertLoad:
             experts.tokens_seen = None
         total = torch.stack(counts)  # [layers, E]
         comm.all_reduce(total, self.replicas, label="control")
+        if self.sequence is not None:
+            comm.all_reduce(total, self.sequence, label="control")
         for (block, _), load in zip(self.layers, total, strict=True):
             bias = getattr(block, "expert_bias", None)
             rate = getattr(getattr(block, "cfg", None), "bias_update_rate", 0.0)

@@ -57,8 +57,8 @@ from meshtrain.parallel.tensor.layers import (
     VocabParallelEmbedding,
     is_conv1d,
 )
-from meshtrain.parallel.tensor.moe_blocks import check_sequence_parallel, moe_blocks
 from meshtrain.parallel.tensor.moe_blocks import inside as in_moe_block
+from meshtrain.parallel.tensor.moe_blocks import moe_blocks
 from meshtrain.parallel.tensor.plans import TPPlan, no_plan_message, plan_for, sample_names
 from meshtrain.parallel.tensor.restore import Changes
 from meshtrain.parallel.tensor.rng import RegionRNG
@@ -102,9 +102,9 @@ def apply_tensor_parallel(
     _log_padding(sizes, t, plan.name, topology)
 
     modules = dict(model.named_modules())
-    # mixture-of-experts blocks stay whole, replicated over tp (``moe_blocks``)
+    # mixture-of-experts blocks stay whole, replicated over tp (``moe_blocks``; under
+    # sequence parallelism ``parallelize`` sums their gradients over tp after EP)
     moe = moe_blocks(model)
-    check_sequence_parallel(moe, sequence_parallel)
     found = {row: [n for n in modules if fnmatch.fnmatchcase(n, row[0])] for row in plan.rows}
     matched = {row: [n for n in names if not in_moe_block(n, moe)] for row, names in found.items()}
     # the rows inside a region that is a MoE block in this model (the plan's dense MLP)

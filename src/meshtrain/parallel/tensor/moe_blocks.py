@@ -11,31 +11,44 @@ inside a MoE block, and the block itself, as it is: the block runs on the full h
 state, which every rank of the tp group holds identically (the row-parallel attention
 output is all-reduced before the residual add, the norm after it is replicated).
 
-What that costs and why it is exact (tp ``T``, ep ``P``, per layer and step):
+What that costs and why it is exact (tp ``T``, ep ``P``, ``E`` experts, per layer and step;
+``N`` = a replica's tokens, ``k`` = top-k, ``H`` = hidden size, ``b`` = element size):
 
 * **Where the experts are.** ``Topology`` carves the ep groups out of the dp x cp ranks
   *of one tp index*: the ``T`` ranks of a tp group have the same ep index, so they hold
-  the same experts (``L = E / P`` of them) and, holding the same tokens, route and dispatch
-  identically. Each tp index has its own ep groups, so the ``T`` copies of the token
-  all-to-all never meet: no collective of the MoE block crosses tp.
-* **Bytes.** Each rank sends exactly what it would at tp 1 with the same tokens:
-  ``2 (N k + R) H b`` under ``all_to_all`` on its ep group (``parallel.experts.dispatch``),
-  ``N`` = this replica's tokens (its full sequence). The ep groups of a replica move
-  ``T`` times that in all: the price of not splitting the tokens over tp. Splitting them
-  (each tp rank dispatching ``1/T`` of the tokens, i.e. sequence parallelism around the
-  block) would divide the all-to-all bytes by ``T`` for an all-gather of the block output
-  over tp; it is not built, and ``tensor_parallel.sequence_parallel`` with a MoE model is
-  refused by name.
-* **Gradients.** The router, the shared experts and the experts are replicated over tp and
-  see the same tokens, so their gradients are equal on the ``T`` ranks: nothing sums them
-  over tp (that would make them ``T`` times too large). The router and shared experts are
-  reduced over the replicas (dp x cp), the experts over edp (divided by dp x cp,
-  ``parallel.zero.stages``), per tp index, as at tp 1. The block's input gradient is the
-  same full gradient on every tp rank, as a replicated norm's; the next region's
-  ``copy_to_region`` all-reduces only the column layers' partial sums.
+  the same experts (``L = E / P`` of them). Each tp index has its own ep groups, so the
+  ``T`` token all-to-alls never meet: no collective of the MoE block crosses tp in
+  forward.
+* **Without sequence parallelism** every tp rank holds its replica's whole hidden state
+  (the row-parallel attention output is all-reduced before the residual add), so the
+  ``T`` ranks of a tp group route and dispatch the same ``N`` tokens identically: each
+  sends ``2 (N k + R) H b`` under ``all_to_all`` on its ep group
+  (``parallel.experts.dispatch``; ``R`` = rows its experts compute), as at tp 1, and the
+  ``T`` ep groups of a replica move ``T`` times that in all: the price of duplicated
+  tokens. Router, shared experts and experts see the same tokens on the ``T`` ranks, so
+  their gradients are equal there and nothing sums them over tp (that would make them
+  ``T`` times too large). The block's input gradient is the same full gradient on every
+  tp rank, as a replicated norm's.
+* **With sequence parallelism** (``tensor_parallel.sequence_parallel``) the hidden state
+  between regions is this rank's ``1/T`` sequence shard, and the MoE block runs on it:
+  each tp rank routes and dispatches only its ``N / T`` tokens, so the all-to-all bytes
+  are ``2 (N k / T + R) H b`` per rank (``R`` = rows from the shards of the same tp index)
+  and the duplicate dispatch is gone, with no collective added in forward. The block's
+  parameters (router, shared experts, experts) then see different tokens on each tp
+  rank, so :func:`sum_moe_grads_over` sums each one's gradient over tp as it is
+  computed (``reduce_gradient_hook``, as sequence parallelism does for norms): one
+  all-reduce per parameter and backward, ``2 x`` its bytes recorded under ``tp``, the
+  experts' ``3 L F H b`` per layer included (the cost of keeping the experts whole over
+  tp). The router's auxiliary loss counts every shard's tokens
+  (``parallel.experts.aux_loss``), and the step log's tokens per expert are summed over
+  tp too (``parallel.experts.load``).
+* **Reductions over the replicas.** Router and shared experts are reduced over dp x cp,
+  the experts over edp (divided by dp x cp, ``parallel.zero.stages``), per tp index, as
+  at tp 1.
 * **Clipping.** The global norm counts a parameter no plan sharded ``1/T`` on each tp
-  rank (``parallel.tensor.grad_norm``): the experts and the router count once, the expert
-  squares then summed over ep.
+  rank (``parallel.tensor.grad_norm``); the block's gradients are equal over tp (whole
+  tokens, or summed), so the experts and the router count once, the expert squares then
+  summed over ep.
 """
 
 from __future__ import annotations
@@ -74,16 +87,26 @@ def inside(name: str, blocks: list[str]) -> bool:
     return any(name == b or name.startswith(b + ".") for b in blocks)
 
 
-def check_sequence_parallel(blocks: list[str], sequence_parallel: bool) -> None:
-    """Sequence parallelism would hand each MoE block a sequence shard: routing,
-    dispatch and gradients on shards (summed over tp) are not built."""
-    if blocks and sequence_parallel:
-        raise ConfigError(
-            f"tensor_parallel.sequence_parallel: true with a mixture-of-experts model "
-            f"({blocks[0]} and {len(blocks) - 1} more MoE blocks): sequence parallelism "
-            "around MoE blocks is not built; set tensor_parallel.sequence_parallel to false "
-            "(tensor parallelism of attention composes with expert parallelism without it)"
-        )
+def sum_moe_grads_over(model: nn.Module, group) -> bool:
+    """Sequence parallelism: sum the gradient of every parameter inside a MoE block over
+    ``group`` (the tp group) as it is computed; call it after expert sharding, which
+    replaces the experts' parameters. The hooks join the ones ``remove_tensor_parallel``
+    removes. False (nothing registered) for a model without MoE blocks."""
+    from meshtrain.parallel.tensor.mappings import reduce_gradient_hook
+
+    blocks = moe_blocks(model)
+    if not blocks or group.size == 1:
+        return bool(blocks)
+    changes = getattr(model, "meshtrain_tp_changes", None)
+    seen: set[int] = set()
+    for name in blocks:
+        for p in model.get_submodule(name).parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                handle = p.register_hook(reduce_gradient_hook(group))
+                if changes is not None:
+                    changes.handles.append(handle)
+    return True
 
 
-__all__ = ["check_sequence_parallel", "inside", "moe_blocks"]
+__all__ = ["inside", "moe_blocks", "sum_moe_grads_over"]
