@@ -20,7 +20,8 @@ same rows, the two dp replicas different rows, so the ep groups route differentl
   not be, or divided wrongly, would be off by 0.5 or more. The router's gradient is
   equal on the two tp ranks (it must not be summed over tp); the ep all-to-all bytes
   equal ``2 (N k + R) H 4`` per layer exactly, and no all-to-all runs on another group.
-* **20 AdamW steps through the engine** (ZeRO-1 over dp, the experts' edp of one rank),
+* **20 AdamW steps through the engine** (ZeRO-1 over dp, the experts' edp of one rank;
+  ZeRO-3 for Mixtral with and Qwen2-MoE without sequence parallelism),
   Mixtral and Qwen2-MoE with clipping by the global norm active, the Decoder without: the
   per-step loss, the global gradient norm (Mixtral, Qwen2-MoE) and the whole model and its
   norm after 20 steps within 1e-6 of one process with ``clip_grad_norm_``. 1e-6: fp32 sums
@@ -185,12 +186,12 @@ def _step_checks(topo, fam: str, sp: bool) -> dict:
 # ------------------------------------------------------------------ 20 steps, the engine
 
 
-def _config(fam: str, world_rows: int = ROWS, mesh=MESH, sp: bool = False) -> dict:
+def _config(fam: str, world_rows: int = ROWS, mesh=MESH, sp: bool = False, stage: int = 1) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": world_rows,
         "tensor_parallel": {"sequence_parallel": sp},
         "optimizer": {"type": "AdamW", "params": {"lr": _lr(fam), "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "mesh": mesh,
         "steps_per_print": 1000,
     }
@@ -223,7 +224,7 @@ def _whole_state(engine) -> dict:
     return state
 
 
-def _train(fam: str, sp: bool, save_dir: str | None) -> dict:
+def _train(fam: str, sp: bool, stage: int, save_dir: str | None) -> dict:
     import torch.distributed as dist
 
     import meshtrain
@@ -231,7 +232,7 @@ def _train(fam: str, sp: bool, save_dir: str | None) -> dict:
 
     model = _make(fam)
     engine, *_ = meshtrain.initialize(
-        model=model, model_parameters=model.parameters(), config=_config(fam, sp=sp)
+        model=model, model_parameters=model.parameters(), config=_config(fam, sp=sp, stage=stage)
     )
     topo = engine.topology
     assert isinstance(engine.zero, ZeroStages) and topo.tp_size == 2 and topo.ep_size == 2
@@ -247,6 +248,7 @@ def _train(fam: str, sp: bool, save_dir: str | None) -> dict:
         losses.append(t.item() / topo.world_size)  # both tp ranks hold their replica's loss
         norms.append(engine.get_global_grad_norm())
     out = {"losses": losses, "norms": norms, "state": _whole_state(engine)}
+    out["stage"], out["sp"] = engine.zero_stage, engine.module.meshtrain_tp["sequence_parallel"]
     keys = ("tokens_per_expert_min", "tokens_per_expert_max", "all_to_all_bytes")
     out["log"] = {k: engine.log.last.get(k) for k in keys}
     if save_dir is not None:
@@ -268,9 +270,8 @@ def _all_checks(save_dir: str) -> dict:
     topo = Topology(tp=2, ep=2)
     out = {"step": {(f, sp): _step_checks(topo, f, sp) for f in FAMILIES_STEP for sp in SP}}
     out["train"] = {
-        (f, sp): _train(f, sp, save_dir if (f, sp) == ("qwen2_moe", False) else None)
-        for f in FAMILIES
-        for sp in SP
+        (f, sp, z): _train(f, sp, z, save_dir if (f, sp, z) == ("qwen2_moe", False, 1) else None)
+        for f, sp, z in TRAIN
     }
     out["coords"] = (topo.tp_rank, topo.dp_rank, topo.ep_rank, topo.group("edp").size)
     return out
@@ -279,6 +280,12 @@ def _all_checks(save_dir: str) -> dict:
 FAMILIES = ("mixtral", "qwen2_moe", "decoder")
 FAMILIES_STEP = ("mixtral", "qwen2_moe", "qwen3_moe", "decoder")
 SP = (False, True)
+# (family, sequence parallelism, ZeRO stage): every family both ways at ZeRO-1, and ZeRO-3
+# (every weight sharded over dp, the experts over edp, gathered per block) once each way
+TRAIN = [(f, sp, 1) for f in FAMILIES for sp in SP] + [
+    ("mixtral", True, 3),
+    ("qwen2_moe", False, 3),
+]
 
 
 def _reference(fam: str, rows: int):
@@ -345,11 +352,13 @@ def test_ep2_tp2_step_training_and_checkpoint(tmp_path):
 
     for fam in FAMILIES:
         ref_losses, ref_norms, ref_state = _reference(fam, ROWS * 2)
+        cases = [(sp, z) for f, sp, z in TRAIN if f == fam]
         if ref_norms:
             assert max(ref_norms) > CLIP, "clipping must be active for the test to mean anything"
         for rank, res in enumerate(results):
-            for sp in SP:
-                c, where = res["train"][fam, sp], (fam, sp, rank)
+            for sp, z in cases:
+                c, where = res["train"][fam, sp, z], (fam, sp, z, rank)
+                assert (c["sp"], c["stage"]) == (sp, z), where
                 loss = max(abs(a - b) / b for a, b in zip(c["losses"], ref_losses, strict=True))
                 assert loss < TOL, (where, "loss", loss)
                 if ref_norms:
@@ -360,12 +369,12 @@ def test_ep2_tp2_step_training_and_checkpoint(tmp_path):
                 assert c["log"]["all_to_all_bytes"] > 0, where
             # the last step's tokens per expert are the global batch's either way (summed
             # over the replicas, and over tp under sequence parallelism)
-            logs = [res["train"][fam, sp]["log"] for sp in SP]
-            assert logs[0]["tokens_per_expert_max"] == logs[1]["tokens_per_expert_max"], logs
-            assert logs[0]["tokens_per_expert_min"] == logs[1]["tokens_per_expert_min"], logs
+            logs = [res["train"][fam, sp, z]["log"] for sp, z in cases]
+            for key in ("tokens_per_expert_min", "tokens_per_expert_max"):
+                assert len({log[key] for log in logs}) == 1, (key, logs)
         assert max_rel_diff(ref_state, _make(fam).state_dict()) > 3e-2, fam  # it trained
 
-    saved = results[0]["train"]["qwen2_moe", False]["state"]
+    saved = results[0]["train"]["qwen2_moe", False, 1]["state"]
     loaded = run_ranks(_load_at_one_process, 1, save_dir)[0]
     assert loaded.keys() == saved.keys()
     for k, v in saved.items():
