@@ -26,7 +26,9 @@ Why this order (torchtitan's, for the same reasons):
 * EP after CP, before PP: expert sharding, like TP, changes which parameters a rank holds
   (its slice of the experts), so the pipeline's balance and the flat buffers must see it;
   it comes after TP and CP because the router and dispatch see the activations those
-  produce (tokens of this rank's sequence chunk).
+  produce (tokens of this rank's sequence chunk). TP leaves MoE blocks whole; under
+  sequence parallelism their gradients are summed over tp by hooks registered after EP,
+  which replaces the experts' parameters (``parallel.tensor.moe_blocks``).
 * PP before AC and DP: a rank checkpoints, flattens and reduces only the layers of its
   own stage; flattening first would allocate buffers for layers the rank drops.
 * AC before compile: the checkpoint wrapper is part of what gets traced, so the compiled
