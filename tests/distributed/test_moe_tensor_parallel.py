@@ -11,7 +11,9 @@ same rows, the two dp replicas different rows, so the ep groups route differentl
   ``model.moe``, built with ``apply_tensor_parallel`` + ``apply_expert_parallel``): the
   mean loss (auxiliary loss included) and every parameter's gradient, reduced as the
   engine does (non-expert over dp, expert over edp, both / dp; tp shards gathered) within
-  1e-5 (each tensor) and 1e-6 (the whole gradient, normwise) of one process on all rows.
+  1e-5 (each tensor) and 1e-6 (the whole gradient, normwise) of one process on all rows
+  (the transformers models with an attention mask that pads the tail of each replica's
+  first row, which the auxiliary loss leaves out).
   1e-5 per tensor: the attention gradients of these tiny models are small results of
   cancelling sums (Qwen2-MoE's query bias: 1.5e-5 for a whole gradient of 0.17), so the
   summation order moves them most; in one process, without tp or ep and without the
@@ -122,7 +124,15 @@ def _step_checks(topo, fam: str, sp: bool) -> dict:
     dp, d = replicas.size, replicas.rank
     ids = _ids(0, ROWS * dp)
     ref = _make(fam)
-    ref_loss = _loss(ref(input_ids=ids, labels=ids))
+    kw = {}
+    if fam != "decoder":  # padding: the auxiliary loss leaves masked tokens out
+        mask = torch.ones_like(ids)
+        mask[::ROWS, -3:] = 0  # the tail of each replica's first row: sequence shard 1
+        labels = ids.masked_fill(mask == 0, -100)
+        kw = {"attention_mask": mask}
+    else:
+        labels = ids
+    ref_loss = _loss(ref(input_ids=ids, labels=labels, **kw))
     ref_loss.backward()
     refs = dict(ref.named_parameters())
     whole = sum(float(p.grad.double().pow(2).sum()) for p in refs.values()) ** 0.5
@@ -135,7 +145,9 @@ def _step_checks(topo, fam: str, sp: bool) -> dict:
     specs = specs_by_param(model)
     mine = ids[ROWS * d : ROWS * (d + 1)]
     before = topo.stats.snapshot()
-    loss = _loss(model(input_ids=mine, labels=mine))
+    rows = slice(ROWS * d, ROWS * (d + 1))
+    kw = {k: v[rows] for k, v in kw.items()}
+    loss = _loss(model(input_ids=mine, labels=labels[rows], **kw))
     loss.backward()
     moved = topo.stats.diff(topo.stats.snapshot(), before)
 

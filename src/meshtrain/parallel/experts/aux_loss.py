@@ -24,7 +24,10 @@ routes a ``1/T`` shard of its tokens (``parallel.tensor.moe_blocks``). ``f`` and
 then summed over the tp group too (a second ``E + 1`` all-reduce), ``S_e^r`` is this
 rank's shard's, and the router's gradients are summed over tp by the MoE block's gradient
 hooks, so the sum over tp of the ranks' ``aux_r`` is the replica's. The value each rank
-returns is that sum (one more scalar all-reduce), its gradient its own term's.
+returns is that sum (one more scalar all-reduce), its gradient its own term's. A
+transformers model's own auxiliary loss would pair the whole attention mask with the
+shard's router logits, so there the logits are recorded by hooks on its routers (the
+modules transformers records ``router_logits`` from) and the model's own term is skipped.
 
 :func:`install_global_aux_loss` wraps a transformers ``...ForCausalLM`` forward so its
 ``loss`` and ``aux_loss`` use ``aux_r``; meshtrain's Decoder calls
@@ -33,6 +36,7 @@ returns is that sum (one more scalar all-reduce), its gradient its own term's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -40,6 +44,7 @@ import torch
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
+from meshtrain.errors import ConfigError
 
 
 def load_balancing_loss(
@@ -126,6 +131,8 @@ def install_global_aux_loss(
     forward = model.forward
     signature = inspect.signature(forward)
     top_k, n_experts = model.num_experts_per_tok, model.num_experts
+    shards = sequence is not None and sequence.size > 1
+    routers = _router_modules(model) if shards else ()
 
     @functools.wraps(forward)
     def global_aux_forward(*args, **kwargs):
@@ -134,26 +141,70 @@ def install_global_aux_loss(
         labels = a.get("labels")
         wanted = a.get("output_router_logits")
         wanted = config.output_router_logits if wanted is None else wanted
-        if labels is None or not wanted:
+        if not wanted or (labels is None and not shards):
             return forward(*args, **kwargs)
         a["labels"] = None  # the loss is recomputed below, with the global auxiliary term
-        a["output_router_logits"] = True
-        out = forward(*bound.args, **bound.kwargs)
-        extra = a.get("kwargs", {})
         mask = a.get("attention_mask")
-        if mask is not None and sequence is not None and sequence.size > 1:
-            mask = mask.chunk(sequence.size, dim=1)[sequence.rank]  # this rank's tokens
+        if shards:
+            # the model's own auxiliary loss would pair the whole attention mask with this
+            # rank's shard of the router logits: it is skipped, the logits recorded here
+            a["output_router_logits"] = False
+            with _recording(routers) as logits:
+                out = forward(*bound.args, **bound.kwargs)
+            out.router_logits = tuple(logits)
+            if mask is not None:
+                mask = mask.chunk(sequence.size, dim=1)[sequence.rank]  # this rank's tokens
+        else:
+            a["output_router_logits"] = True
+            out = forward(*bound.args, **bound.kwargs)
         aux = load_balancing_loss(
             out.router_logits, n_experts, top_k, mask, group, sequence=sequence
         )
-        loss = model.loss_function(out.logits, labels, model.vocab_size, **extra)
-        out.loss = loss + coef * aux.to(loss.device)
         out.aux_loss = aux
+        if labels is not None:
+            extra = a.get("kwargs", {})
+            loss = model.loss_function(out.logits, labels, model.vocab_size, **extra)
+            out.loss = loss + coef * aux.to(loss.device)
         return out
 
     model.forward = global_aux_forward
     model.meshtrain_global_aux_loss = True
     return True
+
+
+def _router_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+    """(router module, index of its logits in its output) of every layer, in call order,
+    from transformers' own record of where ``router_logits`` come from
+    (``_can_record_outputs``); ConfigError naming the model when it has none."""
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(recorder, "target_class", None)
+    found = [m for m in model.modules() if target is not None and isinstance(m, target)]
+    if not found:
+        raise ConfigError(
+            f"tensor_parallel.sequence_parallel: true, but meshtrain cannot find the router "
+            f"modules of {type(model).__name__} (transformers records none for it) to count "
+            "each rank's sequence shard in the auxiliary loss; set sequence_parallel false"
+        )
+    return [(m, int(getattr(recorder, "index", 0) or 0)) for m in found]
+
+
+@contextlib.contextmanager
+def _recording(routers):
+    """Collect each router's logits as its forward returns them, in call order."""
+    logits: list[torch.Tensor] = []
+
+    def keep(index):
+        def hook(_module, _args, output):
+            logits.append(output[index] if isinstance(output, tuple) else output)
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(i)) for m, i in routers]
+    try:
+        yield logits
+    finally:
+        for h in handles:
+            h.remove()
 
 
 __all__ = ["install_global_aux_loss", "load_balancing_loss", "reduce_aux_loss_over"]
