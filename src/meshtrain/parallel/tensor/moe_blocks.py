@@ -7,9 +7,9 @@ A MoE block is the module around an experts module (transformers' ``...SparseMoe
 ``shared``). A TP plan's MLP rows (a ``region`` on ``...mlp`` and the column/row linears
 inside it) would otherwise treat it as a dense MLP and sum its output over tp, although
 every tp rank computes the whole of it. So ``apply_tensor_parallel`` leaves every module
-inside a MoE block, and the block itself, as it is: the block runs on the full hidden
-state, which every rank of the tp group holds identically (the row-parallel attention
-output is all-reduced before the residual add, the norm after it is replicated).
+inside a MoE block, and the block itself, as it is: the block runs on the hidden state
+the rank holds there, the whole one (identical on the tp ranks) or, under sequence
+parallelism, this rank's sequence shard.
 
 What that costs and why it is exact (tp ``T``, ep ``P``, ``E`` experts, per layer and step;
 ``N`` = a replica's tokens, ``k`` = top-k, ``H`` = hidden size, ``b`` = element size):
