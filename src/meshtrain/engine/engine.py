@@ -110,7 +110,7 @@ class Engine(EngineQueries):
         from meshtrain.parallel.experts.load import ExpertLoad
 
         # MoE: tokens per expert and all-to-all bytes in the step log, expert-bias updates
-        self.expert_load = ExpertLoad.find(self.module, topology.replica_group, topology.pp_group)
+        self.expert_load = ExpertLoad.on_mesh(self.module, topology)
         self._step_comm: dict[tuple[str, str], int] = {}
         self._comm_mark = topology.stats.snapshot()
         self.checkpoint_saver = None  # AsyncSaver, made by the first async save

@@ -187,6 +187,7 @@ class Decoder(nn.Module):
         # MoE: False on a pipeline stage's copy, where the stages add the loss over every
         # layer themselves (``parallel.pipeline.router_aux``)
         self.aux_in_forward = True
+        self.aux_sequence_group = None  # and the tp group, under sequence parallelism
         self.reset_parameters()
 
     @torch.no_grad()
@@ -254,7 +255,13 @@ class Decoder(nn.Module):
 
             routers = tuple(layer.mlp.router_logits for layer in self.layers)
             aux = load_balancing_loss(
-                routers, moe.n_experts, moe.top_k, None, self.aux_group, moe.routing
+                routers,
+                moe.n_experts,
+                moe.top_k,
+                None,
+                self.aux_group,
+                moe.routing,
+                sequence=self.aux_sequence_group,
             )
             loss = loss + moe.router_aux_loss_coef * aux
         return loss

@@ -26,7 +26,9 @@ Why this order (torchtitan's, for the same reasons):
 * EP after CP, before PP: expert sharding, like TP, changes which parameters a rank holds
   (its slice of the experts), so the pipeline's balance and the flat buffers must see it;
   it comes after TP and CP because the router and dispatch see the activations those
-  produce (tokens of this rank's sequence chunk).
+  produce (tokens of this rank's sequence chunk). TP leaves MoE blocks whole; under
+  sequence parallelism their gradients are summed over tp by hooks registered after EP,
+  which replaces the experts' parameters (``parallel.tensor.moe_blocks``).
 * PP before AC and DP: a rank checkpoints, flattens and reduces only the layers of its
   own stage; flattening first would allocate buffers for layers the rank drops.
 * AC before compile: the checkpoint wrapper is part of what gets traced, so the compiled
@@ -138,13 +140,20 @@ def parallelize(
 
         replaced = apply_expert_parallel(model, topology)
         model_parameters = remap_parameters(model_parameters, replaced)
+    # sequence parallelism hands each tp rank's MoE blocks a sequence shard: their
+    # gradients (the experts' too, as EP left them) are summed over tp
+    shards = None
+    if (getattr(model, "meshtrain_tp", None) or {}).get("sequence_parallel"):
+        from meshtrain.parallel.tensor.moe_blocks import sum_moe_grads_over
+
+        shards = topology.tp_group if sum_moe_grads_over(model, topology.tp_group) else None
     # the router's load-balancing loss over every replica's tokens, as one process on the
     # whole batch computes it (it is not linear in the batch; see parallel.experts.aux_loss)
     # (under a pipeline the stages do it, over every stage's layers: ``router_aux``)
-    if topology.replica_group.size > 1 and topology.pp_size == 1:
+    if (topology.replica_group.size > 1 or shards is not None) and topology.pp_size == 1:
         from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over
 
-        reduce_aux_loss_over(model, topology.replica_group)
+        reduce_aux_loss_over(model, topology.replica_group, shards)
     # 4. pipeline split: a rank keeps only its stages before anything is allocated for them
     pipeline = None
     if topology.pp_size > 1:

@@ -4,7 +4,9 @@ auxiliary-loss-free bias update.
 At the end of each optimizer step (every rank, :meth:`ExpertLoad.end_step`): the tokens
 each rank routed to each expert of each layer since the last step (all micro-batches) are
 all-reduced over the replicas (dp x cp, the ranks that see different tokens: one
-all-reduce of ``layers x E`` int64, recorded under ``control``), so the numbers are the
+all-reduce of ``layers x E`` int64, recorded under ``control``; under tensor x sequence
+parallelism a second one over tp, whose ranks route different shards of a replica's
+tokens), so the numbers are the
 whole global batch's and the same on every rank. The step log shows their minimum and
 maximum over experts and layers, and the all-to-all bytes of the step (``all_to_all`` on
 ``ep``: ``comm``'s convention, see :mod:`.dispatch`).
@@ -31,11 +33,20 @@ class ExpertLoad:
     ``stages``: the pp group when the model is cut into pipeline stages (each rank holds
     some layers): the minimum and maximum are then taken over every stage's layers (one
     all-reduce of 2 int64, ``control``) and the all-to-all bytes summed over the stages
-    (one more int64), so the log reads as for the whole model: one rank of each stage."""
+    (one more int64), so the log reads as for the whole model: one rank of each stage.
+    ``sequence``: the tp group when its ranks route sequence shards (sequence
+    parallelism): the counts are summed over it too."""
 
-    def __init__(self, model: nn.Module, replicas: Group, stages: Group | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        replicas: Group,
+        stages: Group | None = None,
+        sequence: Group | None = None,
+    ) -> None:
         self.replicas = replicas
         self.stages = stages if stages is not None and stages.size > 1 else None
+        self.sequence = sequence
         self.layers: list[tuple[nn.Module | None, RoutedExperts]] = []
         parents = {
             id(m.experts): m
@@ -49,16 +60,29 @@ class ExpertLoad:
 
     @classmethod
     def find(
-        cls, model: nn.Module, replicas: Group, stages: Group | None = None
+        cls,
+        model: nn.Module,
+        replicas: Group,
+        stages: Group | None = None,
+        sequence: Group | None = None,
     ) -> ExpertLoad | None:
         """None for a model without routed experts. Under a pipeline (``stages``, the pp
         group) the answer is the whole model's (``model.has_routed_experts``, set by the
         pipeline split), so a stage without MoE layers still joins ``end_step``."""
-        load = cls(model, replicas, stages)
+        load = cls(model, replicas, stages, sequence)
         found = bool(load.layers)
         if load.stages is not None:
             found = bool(getattr(model, "has_routed_experts", found))
         return load if found else None
+
+    @classmethod
+    def on_mesh(cls, model: nn.Module, topology) -> ExpertLoad | None:
+        """:meth:`find` with the groups of ``topology``: the replicas (dp x cp), the pp
+        group, and the tp group when the model runs under sequence parallelism (its tp
+        ranks route sequence shards)."""
+        tp_info = getattr(model, "meshtrain_tp", None) or {}
+        sequence = topology.tp_group if tp_info.get("sequence_parallel") else None
+        return cls.find(model, topology.replica_group, topology.pp_group, sequence)
 
     def end_step(self, step_comm: dict[tuple[str, str], int]) -> dict[str, int]:
         """Tokens per expert (min, max over layers and experts) of the step's global batch
@@ -75,6 +99,8 @@ class ExpertLoad:
             experts.tokens_seen = None
         total = torch.cat(counts)  # [layers x E]; empty for a stage without MoE layers
         comm.all_reduce(total, self.replicas, label="control")
+        if self.sequence is not None:
+            comm.all_reduce(total, self.sequence, label="control")
         size = self.layers[0][1].num_experts if self.layers else 1
         for (block, _), load in zip(self.layers, total.view(-1, size), strict=True):
             bias = getattr(block, "expert_bias", None)

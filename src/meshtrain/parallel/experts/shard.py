@@ -63,12 +63,11 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def check_layout(model: nn.Module, topology: Topology) -> None:
     """Refuse, by name and before anything changes, the layouts a model with MoE layers
-    cannot run yet: tensor parallelism (a TP plan's MLP region would sum the replicated MoE
-    output over tp; pipeline parallelism is checked by ``pipeline.router_aux``), and
-    context parallelism (its loss hook rescales the model's loss by each rank's token
-    share, the auxiliary loss included; untested)."""
+    cannot run yet: context parallelism (its loss hook rescales the model's loss by each
+    rank's token share, the auxiliary loss included; untested). Tensor parallelism runs
+    them (``parallel.tensor.moe_blocks``), pipeline parallelism too (checked by
+    ``pipeline.router_aux``, which refuses pp x tp of a MoE model)."""
     sizes = [
-        ("tensor_parallel_size", topology.tp_size),
         ("context_parallel_size", topology.cp_size),
     ]
     over = [(k, n) for k, n in sizes if n > 1]

@@ -25,6 +25,10 @@ query heads with them, a whole group of ``heads / kv_heads`` zero query heads pe
 key/value head, so every query head keeps its key/value head. Vocabularies and MLP widths
 are padded to a multiple of T. Padding units are zero and stay zero (``sharding``).
 
+A mixture-of-experts block (router, experts, shared experts) is left whole whatever the
+plan's rows say: it runs replicated on every tp rank, its experts sharded over ep, not tp
+(``moe_blocks``, which gives its bytes and gradients).
+
 Under sequence parallelism, modules the plan marks ``sequence`` (norms, dropout) run on
 this rank's tokens: dropout inside them draws from the per-rank stream (``rng``), like
 dropout inside regions, and their weights' gradients are summed over the tp group.
@@ -53,6 +57,8 @@ from meshtrain.parallel.tensor.layers import (
     VocabParallelEmbedding,
     is_conv1d,
 )
+from meshtrain.parallel.tensor.moe_blocks import inside as in_moe_block
+from meshtrain.parallel.tensor.moe_blocks import match_rows, moe_blocks
 from meshtrain.parallel.tensor.plans import TPPlan, no_plan_message, plan_for, sample_names
 from meshtrain.parallel.tensor.restore import Changes
 from meshtrain.parallel.tensor.rng import RegionRNG
@@ -96,13 +102,18 @@ def apply_tensor_parallel(
     _log_padding(sizes, t, plan.name, topology)
 
     modules = dict(model.named_modules())
-    matched = {row: [n for n in modules if fnmatch.fnmatchcase(n, row[0])] for row in plan.rows}
+    # mixture-of-experts blocks stay whole, replicated over tp (``moe_blocks``; under
+    # sequence parallelism ``parallelize`` sums their gradients over tp after EP)
+    moe = moe_blocks(model)
+    matched, excused = match_rows(modules, plan.rows, moe)
     # a gather_sequence row only matters under sequence parallelism (BertModel's pooler
     # may be absent)
     empty = [
         row[0]
         for row, names in matched.items()
-        if not names and (sequence_parallel or row[1] != "gather_sequence")
+        if not names
+        and row[0] not in excused
+        and (sequence_parallel or row[1] != "gather_sequence")
     ]
     if empty:
         raise ConfigError(
@@ -142,11 +153,17 @@ def apply_tensor_parallel(
                 hooks.append(_on_input(mod, gather))
             elif style == "sequence" and sequence_parallel and t > 1:
                 hooks.extend(_on_sequence_shard(mod, group, rng, reduced))
+            elif style == "per_head" and t > 1:
+                hooks.extend(_sum_grads_over(mod, group, reduced))
     for path, attr, units_key in plan.attrs:
         n = sizes[units_key]
         local = -(-n // t)  # padded units per rank
         for name, mod in model.named_modules():
-            if fnmatch.fnmatchcase(name, path) and hasattr(mod, attr):
+            if (
+                fnmatch.fnmatchcase(name, path)
+                and hasattr(mod, attr)
+                and not in_moe_block(name, moe)
+            ):
                 changes.set_attr(mod, attr, getattr(mod, attr) * local // n)
     _repoint_aliases(model, shared, changes)
     _set_loss(model, plan, group, sizes, changes)
@@ -207,15 +224,22 @@ def _enter_region(mod: nn.Module, group, sp: bool, rng: RegionRNG) -> list:
     ]
 
 
-def _on_sequence_shard(mod: nn.Module, group, rng: RegionRNG, reduced: set[int]) -> list:
-    """``mod`` runs on this rank's tokens: its replicated weights' gradients cover those
-    tokens only (summed over the group), and its dropout must not repeat another rank's
-    mask on different tokens (this rank's region stream)."""
+def _sum_grads_over(mod: nn.Module, group, reduced: set[int]) -> list:
+    """``mod`` runs on this rank's share of the work (its tokens, its heads): its
+    replicated weights' gradients are partial sums, summed over the group (once each)."""
     handles = []
     for p in mod.parameters():
         if p.requires_grad and id(p) not in reduced:
             reduced.add(id(p))
             handles.append(p.register_hook(M.reduce_gradient_hook(group)))
+    return handles
+
+
+def _on_sequence_shard(mod: nn.Module, group, rng: RegionRNG, reduced: set[int]) -> list:
+    """``mod`` runs on this rank's tokens: its replicated weights' gradients cover those
+    tokens only (summed over the group), and its dropout must not repeat another rank's
+    mask on different tokens (this rank's region stream)."""
+    handles = _sum_grads_over(mod, group, reduced)
     if not any(isinstance(m, nn.modules.dropout._DropoutNd) for m in mod.modules()):
         return handles
     entered: list[bool] = []

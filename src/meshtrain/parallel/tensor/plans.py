@@ -28,6 +28,10 @@ sequence      a module that runs on a sequence shard under sequence parallelism 
               dropout): its replicated weights' gradients are summed over the tp group, and
               dropout inside it draws from this rank's own random stream (its tokens differ
               from every other rank's, so must its mask)
+per_head      a module applied alike to every attention head (Qwen3's ``q_norm`` and
+              ``k_norm``): its weights stay replicated, and since each rank applies it to
+              its own heads only, their gradients are summed over the tp group (with or
+              without sequence parallelism)
 gather_sequence
               with sequence parallelism, the module's first input is all-gathered along the
               sequence (backward: keep this rank's chunk): the model leaves sequence
@@ -74,6 +78,7 @@ STYLES = (
     "lm_head",
     "region",
     "sequence",
+    "per_head",
     "gather_sequence",
 )
 
@@ -174,6 +179,29 @@ LLAMA = TPPlan(  # also Qwen2 and Mistral: the same module layout
     classes=("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"),
     sizes=_LLAMA_SIZES,
     rows=(*_LLAMA_BODY, ("lm_head", "lm_head", "vocab")),
+    loss="hf_causal",
+)
+
+LLAMA_MOE = TPPlan(  # Llama-style attention; the MoE block at ``mlp`` stays whole
+    name="llama-style mixture of experts",
+    classes=("MixtralForCausalLM", "Qwen2MoeForCausalLM"),
+    sizes=_LLAMA_SIZES,
+    # the mlp rows shard Qwen-MoE's dense layers (``mlp_only_layers``); MoE blocks are
+    # skipped whatever the rows say (``moe_blocks``)
+    rows=(*_LLAMA_BODY, ("lm_head", "lm_head", "vocab")),
+    loss="hf_causal",
+)
+
+QWEN3_MOE = TPPlan(  # as LLAMA_MOE, plus the per-head query/key norms
+    name="qwen3 mixture of experts",
+    classes=("Qwen3MoeForCausalLM",),
+    sizes=_LLAMA_SIZES,
+    rows=(
+        *_LLAMA_BODY,
+        ("model.layers.*.self_attn.q_norm", "per_head"),
+        ("model.layers.*.self_attn.k_norm", "per_head"),
+        ("lm_head", "lm_head", "vocab"),
+    ),
     loss="hf_causal",
 )
 
@@ -285,7 +313,8 @@ BERT_MLM = TPPlan(
 )
 
 PLANS: tuple[TPPlan, ...] = (
-    DECODER, LLAMA, LLAMA_CLASSIFIER, GPT2, GPT2_CLASSIFIER, BERT, BERT_TOKENS, BERT_MLM,
+    DECODER, LLAMA, LLAMA_MOE, QWEN3_MOE, LLAMA_CLASSIFIER, GPT2, GPT2_CLASSIFIER, BERT,
+    BERT_TOKENS, BERT_MLM,
 )  # fmt: skip
 
 
@@ -317,7 +346,8 @@ def no_plan_message(model) -> str:
     names = sample_names(model, limit=16)
     return (
         f"tensor parallelism has no plan for {type(model).__name__} (built-in plans: the "
-        f"meshtrain decoder, Llama/Qwen2/Mistral, GPT-2, BERT). Its linear and embedding "
+        f"meshtrain decoder, Llama/Qwen2/Mistral, Mixtral/Qwen2-MoE/Qwen3-MoE, GPT-2, "
+        f"BERT). Its linear and embedding "
         f"modules are: {', '.join(names)}. Write a plan naming them, e.g.\n"
         "    from meshtrain.parallel.tensor import TPPlan\n"
         "    plan = TPPlan(name='mine', sizes={'heads': 'config.n_heads'}, rows=(\n"
@@ -339,7 +369,9 @@ __all__ = [
     "GPT2_CLASSIFIER",
     "LLAMA",
     "LLAMA_CLASSIFIER",
+    "LLAMA_MOE",
     "PLANS",
+    "QWEN3_MOE",
     "TPPlan",
     "no_plan_message",
     "plan_for",
