@@ -111,17 +111,35 @@ def test_config_errors_are_one_line_and_exit_2(tmp_path):
     ]
 
 
-def test_moe_decoder_trains_at_ep2_and_prints_tokens_per_expert(tmp_path):
-    """``meshtrain train model.moe... mesh.expert_parallel_size=2``: the reference decoder
-    with MoE blocks trains on the shipped corpus, the step lines and the summary show tokens
-    per expert and the all-to-all bytes, and the model-state bytes still equal the theory
-    (the token all-to-all is reported apart)."""
+def test_moe_decoder_trains_at_ep2_tp2_and_prints_tokens_per_expert(tmp_path):
+    """``meshtrain train model.moe... mesh.expert_parallel_size=2
+    mesh.tensor_parallel_size=2`` on 4 processes: the reference decoder with MoE blocks
+    trains on the shipped corpus, the step lines and the summary show tokens per expert and
+    the all-to-all bytes, the model-state bytes (dp and edp groups) still equal the theory,
+    and the activations (tp's all-reduces, the token all-to-all on ep) are reported apart,
+    by group."""
     out = tmp_path / "moe"
-    moe = ("model.moe.n_experts=4", "model.moe.n_shared_experts=1", "mesh.expert_parallel_size=2")
-    run = train(out, "--max-steps", "2", "--no-progress", overrides=("train.save_interval=0", *moe))
+    moe = (
+        "model.moe.n_experts=4",
+        "model.moe.n_shared_experts=1",
+        "mesh.expert_parallel_size=2",
+        "mesh.tensor_parallel_size=2",
+    )
+    run = train(
+        out,
+        "--max-steps",
+        "2",
+        "--no-progress",
+        "--nproc",
+        "4",
+        overrides=("train.save_interval=0", *moe),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     both = run.stdout + run.stderr  # the engine's step lines go through logging
     assert " | tokens/expert " in both and " | all-to-all " in both
     assert "experts     tokens per expert " in run.stdout
+    assert "activations and other groups: " in run.stdout
     comm = json.loads((out / "summary.json").read_text())["comm_bytes_per_step"]
-    assert comm["measured"] == comm["theory"] > 0 and comm["by_op"]["all_to_all"] > 0
+    assert comm["measured"] == comm["theory"] > 0
+    assert comm["other_groups"]["ep"] > 0 and comm["other_groups"]["tp"] > 0
+    assert "all_to_all" not in comm["by_op"]  # tokens are activations, not model state

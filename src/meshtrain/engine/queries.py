@@ -79,3 +79,7 @@ class EngineQueries:
             by_op[op] = by_op.get(op, 0) + n
         by_op["total"] = sum(by_op.values())
         return by_op
+
+    def last_step_comm_by_group(self) -> dict[tuple[str, str], int]:
+        """Bytes the last optimizer step recorded, by (op kind or label, group name)."""
+        return dict(self._step_comm)

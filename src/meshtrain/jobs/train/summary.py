@@ -15,10 +15,15 @@ stage    bytes per optimizer step (ZeRO paper volume, comm.py's convention)
          (groups kept whole under stage 3, e.g. small parameters, move as stage 2)
 =======  ===========================================================================
 
-The measured figure is what the last step recorded, without the 8-byte ``control``
-all-reduce of the gradient norm and without a MoE model's token ``all_to_all`` (activations,
-not model state: its own line, with the step's tokens per expert). With ``N = 1`` nothing moves and the theory is 0. Tied
-weights under stage 3 are gathered once per use, so they add to the measured bytes.
+The measured figure is what the last step recorded on the groups that hold model state
+(``MODEL_STATE_GROUPS``: the replicas dp or dp x cp, and a MoE model's expert-data-parallel
+group edp), without the 8-byte ``control`` all-reduce of the gradient norm. Activations are
+not model state and the theory does not count them: tensor parallelism's all-reduces and
+gathers (``tp``), context parallelism's key/value blocks (``cp``), the pipeline's
+sends (``pp``), a MoE model's token ``all_to_all`` (``ep``) and tied weights summed over
+stages (``pp_tied``) get their own line, by group. With ``N = 1`` nothing moves and the
+theory is 0. Tied weights under stage 3 are gathered once per use, so they add to the
+measured bytes.
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ from typing import Any
 
 def comm_theory(engine: Any) -> tuple[int, str]:
     """(bytes per optimizer step, the formula in words) for this engine's layout."""
-    n = engine.topology.dp_size
+    n = engine.topology.replica_group.size
     stage = engine.zero_stage
     k = int(engine.gas)
     if n == 1:
-        return 0, "one data-parallel rank: nothing to communicate"
+        return 0, "one replica of the model state: nothing to reduce"
     total = engine.zero.comm_bytes_theory(k)
     padded = sum(g.numel * g.itemsize for g in engine.zero.flat_groups)
     words = {
@@ -46,11 +51,22 @@ def comm_theory(engine: Any) -> tuple[int, str]:
     return total, f"{words}, P = {_mb(padded)} padded flat buffers"
 
 
-def measured_comm(engine: Any) -> tuple[int, dict[str, int]]:
-    """(model-state bytes of the last step, bytes by op) without the control all-reduce
-    and the token all-to-alls."""
-    by_op = {k: v for k, v in engine.last_step_comm_bytes().items() if k != "total"}
-    return sum(v for k, v in by_op.items() if k not in ("control", "all_to_all")), by_op
+MODEL_STATE_GROUPS = ("dp", "dp_cp", "edp")
+
+
+def measured_comm(engine: Any) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(model-state bytes of the last step, those bytes by op, every other group's bytes
+    by group name): the control all-reduces left out of both."""
+    state: dict[str, int] = {}
+    other: dict[str, int] = {}
+    for (op, group), n in engine.last_step_comm_by_group().items():
+        if op == "control":
+            continue
+        if group in MODEL_STATE_GROUPS:
+            state[op] = state.get(op, 0) + n
+        else:
+            other[group] = other.get(group, 0) + n
+    return sum(state.values()), state, other
 
 
 def _mb(n: float) -> str:
@@ -105,7 +121,7 @@ def build_summary(
     tok_s = tokens / seconds if seconds else 0.0
     smp_s = samples / seconds if seconds else 0.0
     theory, formula = comm_theory(engine)
-    measured, by_op = measured_comm(engine)
+    measured, by_op, by_group = measured_comm(engine)
     report = engine.memory_report() if hasattr(engine, "memory_report") else None
 
     lines = [
@@ -130,17 +146,18 @@ def build_summary(
     if report is not None:
         lines.append("  memory      " + str(report).replace("\n", "\n              "))
     ratio = f", measured / theory = {measured / theory:.3f}" if theory else ""
-    ops = ", ".join(
-        f"{op} {_mb(b)}" for op, b in sorted(by_op.items()) if op not in ("control", "all_to_all")
-    )
+    ops = ", ".join(f"{op} {_mb(b)}" for op, b in sorted(by_op.items()))
     lines.append(
-        f"  comm/step   measured {_mb(measured)} ({ops or 'none'}) vs theory {_mb(theory)} "
-        f"= {formula}{ratio}"
+        f"  comm/step   model state {_mb(measured)} ({ops or 'none'}) vs theory "
+        f"{_mb(theory)} = {formula}{ratio}"
     )
     lines.append(
         "              (ZeRO-paper volume: all-reduce counted 2x, reduce-scatter and "
         "all-gather 1x the full buffer; the norm's control bytes left out)"
     )
+    if by_group:
+        groups = ", ".join(f"{g} {_mb(b)}" for g, b in sorted(by_group.items()))
+        lines.append(f"              activations and other groups: {groups} (no theory)")
     moe = engine.log.last
     if "tokens_per_expert_min" in moe:
         lines.append(
@@ -164,7 +181,12 @@ def build_summary(
         "zero_stage": engine.zero_stage,
         "dp_size": engine.topology.dp_size,
         "precision": engine.config.precision,
-        "comm_bytes_per_step": {"measured": measured, "theory": theory, "by_op": by_op},
+        "comm_bytes_per_step": {
+            "measured": measured,
+            "theory": theory,
+            "by_op": by_op,
+            "other_groups": by_group,
+        },
         "comm_formula": formula,
         "memory": _plain(report),
     }
