@@ -113,6 +113,7 @@ def _step_checks(topo, fam: str, sp: bool) -> dict:
     import torch.distributed as dist
 
     from meshtrain.distributed import comm
+    from meshtrain.estimate.experts import dense_on_one_tp_rank, expert_counts, split_expert_params
     from meshtrain.parallel.experts import is_expert_param
     from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over
     from meshtrain.parallel.experts.shard import apply_expert_parallel
@@ -138,8 +139,13 @@ def _step_checks(topo, fam: str, sp: bool) -> dict:
     whole = sum(float(p.grad.double().pow(2).sum()) for p in refs.values()) ** 0.5
 
     model = _make(fam)
+    # what ``meshtrain estimate`` predicts one rank holds (MoE blocks whole over tp)
+    (dense, _), (expert, _) = split_expert_params(model)
+    local = dense_on_one_tp_rank(model, tp.size)[0]
+    predicted = expert_counts(dense, expert, ep=ep.size, dp=dp, tp=tp.size, dense_tp_local=local)
     apply_tensor_parallel(model, topo, sequence_parallel=sp)
     apply_expert_parallel(model, topo)
+    held = sum({id(p): p.numel() for p in model.parameters()}.values())
     assert sum_moe_grads_over(model, tp) if sp else True  # as ``parallelize`` does
     assert reduce_aux_loss_over(model, replicas, tp if sp else None)
     specs = specs_by_param(model)
@@ -192,6 +198,7 @@ def _step_checks(topo, fam: str, sp: bool) -> dict:
         "a2a": a2a,
         "expect_a2a": expect,
         "routed": _experts_modules(model)[0].last_counts.tolist(),
+        "held": (held, predicted.per_rank),
     }
 
 
@@ -350,6 +357,8 @@ def test_ep2_tp2_step_training_and_checkpoint(tmp_path):
             assert c["tp_sharded"] >= 8, (where, c["tp_sharded"])  # attention, embed, head
             assert c["router_same_over_tp"], where
             assert c["a2a"] == {"ep": c["expect_a2a"]} and c["expect_a2a"] > 0, (where, c)
+            held, estimated = c["held"]
+            assert held == estimated, (where, "parameters held vs estimate", held, estimated)
     for fam in FAMILIES_STEP:
         routes = [str(res["step"][fam, False]["routed"]) for res in results]
         assert routes[0] == routes[1] and routes[2] == routes[3], (fam, routes)  # tp peers

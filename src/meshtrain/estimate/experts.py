@@ -7,7 +7,9 @@ routed experts ``Psi_e`` (all ``E`` experts of every MoE layer). With ep ranks c
 of the ``N_d`` data-parallel ranks, a rank holds
 
 * ``Psi_d / (tp pp)`` non-expert parameters, replicated over ``N_d`` ranks: ZeRO
-  partitions them over ``N_d``;
+  partitions them over ``N_d``. For a model with a tensor-parallel plan the tp share is
+  exact instead (``parallel.tensor.sizes``): norms, routers and shared experts stay whole
+  on every tp rank, as tensor parallelism leaves every MoE block;
 * ``Psi_e / (ep pp)`` expert parameters (experts are not split over tp), replicated over
   the ``N_d / ep`` ranks of its edp group: ZeRO partitions them over ``N_d / ep``.
 
@@ -28,7 +30,13 @@ from torch import nn
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.experts import is_expert_param
 
-__all__ = ["ExpertCounts", "expert_counts", "is_expert_name", "split_expert_params"]
+__all__ = [
+    "ExpertCounts",
+    "dense_on_one_tp_rank",
+    "expert_counts",
+    "is_expert_name",
+    "split_expert_params",
+]
 
 
 def is_expert_name(name: str) -> bool:
@@ -59,9 +67,12 @@ class ExpertCounts:
     ep: int
     tp: int = 1
     pp: int = 1
+    dense_tp_local: int | None = None  # exact non-expert count on one tp rank, from a plan
 
     @property
     def dense_per_rank(self) -> int:
+        if self.dense_tp_local is not None:
+            return -(-self.dense_tp_local // self.pp)
         return -(-self.dense // (self.tp * self.pp))
 
     @property
@@ -81,7 +92,16 @@ class ExpertCounts:
         )
 
 
-def expert_counts(dense: int, expert: int, *, ep: int, dp: int, tp: int = 1, pp: int = 1):
+def expert_counts(
+    dense: int,
+    expert: int,
+    *,
+    ep: int,
+    dp: int,
+    tp: int = 1,
+    pp: int = 1,
+    dense_tp_local: int | None = None,
+):
     """``ExpertCounts`` after checking that ``ep`` divides ``dp`` (ep is carved out of dp)."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"ep: must be an integer >= 1, got {ep!r}")
@@ -95,7 +115,25 @@ def expert_counts(dense: int, expert: int, *, ep: int, dp: int, tp: int = 1, pp:
             f"ep: {ep} but the model has no expert parameters (none marked, none under a "
             "module named 'experts'); give --expert-params N with --params, or ep 1"
         )
-    return ExpertCounts(dense=dense, expert=expert, ep=ep, tp=tp, pp=pp)
+    return ExpertCounts(
+        dense=dense, expert=expert, ep=ep, tp=tp, pp=pp, dense_tp_local=dense_tp_local
+    )
+
+
+def dense_on_one_tp_rank(source, tp: int) -> tuple[int, int] | None:
+    """``(trainable, frozen)`` non-expert elements one tp rank holds of a model with a
+    tensor-parallel plan (exact: MoE blocks and norms whole, padding counted); None for a
+    parameter count, tp 1 or a model without a plan (then ``Psi_d / tp``)."""
+    if tp == 1 or not isinstance(source, nn.Module):
+        return None
+    from meshtrain.parallel.tensor.plans import plan_for
+    from meshtrain.parallel.tensor.sizes import local_parameter_counts
+
+    if plan_for(source) is None:
+        return None
+    trainable, frozen = local_parameter_counts(source, tp)  # experts whole: not tp-sharded
+    _, (expert, expert_frozen) = split_expert_params(source)
+    return trainable - expert, frozen - expert_frozen
 
 
 def split_model(source, expert_params: int | float = 0) -> tuple[tuple[int, int], tuple[int, int]]:

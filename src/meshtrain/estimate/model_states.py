@@ -212,12 +212,17 @@ def model_states_bytes(
         return ModelStates(params=params, grads=grads, optimizer=opt, host=host)
 
     if ep != 1 or expert_params:
-        from meshtrain.estimate.experts import expert_counts, split_model
+        from meshtrain.estimate.experts import dense_on_one_tp_rank, expert_counts, split_model
 
         (dense, dense_frozen), (expert, expert_frozen) = split_model(num_params, expert_params)
-        dense_frozen += _count("frozen_params", frozen_params, 0)
-        counts = expert_counts(dense, expert, ep=ep, dp=dp, tp=tp, pp=pp)
-        a = states(counts.dense_per_rank, _shard(dense_frozen, tp * pp), dp)
+        local = dense_on_one_tp_rank(num_params, tp)
+        extra = _count("frozen_params", frozen_params, 0)
+        frozen_local = _shard(dense_frozen + extra, tp) if local is None else local[1]
+        frozen_local += 0 if local is None else _shard(extra, tp)
+        counts = expert_counts(
+            dense, expert, ep=ep, dp=dp, tp=tp, pp=pp, dense_tp_local=local and local[0]
+        )
+        a = states(counts.dense_per_rank, _shard(frozen_local, pp), dp)
         b = states(counts.expert_per_rank, _shard(expert_frozen, ep * pp), dp // ep)
         return ModelStates(*(x + y for x, y in zip(_fields(a), _fields(b), strict=True)))
 
@@ -285,10 +290,13 @@ def estimate_table(
     """
     experts_line, extra = None, {}
     if ep != 1 or expert_params:  # the model stays whole: its experts are counted from it
-        from meshtrain.estimate.experts import expert_counts, split_model
+        from meshtrain.estimate.experts import dense_on_one_tp_rank, expert_counts, split_model
 
         (dense, _), (expert, _) = split_model(num_params, expert_params)
-        experts_line = expert_counts(dense, expert, ep=ep, dp=dp, tp=tp, pp=pp).line()
+        local = dense_on_one_tp_rank(num_params, tp)
+        experts_line = expert_counts(
+            dense, expert, ep=ep, dp=dp, tp=tp, pp=pp, dense_tp_local=local and local[0]
+        ).line()
         extra = {
             "ep": ep,
             "expert_params": 0 if isinstance(num_params, nn.Module) else expert_params,

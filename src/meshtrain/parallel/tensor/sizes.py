@@ -2,7 +2,9 @@
 
 What a rank holds after ``apply_tensor_parallel`` at size ``T``: for every parameter the
 plan shards (embedding / column / row / lm_head weights, column biases) its padded size
-``/ T`` (``sharding.ShardSpec``); every other parameter whole. Used by
+``/ T`` (``sharding.ShardSpec``); every other parameter whole, and so every parameter
+inside a mixture-of-experts block (``moe_blocks``: router, experts and shared experts stay
+whole over tp, as ``apply_tensor_parallel`` leaves them). Used by
 ``meshtrain estimate`` and ``estimate.model_states_bytes`` for a model, where dividing
 the whole count by ``T`` would undercount the replicated norms and biases and ignore
 padding.
@@ -14,6 +16,7 @@ import fnmatch
 
 from torch import nn
 
+from meshtrain.parallel.tensor.moe_blocks import inside, moe_blocks
 from meshtrain.parallel.tensor.plans import TPPlan, plan_for
 
 _SHARDED = ("embedding", "embedding_to_sequence", "column", "row", "lm_head")
@@ -34,7 +37,10 @@ def local_parameter_counts(
             obj = getattr(obj, part)
         sizes[key] = int(obj)
     local: dict[int, int] = {}  # id(param) -> elements on one rank
+    moe = moe_blocks(model)
     for name, mod in model.named_modules():
+        if inside(name, moe):
+            continue
         for row in plan.rows:
             if row[1] not in _SHARDED or not fnmatch.fnmatchcase(name, row[0]):
                 continue
