@@ -10,10 +10,12 @@ Issue 29's benchmark, in one run:
    ==================  ===========================================================================
    meshtrain           ``meshtrain.parallel.context.all_to_all.ulysses_attention`` on the
                        load-balanced layout (rank i holds chunks i and 2C-1-i), ``[B, H, L/C, hd]``
+                       seen over ``[B, L/C, H, hd]`` memory (what a q/k/v projection gives,
+                       ``proj(x).view(B, S, H, hd).transpose(1, 2)``: DeepSpeed's memory layout)
    deepspeed           ``deepspeed.sequence.layer.DistributedAttention`` (Ulysses) around the same
                        SDPA call, its own layout: contiguous ``[B, L/C, H, hd]`` chunks,
                        ``scatter_idx=2, gather_idx=1, batch_dim_idx=0``
-   meshtrain-ring      ``meshtrain.parallel.context.ring`` where this branch has it
+   meshtrain-ring      ``meshtrain.parallel.context.ring``, same layout as meshtrain
    torch-cp            ``torch.distributed.tensor.experimental.context_parallel`` (ring) on a CPU
                        ``DeviceMesh``; where it cannot run its error is recorded and printed
    ==================  ===========================================================================
@@ -99,20 +101,17 @@ def _attention_fn(name: str, group, cp: int, rank: int):
     ``[B, H, L, hd]`` tensor in the framework's own layout) for framework ``name``."""
     import torch.nn.functional as F
 
+    def projected(t):  # [B, H, L/C, hd] over [B, L/C, H, hd] memory, as a projection gives
+        return _shard(t, cp, rank, 2).transpose(1, 2).contiguous().transpose(1, 2)
+
     if name == "meshtrain":
         from meshtrain.parallel.context.all_to_all import ulysses_attention
 
-        return (
-            lambda q, k, v: ulysses_attention(q, k, v, group),
-            lambda t: _shard(t, cp, rank, 2),
-        )
+        return lambda q, k, v: ulysses_attention(q, k, v, group), projected
     if name == "meshtrain-ring":
-        from meshtrain.parallel.context import ring  # not on every branch
+        from meshtrain.parallel.context import ring
 
-        return (
-            lambda q, k, v: ring.ring_attention(q, k, v, group),
-            lambda t: _shard(t, cp, rank, 2),
-        )
+        return lambda q, k, v: ring.ring_attention(q, k, v, group), projected
     if name == "deepspeed":
         from deepspeed.sequence.layer import DistributedAttention
 

@@ -13,8 +13,10 @@ few fp32 additions: ~1e-7 relative, hence 1e-6.
 
 Bytes are asserted exactly against ``CommStats`` and the collective ledger, computed in
 the test from the shapes (not from the module's own formula, which is checked against
-them too): forward and backward four all-to-alls each, plus one all-gather of the int64
-document ids when they are given.
+them too): forward and backward two all-to-alls each (q, k, v fused into one, then the
+output; backward the output's gradient, then dq, dk, dv fused), carrying exactly the bytes
+of the four separate ones, plus one all-gather of the int64 document ids when they are
+given.
 """
 
 from __future__ import annotations
@@ -183,9 +185,9 @@ def test_ulysses_parity_and_bytes(world):
                 fwd[("all_gather", "cp")] = 8 * B * L  # int64 ids of the whole row
             assert got["fwd"] == fwd, (r, name)
             assert got["bwd"] == {("all_to_all", "cp"): a2a}, (r, name)
-            # the ledger saw exactly the four all-to-alls each way (and the ids' gather)
-            assert got["fwd_ops"] == ["all_gather"] * docs + ["all_to_all"] * 4, (r, name)
-            assert got["bwd_ops"] == ["all_to_all"] * 4, (r, name)
+            # the ledger saw exactly two all-to-alls each way, q/k/v fused (and the ids' gather)
+            assert got["fwd_ops"] == ["all_gather"] * docs + ["all_to_all"] * 2, (r, name)
+            assert got["bwd_ops"] == ["all_to_all"] * 2, (r, name)
             f = got["formula"]
             assert f["forward_all_to_all"] == f["backward_all_to_all"] == a2a
             assert f["forward_all_gather"] == (8 * B * L if docs else 0)
