@@ -13,11 +13,14 @@ rank ``j`` holds the *whole* sequence, in natural order, for ``1/C`` of the head
     causal_attention(q, k, v, document_ids)   (the one seam, models/attention.py)
     out [B, Hq/C, L, hd] --reorder back--> --all-to-all--> [B, Hq, L/C, hd]
 
-**The four all-to-alls** (``comm.all_to_all``, so the ledger and ``CommStats`` see them):
-forward ``q``, ``k``, ``v`` sequence -> heads and the output heads -> sequence; backward,
-their adjoints in the other order: the output's gradient sequence -> heads, then the
-gradients of ``q``, ``k``, ``v`` heads -> sequence (an even all-to-all is its own inverse,
-so each backward is the same collective on the gradient). ``document_ids`` (packing) are
+**Two all-to-alls each way** (``comm.all_to_all``, so the ledger and ``CommStats`` see
+them): forward ``q``, ``k`` and ``v`` together sequence -> heads (one send buffer holding,
+for each destination rank, its heads of all three), then the output heads -> sequence;
+backward, their adjoints in the other order: the output's gradient sequence -> heads, then
+the gradients of ``q``, ``k``, ``v`` together heads -> sequence (an even all-to-all is its
+own inverse, so each backward is the same collective on the gradient). Fusing q, k and v
+moves exactly the bytes of three separate all-to-alls in one collective (on gloo each
+call is a synchronisation of the whole group). ``document_ids`` (packing) are
 all-gathered once in the forward (integers, no gradient) and put in natural order.
 
 **Heads that do not split over C.** Each rank needs the key/value heads of its own query
@@ -29,14 +32,16 @@ key/value heads ``[j Hkv'/C, (j+1) Hkv'/C)``; the repeat's backward sums the cop
 gradients. With ``Hq % C != 0`` the key/value heads are repeated to ``Hq`` (plain
 multi-head) and ``q``, ``k``, ``v`` padded with zero heads to ``Hq' = C ceil(Hq/C)``; the
 padded heads' outputs are dropped (their gradients are zero). Both cost bytes and compute,
-given below; nothing is refused for its head count.
+given below; nothing is refused for its head count. The repeat and the padding are done by
+the copy into the send buffer (no repeated or padded tensor is built), and undone (repeated
+heads' gradients summed, padded heads' dropped) by the copy out of it.
 
 **Bytes per rank per attention call** (``comm``'s convention: an all-to-all records the
 bytes of its input; ``w`` = element size, ``S = L/C`` local tokens)::
 
-    forward   all_to_all  B S hd w (2 Hq' + 2 Hkv')          (q, output; k, v)
+    forward   all_to_all  B S hd w (Hq' + 2 Hkv') + B S hd w Hq'   (q, k, v; output)
               all_gather  8 B L                               (only with document_ids)
-    backward  all_to_all  B S hd w (2 Hq' + 2 Hkv')           (d output; dq, dk, dv)
+    backward  all_to_all  B S hd w Hq' + B S hd w (Hq' + 2 Hkv')   (d output; dq, dk, dv)
 
 with ``Hq' = Hq`` and ``Hkv' = Hkv`` (or ``lcm(Hkv, C)``) when ``C`` divides ``Hq``, and
 ``Hq' = Hkv' = C ceil(Hq/C)`` otherwise. Each rank keeps ``1/C`` of what it sends, so the
@@ -212,6 +217,48 @@ def _send_buffer(like: torch.Tensor, cp: int, heads: list[int], s: int) -> tuple
     return buf, [buf[:, :, :, offsets[i] : offsets[i + 1]] for i in range(len(heads))]
 
 
+def _scatter_qkv(q, k, v, group: Group, maps: tuple, counts: tuple):
+    """q, k, v sequence -> heads in one all-to-all: ``(buf, whole)``, ``whole [B, n_q + 2
+    n_kv, L, hd]`` every token in natural order (seq-major), held in ``buf``'s memory."""
+    cp, s = group.size, q.shape[2]
+    nq, nkv = counts[0] // cp, counts[1] // cp
+    send, parts = _send_buffer(q, cp, [nq, nkv, nkv], s)
+    for t, part, m in zip((q, k, v), parts, (maps[0], maps[1], maps[1]), strict=True):
+        _pack_heads(t, part, m)
+    # the send buffer is spent once the all-to-all returns: the unpack writes into it
+    # (each fresh buffer costs page faults: fewer of them is most of the speed here)
+    return send, _unpack_natural(_exchange(send, group), send).transpose(1, 2)
+
+
+def _gather_grads(dq, dk, dv, group: Group, maps: tuple, layouts: list, send=None) -> list:
+    """The adjoint of ``_scatter_qkv``: ``dq, dk, dv [B, n, L, hd]`` -> the gradients of
+    q, k, v in their own shapes and layouts (``layouts``: ``(heads, seq_major)`` each), in
+    one all-to-all; ``send``: a spent buffer of the right size to pack into, else new."""
+    cp, s = group.size, dq.shape[2] // group.size
+    heads = [t.shape[1] for t in (dq, dk, dv)]
+    if send is None:
+        send, parts = _send_buffer(dq, cp, heads, s)
+    else:
+        offsets = (0, heads[0], heads[0] + heads[1], sum(heads))
+        parts = [send[:, :, :, offsets[i] : offsets[i + 1]] for i in range(3)]
+    for t, part in zip((dq, dk, dv), parts, strict=True):
+        _pack_natural(t.transpose(1, 2), part)
+    del dq, dk, dv, parts
+    recv = _exchange(send, group)
+    offsets = (0, heads[0], heads[0] + heads[1], recv.shape[3])
+    flat, at, grads = send.view(-1), 0, []  # the spent send buffer holds the gradients
+    for i, (h_out, seq_major) in enumerate(layouts):
+        part = recv[:, :, :, offsets[i] : offsets[i + 1]]
+        size = part.shape[1] * part.shape[2] * h_out * part.shape[4]
+        grads.append(_unpack_heads(part, maps[min(i, 1)], h_out, seq_major, flat[at : at + size]))
+        at += size  # Hq + 2 Hkv <= Hq' + 2 Hkv': the three fit
+    return grads
+
+
+def _layouts(q, k, v) -> list:
+    return [(t.shape[1], _is_seq_major(t)) for t in (q, k, v)]
+
+
 class _SeqToHeads(torch.autograd.Function):
     """``q [B, Hq, S, hd]``, ``k, v [B, Hkv, S, hd]`` this rank's tokens, every head ->
     ``[B, n, L, hd]`` each: every token in natural order, this rank's ``n = H'/C`` of the
@@ -220,36 +267,56 @@ class _SeqToHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, group: Group, maps: tuple, counts: tuple, q, k, v):
-        cp, s = group.size, q.shape[2]
-        ctx.group, ctx.maps = group, maps
-        ctx.layouts = [(t.shape[1], _is_seq_major(t)) for t in (q, k, v)]
-        nq, nkv = counts[0] // cp, counts[1] // cp
-        send, parts = _send_buffer(q, cp, [nq, nkv, nkv], s)
-        for t, part, m in zip((q, k, v), parts, (maps[0], maps[1], maps[1]), strict=True):
-            _pack_heads(t, part, m)
-        # the send buffer is spent once the all-to-all returns: the unpack writes into it
-        # (each fresh buffer costs page faults: fewer of them is most of the speed here)
-        whole = _unpack_natural(_exchange(send, group), send).transpose(1, 2)
+        ctx.group, ctx.maps, ctx.layouts = group, maps, _layouts(q, k, v)
+        nq, nkv = counts[0] // group.size, counts[1] // group.size
+        _, whole = _scatter_qkv(q, k, v, group, maps, counts)
         return whole[:, :nq], whole[:, nq : nq + nkv], whole[:, nq + nkv :]
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        g, maps = ctx.group, ctx.maps
-        cp, s = g.size, dq.shape[2] // g.size
-        send, parts = _send_buffer(dq, cp, [t.shape[1] for t in (dq, dk, dv)], s)
-        for t, part in zip((dq, dk, dv), parts, strict=True):
-            _pack_natural(t.transpose(1, 2), part)
-        recv = _exchange(send, g)
-        del parts
-        offsets = (0, dq.shape[1], dq.shape[1] + dk.shape[1], recv.shape[3])
-        flat, at, grads = send.view(-1), 0, []  # the spent send buffer holds the gradients
-        for i, (h_out, seq_major) in enumerate(ctx.layouts):
-            part = recv[:, :, :, offsets[i] : offsets[i + 1]]
-            size = part.shape[1] * part.shape[2] * h_out * part.shape[4]
-            mem = flat[at : at + size]
-            grads.append(_unpack_heads(part, maps[min(i, 1)], h_out, seq_major, mem))
-            at += size  # Hq + 2 Hkv <= Hq' + 2 Hkv': the three fit
-        return None, None, None, *grads
+        return None, None, None, *_gather_grads(dq, dk, dv, ctx.group, ctx.maps, ctx.layouts)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _flash_fits(q: torch.Tensor) -> bool:
+    """Whether ``_SeqToHeadsAttention`` runs for ``q``: the CPU flash kernel's dtypes."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _SeqToHeadsAttention(torch.autograd.Function):
+    """``_SeqToHeads`` then causal attention, one function (CPU, no document mask): the
+    attention is the CPU flash kernel that ``F.scaled_dot_product_attention`` runs, called
+    directly, so the backward decides what is alive: the whole-sequence q, k, v (kept in
+    the forward's spent send buffer) and the output are dropped once the kernel's backward
+    has run, and that buffer is where dq, dk, dv are packed for the all-to-all (no new send
+    buffer while the kernel's inputs and outputs are alive). Returns ``[B, n_q, L, hd]``."""
+
+    @staticmethod
+    def forward(ctx, group: Group, maps: tuple, counts: tuple, scale, q, k, v):
+        ctx.group, ctx.maps, ctx.layouts, ctx.scale = group, maps, _layouts(q, k, v), scale
+        nq, nkv = counts[0] // group.size, counts[1] // group.size
+        buf, whole = _scatter_qkv(q, k, v, group, maps, counts)
+        qh, kh, vh = whole[:, :nq], whole[:, nq : nq + nkv], whole[:, nq + nkv :]
+        out, lse = _FLASH(qh, kh, vh, 0.0, True, scale=scale)
+        # kept as attributes, not saved tensors, so the backward can drop them early
+        # (out is this function's output: kept detached, the same memory)
+        ctx.buf, ctx.out, ctx.lse, ctx.split = buf, out.detach(), lse, (nq, nkv)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        buf, out, lse, (nq, nkv) = ctx.buf, ctx.out, ctx.lse, ctx.split
+        del ctx.buf, ctx.out, ctx.lse
+        b, hd = buf.shape[1], buf.shape[4]  # buf [C, B, S, n_q + 2 n_kv, hd]
+        whole = buf.view(b, -1, nq + 2 * nkv, hd).transpose(1, 2)
+        qh, kh, vh = whole[:, :nq], whole[:, nq : nq + nkv], whole[:, nq + nkv :]
+        dq, dk, dv = _FLASH_BACKWARD(dout, qh, kh, vh, out, lse, 0.0, True, scale=ctx.scale)
+        del whole, qh, kh, vh, out, lse, dout
+        grads = _gather_grads(dq, dk, dv, ctx.group, ctx.maps, ctx.layouts, send=buf)
+        return None, None, None, None, *grads
 
 
 class _HeadsToSeq(torch.autograd.Function):
@@ -338,8 +405,11 @@ def ulysses_attention(
     # does not divide Hq (module docstring, "Heads that do not split over C")
     repeat = hkv2 // hkv if hq2 == hq else hq // hkv
     maps = (_head_map(hq, hq2, 1), _head_map(hkv, hkv2, repeat))
-    docs = None if document_ids is None else _gather_documents(document_ids, group)
-    qh, kh, vh = _SeqToHeads.apply(group, maps, (hq2, hkv2), q, k, v)
-    out = causal_attention(qh, kh, vh, document_ids=docs, scale=scale)
+    if document_ids is None and _flash_fits(q):
+        out = _SeqToHeadsAttention.apply(group, maps, (hq2, hkv2), scale, q, k, v)
+    else:  # a document mask (or another device): the seam's SDPA call with its mask
+        docs = None if document_ids is None else _gather_documents(document_ids, group)
+        qh, kh, vh = _SeqToHeads.apply(group, maps, (hq2, hkv2), q, k, v)
+        out = causal_attention(qh, kh, vh, document_ids=docs, scale=scale)
     out = _HeadsToSeq.apply(out, group)
     return out[:, :hq] if hq2 != hq else out
