@@ -153,6 +153,17 @@ def _parity(world: int) -> dict:
         refusals["docs"] = str(exc)
     res["refusals"] = refusals
 
+    # the backward packs the gradients into memory the forward saved: a second backward
+    # through the same graph must fail loudly (torch's in-place check), never read it
+    q = torch.randn(1, 4, 8, 4, requires_grad=True)
+    o = ulysses_attention(q, q, q, topo.cp_group)
+    o.sum().backward(retain_graph=True)
+    try:
+        o.sum().backward()
+        res["second_backward"] = "accepted"
+    except RuntimeError as exc:
+        res["second_backward"] = str(exc)
+
     # comm.all_to_all itself: slice j of rank r lands in slice r of rank j; input bytes
     from meshtrain.distributed import comm
 
@@ -202,6 +213,7 @@ def test_ulysses_parity_and_bytes(world):
         assert "not a multiple of 3 key/value heads" in ref["gqa"]
         assert "[B, H, L/C, hd]" in ref["rank3"]
         assert "document_ids (1, 5)" in ref["docs"]
+        assert "modified by an inplace operation" in res["second_backward"]
         expected = [100.0 * j + 2 * r + i for j in range(world) for i in range(2)]
         assert res["a2a"] == (expected, {("all_to_all", "cp"): 2 * world * 8})
         assert "divisible by" in res["a2a_bad"]

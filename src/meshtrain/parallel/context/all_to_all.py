@@ -230,10 +230,14 @@ def _scatter_qkv(q, k, v, group: Group, maps: tuple, counts: tuple):
     return send, _unpack_natural(_exchange(send, group), send).transpose(1, 2)
 
 
-def _gather_grads(dq, dk, dv, group: Group, maps: tuple, layouts: list, send=None) -> list:
-    """The adjoint of ``_scatter_qkv``: ``dq, dk, dv [B, n, L, hd]`` -> the gradients of
-    q, k, v in their own shapes and layouts (``layouts``: ``(heads, seq_major)`` each), in
-    one all-to-all; ``send``: a spent buffer of the right size to pack into, else new."""
+def _gather_grads(grads: list, group: Group, maps: tuple, layouts: list, send=None) -> list:
+    """The adjoint of ``_scatter_qkv``: ``grads = [dq, dk, dv]`` (``[B, n, L, hd]``) -> the
+    gradients of q, k, v in their own shapes and layouts (``layouts``: ``(heads,
+    seq_major)`` each), in one all-to-all; ``send``: a spent buffer of the right size to
+    pack into, else new. ``grads`` is emptied once packed, so that (when the caller holds
+    no other reference) they are freed before the all-to-all's receive buffer exists."""
+    dq, dk, dv = grads
+    grads.clear()
     cp, s = group.size, dq.shape[2] // group.size
     heads = [t.shape[1] for t in (dq, dk, dv)]
     if send is None:
@@ -274,7 +278,8 @@ class _SeqToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        return None, None, None, *_gather_grads(dq, dk, dv, ctx.group, ctx.maps, ctx.layouts)
+        grads = _gather_grads([dq, dk, dv], ctx.group, ctx.maps, ctx.layouts)
+        return None, None, None, *grads
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -289,10 +294,12 @@ def _flash_fits(q: torch.Tensor) -> bool:
 class _SeqToHeadsAttention(torch.autograd.Function):
     """``_SeqToHeads`` then causal attention, one function (CPU, no document mask): the
     attention is the CPU flash kernel that ``F.scaled_dot_product_attention`` runs, called
-    directly, so the backward decides what is alive: the whole-sequence q, k, v (kept in
-    the forward's spent send buffer) and the output are dropped once the kernel's backward
-    has run, and that buffer is where dq, dk, dv are packed for the all-to-all (no new send
-    buffer while the kernel's inputs and outputs are alive). Returns ``[B, n_q, L, hd]``."""
+    directly, so the backward decides what is alive: once the kernel's backward has run,
+    the whole-sequence q, k, v it saved (in the forward's spent send buffer) are dead, and
+    that buffer is where dq, dk, dv are packed for the all-to-all (no new send buffer, and
+    the kernel's gradients freed before the receive buffer exists). Writing into a saved
+    tensor bumps its version, so a second backward through this graph (``retain_graph``)
+    raises torch's in-place error instead of reading it. Returns ``[B, n_q, L, hd]``."""
 
     @staticmethod
     def forward(ctx, group: Group, maps: tuple, counts: tuple, scale, q, k, v):
@@ -301,21 +308,20 @@ class _SeqToHeadsAttention(torch.autograd.Function):
         buf, whole = _scatter_qkv(q, k, v, group, maps, counts)
         qh, kh, vh = whole[:, :nq], whole[:, nq : nq + nkv], whole[:, nq + nkv :]
         out, lse = _FLASH(qh, kh, vh, 0.0, True, scale=scale)
-        # kept as attributes, not saved tensors, so the backward can drop them early
-        # (out is this function's output: kept detached, the same memory)
-        ctx.buf, ctx.out, ctx.lse, ctx.split = buf, out.detach(), lse, (nq, nkv)
+        ctx.save_for_backward(buf, out, lse)
+        ctx.split = (nq, nkv)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        buf, out, lse, (nq, nkv) = ctx.buf, ctx.out, ctx.lse, ctx.split
-        del ctx.buf, ctx.out, ctx.lse
+        buf, out, lse = ctx.saved_tensors
+        nq, nkv = ctx.split
         b, hd = buf.shape[1], buf.shape[4]  # buf [C, B, S, n_q + 2 n_kv, hd]
         whole = buf.view(b, -1, nq + 2 * nkv, hd).transpose(1, 2)
         qh, kh, vh = whole[:, :nq], whole[:, nq : nq + nkv], whole[:, nq + nkv :]
-        dq, dk, dv = _FLASH_BACKWARD(dout, qh, kh, vh, out, lse, 0.0, True, scale=ctx.scale)
+        grads = list(_FLASH_BACKWARD(dout, qh, kh, vh, out, lse, 0.0, True, scale=ctx.scale))
         del whole, qh, kh, vh, out, lse, dout
-        grads = _gather_grads(dq, dk, dv, ctx.group, ctx.maps, ctx.layouts, send=buf)
+        grads = _gather_grads(grads, ctx.group, ctx.maps, ctx.layouts, send=buf)
         return None, None, None, None, *grads
 
 
