@@ -247,7 +247,7 @@ def _gather_grads(grads: list, group: Group, maps: tuple, layouts: list, send=No
         parts = [send[:, :, :, offsets[i] : offsets[i + 1]] for i in range(3)]
     for t, part in zip((dq, dk, dv), parts, strict=True):
         _pack_natural(t.transpose(1, 2), part)
-    del dq, dk, dv, parts
+    del dq, dk, dv, parts, t, part  # (the loop's names too: t would keep dv alive)
     recv = _exchange(send, group)
     offsets = (0, heads[0], heads[0] + heads[1], recv.shape[3])
     flat, at, grads = send.view(-1), 0, []  # the spent send buffer holds the gradients
