@@ -225,36 +225,50 @@ def _wait(works) -> None:
         w.wait()
 
 
+def _full(part: torch.Tensor, keys: slice, t: int, sent: bool) -> torch.Tensor:
+    """A block's fp32 gradient over all its ``t`` keys from the one of ``keys``, contiguous
+    when it will be ``sent`` (the kernel's own tensor when it already is that: no copy)."""
+    if keys.start is None:
+        return part.float().contiguous() if sent else part.float()
+    full = part.new_zeros(*part.shape[:2], t, part.shape[3], dtype=torch.float32)
+    full[:, :, keys] += part
+    return full
+
+
 class _RingAttention(torch.autograd.Function):
+    # Names are dropped (del) as soon as a tensor is dead: a Python name that still binds
+    # last step's block or gradient keeps a whole block alive through the next step.
     @staticmethod
     def forward(ctx, q, k, v, docs, group: Group, scale: float, backend):
-        b, hq, t, hd = q.shape
-        size, rank, c = group.size, group.rank, t // 2
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        block = [k.contiguous(), v.contiguous()] + ([] if docs is None else [docs.contiguous()])
+        size, rank, t = group.size, group.rank, q.shape[2]
+        c, masked = t // 2, docs is not None
+        block = [k, v] + ([docs] if masked else [])
+        sendable = [x.contiguous() for x in block] if size > 1 else []
+        out = lse = None
         doc_blocks = []
         for step in range(size):
-            nxt = [torch.empty_like(x) for x in block] if step < size - 1 else []
-            works = _post(group, block, nxt) if nxt else []
+            nxt = [torch.empty_like(x) for x in sendable] if step < size - 1 else []
+            works = _post(group, sendable, nxt) if nxt else []
             kb, vb = block[0], block[1]
-            docs_k = block[2] if docs is not None else None
-            if docs is not None:
+            docs_k = block[2] if masked else None
+            if masked:
                 doc_blocks.append(docs_k)
             rows, keys, causal = _region(step, rank, size, c)
             mask_of = _mask_of(docs, docs_k, rows, keys, causal, t, q.device)
             o, lse_b = backend.forward(
-                q[:, :, rows], kb[:, :, keys], vb[:, :, keys], mask_of, causal,
-                docs is not None, scale,
-            )  # fmt: skip
-            if step == 0:
-                out.copy_(o)
-                lse.copy_(lse_b)
+                q[:, :, rows], kb[:, :, keys], vb[:, :, keys], mask_of, causal, masked, scale
+            )
+            del kb, vb, mask_of
+            if step == 0:  # all rows, the causal diagonal block: the running result
+                out, lse = o.float(), lse_b
             else:
                 blocks.merge_into(out[:, :, rows], lse[:, :, rows], o, lse_b)
+            del o, lse_b
             _wait(works)
-            block = nxt
+            block = sendable = nxt
+        del block, sendable
         result = out if q.dtype == torch.float32 else out.to(q.dtype)
+        del out
         ctx.save_for_backward(q, k, v, result, lse, *doc_blocks)
         ctx.group, ctx.scale, ctx.backend = group, scale, backend
         return result
@@ -264,43 +278,55 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, *doc_blocks = ctx.saved_tensors
         group, scale, backend = ctx.group, ctx.scale, ctx.backend
         size, rank, t = group.size, group.rank, q.shape[2]
-        docs, c = (doc_blocks[0] if doc_blocks else None), t // 2
-        dout = grad.to(q.dtype).contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        block = [k.contiguous(), v.contiguous()]
+        docs, c, masked = (doc_blocks[0] if doc_blocks else None), t // 2, bool(doc_blocks)
+        dout = grad.to(q.dtype)
+        dq = None
+        block = [k, v]
+        sendable = [x.contiguous() for x in block] if size > 1 else []
         own = acc = None  # fp32 [dk, dv]: of this rank's block / of the block of step - 1
         for step in range(size):
-            nxt = [torch.empty_like(x) for x in block] if step < size - 1 else []
-            sends, incoming = list(block) if nxt else [], []
+            nxt = [torch.empty_like(x) for x in sendable] if step < size - 1 else []
+            sends, incoming = list(nxt and sendable), []
             if step >= 2:  # pass the previous block's gradient on; receive this block's
                 sends += acc
                 incoming = [torch.empty_like(x) for x in acc]
             works = _post(group, sends, nxt + incoming) if sends else []
+            del sends
+            acc = None
             kb, vb = block
-            docs_k = doc_blocks[step] if doc_blocks else None
+            docs_k = doc_blocks[step] if masked else None
             rows, keys, causal = _region(step, rank, size, c)
             mask_of = _mask_of(docs, docs_k, rows, keys, causal, t, q.device)
             dq_b, dk_b, dv_b = backend.backward(
-                q[:, :, rows], kb[:, :, keys], vb[:, :, keys], mask_of, causal,
-                docs is not None, scale, dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                q[:, :, rows], kb[:, :, keys], vb[:, :, keys], mask_of, causal, masked,
+                scale, dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
             )  # fmt: skip
-            dq[:, :, rows] += dq_b
-            dk = torch.zeros(kb.shape, dtype=torch.float32, device=kb.device)
-            dv = torch.zeros(vb.shape, dtype=torch.float32, device=vb.device)
-            dk[:, :, keys] += dk_b
-            dv[:, :, keys] += dv_b
+            del kb, vb, mask_of
+            if step == size - 1:
+                block = sendable = None  # the last block: nothing to pass on
+            if dq is None:  # step 0: all rows
+                dq = dq_b.float()
+            else:
+                dq[:, :, rows] += dq_b
+            del dq_b
+            dk, dv = _full(dk_b, keys, t, step > 0), _full(dv_b, keys, t, step > 0)
+            del dk_b, dv_b
             _wait(works)
             if incoming:
                 dk += incoming[0]
                 dv += incoming[1]
+            del incoming
             if step == 0:
                 own = [dk, dv]
             else:
                 acc = [dk, dv]
-            block = nxt
+            del dk, dv
+            if nxt:
+                block = sendable = nxt
         if size > 1:  # the last holder of each block sends its full gradient home
             home = [torch.empty_like(x) for x in acc]
             _wait(_post(group, acc, home))
+            del acc
             own[0] += home[0]
             own[1] += home[1]
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
