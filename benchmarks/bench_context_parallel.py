@@ -39,14 +39,16 @@ Issue 29's benchmark, in one run:
 2. **Decoder activation memory at cp 1, 2, 4** (``--memory-lens``, default 8192 and
    16384): meshtrain's ``Decoder`` (2 layers, d 64, 4 heads, SwiGLU 172, vocab 256, fp32)
    forward + backward on each rank's ``L/C`` tokens (global positions as ``position_ids``),
-   attention through ``ulysses_attention`` via the Decoder's ``Attention.context`` seam, in
+   attention through ``ulysses_attention`` (``--memory-method ring``: ``ring_attention``)
+   via the Decoder's ``Attention.context`` seam, in
    ``torchrun`` processes of ``C`` ranks, after one warm-up step. Recorded per rank:
    ``saved`` bytes, the formula (``meshtrain.estimate.activations.activation_bytes``), the
    peak RSS growth of the measured step (as above), the peak formula
    (``peak_activation_bytes``), and its seconds.
 
     python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--iters 5]
-        [--memory-lens 8192,16384] [--memory-cps 1,2,4] [--skip-memory]
+        [--memory-lens 8192,16384] [--memory-cps 1,2,4] [--memory-method all_to_all|ring]
+        [--skip-memory] [--skip-attention]
 
 Results: ``benchmarks/results/context_parallel-<date>-<HHMM>.json`` (machine, versions,
 load average, every run).
@@ -216,14 +218,18 @@ def attention_worker(args) -> None:
 
 
 # -------------------------------------------------------------------------- memory worker
-class _Ulysses:
-    def __init__(self, group) -> None:
-        self.group = group
+class _Seam:
+    """The Decoder's attention seam over the cp group with ``method`` (ring or all_to_all)."""
+
+    def __init__(self, group, method: str) -> None:
+        self.group, self.method = group, method
 
     def attend(self, q, k, v, *, document_ids=None, scale=None):
-        from meshtrain.parallel.context.all_to_all import ulysses_attention
-
-        return ulysses_attention(q, k, v, self.group, document_ids=document_ids, scale=scale)
+        if self.method == "ring":
+            from meshtrain.parallel.context.ring import ring_attention as fn
+        else:
+            from meshtrain.parallel.context.all_to_all import ulysses_attention as fn
+        return fn(q, k, v, self.group, document_ids=document_ids, scale=scale)
 
 
 def memory_worker(args) -> None:
@@ -249,7 +255,7 @@ def memory_worker(args) -> None:
     model = Decoder(DecoderConfig(**DECODER, max_seq_len=L, seed=SEED))
     if cp > 1:
         for layer in model.layers:
-            layer.attn.context = _Ulysses(topo.cp_group)
+            layer.attn.context = _Seam(topo.cp_group, args.memory_method)
     ids = torch.randint(
         0, DECODER["vocab_size"], (1, L), generator=torch.Generator().manual_seed(0)
     )
@@ -264,7 +270,7 @@ def memory_worker(args) -> None:
         loss = model(ids, labels=ids, position_ids=pos)
     loss.backward()
     seconds = time.perf_counter() - t0
-    kw = dict(seq_len=L, cp=cp, width=4, position_ids=True)
+    kw = dict(seq_len=L, cp=cp, width=4, position_ids=True, method=args.memory_method)
     row = {
         "rank": rank,
         "saved_bytes": probe.bytes,
@@ -276,7 +282,8 @@ def memory_worker(args) -> None:
     rows = [None] * cp
     dist.all_gather_object(rows, row)
     if rank == 0:
-        Path(args.result).write_text(json.dumps({"seq": L, "cp": cp, "ranks": rows}))
+        out = {"seq": L, "cp": cp, "method": args.memory_method, "ranks": rows}
+        Path(args.result).write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -401,13 +408,14 @@ def _memory(args) -> list[dict]:
     table = []
     for length in args.memory_lens:
         for cp in args.memory_cps:
-            r = _launch(cp, ["--worker", "memory", "--seq", str(length)])
+            r = _launch(cp, ["--worker", "memory", "--seq", str(length),
+                             "--memory-method", args.memory_method])  # fmt: skip
             table.append(r)
             if "error" in r:
                 print(f"L={length} cp={cp}: failed: {r['error'][:300]}")
                 continue
             r0 = max(r["ranks"], key=lambda x: x["saved_bytes"])
-            print(f"L={length} cp={cp}: saved {r0['saved_bytes'] / 2**20:.1f} MiB/rank, formula "
+            print(f"{args.memory_method} L={length} cp={cp}: saved {r0['saved_bytes'] / 2**20:.1f} MiB/rank, formula "
                   f"{r0['formula_bytes'] / 2**20:.1f} MiB, peak RSS +"
                   f"{max(x['peak_growth_bytes'] for x in r['ranks']) / 2**20:.1f} MiB, peak "
                   f"formula {r0['peak_formula_bytes'] / 2**20:.1f} MiB, "
@@ -429,6 +437,7 @@ def main() -> None:
                    default=[8192, 16384])  # fmt: skip
     p.add_argument("--memory-cps", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 2, 4])  # fmt: skip
+    p.add_argument("--memory-method", choices=("all_to_all", "ring"), default="all_to_all")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--out")
