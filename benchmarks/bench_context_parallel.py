@@ -36,6 +36,11 @@ Issue 29's benchmark, in one run:
    meshtrain / peer, medians of the same-round ratios (speed > 1 and memory < 1 favour
    meshtrain).
 
+   ``--interleaved``: also the three (meshtrain, deepspeed, meshtrain-ring) in the same two
+   processes, one after the other in each of ``--repeats`` rounds (order alternating), so
+   that each round's ratios share the machine's load (paired; printed as peer time /
+   meshtrain time, medians over the rounds, wall and CPU).
+
 2. **Decoder activation memory at cp 1, 2, 4** (``--memory-lens``, default 8192 and
    16384): meshtrain's ``Decoder`` (2 layers, d 64, 4 heads, SwiGLU 172, vocab 256, fp32)
    forward + backward on each rank's ``L/C`` tokens (global positions as ``position_ids``),
@@ -48,7 +53,7 @@ Issue 29's benchmark, in one run:
 
     python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--iters 5]
         [--memory-lens 8192,16384] [--memory-cps 1,2,4] [--memory-method all_to_all|ring]
-        [--skip-memory] [--skip-attention]
+        [--skip-memory] [--skip-attention] [--interleaved]
 
 Results: ``benchmarks/results/context_parallel-<date>-<HHMM>.json`` (machine, versions,
 load average, every run).
@@ -215,6 +220,82 @@ def attention_worker(args) -> None:
         Path(args.result).write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def interleaved_worker(args) -> None:
+    """meshtrain, DeepSpeed and meshtrain's ring in the same two processes, one framework
+    after the other in each round (order alternating), ``--iters`` timed iterations each
+    after a warm-up: the rounds share the machine's load, so the per-round ratios are
+    paired (``--interleaved``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed("gloo", verbose=False)
+    import torch.distributed as dist
+
+    from meshtrain.distributed.topology import Topology
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    topo = Topology(cp=cp)
+    gen = torch.Generator().manual_seed(SEED)
+    B, H, L, hd = 1, args.heads, args.seq, args.head_dim
+    Q, K, V, G = (torch.randn(B, H, L, hd, generator=gen) for _ in range(4))
+    names = ("meshtrain", "deepspeed", "meshtrain-ring")
+    fns = {n: _attention_fn(n, topo.cp_group, cp, rank) for n in names}
+    rounds: list[dict] = []
+    for rnd in range(args.repeats):
+        row = {}
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            fn, mine = fns[name]
+            q, k, v = (mine(t).requires_grad_(True) for t in (Q, K, V))
+            g = mine(G)
+            for i in range(args.iters + 1):
+                q.grad = k.grad = v.grad = None
+                if i == 1:
+                    dist.barrier()
+                    t0, c0 = time.perf_counter(), time.process_time()
+                (fn(q, k, v) * g).sum().backward()
+            t = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64)
+            c = torch.tensor([(time.process_time() - c0) / args.iters], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(c)
+            row[name] = {"seconds_per_iter": float(t), "cpu_seconds_per_iter": float(c)}
+        row["load"] = os.getloadavg()[0]
+        rounds.append(row)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps({"rounds": rounds}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _interleaved(args) -> dict:
+    common = ["--seq", str(args.seq), "--heads", str(args.heads), "--head-dim",
+              str(args.head_dim), "--iters", str(args.iters), "--repeats", str(args.repeats)]  # fmt: skip
+    r = _launch(2, ["--worker", "interleaved", *common])
+    if "error" in r:
+        print(f"interleaved: failed: {r['error'][:300]}")
+        return r
+    ratios = {}
+    for peer in ("deepspeed", "meshtrain-ring"):
+        per = [
+            {
+                k: x[peer][k] / x["meshtrain"][k]
+                for k in ("seconds_per_iter", "cpu_seconds_per_iter")
+            }
+            for x in r["rounds"]
+        ]
+        ratios[f"{peer} / meshtrain"] = {
+            "wall": statistics.median(p["seconds_per_iter"] for p in per),
+            "cpu": statistics.median(p["cpu_seconds_per_iter"] for p in per),
+            "per_round": per,
+        }
+        print(f"interleaved {peer} time / meshtrain time, median of {len(per)} rounds: wall "
+              f"{ratios[f'{peer} / meshtrain']['wall']:.3f}x, cpu "
+              f"{ratios[f'{peer} / meshtrain']['cpu']:.3f}x")  # fmt: skip
+    r["ratios"] = ratios
+    return r
 
 
 # -------------------------------------------------------------------------- memory worker
@@ -425,7 +506,7 @@ def _memory(args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=("attention", "memory"))
+    p.add_argument("--worker", choices=("attention", "memory", "interleaved"))
     p.add_argument("--framework", choices=FRAMEWORKS)
     p.add_argument("--result")
     p.add_argument("--seq", type=int, default=4096)
@@ -439,6 +520,8 @@ def main() -> None:
                    default=[1, 2, 4])  # fmt: skip
     p.add_argument("--memory-method", choices=("all_to_all", "ring"), default="all_to_all")
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--interleaved", action="store_true",
+                   help="also time the three frameworks in the same processes, round by round")  # fmt: skip
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
@@ -446,10 +529,14 @@ def main() -> None:
         return attention_worker(args)
     if args.worker == "memory":
         return memory_worker(args)
+    if args.worker == "interleaved":
+        return interleaved_worker(args)
     started = time.time()
     result = {"versions": _versions(), "args": vars(args)}
     if not args.skip_attention:
         result["attention"] = _attention(args)
+    if args.interleaved:
+        result["interleaved"] = _interleaved(args)
     if not args.skip_memory:
         result["memory"] = _memory(args)
     result["wall_seconds"] = time.time() - started
