@@ -10,10 +10,12 @@ Issue 29's benchmark, in one run:
    ==================  ===========================================================================
    meshtrain           ``meshtrain.parallel.context.all_to_all.ulysses_attention`` on the
                        load-balanced layout (rank i holds chunks i and 2C-1-i), ``[B, H, L/C, hd]``
+                       seen over ``[B, L/C, H, hd]`` memory (what a q/k/v projection gives,
+                       ``proj(x).view(B, S, H, hd).transpose(1, 2)``: DeepSpeed's memory layout)
    deepspeed           ``deepspeed.sequence.layer.DistributedAttention`` (Ulysses) around the same
                        SDPA call, its own layout: contiguous ``[B, L/C, H, hd]`` chunks,
                        ``scatter_idx=2, gather_idx=1, batch_dim_idx=0``
-   meshtrain-ring      ``meshtrain.parallel.context.ring`` where this branch has it
+   meshtrain-ring      ``meshtrain.parallel.context.ring``, same layout as meshtrain
    torch-cp            ``torch.distributed.tensor.experimental.context_parallel`` (ring) on a CPU
                        ``DeviceMesh``; where it cannot run its error is recorded and printed
    ==================  ===========================================================================
@@ -34,17 +36,24 @@ Issue 29's benchmark, in one run:
    meshtrain / peer, medians of the same-round ratios (speed > 1 and memory < 1 favour
    meshtrain).
 
+   ``--interleaved``: also the three (meshtrain, deepspeed, meshtrain-ring) in the same two
+   processes, one after the other in each of ``--repeats`` rounds (order alternating), so
+   that each round's ratios share the machine's load (paired; printed as peer time /
+   meshtrain time, medians over the rounds, wall and CPU).
+
 2. **Decoder activation memory at cp 1, 2, 4** (``--memory-lens``, default 8192 and
    16384): meshtrain's ``Decoder`` (2 layers, d 64, 4 heads, SwiGLU 172, vocab 256, fp32)
    forward + backward on each rank's ``L/C`` tokens (global positions as ``position_ids``),
-   attention through ``ulysses_attention`` via the Decoder's ``Attention.context`` seam, in
+   attention through ``ulysses_attention`` (``--memory-method ring``: ``ring_attention``)
+   via the Decoder's ``Attention.context`` seam, in
    ``torchrun`` processes of ``C`` ranks, after one warm-up step. Recorded per rank:
    ``saved`` bytes, the formula (``meshtrain.estimate.activations.activation_bytes``), the
    peak RSS growth of the measured step (as above), the peak formula
    (``peak_activation_bytes``), and its seconds.
 
     python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--iters 5]
-        [--memory-lens 8192,16384] [--memory-cps 1,2,4] [--skip-memory]
+        [--memory-lens 8192,16384] [--memory-cps 1,2,4] [--memory-method all_to_all|ring]
+        [--skip-memory] [--skip-attention] [--interleaved]
 
 Results: ``benchmarks/results/context_parallel-<date>-<HHMM>.json`` (machine, versions,
 load average, every run).
@@ -99,20 +108,17 @@ def _attention_fn(name: str, group, cp: int, rank: int):
     ``[B, H, L, hd]`` tensor in the framework's own layout) for framework ``name``."""
     import torch.nn.functional as F
 
+    def projected(t):  # [B, H, L/C, hd] over [B, L/C, H, hd] memory, as a projection gives
+        return _shard(t, cp, rank, 2).transpose(1, 2).contiguous().transpose(1, 2)
+
     if name == "meshtrain":
         from meshtrain.parallel.context.all_to_all import ulysses_attention
 
-        return (
-            lambda q, k, v: ulysses_attention(q, k, v, group),
-            lambda t: _shard(t, cp, rank, 2),
-        )
+        return lambda q, k, v: ulysses_attention(q, k, v, group), projected
     if name == "meshtrain-ring":
-        from meshtrain.parallel.context import ring  # not on every branch
+        from meshtrain.parallel.context import ring
 
-        return (
-            lambda q, k, v: ring.ring_attention(q, k, v, group),
-            lambda t: _shard(t, cp, rank, 2),
-        )
+        return lambda q, k, v: ring.ring_attention(q, k, v, group), projected
     if name == "deepspeed":
         from deepspeed.sequence.layer import DistributedAttention
 
@@ -216,15 +222,95 @@ def attention_worker(args) -> None:
     dist.destroy_process_group()
 
 
+def interleaved_worker(args) -> None:
+    """meshtrain, DeepSpeed and meshtrain's ring in the same two processes, one framework
+    after the other in each round (order alternating), ``--iters`` timed iterations each
+    after a warm-up: the rounds share the machine's load, so the per-round ratios are
+    paired (``--interleaved``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed("gloo", verbose=False)
+    import torch.distributed as dist
+
+    from meshtrain.distributed.topology import Topology
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    topo = Topology(cp=cp)
+    gen = torch.Generator().manual_seed(SEED)
+    B, H, L, hd = 1, args.heads, args.seq, args.head_dim
+    Q, K, V, G = (torch.randn(B, H, L, hd, generator=gen) for _ in range(4))
+    names = ("meshtrain", "deepspeed", "meshtrain-ring")
+    fns = {n: _attention_fn(n, topo.cp_group, cp, rank) for n in names}
+    rounds: list[dict] = []
+    for rnd in range(args.repeats):
+        row = {}
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            fn, mine = fns[name]
+            q, k, v = (mine(t).requires_grad_(True) for t in (Q, K, V))
+            g = mine(G)
+            for i in range(args.iters + 1):
+                q.grad = k.grad = v.grad = None
+                if i == 1:
+                    dist.barrier()
+                    t0, c0 = time.perf_counter(), time.process_time()
+                (fn(q, k, v) * g).sum().backward()
+            t = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64)
+            c = torch.tensor([(time.process_time() - c0) / args.iters], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(c)
+            row[name] = {"seconds_per_iter": float(t), "cpu_seconds_per_iter": float(c)}
+        row["load"] = os.getloadavg()[0]
+        rounds.append(row)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps({"rounds": rounds}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _interleaved(args) -> dict:
+    common = ["--seq", str(args.seq), "--heads", str(args.heads), "--head-dim",
+              str(args.head_dim), "--iters", str(args.iters), "--repeats", str(args.repeats)]  # fmt: skip
+    r = _launch(2, ["--worker", "interleaved", *common])
+    if "error" in r:
+        print(f"interleaved: failed: {r['error'][:300]}")
+        return r
+    ratios = {}
+    for peer in ("deepspeed", "meshtrain-ring"):
+        per = [
+            {
+                k: x[peer][k] / x["meshtrain"][k]
+                for k in ("seconds_per_iter", "cpu_seconds_per_iter")
+            }
+            for x in r["rounds"]
+        ]
+        ratios[f"{peer} / meshtrain"] = {
+            "wall": statistics.median(p["seconds_per_iter"] for p in per),
+            "cpu": statistics.median(p["cpu_seconds_per_iter"] for p in per),
+            "per_round": per,
+        }
+        print(f"interleaved {peer} time / meshtrain time, median of {len(per)} rounds: wall "
+              f"{ratios[f'{peer} / meshtrain']['wall']:.3f}x, cpu "
+              f"{ratios[f'{peer} / meshtrain']['cpu']:.3f}x")  # fmt: skip
+    r["ratios"] = ratios
+    return r
+
+
 # -------------------------------------------------------------------------- memory worker
-class _Ulysses:
-    def __init__(self, group) -> None:
-        self.group = group
+class _Seam:
+    """The Decoder's attention seam over the cp group with ``method`` (ring or all_to_all)."""
+
+    def __init__(self, group, method: str) -> None:
+        self.group, self.method = group, method
 
     def attend(self, q, k, v, *, document_ids=None, scale=None):
-        from meshtrain.parallel.context.all_to_all import ulysses_attention
-
-        return ulysses_attention(q, k, v, self.group, document_ids=document_ids, scale=scale)
+        if self.method == "ring":
+            from meshtrain.parallel.context.ring import ring_attention as fn
+        else:
+            from meshtrain.parallel.context.all_to_all import ulysses_attention as fn
+        return fn(q, k, v, self.group, document_ids=document_ids, scale=scale)
 
 
 def memory_worker(args) -> None:
@@ -250,7 +336,7 @@ def memory_worker(args) -> None:
     model = Decoder(DecoderConfig(**DECODER, max_seq_len=L, seed=SEED))
     if cp > 1:
         for layer in model.layers:
-            layer.attn.context = _Ulysses(topo.cp_group)
+            layer.attn.context = _Seam(topo.cp_group, args.memory_method)
     ids = torch.randint(
         0, DECODER["vocab_size"], (1, L), generator=torch.Generator().manual_seed(0)
     )
@@ -265,7 +351,7 @@ def memory_worker(args) -> None:
         loss = model(ids, labels=ids, position_ids=pos)
     loss.backward()
     seconds = time.perf_counter() - t0
-    kw = dict(seq_len=L, cp=cp, width=4, position_ids=True)
+    kw = dict(seq_len=L, cp=cp, width=4, position_ids=True, method=args.memory_method)
     row = {
         "rank": rank,
         "saved_bytes": probe.bytes,
@@ -277,7 +363,8 @@ def memory_worker(args) -> None:
     rows = [None] * cp
     dist.all_gather_object(rows, row)
     if rank == 0:
-        Path(args.result).write_text(json.dumps({"seq": L, "cp": cp, "ranks": rows}))
+        out = {"seq": L, "cp": cp, "method": args.memory_method, "ranks": rows}
+        Path(args.result).write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -402,13 +489,14 @@ def _memory(args) -> list[dict]:
     table = []
     for length in args.memory_lens:
         for cp in args.memory_cps:
-            r = _launch(cp, ["--worker", "memory", "--seq", str(length)])
+            r = _launch(cp, ["--worker", "memory", "--seq", str(length),
+                             "--memory-method", args.memory_method])  # fmt: skip
             table.append(r)
             if "error" in r:
                 print(f"L={length} cp={cp}: failed: {r['error'][:300]}")
                 continue
             r0 = max(r["ranks"], key=lambda x: x["saved_bytes"])
-            print(f"L={length} cp={cp}: saved {r0['saved_bytes'] / 2**20:.1f} MiB/rank, formula "
+            print(f"{args.memory_method} L={length} cp={cp}: saved {r0['saved_bytes'] / 2**20:.1f} MiB/rank, formula "
                   f"{r0['formula_bytes'] / 2**20:.1f} MiB, peak RSS +"
                   f"{max(x['peak_growth_bytes'] for x in r['ranks']) / 2**20:.1f} MiB, peak "
                   f"formula {r0['peak_formula_bytes'] / 2**20:.1f} MiB, "
@@ -418,7 +506,7 @@ def _memory(args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=("attention", "memory"))
+    p.add_argument("--worker", choices=("attention", "memory", "interleaved"))
     p.add_argument("--framework", choices=FRAMEWORKS)
     p.add_argument("--result")
     p.add_argument("--seq", type=int, default=4096)
@@ -430,7 +518,10 @@ def main() -> None:
                    default=[8192, 16384])  # fmt: skip
     p.add_argument("--memory-cps", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 2, 4])  # fmt: skip
+    p.add_argument("--memory-method", choices=("all_to_all", "ring"), default="all_to_all")
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--interleaved", action="store_true",
+                   help="also time the three frameworks in the same processes, round by round")  # fmt: skip
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
@@ -438,10 +529,14 @@ def main() -> None:
         return attention_worker(args)
     if args.worker == "memory":
         return memory_worker(args)
+    if args.worker == "interleaved":
+        return interleaved_worker(args)
     started = time.time()
     result = {"versions": _versions(), "args": vars(args)}
     if not args.skip_attention:
         result["attention"] = _attention(args)
+    if args.interleaved:
+        result["interleaved"] = _interleaved(args)
     if not args.skip_memory:
         result["memory"] = _memory(args)
     result["wall_seconds"] = time.time() - started

@@ -247,7 +247,8 @@ def _terms(length: int) -> dict:
 
 def test_document_mask_and_ring_terms():
     """all_to_all with packed rows keeps the dense [B, 1, L, L] mask per layer on every
-    rank; ring (where present) keeps every key/value block it saw. Within 1% (measured:
+    rank; ring keeps only its own key/value block (the others go around again in the
+    backward). Within 1% (measured:
     exact but for a few KiB of int64 ids and labels; the issue's bar is 10%)."""
     for res in run_ranks(_terms, 2, 2048):
         for key, (measured, est) in res.items():

@@ -15,7 +15,8 @@ Checked, per spawn:
 * ring attention alone, at cp 2 (world 4 as dp 2 x cp 2) and cp 4, grouped-query heads,
   with and without document ids: output and q/k/v gradients equal ``causal_attention``
   on the whole sequence; bytes on the ledger exactly ``(C-1) x (|k| + |v| [+ |ids|])``
-  sent and received forward and ``(C-1) x (|dk| + |dv|)`` backward;
+  sent and received forward and ``(C-1) x (|k| + |v| + |dk| + |dv|)`` backward (the
+  blocks go around the ring again instead of being kept);
 * cp 2 through ``meshtrain.initialize``: the Decoder, tiny Llama (GQA) and GPT-2, on rows
   with a -100 prompt and a packed row (three documents): 20 AdamW steps with each method
   (``context_parallel.method`` ring and all_to_all), per-tensor gradients, ring bytes per
@@ -79,7 +80,8 @@ def _ring_function() -> dict:
                 "forward": topo.stats.diff(mid, before),
                 "backward": topo.stats.diff(after, mid),
                 "expected_forward": (cp - 1) * (kv + ids),
-                "expected_backward": (cp - 1) * kv,
+                # the blocks go around again, and their fp32 gradients once
+                "expected_backward": (cp - 1) * (kv + kv),
             }
     return out
 
@@ -148,7 +150,7 @@ def _model_ring_bytes(topo) -> dict:
         "forward": pick(stats.diff(mid, before)),
         "backward": pick(stats.diff(after, mid)),
         "want_forward": cfg.n_layers * (c - 1) * (kv + ids),
-        "want_backward": cfg.n_layers * (c - 1) * kv,
+        "want_backward": cfg.n_layers * (c - 1) * (kv + kv),  # the blocks again, fp32 grads
     }
 
 

@@ -13,8 +13,10 @@ few fp32 additions: ~1e-7 relative, hence 1e-6.
 
 Bytes are asserted exactly against ``CommStats`` and the collective ledger, computed in
 the test from the shapes (not from the module's own formula, which is checked against
-them too): forward and backward four all-to-alls each, plus one all-gather of the int64
-document ids when they are given.
+them too): forward and backward two all-to-alls each (q, k, v fused into one, then the
+output; backward the output's gradient, then dq, dk, dv fused), carrying exactly the bytes
+of the four separate ones, plus one all-gather of the int64 document ids when they are
+given.
 """
 
 from __future__ import annotations
@@ -151,6 +153,17 @@ def _parity(world: int) -> dict:
         refusals["docs"] = str(exc)
     res["refusals"] = refusals
 
+    # the backward packs the gradients into memory the forward saved: a second backward
+    # through the same graph must fail loudly (torch's in-place check), never read it
+    q = torch.randn(1, 4, 8, 4, requires_grad=True)
+    o = ulysses_attention(q, q, q, topo.cp_group)
+    o.sum().backward(retain_graph=True)
+    try:
+        o.sum().backward()
+        res["second_backward"] = "accepted"
+    except RuntimeError as exc:
+        res["second_backward"] = str(exc)
+
     # comm.all_to_all itself: slice j of rank r lands in slice r of rank j; input bytes
     from meshtrain.distributed import comm
 
@@ -183,9 +196,9 @@ def test_ulysses_parity_and_bytes(world):
                 fwd[("all_gather", "cp")] = 8 * B * L  # int64 ids of the whole row
             assert got["fwd"] == fwd, (r, name)
             assert got["bwd"] == {("all_to_all", "cp"): a2a}, (r, name)
-            # the ledger saw exactly the four all-to-alls each way (and the ids' gather)
-            assert got["fwd_ops"] == ["all_gather"] * docs + ["all_to_all"] * 4, (r, name)
-            assert got["bwd_ops"] == ["all_to_all"] * 4, (r, name)
+            # the ledger saw exactly two all-to-alls each way, q/k/v fused (and the ids' gather)
+            assert got["fwd_ops"] == ["all_gather"] * docs + ["all_to_all"] * 2, (r, name)
+            assert got["bwd_ops"] == ["all_to_all"] * 2, (r, name)
             f = got["formula"]
             assert f["forward_all_to_all"] == f["backward_all_to_all"] == a2a
             assert f["forward_all_gather"] == (8 * B * L if docs else 0)
@@ -200,6 +213,7 @@ def test_ulysses_parity_and_bytes(world):
         assert "not a multiple of 3 key/value heads" in ref["gqa"]
         assert "[B, H, L/C, hd]" in ref["rank3"]
         assert "document_ids (1, 5)" in ref["docs"]
+        assert "modified by an inplace operation" in res["second_backward"]
         expected = [100.0 * j + 2 * r + i for j in range(world) for i in range(2)]
         assert res["a2a"] == (expected, {("all_to_all", "cp"): 2 * world * 8})
         assert "divisible by" in res["a2a_bad"]

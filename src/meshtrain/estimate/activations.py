@@ -25,11 +25,11 @@ all-to-all method keeps inside attention the whole sequence for ``1/C`` of the h
 same bytes; so the per-rank estimate is the formula at ``s = L/C`` and falls as ``1/C``
 (under grouped-query attention with ``Hkv % C != 0`` the repeated key/value heads make
 ``kv`` per rank ``Hkv' hd`` with ``Hkv'`` from ``all_to_all.head_layout``). Ring attention
-(``parallel/context/ring.py``) keeps its ``L/C`` queries and output but all ``C`` key/value
-blocks it saw, so its attention term is ``w (3 h + 2 kv C)`` per local token: ``2 w B L
-kv`` per layer that does not fall with ``C`` (measured on the Decoder at 2048 tokens,
-cp 2 and 4, with the ring of the s10-cp-ring branch: exact to the byte). **Document
-masks** (packed rows, ``document_ids``): under all-to-all the SDPA kernel keeps the
+(``parallel/context/ring.py``) keeps its ``L/C`` queries, keys, values and output (the key/value
+blocks of the other ranks go around the ring again in the backward instead of being kept),
+so its attention term is ``w (3 h + 2 kv)`` per local token, the one-process term at ``L/C``
+tokens: it falls as ``1/C`` too (an earlier ring kept all ``C`` blocks for its backward,
+``2 w B L kv`` per layer whatever ``C``). **Document masks** (packed rows, ``document_ids``): under all-to-all the SDPA kernel keeps the
 boolean mask as a ``w``-byte ``[B, 1, L, L]`` tensor per layer, built on every rank for the
 whole sequence, so that term, ``w B L^2`` per layer, does not fall with ``C`` (measured
 exact at cp 2 and 4); the ring keeps the blocks' int64 ids instead, at most ``8 B L`` per
@@ -123,8 +123,8 @@ def activation_bytes(
     else:
         h_attn = h
     norms = 2 * (4 * h + 2 * w * h)
-    if method == "ring":  # q, out, o_proj input; the C key/value blocks it saw
-        attention = w * (3 * h + 2 * kv * cp)
+    if method == "ring":  # q, out, o_proj input; its own key/value block
+        attention = w * (3 * h + 2 * kv)
     else:  # q, out (the attention's heads), k, v; o_proj input
         attention = w * (2 * h_attn + 2 * kv + h)
     block = norms + attention + 4 * w * dims.ffn + 4 * (h_attn // dims.head_dim) + 8

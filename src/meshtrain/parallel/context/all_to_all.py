@@ -13,11 +13,14 @@ rank ``j`` holds the *whole* sequence, in natural order, for ``1/C`` of the head
     causal_attention(q, k, v, document_ids)   (the one seam, models/attention.py)
     out [B, Hq/C, L, hd] --reorder back--> --all-to-all--> [B, Hq, L/C, hd]
 
-**The four all-to-alls** (``comm.all_to_all``, so the ledger and ``CommStats`` see them):
-forward ``q``, ``k``, ``v`` sequence -> heads and the output heads -> sequence; backward,
-their adjoints in the other order: the output's gradient sequence -> heads, then the
-gradients of ``q``, ``k``, ``v`` heads -> sequence (an even all-to-all is its own inverse,
-so each backward is the same collective on the gradient). ``document_ids`` (packing) are
+**Two all-to-alls each way** (``comm.all_to_all``, so the ledger and ``CommStats`` see
+them): forward ``q``, ``k`` and ``v`` together sequence -> heads (one send buffer holding,
+for each destination rank, its heads of all three), then the output heads -> sequence;
+backward, their adjoints in the other order: the output's gradient sequence -> heads, then
+the gradients of ``q``, ``k``, ``v`` together heads -> sequence (an even all-to-all is its
+own inverse, so each backward is the same collective on the gradient). Fusing q, k and v
+moves exactly the bytes of three separate all-to-alls in one collective (on gloo each
+call is a synchronisation of the whole group). ``document_ids`` (packing) are
 all-gathered once in the forward (integers, no gradient) and put in natural order.
 
 **Heads that do not split over C.** Each rank needs the key/value heads of its own query
@@ -29,14 +32,16 @@ key/value heads ``[j Hkv'/C, (j+1) Hkv'/C)``; the repeat's backward sums the cop
 gradients. With ``Hq % C != 0`` the key/value heads are repeated to ``Hq`` (plain
 multi-head) and ``q``, ``k``, ``v`` padded with zero heads to ``Hq' = C ceil(Hq/C)``; the
 padded heads' outputs are dropped (their gradients are zero). Both cost bytes and compute,
-given below; nothing is refused for its head count.
+given below; nothing is refused for its head count. The repeat and the padding are done by
+the copy into the send buffer (no repeated or padded tensor is built), and undone (repeated
+heads' gradients summed, padded heads' dropped) by the copy out of it.
 
 **Bytes per rank per attention call** (``comm``'s convention: an all-to-all records the
 bytes of its input; ``w`` = element size, ``S = L/C`` local tokens)::
 
-    forward   all_to_all  B S hd w (2 Hq' + 2 Hkv')          (q, output; k, v)
+    forward   all_to_all  B S hd w (Hq' + 2 Hkv') + B S hd w Hq'   (q, k, v; output)
               all_gather  8 B L                               (only with document_ids)
-    backward  all_to_all  B S hd w (2 Hq' + 2 Hkv')           (d output; dq, dk, dv)
+    backward  all_to_all  B S hd w Hq' + B S hd w (Hq' + 2 Hkv')   (d output; dq, dk, dv)
 
 with ``Hq' = Hq`` and ``Hkv' = Hkv`` (or ``lcm(Hkv, C)``) when ``C`` divides ``Hq``, and
 ``Hq' = Hkv' = C ceil(Hq/C)`` otherwise. Each rank keeps ``1/C`` of what it sends, so the
@@ -68,7 +73,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
@@ -110,59 +114,88 @@ def ulysses_bytes(
 # backward: one benchmark run measured 0.81x DeepSpeed's speed, 1.24x its peak RSS.) The
 # whole-sequence tensors are laid out [B, L, h, hd] (seen as [B, h, L, hd]): SDPA's CPU
 # flash kernel copies any other layout first (measured: 4 MiB more peak and 15-20% slower
-# forward+backward at h=4, L=4096, hd=64).
+# forward+backward at h=4, L=4096, hd=64). Each rank's slot of a send/receive buffer is
+# token-major too, [B, S, h, hd]: the copy on the sequence side (chunks into natural order
+# and back) then moves whole chunks, c h hd contiguous values at a time, and only the copy
+# on the heads side gathers rows of h hd. q, k and v travel in one all-to-all (one buffer
+# [C, B, S, hq + 2 hkv, hd], per token its heads of q, then k, then v): one collective
+# instead of three each way, the same bytes. The repeat and zero padding of heads (module
+# docstring) are done by the copy into that buffer, never as tensors of their own, and
+# undone (repeats summed, padding dropped) by the copy out of it.
 
 
-def _pack_heads(x: torch.Tensor, cp: int) -> torch.Tensor:
-    """``[B, H, S, ...]`` -> send buffer ``[C, B, H/C, S, ...]``: head slice j for rank j."""
-    return x.unflatten(1, (cp, -1)).movedim(1, 0).contiguous()
+def _head_map(heads: int, wanted: int, repeat: int) -> list[int | None] | None:
+    """Source head of each of the ``wanted`` heads sent: ``h // repeat``, or None for a zero
+    head past ``heads * repeat``; None for the identity (no repeat, no padding)."""
+    if repeat == 1 and wanted == heads:
+        return None
+    return [h // repeat if h < heads * repeat else None for h in range(wanted)]
 
 
-def _unpack_natural(recv: torch.Tensor, seq_major: bool = True) -> torch.Tensor:
-    """``[C, B, h, S, ...]`` (slot r: rank r's chunks r, 2C-1-r) -> ``[B, h, L, ...]`` in
-    natural order; with ``seq_major`` (``recv`` 5-D) a transposed view of ``[B, L, h, hd]``
-    memory, the layout the CPU flash kernel reads without a copy (and the one of its output),
-    else contiguous."""
-    cp, b, h, s = recv.shape[:4]
-    c, rest = s // 2, recv.shape[4:]
-    halves = recv.unflatten(3, (2, c))  # [C, B, h, 2, c, ...]
+def _pack_heads(x: torch.Tensor, dst: torch.Tensor, heads: list[int | None] | None) -> None:
+    """``x [B, H, S, hd]`` (any strides) -> ``dst [C, B, S, n, hd]``: slot j holds heads
+    ``[j n, (j+1) n)`` of the sent heads (``heads``: ``_head_map``)."""
+    cp, n = dst.shape[0], dst.shape[3]
+    if heads is None:
+        dst.copy_(x.unflatten(1, (cp, n)).permute(1, 0, 3, 2, 4))
+        return
+    for h, src in enumerate(heads):
+        part = dst[h // n, :, :, h % n]
+        part.zero_() if src is None else part.copy_(x[:, src])
+
+
+def _unpack_heads(
+    recv: torch.Tensor,
+    heads: list[int | None] | None,
+    h_out: int,
+    seq_major: bool,
+    memory: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The inverse of ``_pack_heads`` (its adjoint: a repeated head's copies are summed,
+    zero heads dropped): ``recv [C, B, S, n, hd]`` -> ``[B, h_out, S, hd]``; with
+    ``seq_major`` a transposed view of ``[B, S, H, hd]`` memory (the layout of a
+    projection's output, viewed), else contiguous. ``memory``: flat storage to write into
+    (a spent send buffer), else new."""
+    cp, b, s, n, hd = recv.shape
+    if memory is None:
+        memory = recv.new_empty(b * s * h_out * hd)
     if seq_major:
-        out = recv.new_empty(b, 2 * cp, c, h, *rest)
-        out[:, :cp].copy_(halves[:, :, :, 0].permute(1, 0, 3, 2, 4))  # chunks 0..C-1
-        for r in range(cp):  # chunk 2C-1-r came second from rank r
-            out[:, 2 * cp - 1 - r].copy_(halves[r, :, :, 1].transpose(1, 2))
-        return out.flatten(1, 2).transpose(1, 2)
-    out = recv.new_empty(b, h, 2 * cp, c, *rest)
-    out[:, :, :cp].copy_(halves[:, :, :, 0].movedim(0, 2))
+        out = memory.view(b, s, h_out, hd).transpose(1, 2)
+    else:
+        out = memory.view(b, h_out, s, hd)
+    if heads is None:
+        out.unflatten(1, (cp, n)).copy_(recv.permute(1, 0, 3, 2, 4))
+        return out
+    out.zero_()
+    for h, src in enumerate(heads):
+        if src is not None:
+            out[:, src] += recv[h // n, :, :, h % n]
+    return out
+
+
+def _unpack_natural(recv: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+    """``recv [C, B, S, ...]`` (slot r: rank r's chunks r and 2C-1-r) -> ``[B, L, ...]`` in
+    natural order, contiguous (whole chunks copied), in ``memory`` (a spent send buffer of
+    as many elements) if given, else new."""
+    cp, b, s = recv.shape[:3]
+    halves = recv.unflatten(2, (2, s // 2))  # [C, B, 2, c, ...]
+    shape = (b, 2 * cp, s // 2, *recv.shape[3:])
+    out = recv.new_empty(shape) if memory is None else memory.view(shape)
+    out[:, :cp].copy_(halves[:, :, 0].movedim(0, 1))  # chunks 0..C-1
+    for r in range(cp):  # chunk 2C-1-r came second from rank r
+        out[:, 2 * cp - 1 - r].copy_(halves[r, :, 1])
+    return out.flatten(1, 2)
+
+
+def _pack_natural(y: torch.Tensor, dst: torch.Tensor) -> None:
+    """The inverse of ``_unpack_natural``: ``y [B, L, ...]`` (any strides) -> ``dst [C, B,
+    S, ...]`` (any strides) with slot r holding chunks r and 2C-1-r."""
+    cp = dst.shape[0]
+    chunks = y.unflatten(1, (2 * cp, -1))  # [B, 2C, c, ...]
+    send = dst.unflatten(2, (2, -1))  # [C, B, 2, c, ...]
+    send[:, :, 0].copy_(chunks[:, :cp].movedim(1, 0))
     for r in range(cp):
-        out[:, :, 2 * cp - 1 - r].copy_(halves[r, :, :, 1])
-    return out.flatten(2, 3)
-
-
-def _pack_natural(y: torch.Tensor, cp: int) -> torch.Tensor:
-    """The inverse of ``_unpack_natural``: ``[B, h, L, ...]`` (any strides) -> send buffer
-    ``[C, B, h, S, ...]`` with slot r holding chunks r and 2C-1-r."""
-    b, h = y.shape[:2]
-    chunks = y.unflatten(2, (2 * cp, -1))  # [B, h, 2C, c, ...]
-    send = y.new_empty(cp, b, h, 2, *chunks.shape[3:])
-    send[:, :, :, 0].copy_(chunks[:, :, :cp].movedim(2, 0))
-    for r in range(cp):
-        send[r, :, :, 1].copy_(chunks[:, :, 2 * cp - 1 - r])
-    return send.flatten(3, 4)
-
-
-def _unpack_heads(recv: torch.Tensor, seq_major: bool) -> torch.Tensor:
-    """``[C, B, h, S, hd]`` (slot r: head slice r) -> ``[B, H, S, hd]``: with
-    ``seq_major`` a transposed view of ``[B, S, H, hd]`` memory (what ``o_proj`` reads
-    after ``transpose(1, 2)`` without a copy), else contiguous."""
-    cp, b, h, s, hd = recv.shape
-    if not seq_major:
-        out = recv.new_empty(b, cp, h, s, hd)
-        out.copy_(recv.movedim(0, 1))
-        return out.view(b, cp * h, s, hd)
-    out = recv.new_empty(b, s, cp, h, hd)
-    out.copy_(recv.permute(1, 3, 0, 2, 4))
-    return out.view(b, s, cp * h, hd).transpose(1, 2)
+        send[r, :, 1].copy_(chunks[:, 2 * cp - 1 - r])
 
 
 def _is_seq_major(x: torch.Tensor) -> bool:
@@ -176,43 +209,150 @@ def _exchange(send: torch.Tensor, group: Group) -> torch.Tensor:
     return recv
 
 
+def _send_buffer(like: torch.Tensor, cp: int, heads: list[int], s: int) -> tuple:
+    """One send buffer ``[C, B, S, sum(heads), hd]`` and its per-tensor head slices."""
+    b, hd = like.shape[0], like.shape[-1]
+    buf = like.new_empty(cp, b, s, sum(heads), hd)
+    offsets = [sum(heads[:i]) for i in range(len(heads) + 1)]
+    return buf, [buf[:, :, :, offsets[i] : offsets[i + 1]] for i in range(len(heads))]
+
+
+def _scatter_qkv(q, k, v, group: Group, maps: tuple, counts: tuple):
+    """q, k, v sequence -> heads in one all-to-all: ``(buf, whole)``, ``whole [B, n_q + 2
+    n_kv, L, hd]`` every token in natural order (seq-major), held in ``buf``'s memory."""
+    cp, s = group.size, q.shape[2]
+    nq, nkv = counts[0] // cp, counts[1] // cp
+    send, parts = _send_buffer(q, cp, [nq, nkv, nkv], s)
+    for t, part, m in zip((q, k, v), parts, (maps[0], maps[1], maps[1]), strict=True):
+        _pack_heads(t, part, m)
+    # the send buffer is spent once the all-to-all returns: the unpack writes into it
+    # (each fresh buffer costs page faults: fewer of them is most of the speed here)
+    return send, _unpack_natural(_exchange(send, group), send).transpose(1, 2)
+
+
+def _gather_grads(grads: list, group: Group, maps: tuple, layouts: list, send=None) -> list:
+    """The adjoint of ``_scatter_qkv``: ``grads = [dq, dk, dv]`` (``[B, n, L, hd]``) -> the
+    gradients of q, k, v in their own shapes and layouts (``layouts``: ``(heads,
+    seq_major)`` each), in one all-to-all; ``send``: a spent buffer of the right size to
+    pack into, else new. ``grads`` is emptied once packed, so that (when the caller holds
+    no other reference) they are freed before the all-to-all's receive buffer exists."""
+    dq, dk, dv = grads
+    grads.clear()
+    cp, s = group.size, dq.shape[2] // group.size
+    heads = [t.shape[1] for t in (dq, dk, dv)]
+    if send is None:
+        send, parts = _send_buffer(dq, cp, heads, s)
+    else:
+        offsets = (0, heads[0], heads[0] + heads[1], sum(heads))
+        parts = [send[:, :, :, offsets[i] : offsets[i + 1]] for i in range(3)]
+    for t, part in zip((dq, dk, dv), parts, strict=True):
+        _pack_natural(t.transpose(1, 2), part)
+    del dq, dk, dv, parts, t, part  # (the loop's names too: t would keep dv alive)
+    recv = _exchange(send, group)
+    offsets = (0, heads[0], heads[0] + heads[1], recv.shape[3])
+    flat, at, grads = send.view(-1), 0, []  # the spent send buffer holds the gradients
+    for i, (h_out, seq_major) in enumerate(layouts):
+        part = recv[:, :, :, offsets[i] : offsets[i + 1]]
+        size = part.shape[1] * part.shape[2] * h_out * part.shape[4]
+        grads.append(_unpack_heads(part, maps[min(i, 1)], h_out, seq_major, flat[at : at + size]))
+        at += size  # Hq + 2 Hkv <= Hq' + 2 Hkv': the three fit
+    return grads
+
+
+def _layouts(q, k, v) -> list:
+    return [(t.shape[1], _is_seq_major(t)) for t in (q, k, v)]
+
+
 class _SeqToHeads(torch.autograd.Function):
-    """``[B, H, S, hd]`` this rank's tokens, every head -> ``[B, H/C, L, hd]`` every token
-    in natural order, this rank's heads; backward: ``_HeadsToSeq``'s forward."""
+    """``q [B, Hq, S, hd]``, ``k, v [B, Hkv, S, hd]`` this rank's tokens, every head ->
+    ``[B, n, L, hd]`` each: every token in natural order, this rank's ``n = H'/C`` of the
+    sent heads (``maps``: ``_head_map`` of q and of k, v), in one all-to-all; backward:
+    the gradients back the same way in one all-to-all, in q's, k's, v's own layouts."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        # the gradient comes back in x's own layout (a leaf's .grad then needs no copy)
-        ctx.group, ctx.seq_major = group, _is_seq_major(x)
-        return _unpack_natural(_exchange(_pack_heads(x, group.size), group))
+    def forward(ctx, group: Group, maps: tuple, counts: tuple, q, k, v):
+        ctx.group, ctx.maps, ctx.layouts = group, maps, _layouts(q, k, v)
+        nq, nkv = counts[0] // group.size, counts[1] // group.size
+        _, whole = _scatter_qkv(q, k, v, group, maps, counts)
+        return whole[:, :nq], whole[:, nq : nq + nkv], whole[:, nq + nkv :]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        g = ctx.group
-        return _unpack_heads(_exchange(_pack_natural(grad, g.size), g), ctx.seq_major), None
+    def backward(ctx, dq, dk, dv):
+        grads = _gather_grads([dq, dk, dv], ctx.group, ctx.maps, ctx.layouts)
+        return None, None, None, *grads
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _flash_fits(q: torch.Tensor) -> bool:
+    """Whether ``_SeqToHeadsAttention`` runs for ``q``: the CPU flash kernel's dtypes."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _SeqToHeadsAttention(torch.autograd.Function):
+    """``_SeqToHeads`` then causal attention, one function (CPU, no document mask): the
+    attention is the CPU flash kernel that ``F.scaled_dot_product_attention`` runs, called
+    directly, so the backward decides what is alive: once the kernel's backward has run,
+    the whole-sequence q, k, v it saved (in the forward's spent send buffer) are dead, and
+    that buffer is where dq, dk, dv are packed for the all-to-all (no new send buffer, and
+    the kernel's gradients freed before the receive buffer exists). Writing into a saved
+    tensor bumps its version, so a second backward through this graph (``retain_graph``)
+    raises torch's in-place error instead of reading it. Returns ``[B, n_q, L, hd]``."""
+
+    @staticmethod
+    def forward(ctx, group: Group, maps: tuple, counts: tuple, scale, q, k, v):
+        ctx.group, ctx.maps, ctx.layouts, ctx.scale = group, maps, _layouts(q, k, v), scale
+        nq, nkv = counts[0] // group.size, counts[1] // group.size
+        buf, whole = _scatter_qkv(q, k, v, group, maps, counts)
+        qh, kh, vh = whole[:, :nq], whole[:, nq : nq + nkv], whole[:, nq + nkv :]
+        out, lse = _FLASH(qh, kh, vh, 0.0, True, scale=scale)
+        ctx.save_for_backward(buf, out, lse)
+        ctx.split = (nq, nkv)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        buf, out, lse = ctx.saved_tensors
+        nq, nkv = ctx.split
+        b, hd = buf.shape[1], buf.shape[4]  # buf [C, B, S, n_q + 2 n_kv, hd]
+        whole = buf.view(b, -1, nq + 2 * nkv, hd).transpose(1, 2)
+        qh, kh, vh = whole[:, :nq], whole[:, nq : nq + nkv], whole[:, nq + nkv :]
+        grads = list(_FLASH_BACKWARD(dout, qh, kh, vh, out, lse, 0.0, True, scale=ctx.scale))
+        del whole, qh, kh, vh, out, lse, dout
+        grads = _gather_grads(grads, ctx.group, ctx.maps, ctx.layouts, send=buf)
+        return None, None, None, None, *grads
 
 
 class _HeadsToSeq(torch.autograd.Function):
-    """The inverse of ``_SeqToHeads``."""
+    """``[B, h, L, hd]`` this rank's heads, every token in natural order -> ``[B, C h, S,
+    hd]`` this rank's tokens, every head (seq-major memory, what ``o_proj`` reads); the
+    inverse of ``_SeqToHeads`` for one tensor."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _unpack_heads(_exchange(_pack_natural(y, group.size), group), seq_major=True)
+        ctx.group, cp = group, group.size
+        b, h, length, hd = y.shape
+        send = y.new_empty(cp, b, length // cp, h, hd)
+        _pack_natural(y.transpose(1, 2), send)
+        recv = _exchange(send, group)
+        return _unpack_heads(recv, None, cp * h, seq_major=True, memory=send.view(-1))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g = ctx.group
-        return _unpack_natural(_exchange(_pack_heads(grad, g.size), g)), None
+        b, hh, s, hd = grad.shape
+        send = grad.new_empty(g.size, b, s, hh // g.size, hd)
+        _pack_heads(grad, send, None)
+        return _unpack_natural(_exchange(send, g), send).transpose(1, 2), None
 
 
 def _gather_documents(ids: torch.Tensor, group: Group) -> torch.Tensor:
     """``[B, S]`` this rank's document ids -> ``[B, L]`` the whole row's, natural order."""
     full = torch.empty(group.size * ids.numel(), dtype=ids.dtype, device=ids.device)
     comm.all_gather(full, ids.contiguous().view(-1), group)
-    # [C, B, S] -> [C, B, 1, S] (a head axis of 1 for _unpack_natural) -> [B, L]
-    ids = full.view(group.size, *ids.shape).unsqueeze(2)
-    return _unpack_natural(ids, seq_major=False)[:, 0]
+    return _unpack_natural(full.view(group.size, *ids.shape))  # [C, B, S] -> [B, L]
 
 
 def _check(q, k, v, document_ids, cp: int) -> None:
@@ -266,14 +406,16 @@ def ulysses_attention(
         return causal_attention(q, k, v, document_ids=document_ids, scale=scale)
     hq, hkv = q.shape[1], k.shape[1]
     hq2, hkv2 = head_layout(hq, hkv, cp)
-    if hkv2 != hkv:  # repeat each key/value head so every rank holds its queries' heads
-        k = k.repeat_interleave(hkv2 // hkv if hq2 == hq else hq // hkv, dim=1)
-        v = v.repeat_interleave(hkv2 // hkv if hq2 == hq else hq // hkv, dim=1)
-    if hq2 != hq:  # zero heads up to a multiple of C; their outputs are dropped below
-        pad = (0, 0, 0, 0, 0, hq2 - hq)
-        q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
-    docs = None if document_ids is None else _gather_documents(document_ids, group)
-    qh, kh, vh = (_SeqToHeads.apply(t, group) for t in (q, k, v))
-    out = causal_attention(qh, kh, vh, document_ids=docs, scale=scale)
+    # the key/value heads each rank needs, repeated (and q, k, v zero-padded) by the copy
+    # into the send buffer: k, v repeated r times to Hkv' = lcm(Hkv, C), or to Hq when C
+    # does not divide Hq (module docstring, "Heads that do not split over C")
+    repeat = hkv2 // hkv if hq2 == hq else hq // hkv
+    maps = (_head_map(hq, hq2, 1), _head_map(hkv, hkv2, repeat))
+    if document_ids is None and _flash_fits(q):
+        out = _SeqToHeadsAttention.apply(group, maps, (hq2, hkv2), scale, q, k, v)
+    else:  # a document mask (or another device): the seam's SDPA call with its mask
+        docs = None if document_ids is None else _gather_documents(document_ids, group)
+        qh, kh, vh = _SeqToHeads.apply(group, maps, (hq2, hkv2), q, k, v)
+        out = causal_attention(qh, kh, vh, document_ids=docs, scale=scale)
     out = _HeadsToSeq.apply(out, group)
     return out[:, :hq] if hq2 != hq else out

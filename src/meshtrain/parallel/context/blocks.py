@@ -70,9 +70,13 @@ def block_forward(q, k, v, mask_of, scale: float) -> tuple[torch.Tensor, torch.T
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_b: torch.Tensor):
-    """Merge a block's ``(o, lse_b)`` into the running ``(out, lse)`` in place."""
+    """Merge a block's ``(o, lse_b)`` into the running ``(out, lse)`` in place (``o`` is
+    overwritten when it has ``out``'s dtype)."""
     new = torch.logaddexp(lse, lse_b)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(lse_b - new).unsqueeze(-1))
+    weight = torch.exp(lse_b - new).unsqueeze(-1)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    # o is the caller's to spend: scaled in place when that keeps fp32 (no temporary)
+    out.add_(o.mul_(weight) if o.dtype == out.dtype else o * weight)
     lse.copy_(new)
 
 
