@@ -78,6 +78,15 @@ from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
 from meshtrain.errors import TopologyError
 from meshtrain.models.attention import causal_attention
+from meshtrain.parallel.context.ulysses_buffers import (
+    head_map,
+    is_seq_major,
+    pack_heads,
+    pack_natural,
+    send_buffer,
+    unpack_heads,
+    unpack_natural,
+)
 
 __all__ = ["head_layout", "ulysses_attention", "ulysses_bytes"]
 
@@ -108,113 +117,10 @@ def ulysses_bytes(
     return {"forward_all_to_all": a2a, "backward_all_to_all": a2a, "forward_all_gather": gather}
 
 
-# Each re-sharding is one autograd function whose backward is the other direction: one
-# copy into a contiguous send buffer, the all-to-all, one copy out, both ways. (Composing
-# it from slices, flips and cats let autograd zero-fill and add whole-size buffers in the
-# backward: one benchmark run measured 0.81x DeepSpeed's speed, 1.24x its peak RSS.) The
-# whole-sequence tensors are laid out [B, L, h, hd] (seen as [B, h, L, hd]): SDPA's CPU
-# flash kernel copies any other layout first (measured: 4 MiB more peak and 15-20% slower
-# forward+backward at h=4, L=4096, hd=64). Each rank's slot of a send/receive buffer is
-# token-major too, [B, S, h, hd]: the copy on the sequence side (chunks into natural order
-# and back) then moves whole chunks, c h hd contiguous values at a time, and only the copy
-# on the heads side gathers rows of h hd. q, k and v travel in one all-to-all (one buffer
-# [C, B, S, hq + 2 hkv, hd], per token its heads of q, then k, then v): one collective
-# instead of three each way, the same bytes. The repeat and zero padding of heads (module
-# docstring) are done by the copy into that buffer, never as tensors of their own, and
-# undone (repeats summed, padding dropped) by the copy out of it.
-
-
-def _head_map(heads: int, wanted: int, repeat: int) -> list[int | None] | None:
-    """Source head of each of the ``wanted`` heads sent: ``h // repeat``, or None for a zero
-    head past ``heads * repeat``; None for the identity (no repeat, no padding)."""
-    if repeat == 1 and wanted == heads:
-        return None
-    return [h // repeat if h < heads * repeat else None for h in range(wanted)]
-
-
-def _pack_heads(x: torch.Tensor, dst: torch.Tensor, heads: list[int | None] | None) -> None:
-    """``x [B, H, S, hd]`` (any strides) -> ``dst [C, B, S, n, hd]``: slot j holds heads
-    ``[j n, (j+1) n)`` of the sent heads (``heads``: ``_head_map``)."""
-    cp, n = dst.shape[0], dst.shape[3]
-    if heads is None:
-        dst.copy_(x.unflatten(1, (cp, n)).permute(1, 0, 3, 2, 4))
-        return
-    for h, src in enumerate(heads):
-        part = dst[h // n, :, :, h % n]
-        part.zero_() if src is None else part.copy_(x[:, src])
-
-
-def _unpack_heads(
-    recv: torch.Tensor,
-    heads: list[int | None] | None,
-    h_out: int,
-    seq_major: bool,
-    memory: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The inverse of ``_pack_heads`` (its adjoint: a repeated head's copies are summed,
-    zero heads dropped): ``recv [C, B, S, n, hd]`` -> ``[B, h_out, S, hd]``; with
-    ``seq_major`` a transposed view of ``[B, S, H, hd]`` memory (the layout of a
-    projection's output, viewed), else contiguous. ``memory``: flat storage to write into
-    (a spent send buffer), else new."""
-    cp, b, s, n, hd = recv.shape
-    if memory is None:
-        memory = recv.new_empty(b * s * h_out * hd)
-    if seq_major:
-        out = memory.view(b, s, h_out, hd).transpose(1, 2)
-    else:
-        out = memory.view(b, h_out, s, hd)
-    if heads is None:
-        out.unflatten(1, (cp, n)).copy_(recv.permute(1, 0, 3, 2, 4))
-        return out
-    out.zero_()
-    for h, src in enumerate(heads):
-        if src is not None:
-            out[:, src] += recv[h // n, :, :, h % n]
-    return out
-
-
-def _unpack_natural(recv: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
-    """``recv [C, B, S, ...]`` (slot r: rank r's chunks r and 2C-1-r) -> ``[B, L, ...]`` in
-    natural order, contiguous (whole chunks copied), in ``memory`` (a spent send buffer of
-    as many elements) if given, else new."""
-    cp, b, s = recv.shape[:3]
-    halves = recv.unflatten(2, (2, s // 2))  # [C, B, 2, c, ...]
-    shape = (b, 2 * cp, s // 2, *recv.shape[3:])
-    out = recv.new_empty(shape) if memory is None else memory.view(shape)
-    out[:, :cp].copy_(halves[:, :, 0].movedim(0, 1))  # chunks 0..C-1
-    for r in range(cp):  # chunk 2C-1-r came second from rank r
-        out[:, 2 * cp - 1 - r].copy_(halves[r, :, 1])
-    return out.flatten(1, 2)
-
-
-def _pack_natural(y: torch.Tensor, dst: torch.Tensor) -> None:
-    """The inverse of ``_unpack_natural``: ``y [B, L, ...]`` (any strides) -> ``dst [C, B,
-    S, ...]`` (any strides) with slot r holding chunks r and 2C-1-r."""
-    cp = dst.shape[0]
-    chunks = y.unflatten(1, (2 * cp, -1))  # [B, 2C, c, ...]
-    send = dst.unflatten(2, (2, -1))  # [C, B, 2, c, ...]
-    send[:, :, 0].copy_(chunks[:, :cp].movedim(1, 0))
-    for r in range(cp):
-        send[r, :, 1].copy_(chunks[:, 2 * cp - 1 - r])
-
-
-def _is_seq_major(x: torch.Tensor) -> bool:
-    """``[B, H, S, hd]`` laid out as ``[B, S, H, hd]`` (a projection's output, viewed)."""
-    return not x.is_contiguous() and x.transpose(1, 2).is_contiguous()
-
-
 def _exchange(send: torch.Tensor, group: Group) -> torch.Tensor:
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group)
     return recv
-
-
-def _send_buffer(like: torch.Tensor, cp: int, heads: list[int], s: int) -> tuple:
-    """One send buffer ``[C, B, S, sum(heads), hd]`` and its per-tensor head slices."""
-    b, hd = like.shape[0], like.shape[-1]
-    buf = like.new_empty(cp, b, s, sum(heads), hd)
-    offsets = [sum(heads[:i]) for i in range(len(heads) + 1)]
-    return buf, [buf[:, :, :, offsets[i] : offsets[i + 1]] for i in range(len(heads))]
 
 
 def _scatter_qkv(q, k, v, group: Group, maps: tuple, counts: tuple):
@@ -222,12 +128,12 @@ def _scatter_qkv(q, k, v, group: Group, maps: tuple, counts: tuple):
     n_kv, L, hd]`` every token in natural order (seq-major), held in ``buf``'s memory."""
     cp, s = group.size, q.shape[2]
     nq, nkv = counts[0] // cp, counts[1] // cp
-    send, parts = _send_buffer(q, cp, [nq, nkv, nkv], s)
+    send, parts = send_buffer(q, cp, [nq, nkv, nkv], s)
     for t, part, m in zip((q, k, v), parts, (maps[0], maps[1], maps[1]), strict=True):
-        _pack_heads(t, part, m)
+        pack_heads(t, part, m)
     # the send buffer is spent once the all-to-all returns: the unpack writes into it
     # (each fresh buffer costs page faults: fewer of them is most of the speed here)
-    return send, _unpack_natural(_exchange(send, group), send).transpose(1, 2)
+    return send, unpack_natural(_exchange(send, group), send).transpose(1, 2)
 
 
 def _gather_grads(grads: list, group: Group, maps: tuple, layouts: list, send=None) -> list:
@@ -241,12 +147,12 @@ def _gather_grads(grads: list, group: Group, maps: tuple, layouts: list, send=No
     cp, s = group.size, dq.shape[2] // group.size
     heads = [t.shape[1] for t in (dq, dk, dv)]
     if send is None:
-        send, parts = _send_buffer(dq, cp, heads, s)
+        send, parts = send_buffer(dq, cp, heads, s)
     else:
         offsets = (0, heads[0], heads[0] + heads[1], sum(heads))
         parts = [send[:, :, :, offsets[i] : offsets[i + 1]] for i in range(3)]
     for t, part in zip((dq, dk, dv), parts, strict=True):
-        _pack_natural(t.transpose(1, 2), part)
+        pack_natural(t.transpose(1, 2), part)
     del dq, dk, dv, parts, t, part  # (the loop's names too: t would keep dv alive)
     recv = _exchange(send, group)
     offsets = (0, heads[0], heads[0] + heads[1], recv.shape[3])
@@ -254,19 +160,19 @@ def _gather_grads(grads: list, group: Group, maps: tuple, layouts: list, send=No
     for i, (h_out, seq_major) in enumerate(layouts):
         part = recv[:, :, :, offsets[i] : offsets[i + 1]]
         size = part.shape[1] * part.shape[2] * h_out * part.shape[4]
-        grads.append(_unpack_heads(part, maps[min(i, 1)], h_out, seq_major, flat[at : at + size]))
+        grads.append(unpack_heads(part, maps[min(i, 1)], h_out, seq_major, flat[at : at + size]))
         at += size  # Hq + 2 Hkv <= Hq' + 2 Hkv': the three fit
     return grads
 
 
 def _layouts(q, k, v) -> list:
-    return [(t.shape[1], _is_seq_major(t)) for t in (q, k, v)]
+    return [(t.shape[1], is_seq_major(t)) for t in (q, k, v)]
 
 
 class _SeqToHeads(torch.autograd.Function):
     """``q [B, Hq, S, hd]``, ``k, v [B, Hkv, S, hd]`` this rank's tokens, every head ->
     ``[B, n, L, hd]`` each: every token in natural order, this rank's ``n = H'/C`` of the
-    sent heads (``maps``: ``_head_map`` of q and of k, v), in one all-to-all; backward:
+    sent heads (``maps``: ``head_map`` of q and of k, v), in one all-to-all; backward:
     the gradients back the same way in one all-to-all, in q's, k's, v's own layouts."""
 
     @staticmethod
@@ -335,24 +241,24 @@ class _HeadsToSeq(torch.autograd.Function):
         ctx.group, cp = group, group.size
         b, h, length, hd = y.shape
         send = y.new_empty(cp, b, length // cp, h, hd)
-        _pack_natural(y.transpose(1, 2), send)
+        pack_natural(y.transpose(1, 2), send)
         recv = _exchange(send, group)
-        return _unpack_heads(recv, None, cp * h, seq_major=True, memory=send.view(-1))
+        return unpack_heads(recv, None, cp * h, seq_major=True, memory=send.view(-1))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g = ctx.group
         b, hh, s, hd = grad.shape
         send = grad.new_empty(g.size, b, s, hh // g.size, hd)
-        _pack_heads(grad, send, None)
-        return _unpack_natural(_exchange(send, g), send).transpose(1, 2), None
+        pack_heads(grad, send, None)
+        return unpack_natural(_exchange(send, g), send).transpose(1, 2), None
 
 
 def _gather_documents(ids: torch.Tensor, group: Group) -> torch.Tensor:
     """``[B, S]`` this rank's document ids -> ``[B, L]`` the whole row's, natural order."""
     full = torch.empty(group.size * ids.numel(), dtype=ids.dtype, device=ids.device)
     comm.all_gather(full, ids.contiguous().view(-1), group)
-    return _unpack_natural(full.view(group.size, *ids.shape))  # [C, B, S] -> [B, L]
+    return unpack_natural(full.view(group.size, *ids.shape))  # [C, B, S] -> [B, L]
 
 
 def _check(q, k, v, document_ids, cp: int) -> None:
@@ -410,7 +316,7 @@ def ulysses_attention(
     # into the send buffer: k, v repeated r times to Hkv' = lcm(Hkv, C), or to Hq when C
     # does not divide Hq (module docstring, "Heads that do not split over C")
     repeat = hkv2 // hkv if hq2 == hq else hq // hkv
-    maps = (_head_map(hq, hq2, 1), _head_map(hkv, hkv2, repeat))
+    maps = (head_map(hq, hq2, 1), head_map(hkv, hkv2, repeat))
     if document_ids is None and _flash_fits(q):
         out = _SeqToHeadsAttention.apply(group, maps, (hq2, hkv2), scale, q, k, v)
     else:  # a document mask (or another device): the seam's SDPA call with its mask
