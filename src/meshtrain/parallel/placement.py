@@ -1,0 +1,48 @@
+"""Where and in which dtype the engine puts a model before parallelizing it.
+
+Every parameter and floating buffer moves to the topology's device. The dtype follows the
+configured precision, with one exception: in an **fp32** run a *frozen* floating parameter
+(``requires_grad=False``: a LoRA base the user loaded in bf16, a frozen embedding) keeps
+the dtype it was loaded in, as transformers' Trainer and accelerate leave it (neither casts
+the model in fp32; DeepSpeed's engine casts only when fp16/bf16 is enabled). Upcasting it
+would double a bf16 base's bytes for nothing: it gets no gradient and no optimizer state,
+so nothing is gained by computing its matmuls in fp32 that the user did not ask for.
+Trainable parameters follow the precision as before (fp32 here), so the optimizer steps
+fp32 values; peft's LoRA layers already keep fp32 adapters on a bf16 base and cast their
+input (``autocast_adapter_dtype``).
+
+With ``bf16``/``fp16`` enabled the whole model is cast, frozen parameters included, as
+DeepSpeed's engine does (``module.bfloat16()``): a narrower frozen copy only saves memory,
+and the model must compute in one dtype there (the engine casts inputs to it).
+
+The cast is per tensor (``param.data = param.data.to(dtype)``, what ``nn.Module.to``
+does), so a spared bf16 base is never materialised in fp32, even transiently. Integer
+tensors (bitsandbytes' packed 4-bit / int8 weights, index buffers) are never cast.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def place_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Move ``model`` to ``device`` and cast it to ``dtype`` as the module docstring says;
+    returns the model (the same object, as ``nn.Module.to``)."""
+    model = model.to(device=device)
+    spare_frozen = dtype == torch.float32
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is None or not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                if spare_frozen and not p.requires_grad:
+                    continue
+                p.data = p.data.to(dtype)
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    module._buffers[name] = b.to(dtype)
+    return model
+
+
+__all__ = ["place_model"]
