@@ -8,7 +8,10 @@ the data order cannot differ between the trainers: transformers' Trainer in one 
 is the reference; meshtrain's Trainer runs at one process (ZeRO 0) and at ZeRO-3 on 2
 ranks (4 rows each).
 
-Checked: every frozen floating parameter is still bf16 after training, and the bytes
+Also a BERT classifier whose head is trained whole (peft's ``modules_to_save``) on a
+bf16 encoder: the fp32 head reads bf16 activations, which ``placement`` casts for it; it
+trains, and its first loss equals transformers' within bf16 rounding (the assert says
+why). Checked: every frozen floating parameter is still bf16 after training, and the bytes
 the rank holds for them are exactly 2 per element (ZeRO 0: the whole base; ZeRO-3:
 its bf16 frozen group's shard is ceil(numel / 2) elements of each unit bucket, 2 bytes
 each, the whole base only as units are gathered); the trainable parameters are fp32.
@@ -120,8 +123,48 @@ def _meshtrain(path: str, out: str, stage: int) -> dict:
     }
 
 
-def _one_process(path: str, out: str) -> tuple[list[float], dict]:
-    return _transformers(path, out + "/hf"), _meshtrain(path, out + "/mt0", 0)
+def _head(out: str) -> dict:
+    """A BERT classifier loaded in bf16, LoRA on query/value and the classifier trained
+    whole (peft's ``modules_to_save``): the fp32 head reads the bf16 encoder's output
+    (``placement``'s input casts). First loss against transformers' Trainer (bf16 head)."""
+    import peft
+    import transformers
+
+    import meshtrain
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=32, num_labels=2,
+    )  # fmt: skip
+    transformers.BertForSequenceClassification(cfg).save_pretrained(out + "/bert")
+    ids = torch.randint(1, 64, (ROWS, SEQ), generator=torch.Generator().manual_seed(2))
+    rows = [{"input_ids": r, "labels": int(r[0] % 2)} for r in ids]
+    losses, kinds = {}, {}
+    for name, mod in (("hf", transformers), ("mt", meshtrain)):
+        model = transformers.BertForSequenceClassification.from_pretrained(
+            out + "/bert", dtype=torch.bfloat16
+        )
+        torch.manual_seed(0)
+        lora = peft.LoraConfig(
+            r=4, target_modules=["query", "value"], task_type="SEQ_CLS",
+            modules_to_save=["classifier"], lora_dropout=0.0,
+        )  # fmt: skip
+        model = peft.get_peft_model(model, lora)
+        extra = {"use_cpu": True} if name == "hf" else {}
+        args = _args(mod.TrainingArguments, f"{out}/{name}", ROWS, **extra)
+        trainer = mod.Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        losses[name] = _losses(trainer)
+        kinds[name] = {
+            "frozen": {str(p.dtype) for p in model.parameters() if not p.requires_grad},
+            "trainable": {str(p.dtype) for p in model.parameters() if p.requires_grad},
+        }
+    return {"losses": losses, "dtypes": kinds}
+
+
+def _one_process(path: str, out: str) -> tuple[list[float], dict, dict]:
+    return _transformers(path, out + "/hf"), _meshtrain(path, out + "/mt0", 0), _head(out)
 
 
 def _close(ref: list[float], got: list[float]) -> float:
@@ -133,7 +176,7 @@ def _close(ref: list[float], got: list[float]) -> float:
 
 def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_matches_transformers(tmp_path):
     path = _save_base(str(tmp_path / "base"))
-    ((ref, one),) = run_ranks(_one_process, 1, path, str(tmp_path))
+    ((ref, one, head),) = run_ranks(_one_process, 1, path, str(tmp_path))
     z3 = run_ranks(_meshtrain, 2, path, str(tmp_path / "mt3"), 3)
 
     # ZeRO 0: every frozen parameter stays bf16, exactly 2 bytes per element of the base
@@ -158,3 +201,13 @@ def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_matches_transformers(tmp_pa
         assert r["held"]["torch.bfloat16"] < 2 * r["frozen_numel"]  # less than the whole
     assert z3[0]["held"] == z3[1]["held"]
     _close(ref, z3[0]["losses"])
+
+    # a head trained whole on the bf16 encoder: trains, the encoder stays bf16, the head is
+    # fp32 here and bf16 in transformers (which casts nothing); the first loss (same
+    # weights, before any step) agrees within bf16's rounding of transformers' logits
+    # (8 significant bits: 2^-8 relative, twice for the matmul's inputs and output)
+    assert head["dtypes"]["mt"]["frozen"] == {"torch.bfloat16"}, head["dtypes"]
+    assert head["dtypes"]["mt"]["trainable"] == {"torch.float32"}, head["dtypes"]
+    mt, hf = head["losses"]["mt"], head["losses"]["hf"]
+    assert len(mt) == STEPS and all(x == x and abs(x) < 1e3 for x in mt), mt
+    assert abs(mt[0] - hf[0]) <= 3 * 2**-8 * abs(hf[0]), (mt, hf)

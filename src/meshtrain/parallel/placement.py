@@ -15,6 +15,16 @@ With ``bf16``/``fp16`` enabled the whole model is cast, frozen parameters includ
 DeepSpeed's engine does (``module.bfloat16()``): a narrower frozen copy only saves memory,
 and the model must compute in one dtype there (the engine casts inputs to it).
 
+A model whose parameters then have mixed dtypes needs its activations to follow: a head
+trained whole (peft's ``modules_to_save``), now fp32, reads the bf16 output of the frozen
+encoder, and ``F.linear`` refuses mixed dtypes. transformers never meets this (it casts
+nothing, so the head trains in bf16). So when the cast spared a frozen parameter whose
+dtype differs from ``dtype``, every module that directly owns floating parameters gets a
+forward pre-hook casting its floating tensor arguments to its own parameters' dtype
+(``weight``'s, else the first one's): a no-op where they already agree (every frozen bf16
+linear of a bf16 base fed by bf16 activations; peft's LoRA layers own no parameter
+directly and cast for themselves). The hooks exist only on such mixed models.
+
 The cast is per tensor (``param.data = param.data.to(dtype)``, what ``nn.Module.to``
 does), so a spared bf16 base is never materialised in fp32, even transiently. Integer
 tensors (bitsandbytes' packed 4-bit / int8 weights, index buffers) are never cast.
@@ -31,18 +41,52 @@ def place_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> n
     returns the model (the same object, as ``nn.Module.to``)."""
     model = model.to(device=device)
     spare_frozen = dtype == torch.float32
+    spared = False
     with torch.no_grad():
         for module in model.modules():
             for p in module._parameters.values():
                 if p is None or not p.is_floating_point() or p.dtype == dtype:
                     continue
                 if spare_frozen and not p.requires_grad:
+                    spared = True
                     continue
                 p.data = p.data.to(dtype)
             for name, b in module._buffers.items():
                 if b is not None and b.is_floating_point() and b.dtype != dtype:
                     module._buffers[name] = b.to(dtype)
+    if spared:
+        _cast_inputs_to_own_dtype(model)
     return model
+
+
+def _own_dtype(module: nn.Module) -> torch.dtype | None:
+    own = {n: p for n, p in module._parameters.items() if p is not None and p.is_floating_point()}
+    if not own:
+        return None
+    weight = own.get("weight")
+    return (weight if weight is not None else next(iter(own.values()))).dtype
+
+
+def _cast_inputs_to_own_dtype(model: nn.Module) -> None:
+    """Pre-hooks casting floating tensor arguments to each parameter-owning module's dtype
+    (module docstring)."""
+
+    def cast(x, dtype):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    def hook(module, args, kwargs):
+        dtype = _own_dtype(module)
+        if dtype is None:
+            return None
+        args = tuple(cast(a, dtype) for a in args)
+        kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
+        return args, kwargs
+
+    for module in model.modules():
+        if _own_dtype(module) is not None:
+            module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 __all__ = ["place_model"]
