@@ -377,7 +377,7 @@ def main() -> None:
     parser.add_argument("--train-rows", type=int, default=4000)
     parser.add_argument("--eval-rows", type=int, default=1000)
     parser.add_argument(
-        "--pretrain-steps", type=int, default=800, help="MLM steps of the Chinese base"
+        "--pretrain-steps", type=int, default=600, help="MLM steps of the Chinese base"
     )
     a = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)

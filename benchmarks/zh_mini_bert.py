@@ -80,6 +80,7 @@ def pretrain(out: Path, held_out: set[str], review_texts: list[str], steps: int,
 
     from meshtrain import Trainer, TrainingArguments
 
+    torch.set_num_threads(1)  # as every run of the benchmark (and reproducible)
     torch.manual_seed(seed)
     reviews = [t[:PIECE] for t in review_texts if t not in held_out]
     texts = news_pieces() + reviews
