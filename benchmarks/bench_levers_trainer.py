@@ -374,7 +374,7 @@ def main() -> None:
         "--rounds", type=int, default=3, help="runs per side, alternating which goes first"
     )
     parser.add_argument("--accuracy", action="store_true", help="seed 000: 4-bit vs bf16 LoRA")
-    parser.add_argument("--train-rows", type=int, default=4000)
+    parser.add_argument("--train-rows", type=int, default=12000)
     parser.add_argument("--eval-rows", type=int, default=1000)
     parser.add_argument(
         "--pretrain-steps", type=int, default=600, help="MLM steps of the Chinese base"
