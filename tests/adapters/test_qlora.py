@@ -230,6 +230,24 @@ def _engine_8bit(path: str, stage: int) -> dict:
     int8_held = sum(
         g.state_bytes()["params"] for g in engine.zero.frozen_groups if g.dtype == torch.int8
     )
+    linears = [  # bitsandbytes' Linear8bitLt (peft's wrapper of the same name has no state)
+        m
+        for m in model.modules()
+        if type(getattr(m, "weight", None)).__name__ == "Int8Params" and hasattr(m, "state")
+    ]
+
+    def pinned() -> int:
+        """Bytes of int8 codes bitsandbytes holds outside the parameter: ``state.CB``'s
+        storage (a view of a released bucket: 0) and ``weight.CB`` (dropped)."""
+        held = 0
+        for m in linears:
+            if m.state.CB is not None:
+                held += m.state.CB.untyped_storage().nbytes()
+            if getattr(m.weight, "CB", None) is not None:
+                held += m.weight.CB.untyped_storage().nbytes()
+        return held
+
+    pinned_at_start = pinned()  # before any forward: the construction's copy is gone
     losses = []
     for step in range(5):
         ids = _batch(step, ROWS * world)[rank * ROWS : (rank + 1) * ROWS]
@@ -239,16 +257,8 @@ def _engine_8bit(path: str, stage: int) -> dict:
         t = torch.tensor([loss.item()], dtype=torch.float64)
         dist.all_reduce(t)
         losses.append(float(t) / world)
-    linears = [  # bitsandbytes' Linear8bitLt (peft's wrapper of the same name has no state)
-        m
-        for m in model.modules()
-        if type(getattr(m, "weight", None)).__name__ == "Int8Params" and hasattr(m, "state")
-    ]
-    # between steps no 8-bit linear pins whole codes: bitsandbytes' state.CB is a view of
-    # the released bucket (0 bytes) and weight.CB is dropped
-    pinned = sum(
-        m.state.CB.untyped_storage().nbytes() if m.state.CB is not None else 0 for m in linears
-    ) + sum(m.weight.CB.numel() if m.weight.CB is not None else 0 for m in linears)
+    # between steps too: state.CB is a view of the released bucket, weight.CB dropped
+    pinned_after = pinned()
     with engine.zero.gathered():  # stage 3: whole values only inside the gather
         unchanged = all(
             torch.equal(p.data, quant[n]) for n, p in model.named_parameters() if n in quant
@@ -259,7 +269,7 @@ def _engine_8bit(path: str, stage: int) -> dict:
         "n_quant": len(quant),
         "codes": codes,
         "int8_held": int8_held,
-        "pinned": pinned if stage == 3 else 0,
+        "pinned": (pinned_at_start, pinned_after) if stage == 3 else (0, 0),
     }
 
 
@@ -290,4 +300,4 @@ def test_8bit_base_with_lora_at_zero2_and_zero3_matches_one_process(tmp_path):
         assert got["unchanged"] and got["n_quant"] > 0
     assert two["int8_held"] == 0  # stage 2 keeps the frozen base whole, outside any group
     assert three["codes"] <= 2 * three["int8_held"] <= three["codes"] + 2 * 2 * three["n_quant"]
-    assert three["pinned"] == 0
+    assert three["pinned"] == (0, 0), three["pinned"]
