@@ -211,3 +211,27 @@ def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_matches_transformers(tmp_pa
     mt, hf = head["losses"]["mt"], head["losses"]["hf"]
     assert len(mt) == STEPS and all(x == x and abs(x) < 1e3 for x in mt), mt
     assert abs(mt[0] - hf[0]) <= 3 * 2**-8 * abs(hf[0]), (mt, hf)
+
+
+def test_placement_keeps_each_module_in_one_dtype():
+    """``place_model`` in fp32: a frozen bf16 linear stays bf16; one whose bias is trainable
+    is cast whole (its weight too), so no module mixes dtypes; the fp32 trainable linear
+    after the bf16 one gets its input cast. The forward runs and each output has its
+    module's dtype."""
+    from torch import nn
+
+    from meshtrain.parallel.placement import place_model
+
+    frozen = nn.Linear(4, 4, dtype=torch.bfloat16).requires_grad_(False)
+    with_bias = nn.Linear(4, 4, dtype=torch.bfloat16).requires_grad_(False)
+    with_bias.bias.requires_grad_(True)
+    head = nn.Linear(4, 2, dtype=torch.bfloat16)  # trained whole: follows the precision
+    model = place_model(nn.Sequential(frozen, with_bias, head), torch.device("cpu"), torch.float32)
+    assert (frozen.weight.dtype, frozen.bias.dtype) == (torch.bfloat16, torch.bfloat16)
+    assert (with_bias.weight.dtype, with_bias.bias.dtype) == (torch.float32, torch.float32)
+    assert head.weight.dtype == torch.float32
+    seen = []
+    for m in (frozen, with_bias, head):
+        m.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    out = model(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert seen == [torch.bfloat16, torch.float32, torch.float32] and out.dtype == torch.float32

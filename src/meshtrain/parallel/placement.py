@@ -23,7 +23,9 @@ dtype differs from ``dtype``, every module that directly owns floating parameter
 forward pre-hook casting its floating tensor arguments to its own parameters' dtype
 (``weight``'s, else the first one's): a no-op where they already agree (every frozen bf16
 linear of a bf16 base fed by bf16 activations; peft's LoRA layers own no parameter
-directly and cast for themselves). The hooks exist only on such mixed models.
+directly and cast for themselves). The hooks exist only on such mixed models. A module
+that owns both frozen and trainable parameters (a frozen weight with a trainable bias,
+peft's ``bias="all"``) is cast whole, as before, so that no module mixes dtypes itself.
 
 The cast is per tensor (``param.data = param.data.to(dtype)``, what ``nn.Module.to``
 does), so a spared bf16 base is never materialised in fp32, even transiently. Integer
@@ -44,10 +46,14 @@ def place_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> n
     spared = False
     with torch.no_grad():
         for module in model.modules():
-            for p in module._parameters.values():
-                if p is None or not p.is_floating_point() or p.dtype == dtype:
+            own = [p for p in module._parameters.values() if p is not None]
+            # a module that also owns trainable parameters (a frozen weight with a
+            # trainable bias) computes in one dtype: its frozen ones follow the precision
+            mixed = any(p.requires_grad and p.is_floating_point() for p in own)
+            for p in own:
+                if not p.is_floating_point() or p.dtype == dtype:
                     continue
-                if spare_frozen and not p.requires_grad:
+                if spare_frozen and not p.requires_grad and not mixed:
                     spared = True
                     continue
                 p.data = p.data.to(dtype)
