@@ -2,7 +2,8 @@
 
 ::
 
-    place      model.to(device, dtype)
+    place      model.to(device, dtype); in fp32 frozen parameters keep their dtype
+               (``parallel.placement``)
     1. TP      tensor-parallel plan: swap linears/embeddings for sharded ones
     2. CP      context-parallel attention: each attention layer spans the cp group
                (ring or all_to_all) and a pre-hook cuts every batch to this rank's chunks
@@ -65,6 +66,7 @@ from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import ConfigError
 from meshtrain.optim.builders import param_groups
 from meshtrain.parallel.experts import is_expert_param
+from meshtrain.parallel.placement import place_model
 from meshtrain.parallel.zero.stage import ZeroStage
 from meshtrain.parallel.zero.stages import ZeroStages, build_zero
 
@@ -89,7 +91,7 @@ def parallelize(
     param-group dicts (default: every parameter of the model in one group). ``tp_plan``: a
     ``meshtrain.parallel.tensor.TPPlan`` for a model without a built-in plan.
     """
-    model = model.to(device=topology.device, dtype=PRECISIONS[config.precision])
+    model = place_model(model, topology.device, PRECISIONS[config.precision])
 
     from meshtrain.parallel.experts.shard import check_layout
 

@@ -49,12 +49,15 @@ import torch
 from torch import nn
 
 from meshtrain.distributed.topology import Group, Topology
-from meshtrain.errors import ConfigError
 from meshtrain.optim.catalog import layout_of
 from meshtrain.parallel.blocks import gather_units
 from meshtrain.parallel.zero.flat_group import SLICE_NUMEL, FlatGroup
 from meshtrain.parallel.zero.frozen import FrozenGroup, frozen_groups
-from meshtrain.parallel.zero.quantized import keep_4bit_layout_fixed
+from meshtrain.parallel.zero.quantized import (
+    keep_4bit_layout_fixed,
+    track_8bit_codes,
+    unpin_8bit_codes,
+)
 from meshtrain.parallel.zero.stage3 import ParamGatherer, assign_units
 
 _UNBOUNDED = 1 << 62
@@ -94,20 +97,12 @@ def _offloaded(section) -> bool:
     return section is not None and section.device == "cpu"
 
 
-def _quantized_base(model: nn.Module, partitions: int) -> None:
+def _quantized_base(model: nn.Module) -> list[nn.Module]:
     """Stage 3 and a bitsandbytes-quantized base (``zero.quantized``): 4-bit weights keep
-    one layout; 8-bit ones over several ranks are refused (not tested)."""
+    one layout; 8-bit ones lose bitsandbytes' pinned copy of their codes. Returns the 8-bit
+    linears, whose ``state.CB`` is re-pointed at each gather (``track_8bit_codes``)."""
     keep_4bit_layout_fixed(model)
-    if partitions == 1:
-        return
-    for name, p in model.named_parameters():
-        if type(p).__name__ == "Int8Params":
-            raise ConfigError(
-                f"zero_optimization.stage: 3 over several data-parallel ranks with an 8-bit "
-                f"bitsandbytes base ({name}: Int8Params) is not supported (only 4-bit "
-                "Params4bit is tested); use stage 2, which keeps the frozen base whole and "
-                "shards the adapters' states, or load_in_4bit"
-            )
+    return unpin_8bit_codes(model)
 
 
 def build_plan(
@@ -162,7 +157,7 @@ def build_plan(
         if whole:  # persistent: small or outside every unit; stage-2 treatment
             fgs.append(FlatGroup(whole, bucket_numel=bucket, **common))
         per_group.append(fgs)
-    _quantized_base(model, partitions)
+    int8_linears = _quantized_base(model)
     frozen = frozen_groups(
         units,
         int(z.stage3_param_persistence_threshold),
@@ -181,6 +176,10 @@ def build_plan(
             int(z.stage3_prefetch_bucket_size),
             frozen=frozen,
         )
+        # after the gatherer's hooks: an 8-bit linear that is a unit itself is gathered first
+        gatherer._handles += track_8bit_codes(int8_linears)
+    elif int8_linears:  # nothing sharded: the codes stay whole in weight.data
+        track_8bit_codes(int8_linears)
     return ZeroPlan(per_group, gatherer, frozen)
 
 

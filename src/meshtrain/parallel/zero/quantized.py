@@ -16,6 +16,21 @@ single-process reference at the second step). So before stage 3 shards them, eve
 repacked weight is converted back (bitsandbytes' own inverse) and the repacking is
 switched off for those modules (``support_avx512bf16_for_cpu = False``): they use the
 generic 4-bit path, as in training mode.
+
+8-bit (LLM.int8, ``Int8Params``) weights shard the same way (each rank keeps ``1 / N`` of
+the int8 codes; the per-row scales ``SCB``, 4 bytes per output row, stay whole), but
+bitsandbytes computes with a *second reference* to the codes: ``Linear8bitLt`` moves
+``weight.CB`` into ``state.CB`` at its first forward, multiplies with ``state.CB`` (never
+``weight``), and after each forward sets ``weight.data = state.CB``. Left alone, that
+reference pins the whole int8 matrix on every rank (sharding would save nothing) and
+outlives the gathered buffer. So before sharding, :func:`unpin_8bit_codes` moves the
+scales into ``state`` (what ``init_8bit_state`` does) and drops both references to the
+whole codes; :func:`track_8bit_codes` then points ``state.CB`` at the gathered weight at
+the start of every forward (a pre-hook on the linear, which runs inside its unit's
+gather). The gathered weight is a view of the unit bucket's buffer, whose storage stage 3
+resizes to 0 on release and refills on the next gather (forward or backward), so
+``state.CB`` holds no bytes between uses and the whole values while the unit is gathered
+-- exactly what autograd's saved views of any gathered weight see.
 """
 
 from __future__ import annotations
@@ -47,3 +62,30 @@ def keep_4bit_layout_fixed(model: nn.Module) -> int:
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     return seen
+
+
+def unpin_8bit_codes(model: nn.Module) -> list[nn.Module]:
+    """Drop bitsandbytes' extra references to each ``Int8Params``' whole codes (module
+    docstring); returns the 8-bit linear modules."""
+    found = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        state = getattr(module, "state", None)
+        if type(weight).__name__ != "Int8Params" or state is None:
+            continue
+        if getattr(weight, "SCB", None) is not None:  # what init_8bit_state moves
+            state.SCB = weight.SCB
+        weight.CB = weight.SCB = None
+        state.CB = None  # set from the gathered weight before each forward
+        found.append(module)
+    return found
+
+
+def track_8bit_codes(modules: list[nn.Module]) -> list:
+    """Point each 8-bit linear's ``state.CB`` at its (gathered) weight before each forward;
+    returns the hook handles. Register after stage 3's gathering hooks."""
+
+    def hook(module, args):
+        module.state.CB = module.weight.data
+
+    return [m.register_forward_pre_hook(hook) for m in modules]
