@@ -114,8 +114,10 @@ def _meshtrain(path: str, out: str, stage: int) -> dict:
         for b in g.buckets:
             whole = sum(g.shapes[q].numel() for q in b.params)
             shard_shapes.append((str(g.dtype), b.chunk, whole))
+    report = trainer.engine.memory_report()
     return {
         "losses": _losses(trainer),
+        "report_params": (report.measured.params, report.formula.params),
         "frozen_dtypes": frozen_dtypes,
         "trainable_dtypes": trainable_dtypes,
         "frozen_numel": frozen_numel,
@@ -185,6 +187,9 @@ def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_matches_transformers(tmp_pa
     assert one["trainable_dtypes"] == {"torch.float32"}, one["trainable_dtypes"]
     assert one["numel"] == one["frozen_numel"]
     assert one["held"] == {"torch.bfloat16": 2 * one["frozen_numel"]}, one["held"]
+    # memory_report's formula counts the frozen base by its bf16 bytes, as held
+    measured, formula = one["report_params"]
+    assert measured == formula, (measured, formula)
     _close(ref, one["losses"])
 
     # ZeRO-3 on 2 ranks: the frozen base is sharded in one bf16 group (never upcast);
@@ -201,6 +206,9 @@ def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_matches_transformers(tmp_pa
         assert r["held"] == {"torch.bfloat16": 2 * (sharded + loose)}, r["held"]
         assert r["held"]["torch.bfloat16"] < 2 * r["frozen_numel"]  # less than the whole
     assert z3[0]["held"] == z3[1]["held"]
+    for r in z3:  # ZeRO-3: the formula leaves out bucket padding to 2 ranks (0 measured here)
+        measured, formula = r["report_params"]
+        assert 0 <= measured - formula <= 0.01 * formula, (measured, formula)
     _close(ref, z3[0]["losses"])
 
     # a head trained whole on the bf16 encoder: trains, the encoder stays bf16, the head is

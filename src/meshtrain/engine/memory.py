@@ -10,6 +10,8 @@ counts, stage, data-parallel size, precision and optimizer: the ZeRO paper's per
 model states. They differ by padding (each bucket rounded up to a multiple of ``N``), by
 the optimizer's scalar ``step`` tensors, by stage 3's gathered units, and, under stage 3,
 by frozen parameters kept whole (under the persistence threshold or outside every unit).
+Frozen parameters enter the formula by their bytes, at the dtype they are held in (a
+bf16 base left bf16 in an fp32 run, quantized codes), not at the run's width.
 
 With pipeline parallelism the flat groups hold this rank's stages only, so measured and
 formula are this pp rank's (its ``Psi_r``), and ``pipeline`` adds its stages, the
@@ -124,7 +126,12 @@ def memory_report(engine) -> MemoryReport:
     zero = engine.zero
     in_groups = {id(p) for g in [*zero.flat_groups, *zero.frozen_groups] for p in g.params}
     frozen = {id(p): p for p in engine.module.parameters() if id(p) not in in_groups}
-    frozen_numel = zero.frozen_sharded_numel + sum(p.numel() for p in frozen.values())
+    # the formula counts a frozen parameter at the run's width; one held in another dtype
+    # (a bf16 base in an fp32 run, 4-bit or 8-bit codes) is counted by its bytes instead
+    width = 4 if str(engine.config.precision).lower() == "fp32" else 2
+    frozen_bytes = sum(g.frozen_numel * g.itemsize for g in zero.frozen_groups)
+    frozen_bytes += sum(_tensor_bytes(p) for p in frozen.values())
+    frozen_numel = -(-frozen_bytes // width)
     trainable = zero.trainable_numel
     z = engine.config.zero_optimization
     offload_opt = z.offload_optimizer is not None and z.offload_optimizer.device == "cpu"
