@@ -119,14 +119,11 @@ class ChatCollator(PaddingCollator):
                 )
         history = _history(record.get(history_field), where)
         rounds, prompt = self.template.render(str(record[prompt_field]), history)
-        # every piece in one encode_batch (one call into a fast tokenizer's Rust code, not
-        # one transformers __call__ per piece: the same ids, a fraction of the time)
-        pieces = [self.template.system or "", *rounds, prompt, str(record[response_field])]
-        ids = self.tokenizer.encode_batch(pieces)
-        system = ids[0] if self.template.system else []
-        round_ids = ids[1:-2]
-        prompt_ids = ids[-2]
-        response = ids[-1] + self.eos
+        enc = self.tokenizer.encode
+        system = enc(self.template.system) if self.template.system else []
+        round_ids = [enc(r) for r in rounds]
+        prompt_ids = enc(prompt)
+        response = enc(str(record[response_field])) + self.eos
         if self.max_response_length is not None:
             response = response[: self.max_response_length]
         if self.max_length is not None:
