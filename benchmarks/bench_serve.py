@@ -3,9 +3,9 @@
 Starts ``python -m meshtrain serve`` as a subprocess on 127.0.0.1 (never another address)
 for each phase, waits for ``/health``, then fires a bounded number of requests from a
 fixed number of concurrent workers in this process, each on its own keep-alive
-connection (:class:`Http11`, a minimal asyncio HTTP/1.1 client: ``httpx`` cost 14x its
-CPU per request, which the server's cores paid for; ``--client httpx`` brings it back), and stops
-issuing at ``--max-seconds`` per phase whatever the count (after an untimed warm-up of
+connection (:class:`Http11`, a minimal asyncio HTTP/1.1 client: ``httpx`` cost over 10x
+its CPU per request, which the server's cores paid for; ``--client httpx`` brings it
+back), and stops issuing at ``--max-seconds`` per phase whatever the count (after an untimed warm-up of
 4 x concurrency requests, itself capped at 30 s):
 
 * classify, batching on:  ``--classify-requests`` (10,000) at ``--classify-concurrency``
