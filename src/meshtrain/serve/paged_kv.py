@@ -21,9 +21,13 @@ the model runs once. Its attention layers call :func:`paged_attention` (register
 only for these forwards), which, per layer:
 
 1. writes the ``N`` new keys and values into their slots (one ``index_copy_``);
-2. for the decoding sequences, gathers each one's slots into ``[B, kv_heads, T, dim]``
-   (``T`` the longest, shorter rows masked) and runs one ``scaled_dot_product_attention``
-   of their ``B`` single queries;
+2. for the decoding sequences, gathers each one's whole blocks (one ``index_select`` of
+   ``B x blocks`` rows of ``block_size`` contiguous slots, not one index per token) into
+   ``[B, kv_heads, T, dim]`` (``T`` the longest table's blocks times ``block_size``; the
+   slots past each sequence's length get ``-inf`` in an additive mask) and runs one
+   ``scaled_dot_product_attention`` of their ``B`` single queries, each kv head's group of
+   query heads folded into the query length (``[B, kv_heads, group, dim]``: no
+   ``enable_gqa`` expansion, and the CPU kernel then works on ``group`` rows at once);
 3. for each prefill chunk, gathers that sequence's slots and attends causally (its
    chunk sees its own earlier tokens and the chunk so far).
 
@@ -134,18 +138,27 @@ class StepPlan:
     """What every layer of one forward needs (built once per step; module docstring).
 
     ``slots[N]``: where each new token's key and value go. The first ``decoding`` tokens
-    of the row are decoding sequences: ``decode_kv[B, T]`` their slots (padded with
-    slot 0), ``decode_mask[B, 1, 1, T]`` which are real (None when all are). ``chunks``: per prefill chunk
-    (start in the row, length, its sequence's slots so far, causal mask or None when the
-    chunk is the sequence's whole history)."""
+    of the row are decoding sequences: ``decode_blocks[B * nb]`` their block tables
+    (each padded to ``nb`` blocks with block 0), ``decode_valid[B, 1, 1, nb * block_size]``
+    which gathered slots are real; ``decode_bias`` is that mask as ``0`` / ``-inf`` in the
+    query's dtype, made by the first layer and shared by the others. ``chunks``: per
+    prefill chunk (start in the row, length, its sequence's slots so far, causal mask or
+    None when the chunk is the sequence's whole history)."""
 
     pool: BlockPool
     slots: torch.Tensor
     decoding: int
-    decode_kv: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_blocks: torch.Tensor | None
+    decode_valid: torch.Tensor | None
     chunks: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     context: int | None = None  # the served context (a shorter sliding window is refused)
+    decode_bias: torch.Tensor | None = None
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.decode_bias is None or self.decode_bias.dtype != dtype:
+            zero = torch.zeros((), dtype=dtype, device=self.decode_valid.device)
+            self.decode_bias = zero.masked_fill(~self.decode_valid, float("-inf"))
+        return self.decode_bias
 
 
 def plan_step(
@@ -160,23 +173,26 @@ def plan_step(
     ``decoding``: sequences that add one token; ``chunks``: (sequence, tokens) prefill
     pieces. Row order: the decoding tokens first, then each chunk. Lengths are advanced
     here: the forward that follows stores exactly these tokens. Python work is O(number
-    of sequences + chunk tokens); the decoding rows' slots are computed as tensors."""
+    of sequences + chunk tokens) on small ints; the tensors are made in one call each."""
     bs = pool.block_size
     slots: list[int] = []
     for seq, n in [(s, 1) for s in decoding] + chunks:
         need = pool.blocks_for(seq.length + n) - len(seq.blocks)
         if need > 0:
             seq.blocks += pool.allocate(need)
-    decode_kv = decode_mask = None
+    decode_blocks = decode_valid = None
     if decoding:
-        width = max(s.length for s in decoding) + 1
-        lengths = torch.tensor([s.length + 1 for s in decoding])
-        kv = _slots([s.blocks for s in decoding], width, bs)
-        slots += kv[torch.arange(len(decoding)), lengths - 1].tolist()
-        decode_kv = kv.to(device)
-        if int(lengths.min()) < width:  # rows of different lengths: mask the short ones' ends
-            mask = torch.arange(width)[None, :] < lengths[:, None]
-            decode_mask = mask.to(device)[:, None, None]
+        nb = max(len(s.blocks) for s in decoding)
+        lengths = []
+        tables: list[int] = []
+        for s in decoding:
+            slots.append(s.blocks[s.length // bs] * bs + s.length % bs)
+            lengths.append(s.length + 1)
+            tables += s.blocks
+            tables += [0] * (nb - len(s.blocks))
+        decode_blocks = torch.tensor(tables, device=device)
+        valid = torch.arange(nb * bs, device=device) < torch.tensor(lengths, device=device)[:, None]
+        decode_valid = valid[:, None, None]
     planned = []
     start = len(decoding)
     for seq, n in chunks:
@@ -197,8 +213,8 @@ def plan_step(
         pool,
         torch.tensor(slots, device=device),
         len(decoding),
-        decode_kv,
-        decode_mask,
+        decode_blocks,
+        decode_valid,
         planned,
         context,
     )
@@ -236,19 +252,27 @@ def paged_attention(
     sdpa = torch.nn.functional.scaled_dot_product_attention
     b = plan.decoding
     if b:
-        q = query[0, :, :b].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]
-        k = keys[plan.decode_kv].permute(0, 2, 1, 3)  # [B, kv_heads, T, dim]
-        v = values[plan.decode_kv].permute(0, 2, 1, 3)
-        o = sdpa(q, k, v, attn_mask=plan.decode_mask, scale=scaling, enable_gqa=gqa)
-        if not plan.chunks:  # a decoding-only step: [B, heads, 1, dim] is the whole answer
-            return o.permute(2, 0, 1, 3), None  # [1, B, heads, dim]
+        heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+        bs = pool.block_size
+        # whole blocks, one index_select per store: [B, nb * bs, kv_heads, dim]
+        k = keys.view(-1, bs, kv_heads, dim).index_select(0, plan.decode_blocks)
+        v = values.view(-1, bs, kv_heads, dim).index_select(0, plan.decode_blocks)
+        k = k.view(b, -1, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, T, dim]
+        v = v.view(b, -1, kv_heads, dim).transpose(1, 2)
+        # query head h reads kv head h // group (repeat_kv's order): the group's queries
+        # become the query length of their kv head
+        q = query[0, :, :b].transpose(0, 1).reshape(b, kv_heads, heads // kv_heads, dim)
+        o = sdpa(q, k, v, attn_mask=plan.bias(query.dtype), scale=scaling)
+        o = o.reshape(b, heads, dim)
+        if not plan.chunks:  # a decoding-only step: [B, heads, dim] is the whole answer
+            return o[None], None  # [1, B, heads, dim]
     out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
     if b:
-        out[0, :b] = o[:, :, 0]
+        out[0, :b] = o
     for start, n, kv, mask in plan.chunks:
         q = query[:, :, start : start + n]
-        k = keys[kv].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, past + n, dim]
-        v = values[kv].transpose(0, 1).unsqueeze(0)
+        k = keys.index_select(0, kv).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, past+n, dim]
+        v = values.index_select(0, kv).transpose(0, 1).unsqueeze(0)
         o = sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa)
         out[0, start : start + n] = o[0].transpose(0, 1)
     return out, None
