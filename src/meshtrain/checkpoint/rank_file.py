@@ -6,20 +6,24 @@ verifying); its offsets are validated against the file size, so every later read
 plain ``readinto`` at a known position.
 
 **Whole keys, one pass.** ``read_key`` reads a key's bytes with ``readinto`` straight
-into the storage of the tensor it returns, in ``BLOCK`` pieces; when verifying, each
-block is hashed right after it lands, while it is still in the CPU cache, and the
-digest is compared with the record before the tensor is handed out. So verification
-adds the hash's arithmetic over bytes already in cache, never a second read: the reader
-before this one hashed each file in a pass of its own and then let safetensors read it
-again through a memory map (2.5x a load from the page cache, where a load is a memory
-copy). The tensor is the caller's: nothing else refers to its storage.
+into the storage of the tensor it returns, in ``BLOCK`` pieces, and when verifying hashes
+them as they land; the digest is compared with the record before the tensor is handed
+out. Verification never reads a byte a second time. Where the hash runs: a key of at
+least ``THREAD_MIN`` bytes is handed, chunk by chunk, to the reader's hashing thread
+(``files.hash_thread``), which hashes chunk i on the second core while block i+1 is read,
+so the load waits only for the last block's hash; a smaller key (or one without a thread)
+is hashed inline, each block right after it lands, while it is still in the CPU cache.
+The reader before this one hashed each file in a pass of its own and then let
+safetensors read it again through a memory map (2.5x a load from the page cache). The
+tensor is the caller's: nothing else refers to its storage.
 
 **Parts of large keys.** A key read only in part (one rank's range of a flat ZeRO
-buffer) is sliced from safetensors' memory map, so a narrow read touches only its bytes.
-When verifying, such a key is checked first: ``CheckpointReader`` reads a key of at most
-``KEEP_BYTES`` whole (one pass, kept for the slices that follow) and calls
-``verify_key`` for a larger one, a streamed pass of its own in ``BLOCK`` reads (memory
-stays one block; the slices then read those bytes a second time).
+buffer) is sliced from safetensors' memory map once it is verified, so a narrow read
+touches only its bytes. Before that, ``CheckpointReader`` reads a key of at most
+``KEEP_BYTES`` whole (one pass, kept for the slices that follow); a larger one is read by
+``read_part``: one streamed pass over the key that hashes every byte, reads the range
+asked for straight into the tensor returned and the rest through one block of memory.
+``verify_key`` (``verify_all``) is the same pass keeping nothing.
 
 Manifests written before per-tensor records carry a whole-file sha256; such a file is
 hashed whole when it is opened, as before.
@@ -41,12 +45,16 @@ from meshtrain.checkpoint import tensor_files
 from meshtrain.dtypes import SAFETENSORS_CODES
 from meshtrain.errors import CheckpointError
 from meshtrain.files import checksums
+from meshtrain.files.hash_thread import HashThread, cut
 
 # 256 KiB: a block and its hash stay in a core's L2 (1 MiB here); measured with
 # benchmarks/bench_integrity.py against 64 KiB (more syscalls) and 1-4 MiB (the block is
 # evicted before it is hashed)
 BLOCK = 1 << 18
 KEEP_BYTES = 64 << 20  # a key read in part is read whole (one pass) when no larger
+# below this a key is hashed inline: handing it to the hashing thread and waiting for the
+# result costs about as much as hashing 1 MiB in the cache (two wake-ups)
+THREAD_MIN = 1 << 20
 _TORCH = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
 
 
@@ -55,7 +63,8 @@ class RankFile:
 
     ``record``: the manifest's checksum record (``{"header", "tensors", ...}``), or None.
     ``sha256``: the whole-file digest of an older manifest, or None. ``verify``: check
-    against whichever is present. ``fix``: what a message tells the user to do."""
+    against whichever is present. ``fix``: what a message tells the user to do.
+    ``hashing``: the thread that hashes large keys while they are read (None: inline)."""
 
     def __init__(
         self,
@@ -66,8 +75,10 @@ class RankFile:
         sha256: str | None,
         verify: bool,
         fix: str,
+        hashing: HashThread | None = None,
     ) -> None:
         self.path, self.rank, self.verify, self.fix = path, rank, verify, fix
+        self.hashing = hashing
         self.where = f"checkpoint file {path} (rank {rank})"
         self.record = record if verify else None
         self.verified: set[str] = set()
@@ -134,52 +145,97 @@ class RankFile:
 
     def read_key(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` (its stored shape and dtype) in a new storage, read in
-        one pass and, unless already verified, hashed block by block and checked."""
+        one pass and, unless already verified, hashed as it lands and checked."""
         code, shape, begin, end = self.keys[key]
         out = torch.empty(end - begin, dtype=torch.uint8)
-        h = self._hasher(key)
-        self._pass(key, begin, end, memoryview(out.numpy()), h)
-        self._check(key, h, begin, end)
+        digest = self._pass(key, begin, end, memoryview(out.numpy()), self._needs(key))
+        self._check(key, digest, begin, end)
         return out.view(_TORCH[code]).reshape(shape)
+
+    def read_part(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of 1-D key ``key`` in a new storage. Unverified, the whole
+        key is streamed once: its bytes before and after the range through one block of
+        memory, the range itself straight into the tensor returned, every byte hashed in
+        order; so the range is read once and the key checked before it is handed out."""
+        code, _shape, begin, end = self.keys[key]
+        item = _TORCH[code].itemsize
+        a, b = begin + lo * item, begin + hi * item
+        out = torch.empty(b - a, dtype=torch.uint8)
+        dst = memoryview(out.numpy())
+        if not self._needs(key):
+            self._pass(key, a, b, dst, False)
+        else:
+            h = checksums.hasher()
+            buf = memoryview(bytearray(min(BLOCK, end - begin) or 1))
+            self._pass(key, begin, a, buf, False, into_buf=False, h=h)
+            self._pass(key, a, b, dst, False, h=h)
+            self._pass(key, b, end, buf, False, into_buf=False, h=h)
+            self._check(key, h.hexdigest(), begin, end)
+        return out.view(_TORCH[code])
 
     def verify_key(self, key: str) -> None:
         """Hash ``key``'s bytes in a streamed pass (one block of memory) and check them."""
-        h = self._hasher(key)
-        if h is None:
+        if not self._needs(key):
             return
         _code, _shape, begin, end = self.keys[key]
         buf = memoryview(bytearray(min(BLOCK, end - begin) or 1))
-        self._pass(key, begin, end, buf, h, into_buf=False)
-        self._check(key, h, begin, end)
+        self._check(key, self._pass(key, begin, end, buf, True, into_buf=False), begin, end)
 
-    def _hasher(self, key: str) -> Any:
-        return checksums.hasher() if self.record is not None and key not in self.verified else None
+    def _needs(self, key: str) -> bool:
+        """Whether ``key`` is still to be checked."""
+        return self.record is not None and key not in self.verified
 
     def _pass(
-        self, key: str, begin: int, end: int, dst: memoryview, h: Any, into_buf: bool = True
-    ) -> None:
+        self,
+        key: str,
+        begin: int,
+        end: int,
+        dst: memoryview,
+        verify: bool,
+        into_buf: bool = True,
+        h: Any = None,
+    ) -> str | None:
         """Read bytes ``[begin, end)`` block by block into ``dst`` (or through it, when it is
-        one block), feeding each block to ``h`` as it lands."""
+        one block); with ``verify``, return their digest, else None. Bytes are hashed as
+        they land: on the hashing thread (chunk by chunk, while the next block is read)
+        when there is one and the range is at least ``THREAD_MIN`` bytes read into
+        ``dst``, else inline, block by block, while the block is in the cache. A caller's
+        running hasher ``h`` is fed inline instead."""
+        n = end - begin
+        ht = self.hashing if verify and into_buf and n >= THREAD_MIN else None
+        if verify and ht is None:
+            h = checksums.hasher()
+        if ht is not None:
+            ht.begin()
         f = self._file()
         f.seek(begin)
-        pos, n = 0, end - begin
-        while pos < n:
-            take = min(BLOCK, n - pos)
-            view = dst[pos : pos + take] if into_buf else dst[:take]
-            got = f.readinto(view)
-            if not got:
-                raise CheckpointError(
-                    f"{self.where}: the file ends inside tensor {key!r} (byte {begin + pos}); "
-                    f"it was truncated after it was opened; {self.fix}"
-                )
-            if h is not None:
-                h.update(view[:got])
-            pos += got
+        pos = last = 0
+        try:
+            while pos < n:
+                take = min(BLOCK, n - pos)
+                view = dst[pos : pos + take] if into_buf else dst[:take]
+                got = f.readinto(view)
+                if not got:
+                    raise CheckpointError(
+                        f"{self.where}: the file ends inside tensor {key!r} (byte "
+                        f"{begin + pos}); it was truncated after it was opened; {self.fix}"
+                    )
+                if h is not None:
+                    h.update(view[:got])
+                pos += got
+                if ht is not None and cut(pos, last, n, BLOCK):
+                    ht.feed(dst[last:pos])  # hashed while the next block is read
+                    last = pos
+        finally:
+            digest = ht.hexdigest() if ht is not None else None  # the thread is done with dst
+        if not verify:
+            return None
+        return digest if ht is not None else h.hexdigest()
 
-    def _check(self, key: str, h: Any, begin: int, end: int) -> None:
-        if h is None:
+    def _check(self, key: str, digest: str | None, begin: int, end: int) -> None:
+        if digest is None:
             return
-        if h.hexdigest() != self.record["tensors"][key]:
+        if digest != self.record["tensors"][key]:
             raise CheckpointError(
                 f"{self.path}: tensor {key!r} (bytes {begin}..{end} of the file) is corrupted: "
                 f"its {checksums.ALGO} checksum differs from the one recorded at save; "
