@@ -7,28 +7,33 @@ One process saves a checkpoint of ``--mib`` MiB (8 fp32 tensors, ``save_shards``
 of every tensor), alternating the variants round by round so that load on the shared
 machine hits them alike; the median of ``--rounds`` is reported:
 
-* save ``checksums``: what meshtrain does (per-tensor xxh3-64 from the tensors written,
-  manifest sealed); save ``none``: the same with the checksum record replaced by an empty
-  one (the cost of hashing, isolated); save ``sha256 pass``: the previous implementation's
-  second read of the file with sha256, for reference;
-* load ``verify``: ``CheckpointReader.read`` of every tensor, each hashed block by block
-  as it is read into the tensor returned (``checkpoint.rank_file``); load ``no verify``:
-  the same with ``CheckpointReader(verify=False)``;
-* the same two loads ``cold``: the rank file is dropped from the page cache first
+* save ``checksums``: what meshtrain does (per-tensor xxh3-64 of the tensors written,
+  hashed on a second thread while safetensors writes and fsync waits; manifest sealed);
+  save ``none``: the same with ``tensor_files.tensor_digests`` hashing nothing (the cost
+  of hashing, isolated); save ``sha256 pass``: the earliest implementation's second read
+  of the written file with sha256, for reference;
+* load ``verify``: ``CheckpointReader.read`` of every tensor, each read into the tensor
+  returned and hashed chunk by chunk on the reader's hashing thread while the next block
+  is read (``checkpoint.rank_file``, ``files.hash_thread``); ``verify inline``: the same
+  with the hash on the reading thread, each block right after it lands (what a process
+  limited to one core does); ``no verify``: ``CheckpointReader(verify=False)``;
+* ``verify`` and ``no verify`` ``cold``: the rank file is dropped from the page cache first
   (``posix_fadvise(DONTNEED)`` on that file only), so the bytes come from the disk, as
   when a job restarts on a fresh node.
 
 Before each save the previous one is deleted and ``os.sync()`` flushes dirty pages, and
-the order of the save variants rotates, so that writeback of one save does not land on
+the order of the save variants, and of the loads, rotates round by round, so that writeback of one save does not land on
 the next. ``--dir /dev/shm`` takes the disk out and leaves the compute cost (tmpfs).
 Warm loads read from the page cache (the file was just written): the load is then a
 memory copy, the worst case for the relative cost of verification.
-Ratios are printed; the goal (issue 32) is verification within 5% of none.
+Ratios of wall and of CPU time (the process's, all threads) are printed, with the load
+average; the goal (issue 32) is verification within 5% of none.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -42,12 +47,14 @@ from unittest import mock
 import torch
 
 from meshtrain.checkpoint import CheckpointReader, Piece, save_shards, storage, tensor_files
+from meshtrain.files import hash_thread
 
 NAMES = (
     "save checksums",
     "save none",
     "save sha256 pass",
     "load verify",
+    "load verify inline",
     "load no verify",
     "load verify, cold",
     "load no verify, cold",
@@ -65,25 +72,27 @@ def _state(mib: int) -> tuple[dict, list, dict]:
     return tensors, pieces, {"tensors": specs}
 
 
-def _empty_record(path, host):
-    size = Path(path).stat().st_size
-    return {"algo": "xxh3_64", "size": size, "header": "", "tensors": {}}
+def _no_digests(host):
+    return {}
 
 
-def _sha_record(path, host):
-    rec = _empty_record(path, host)
-    storage.sha256_file(Path(path))
-    return rec
+def _sha_record(path, digests):
+    storage.sha256_file(Path(path))  # the second pass over the written file
+    return {"algo": "xxh3_64", "size": Path(path).stat().st_size, "header": "", "tensors": {}}
 
 
-def _save(root: Path, tag: str, tensors, pieces, meta, record) -> tuple[float, float]:
-    t0, c0 = time.perf_counter(), time.process_time()
-    if record is None:
+def _save(root: Path, tag: str, tensors, pieces, meta, variant) -> tuple[float, float]:
+    patches = {
+        "checksums": {},
+        "none": {"tensor_digests": _no_digests},
+        "sha256": {"tensor_digests": _no_digests, "record_from_tensors": _sha_record},
+    }[variant]
+    with contextlib.ExitStack() as stack:
+        for attr, fn in patches.items():
+            stack.enter_context(mock.patch.object(tensor_files, attr, fn))
+        t0, c0 = time.perf_counter(), time.process_time()
         save_shards(root, tag, group=None, tensors=tensors, pieces=pieces, meta=meta)
-    else:
-        with mock.patch.object(tensor_files, "record_from_tensors", record):
-            save_shards(root, tag, group=None, tensors=tensors, pieces=pieces, meta=meta)
-    return time.perf_counter() - t0, time.process_time() - c0
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _evict(root: Path, tag: str) -> None:
@@ -96,14 +105,23 @@ def _evict(root: Path, tag: str) -> None:
             os.close(fd)
 
 
-def _load(root: Path, tag: str, verify: bool, cold: bool = False) -> tuple[float, float]:
+def _load(
+    root: Path, tag: str, verify: bool, cold: bool = False, inline: bool = False, seen=None
+) -> tuple[float, float]:
+    """Wall and CPU seconds of reading every tensor; ``seen`` (a list of two counts) gets
+    the keys hashed on the hashing thread and those it declined (hashed inline)."""
     if cold:
         _evict(root, tag)
-    t0, c0 = time.perf_counter(), time.process_time()
-    with CheckpointReader(root, tag, verify=verify) as r:
-        for name in r.names():
-            r.read(name)
-    return time.perf_counter() - t0, time.process_time() - c0
+    with mock.patch.object(hash_thread, "usable", lambda: not inline):
+        t0, c0 = time.perf_counter(), time.process_time()
+        with CheckpointReader(root, tag, verify=verify) as r:
+            for name in r.names():
+                r.read(name)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if seen is not None and r._hashing is not None:
+                seen[0] += r._hashing.streams
+                seen[1] += r._hashing.declined
+        return wall, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     tensors, pieces, meta = _state(args.mib)
     nbytes = sum(t.numel() * 4 for t in tensors.values())
     cpu: dict[str, list[float]] = {k: [] for k in NAMES}
+    seen = [0, 0]  # keys of "load verify" hashed on the thread, and declined
     times: dict[str, list[float]] = {k: [] for k in NAMES}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         saves = [
-            ("save checksums", None),
-            ("save none", _empty_record),
-            ("save sha256 pass", _sha_record),
+            ("save checksums", "checksums"),
+            ("save none", "none"),
+            ("save sha256 pass", "sha256"),
         ]
         for rnd in range(args.rounds):
             k = rnd % len(saves)  # rotate: each variant runs first, middle and last alike
@@ -134,19 +153,23 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(wall)
                 cpu[name].append(c)
             shutil.rmtree(root, ignore_errors=True)
-            _save(root, "c", tensors, pieces, meta, None)  # the loads read a real checkpoint
+            _save(root, "c", tensors, pieces, meta, "checksums")  # the loads read a real one
             os.sync()
             _load(root, "c", False)  # warm the page cache for both
             loads = [
-                ("load verify", True, False),
-                ("load no verify", False, False),
-                ("load verify, cold", True, True),
-                ("load no verify, cold", False, True),
+                ("load verify", True, False, False),
+                ("load verify inline", True, False, True),
+                ("load no verify", False, False, False),
+                ("load verify, cold", True, True, False),
+                ("load no verify, cold", False, True, False),
             ]
-            for name, verify, cold in loads if rnd % 2 == 0 else loads[::-1]:
+            k = rnd % len(loads)  # rotate, as the saves
+            for name, verify, cold, inline in loads[k:] + loads[:k]:
                 if not cold:
                     _load(root, "c", False)  # back in the page cache after a cold one
-                wall, c = _load(root, "c", verify, cold)
+                wall, c = _load(
+                    root, "c", verify, cold, inline, seen if name == "load verify" else None
+                )
                 times[name].append(wall)
                 cpu[name].append(c)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -158,21 +181,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:20s} wall {med[k]:7.3f} s  {gbs[k]:6.2f} GB/s   cpu {cmed[k]:7.3f} s")
     save_ratio = med["save checksums"] / med["save none"]
     load_ratio = med["load verify"] / med["load no verify"]
+    inline_ratio = med["load verify inline"] / med["load no verify"]
     print(
         f"save with checksums / without: {save_ratio:.3f}x  (sha256 second pass: "
         f"{med['save sha256 pass'] / med['save none']:.3f}x)"
     )
-    print(f"load with verification / without: {load_ratio:.3f}x")
+    print(
+        f"load with verification / without: {load_ratio:.3f}x  (hashed inline: {inline_ratio:.3f}x)"
+    )
     cold_ratio = med["load verify, cold"] / med["load no verify, cold"]
     print(f"cold load (from the disk) with verification / without: {cold_ratio:.3f}x")
     c_save = cmed["save checksums"] / cmed["save none"]
     c_load = cmed["load verify"] / cmed["load no verify"]
-    print(f"cpu time ratios (less sensitive to other load): save {c_save:.3f}x, load {c_load:.3f}x")
+    c_inline = cmed["load verify inline"] / cmed["load no verify"]
+    print(
+        f"cpu time ratios (less sensitive to other load): save {c_save:.3f}x, load "
+        f"{c_load:.3f}x (inline {c_inline:.3f}x)"
+    )
     print(
         "fastest-run ratios (the least disturbed by other processes): save "
         f"{best['save checksums'] / best['save none']:.3f}x, load "
-        f"{best['load verify'] / best['load no verify']:.3f}x, cold load "
+        f"{best['load verify'] / best['load no verify']:.3f}x (inline "
+        f"{best['load verify inline'] / best['load no verify']:.3f}x), cold load "
         f"{best['load verify, cold'] / best['load no verify, cold']:.3f}x"
+    )
+    print(
+        f"load verify: {seen[0]} keys hashed on the hashing thread, {seen[1]} declined by it "
+        "(hashed inline after it was slower than inline)"
     )
     print(f"load average at the start: {load_start}, at the end: {os.getloadavg()}")
     if args.json:
@@ -183,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             "times_s": times, "median_s": med, "gb_per_s": gbs, "cpu_s": cpu, "cpu_median_s": cmed, "min_s": best,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
             "save_ratio": save_ratio, "load_ratio": load_ratio, "cold_load_ratio": cold_ratio,
-            "cpu_save_ratio": c_save, "cpu_load_ratio": c_load,
+            "inline_load_ratio": inline_ratio, "thread_keys": seen[0],
+            "declined_keys": seen[1], "cpu_save_ratio": c_save,
+            "cpu_load_ratio": c_load, "cpu_inline_load_ratio": c_inline,
         }, indent=1))  # fmt: skip
     return 0
 

@@ -80,3 +80,22 @@ def test_an_error_in_the_worker_reaches_the_caller_and_the_next_stream_is_clean(
         assert ht.hexdigest() == checksums.digest(b"ok")
     finally:
         ht.close()
+
+
+def test_streams_are_declined_for_a_while_after_the_thread_was_slower_than_inline(monkeypatch):
+    monkeypatch.setattr(hash_thread, "INLINE_BYTES_PER_S", 1e30)  # any wait is too long
+    ht = HashThread()
+    try:
+        assert ht.take()
+        ht.begin()
+        ht.feed(b"abc")
+        assert ht.hexdigest() == checksums.digest(b"abc")
+        assert [ht.take() for _ in range(hash_thread.BACKOFF + 1)] == [False] * hash_thread.BACKOFF + [True]
+        assert (ht.streams, ht.declined) == (1, 8)
+        monkeypatch.setattr(hash_thread, "INLINE_BYTES_PER_S", 0)  # the thread keeps up
+        ht.begin()
+        ht.feed(b"abc")
+        ht.hexdigest()
+        assert ht.take()
+    finally:
+        ht.close()

@@ -53,8 +53,8 @@ from meshtrain.files.hash_thread import HashThread, cut
 BLOCK = 1 << 18
 KEEP_BYTES = 64 << 20  # a key read in part is read whole (one pass) when no larger
 # below this a key is hashed inline: handing it to the hashing thread and waiting for the
-# result costs about as much as hashing 1 MiB in the cache (two wake-ups)
-THREAD_MIN = 1 << 20
+# result (two wake-ups, 20-50 us here) costs about what hashing 1-2 MiB in the cache does
+THREAD_MIN = 4 << 20
 _TORCH = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
 
 
@@ -199,10 +199,13 @@ class RankFile:
         one block); with ``verify``, return their digest, else None. Bytes are hashed as
         they land: on the hashing thread (chunk by chunk, while the next block is read)
         when there is one and the range is at least ``THREAD_MIN`` bytes read into
-        ``dst``, else inline, block by block, while the block is in the cache. A caller's
-        running hasher ``h`` is fed inline instead."""
+        ``dst`` and the thread takes it (``HashThread.take``), else inline, block by
+        block, while the block is in the cache. A caller's running hasher ``h`` is fed
+        inline instead."""
         n = end - begin
         ht = self.hashing if verify and into_buf and n >= THREAD_MIN else None
+        if ht is not None and not ht.take():
+            ht = None
         if verify and ht is None:
             h = checksums.hasher()
         if ht is not None:

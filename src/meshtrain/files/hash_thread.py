@@ -13,9 +13,15 @@ least one read block), so what the reader waits for at the end is the hash of on
 not of a whole chunk.
 
 It costs CPU rather than saving it: the hashing core reads the bytes out of the reading
-core's cache, so the hash takes about twice the CPU it takes inline, plus a wake-up per
-chunk. It pays on wall time when a second core is free; with one core (``usable()``),
-callers hash inline.
+core's cache, so the hash takes more CPU than inline, plus a wake-up per chunk. It pays
+on wall time only when a second core is free. With one core (``usable()``) callers hash
+inline; and when the cores are busy with other work, the thread waits for a CPU and the
+reader waits for it: measured on this project's shared 2-core machine at load average
+13, a load took 2.5x its unverified time that way against 1.15x inline. So ``take()``
+watches what the reader waited for at the end of each stream: when that was longer than
+hashing the whole stream inline would have taken (``INLINE_BYTES_PER_S``), the next
+``BACKOFF`` streams are declined (hashed inline by the caller), and then the thread is
+tried again.
 
 The thread is started on first use and ends by itself after ``IDLE_S`` seconds without
 work (or at ``close()``), so an object that is dropped without being closed leaves no
@@ -27,12 +33,16 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 from meshtrain.files import checksums
 
 CHUNK = 4 << 20  # a wake-up per 4 MiB: ~0.1% of the copy it overlaps
 IDLE_S = 2.0
+# xxh3-64 over blocks in the cache (the inline alternative): 50-90 GB/s measured here
+INLINE_BYTES_PER_S = 50e9
+BACKOFF = 8  # streams declined after one where the thread was slower than inline
 
 
 def usable() -> bool:
@@ -62,7 +72,10 @@ class HashThread:
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._lock = threading.Lock()  # start/stop of the worker
-        self._h: Any = None
+        self._fed = 0  # bytes of the current stream
+        self._backoff = 0  # streams still to decline
+        self.streams = 0  # streams hashed here
+        self.declined = 0  # streams declined by take()
 
     # ---- the worker ---------------------------------------------------------------
     def _run(self, jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
@@ -109,15 +122,30 @@ class HashThread:
             self._jobs.put(item)
 
     # ---- the stream ---------------------------------------------------------------
+    def take(self) -> bool:
+        """Whether to hash the next stream here; False during a back-off (module
+        docstring), when the caller hashes inline."""
+        if self._backoff:
+            self._backoff -= 1
+            self.declined += 1
+            return False
+        return True
+
     def begin(self) -> None:
+        self._fed = 0
+        self.streams += 1
         self._put(("begin", None))
 
     def feed(self, view: Any) -> None:
+        self._fed += getattr(view, "nbytes", 0)
         self._put(("data", view))
 
     def hexdigest(self) -> str:
         self._put(("end", None))
+        t0 = time.perf_counter()
         out = self._done.get()
+        if (time.perf_counter() - t0) * INLINE_BYTES_PER_S > self._fed:
+            self._backoff = BACKOFF  # inline would have been done sooner: no core is free
         if isinstance(out, Exception):
             raise out
         return out
