@@ -83,6 +83,7 @@ def test_an_error_in_the_worker_reaches_the_caller_and_the_next_stream_is_clean(
 
 
 def test_streams_are_declined_for_a_while_after_the_thread_was_slower_than_inline(monkeypatch):
+    monkeypatch.setattr(hash_thread, "core_free", lambda: True)
     monkeypatch.setattr(hash_thread, "INLINE_BYTES_PER_S", 1e30)  # any wait is too long
     ht = HashThread()
     try:
@@ -90,7 +91,9 @@ def test_streams_are_declined_for_a_while_after_the_thread_was_slower_than_inlin
         ht.begin()
         ht.feed(b"abc")
         assert ht.hexdigest() == checksums.digest(b"abc")
-        assert [ht.take() for _ in range(hash_thread.BACKOFF + 1)] == [False] * hash_thread.BACKOFF + [True]
+        assert [ht.take() for _ in range(hash_thread.BACKOFF + 1)] == [
+            False
+        ] * hash_thread.BACKOFF + [True]
         assert (ht.streams, ht.declined) == (1, 8)
         monkeypatch.setattr(hash_thread, "INLINE_BYTES_PER_S", 0)  # the thread keeps up
         ht.begin()
@@ -99,3 +102,25 @@ def test_streams_are_declined_for_a_while_after_the_thread_was_slower_than_inlin
         assert ht.take()
     finally:
         ht.close()
+
+
+def test_streams_are_declined_while_no_core_is_free(monkeypatch):
+    free = [False]
+    monkeypatch.setattr(hash_thread, "core_free", lambda: free[0])
+    monkeypatch.setattr(hash_thread, "LOOK_S", 0.0)
+    ht = HashThread()
+    assert [ht.take(), ht.take()] == [False, False] and ht.declined == 2
+    free[0] = True
+    assert ht.take()
+
+
+def test_core_free_reads_the_run_queue(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    f = tmp_path / "loadavg"
+    f.write_text("0.50 1.20 1.80 1/150 4242\n")  # only the caller runs: a core is free
+    assert hash_thread.core_free(f) is True
+    f.write_text("9.10 9.00 6.00 2/150 4242\n")  # both cores busy
+    assert hash_thread.core_free(f) is False
+    f.write_text("garbage\n")
+    assert hash_thread.core_free(f) is True  # unknown: the back-off decides
+    assert hash_thread.core_free(tmp_path / "missing") is True

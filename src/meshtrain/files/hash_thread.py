@@ -18,10 +18,11 @@ on wall time only when a second core is free. With one core (``usable()``) calle
 inline; and when the cores are busy with other work, the thread waits for a CPU and the
 reader waits for it: measured on this project's shared 2-core machine at load average
 13, a load took 2.5x its unverified time that way against 1.15x inline. So ``take()``
-watches what the reader waited for at the end of each stream: when that was longer than
+declines a stream (the caller hashes it inline) when, at its last look at the run queue
+(``core_free``, at most ``LOOK_S`` old), every core had a runnable task; and it watches
+what the reader waited for at the end of each stream it took: when that was longer than
 hashing the whole stream inline would have taken (``INLINE_BYTES_PER_S``), the next
-``BACKOFF`` streams are declined (hashed inline by the caller), and then the thread is
-tried again.
+``BACKOFF`` streams are declined, and then the thread is tried again.
 
 The thread is started on first use and ends by itself after ``IDLE_S`` seconds without
 work (or at ``close()``), so an object that is dropped without being closed leaves no
@@ -43,6 +44,7 @@ IDLE_S = 2.0
 # xxh3-64 over blocks in the cache (the inline alternative): 50-90 GB/s measured here
 INLINE_BYTES_PER_S = 50e9
 BACKOFF = 8  # streams declined after one where the thread was slower than inline
+LOOK_S = 0.05  # how long one look at the run queue (/proc/loadavg) is trusted
 
 
 def usable() -> bool:
@@ -51,6 +53,18 @@ def usable() -> bool:
         return len(os.sched_getaffinity(0)) > 1
     except AttributeError:  # not Linux
         return (os.cpu_count() or 1) > 1
+
+
+def core_free(loadavg: str | os.PathLike = "/proc/loadavg") -> bool:
+    """Whether a core is idle now: fewer tasks runnable on the machine than cores this
+    process may use. Linux's instantaneous count (``/proc/loadavg``'s 4th field, this
+    thread included); True where it cannot be read (then ``take``'s back-off decides)."""
+    try:
+        with open(loadavg, "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+        return running < len(os.sched_getaffinity(0))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return True
 
 
 def cut(pos: int, last: int, end: int, block: int) -> bool:
@@ -74,6 +88,7 @@ class HashThread:
         self._lock = threading.Lock()  # start/stop of the worker
         self._fed = 0  # bytes of the current stream
         self._backoff = 0  # streams still to decline
+        self._look = (0.0, True)  # (when, core_free()) of the last look at the run queue
         self.streams = 0  # streams hashed here
         self.declined = 0  # streams declined by take()
 
@@ -123,10 +138,17 @@ class HashThread:
 
     # ---- the stream ---------------------------------------------------------------
     def take(self) -> bool:
-        """Whether to hash the next stream here; False during a back-off (module
-        docstring), when the caller hashes inline."""
+        """Whether to hash the next stream here; False (the caller hashes inline) when no
+        core was free at the last look (at most ``LOOK_S`` old) or during a back-off
+        (module docstring)."""
         if self._backoff:
             self._backoff -= 1
+            self.declined += 1
+            return False
+        now = time.monotonic()
+        if now - self._look[0] > LOOK_S:
+            self._look = (now, core_free())
+        if not self._look[1]:
             self.declined += 1
             return False
         return True
