@@ -14,3 +14,23 @@ def test_100_of_100_damaged_files_detected_and_named(tmp_path):
     assert {r["file"] for r in results} == set(FILES)  # every file was hit at least once
     failed = [r for r in results if not (r["detected"] and r["named"] and r["others_load"])]
     assert not failed, summary(results)
+
+
+def test_damage_detected_on_the_hashing_thread_and_in_one_pass_partial_reads(tmp_path, monkeypatch):
+    """The same contract with the load's newer paths forced at test size: every key of a
+    rank file hashed on the hashing thread (64-byte reads, 256-byte chunks, never
+    declined), and every part of a key read by ``read_part`` (KEEP_BYTES 0)."""
+    from meshtrain.checkpoint import rank_file, reader
+    from meshtrain.files import hash_thread
+
+    monkeypatch.setattr(rank_file, "THREAD_MIN", 1)
+    monkeypatch.setattr(rank_file, "BLOCK", 64)
+    monkeypatch.setattr(hash_thread, "CHUNK", 256)
+    monkeypatch.setattr(hash_thread, "usable", lambda: True)
+    monkeypatch.setattr(hash_thread, "core_free", lambda: True)
+    monkeypatch.setattr(hash_thread, "INLINE_BYTES_PER_S", 0)
+    monkeypatch.setattr(reader, "KEEP_BYTES", 0)
+    results = run(trials=50, seed=1, work=tmp_path)
+    assert len(results) == 50
+    failed = [r for r in results if not (r["detected"] and r["named"] and r["others_load"])]
+    assert not failed, summary(results)
