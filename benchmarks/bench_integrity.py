@@ -16,7 +16,9 @@ machine hits them alike; the median of ``--rounds`` is reported:
   returned and hashed chunk by chunk on the reader's hashing thread while the next block
   is read (``checkpoint.rank_file``, ``files.hash_thread``); ``verify inline``: the same
   with the hash on the reading thread, each block right after it lands (what a process
-  limited to one core does); ``no verify``: ``CheckpointReader(verify=False)``;
+  limited to one core does); ``verify thread``: the hashing thread never declining (what
+  the thread does on whatever cores there are); ``no verify``:
+  ``CheckpointReader(verify=False)``;
 * ``verify`` and ``no verify`` ``cold``: the rank file is dropped from the page cache first
   (``posix_fadvise(DONTNEED)`` on that file only), so the bytes come from the disk, as
   when a job restarts on a fresh node.
@@ -55,6 +57,7 @@ NAMES = (
     "save sha256 pass",
     "load verify",
     "load verify inline",
+    "load verify thread",
     "load no verify",
     "load verify, cold",
     "load no verify, cold",
@@ -105,14 +108,21 @@ def _evict(root: Path, tag: str) -> None:
             os.close(fd)
 
 
+_MODES = {
+    "auto": {},  # what meshtrain does
+    "inline": {"usable": lambda: False},  # as in a process limited to one core
+    "thread": {"core_free": lambda: True, "INLINE_BYTES_PER_S": 0},  # never declined
+}
+
+
 def _load(
-    root: Path, tag: str, verify: bool, cold: bool = False, inline: bool = False, seen=None
+    root: Path, tag: str, verify: bool, cold: bool = False, mode: str = "auto", seen=None
 ) -> tuple[float, float]:
     """Wall and CPU seconds of reading every tensor; ``seen`` (a list of two counts) gets
     the keys hashed on the hashing thread and those it declined (hashed inline)."""
     if cold:
         _evict(root, tag)
-    with mock.patch.object(hash_thread, "usable", lambda: not inline):
+    with mock.patch.multiple(hash_thread, **_MODES[mode]) if _MODES[mode] else _nothing():
         t0, c0 = time.perf_counter(), time.process_time()
         with CheckpointReader(root, tag, verify=verify) as r:
             for name in r.names():
@@ -122,6 +132,11 @@ def _load(
                 seen[0] += r._hashing.streams
                 seen[1] += r._hashing.declined
         return wall, cpu
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,18 +172,19 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()
             _load(root, "c", False)  # warm the page cache for both
             loads = [
-                ("load verify", True, False, False),
-                ("load verify inline", True, False, True),
-                ("load no verify", False, False, False),
-                ("load verify, cold", True, True, False),
-                ("load no verify, cold", False, True, False),
+                ("load verify", True, False, "auto"),
+                ("load verify inline", True, False, "inline"),
+                ("load verify thread", True, False, "thread"),
+                ("load no verify", False, False, "auto"),
+                ("load verify, cold", True, True, "auto"),
+                ("load no verify, cold", False, True, "auto"),
             ]
             k = rnd % len(loads)  # rotate, as the saves
-            for name, verify, cold, inline in loads[k:] + loads[:k]:
+            for name, verify, cold, mode in loads[k:] + loads[:k]:
                 if not cold:
                     _load(root, "c", False)  # back in the page cache after a cold one
                 wall, c = _load(
-                    root, "c", verify, cold, inline, seen if name == "load verify" else None
+                    root, "c", verify, cold, mode, seen if name == "load verify" else None
                 )
                 times[name].append(wall)
                 cpu[name].append(c)
@@ -181,33 +197,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:20s} wall {med[k]:7.3f} s  {gbs[k]:6.2f} GB/s   cpu {cmed[k]:7.3f} s")
     save_ratio = med["save checksums"] / med["save none"]
     load_ratio = med["load verify"] / med["load no verify"]
-    inline_ratio = med["load verify inline"] / med["load no verify"]
-    print(
-        f"save with checksums / without: {save_ratio:.3f}x  (sha256 second pass: "
-        f"{med['save sha256 pass'] / med['save none']:.3f}x)"
-    )
-    print(
-        f"load with verification / without: {load_ratio:.3f}x  (hashed inline: {inline_ratio:.3f}x)"
-    )
     cold_ratio = med["load verify, cold"] / med["load no verify, cold"]
-    print(f"cold load (from the disk) with verification / without: {cold_ratio:.3f}x")
     c_save = cmed["save checksums"] / cmed["save none"]
     c_load = cmed["load verify"] / cmed["load no verify"]
-    c_inline = cmed["load verify inline"] / cmed["load no verify"]
+    print("ratios to no checksums: wall (median) | cpu (median) | wall (fastest run)")
+    rows = [
+        ("save", "save checksums", "save none"),
+        ("save, sha256 second pass", "save sha256 pass", "save none"),
+        ("load (meshtrain: auto)", "load verify", "load no verify"),
+        ("load, hashed inline", "load verify inline", "load no verify"),
+        ("load, hashing thread", "load verify thread", "load no verify"),
+        ("load from the disk (cold)", "load verify, cold", "load no verify, cold"),
+    ]
+    ratios = {}
+    for label, a, b in rows:
+        ratios[label] = (med[a] / med[b], cmed[a] / cmed[b], best[a] / best[b])
+        w, c, f = ratios[label]
+        print(f"  {label:26s} {w:6.3f}x | {c:6.3f}x | {f:6.3f}x")
     print(
-        f"cpu time ratios (less sensitive to other load): save {c_save:.3f}x, load "
-        f"{c_load:.3f}x (inline {c_inline:.3f}x)"
-    )
-    print(
-        "fastest-run ratios (the least disturbed by other processes): save "
-        f"{best['save checksums'] / best['save none']:.3f}x, load "
-        f"{best['load verify'] / best['load no verify']:.3f}x (inline "
-        f"{best['load verify inline'] / best['load no verify']:.3f}x), cold load "
-        f"{best['load verify, cold'] / best['load no verify, cold']:.3f}x"
-    )
-    print(
-        f"load verify: {seen[0]} keys hashed on the hashing thread, {seen[1]} declined by it "
-        "(hashed inline after it was slower than inline)"
+        f"load verify (auto): {seen[0]} keys hashed on the hashing thread, {seen[1]} "
+        "declined by it (hashed inline: no core free, or backing off)"
     )
     print(f"load average at the start: {load_start}, at the end: {os.getloadavg()}")
     if args.json:
@@ -218,9 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             "times_s": times, "median_s": med, "gb_per_s": gbs, "cpu_s": cpu, "cpu_median_s": cmed, "min_s": best,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
             "save_ratio": save_ratio, "load_ratio": load_ratio, "cold_load_ratio": cold_ratio,
-            "inline_load_ratio": inline_ratio, "thread_keys": seen[0],
-            "declined_keys": seen[1], "cpu_save_ratio": c_save,
-            "cpu_load_ratio": c_load, "cpu_inline_load_ratio": c_inline,
+            "cpu_save_ratio": c_save, "cpu_load_ratio": c_load,
+            "ratios_wall_cpu_fastest": ratios, "thread_keys": seen[0], "declined_keys": seen[1],
         }, indent=1))  # fmt: skip
     return 0
 
