@@ -1,6 +1,7 @@
 """Checkpoint save and load throughput with checksum verification on and off, in one run.
 
-    python -m benchmarks.bench_integrity [--mib 512] [--rounds 5] [--json OUT]
+    python -m benchmarks.bench_integrity [--mib 512] [--rounds 5] [--load-repeats 1]
+                                         [--json OUT]
 
 One process saves a checkpoint of ``--mib`` MiB (8 fp32 tensors, ``save_shards`` with
 ``group=None``: write, fsync, commit) and loads it back whole (``CheckpointReader.read``
@@ -144,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--load-repeats",
+        type=int,
+        default=1,
+        help="warm loads per round and variant (they are short: more samples, same time)",
+    )
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     args = p.parse_args(argv)
     load_start = os.getloadavg()
@@ -180,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("load no verify, cold", False, True, "auto"),
             ]
             k = rnd % len(loads)  # rotate, as the saves
-            for name, verify, cold, mode in loads[k:] + loads[:k]:
+            warm = [x for x in loads if not x[2]]
+            extra = [warm[(j + k) % len(warm)] for j in range(len(warm) * (args.load_repeats - 1))]
+            for name, verify, cold, mode in loads[k:] + loads[:k] + extra:
                 if not cold:
                     _load(root, "c", False)  # back in the page cache after a cold one
                 wall, c = _load(
@@ -192,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     cmed = {k: statistics.median(v) for k, v in cpu.items()}
     best = {k: min(v) for k, v in times.items()}  # the least disturbed run of each
     gbs = {k: nbytes / v / 1e9 for k, v in med.items()}
-    print(f"checkpoint of {nbytes / 2**20:.0f} MiB, median of {args.rounds} rounds")
+    print(
+        f"checkpoint of {nbytes / 2**20:.0f} MiB, median of {args.rounds} rounds "
+        f"({args.rounds * args.load_repeats} warm loads of each variant)"
+    )
     for k in times:
         print(f"  {k:20s} wall {med[k]:7.3f} s  {gbs[k]:6.2f} GB/s   cpu {cmed[k]:7.3f} s")
     save_ratio = med["save checksums"] / med["save none"]
@@ -224,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench": "integrity", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": platform.platform(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "mib": args.mib, "rounds": args.rounds,
+            "load_repeats": args.load_repeats,
             "times_s": times, "median_s": med, "gb_per_s": gbs, "cpu_s": cpu, "cpu_median_s": cmed, "min_s": best,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
             "save_ratio": save_ratio, "load_ratio": load_ratio, "cold_load_ratio": cold_ratio,
