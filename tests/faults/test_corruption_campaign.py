@@ -5,7 +5,7 @@ and the undamaged artifacts must load with their exact content, in every trial."
 
 from __future__ import annotations
 
-from tests.faults.corruption import FILES, run, summary
+from tests.faults.corruption import CKPT_FILES, FILES, run, summary
 
 
 def test_100_of_100_damaged_files_detected_and_named(tmp_path):
@@ -17,9 +17,10 @@ def test_100_of_100_damaged_files_detected_and_named(tmp_path):
 
 
 def test_damage_detected_on_the_hashing_thread_and_in_one_pass_partial_reads(tmp_path, monkeypatch):
-    """The same contract with the load's newer paths forced at test size: every key of a
-    rank file hashed on the hashing thread (64-byte reads, 256-byte chunks, never
-    declined), and every part of a key read by ``read_part`` (KEEP_BYTES 0)."""
+    """The same contract with the load's newer paths forced at test size, on the
+    checkpoint's files (the only ones they read): every key of a rank file hashed on the
+    hashing thread (64-byte reads, 256-byte chunks, never declined), and every part of a
+    key read by ``read_part`` (KEEP_BYTES 0)."""
     from meshtrain.checkpoint import rank_file, reader
     from meshtrain.files import hash_thread
 
@@ -30,7 +31,7 @@ def test_damage_detected_on_the_hashing_thread_and_in_one_pass_partial_reads(tmp
     monkeypatch.setattr(hash_thread, "core_free", lambda: True)
     monkeypatch.setattr(hash_thread, "INLINE_BYTES_PER_S", 0)
     monkeypatch.setattr(reader, "KEEP_BYTES", 0)
-    results = run(trials=50, seed=1, work=tmp_path)
-    assert len(results) == 50
+    results = run(trials=50, seed=1, work=tmp_path, files=CKPT_FILES)  # the paths are its
+    assert {r["file"] for r in results} == set(CKPT_FILES)
     failed = [r for r in results if not (r["detected"] and r["named"] and r["others_load"])]
     assert not failed, summary(results)
