@@ -17,7 +17,8 @@ core's cache, so the hash takes more CPU than inline, plus a wake-up per chunk. 
 on wall time only when a second core is free. With one core (``usable()``) callers hash
 inline; and when the cores are busy with other work, the thread waits for a CPU and the
 reader waits for it: measured on this project's shared 2-core machine at load average
-13, a load took 2.5x its unverified time that way against 1.15x inline. So ``take()``
+12.5-13, a warm load took 1.5-2.0x its unverified time that way against 1.1-1.2x
+inline (benchmarks/bench_integrity.py). So ``take()``
 declines a stream (the caller hashes it inline) when, at its last look at the run queue
 (``core_free``, at most ``LOOK_S`` old), every core had a runnable task; and it watches
 what the reader waited for at the end of each stream it took: when that was longer than
