@@ -153,10 +153,11 @@ class RankFile:
         return out.view(_TORCH[code]).reshape(shape)
 
     def read_part(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of 1-D key ``key`` in a new storage. Unverified, the whole
-        key is streamed once: its bytes before and after the range through one block of
-        memory, the range itself straight into the tensor returned, every byte hashed in
-        order; so the range is read once and the key checked before it is handed out."""
+        """Elements ``[lo, hi)`` of 1-D key ``key`` in a new storage. While the key is not
+        yet verified, the whole key is streamed once: its bytes before and after the range
+        through one block of memory, the range itself straight into the tensor returned,
+        every byte hashed in order; so the range is read once and the key checked before
+        it is handed out. Once verified (or not verifying), only the range is read."""
         code, _shape, begin, end = self.keys[key]
         item = _TORCH[code].itemsize
         a, b = begin + lo * item, begin + hi * item
