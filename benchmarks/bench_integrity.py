@@ -9,7 +9,7 @@ of every tensor), alternating the variants round by round so that load on the sh
 machine hits them alike; the median of ``--rounds`` is reported:
 
 * save ``checksums``: what meshtrain does (per-tensor xxh3-64 of the tensors written,
-  hashed on a second thread while safetensors writes and fsync waits; manifest sealed);
+  hashed while fsync waits for the disk; manifest sealed);
   save ``none``: the same with ``tensor_files.tensor_digests`` hashing nothing (the cost
   of hashing, isolated); save ``sha256 pass``: the earliest implementation's second read
   of the written file with sha256, for reference;

@@ -11,8 +11,8 @@ of the file) is damaged rather than only "the file differs".
 
 Writing: ``tensor_digests`` hashes each tensor's bytes from memory as it is handed to
 safetensors (the bytes safetensors writes are exactly the tensor's little-endian
-contiguous bytes; the checkpoint writer runs it on a second thread while safetensors
-writes and fsync waits), and ``record_from_tensors`` reads back only the header; the streamed consolidated export
+contiguous bytes; the checkpoint writer runs it while fsync waits for the disk), and
+``record_from_tensors`` reads back only the header; the streamed consolidated export
 hashes each chunk as it writes it. Neither reads a written file again.
 
 Reading: ``verify`` reads the file once, front to back, in 4 MiB chunks.

@@ -196,20 +196,21 @@ def _write_shard(
     path = tmp / rank_file(rank)
     # safetensors writes host memory; detached contiguous CPU tensors (no-ops when already so)
     host = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
-    # the tensors are hashed on a second thread while safetensors writes them and fsync
-    # waits for the disk (both release the GIL, and so does xxhash), so the checksums add
-    # CPU time but, with a core free, no wall time to a save
-    with ThreadPoolExecutor(1, thread_name_prefix="meshtrain-hash") as pool:
-        digests = pool.submit(tensor_files.tensor_digests, host)
-        try:
-            save_file(host, path, metadata={"format": "pt", "tag": tag, "rank": str(rank)})
-        except (RuntimeError, ValueError) as exc:
-            raise CheckpointError(
-                f"save_shards (rank {rank}): safetensors could not write {path}: {exc}; "
-                f"tensors under different keys must not overlap in memory"
-            ) from exc
-        storage.fsync_file(path)
-        record = tensor_files.record_from_tensors(path, digests.result())
+    try:
+        save_file(host, path, metadata={"format": "pt", "tag": tag, "rank": str(rank)})
+    except (RuntimeError, ValueError) as exc:
+        raise CheckpointError(
+            f"save_shards (rank {rank}): safetensors could not write {path}: {exc}; tensors "
+            f"under different keys must not overlap in memory"
+        ) from exc
+    # the tensors are hashed while fsync waits for the disk (it releases the GIL): this
+    # core is idle then, so the checksums add CPU time but little wall time to a save even
+    # with no second core free. (Hashing on a thread from before save_file was tried: it
+    # competes with safetensors' copy into the page cache whenever no core is free.)
+    with ThreadPoolExecutor(1, thread_name_prefix="meshtrain-fsync") as pool:
+        synced = pool.submit(storage.fsync_file, path)
+        record = tensor_files.record_from_tensors(path, tensor_files.tensor_digests(host))
+        synced.result()
     return path, record
 
 
