@@ -13,13 +13,9 @@ machine hits them alike; the median of ``--rounds`` is reported:
   save ``none``: the same with ``tensor_files.tensor_digests`` hashing nothing (the cost
   of hashing, isolated); save ``sha256 pass``: the earliest implementation's second read
   of the written file with sha256, for reference;
-* load ``verify``: ``CheckpointReader.read`` of every tensor, each read into the tensor
-  returned and hashed chunk by chunk on the reader's hashing thread while the next block
-  is read (``checkpoint.rank_file``, ``files.hash_thread``); ``verify inline``: the same
-  with the hash on the reading thread, each block right after it lands (what a process
-  limited to one core does); ``verify thread``: the hashing thread never declining (what
-  the thread does on whatever cores there are); ``no verify``:
-  ``CheckpointReader(verify=False)``;
+* load ``verify``: ``CheckpointReader.read`` of every tensor, each block read into the
+  tensor returned and hashed right after it lands (``checkpoint.rank_file``); ``no
+  verify``: the same with ``CheckpointReader(verify=False)``;
 * ``verify`` and ``no verify`` ``cold``: the rank file is dropped from the page cache first
   (``posix_fadvise(DONTNEED)`` on that file only), so the bytes come from the disk, as
   when a job restarts on a fresh node.
@@ -50,15 +46,12 @@ from unittest import mock
 import torch
 
 from meshtrain.checkpoint import CheckpointReader, Piece, save_shards, storage, tensor_files
-from meshtrain.files import hash_thread
 
 NAMES = (
     "save checksums",
     "save none",
     "save sha256 pass",
     "load verify",
-    "load verify inline",
-    "load verify thread",
     "load no verify",
     "load verify, cold",
     "load no verify, cold",
@@ -109,35 +102,15 @@ def _evict(root: Path, tag: str) -> None:
             os.close(fd)
 
 
-_MODES = {
-    "auto": {},  # what meshtrain does
-    "inline": {"usable": lambda: False},  # as in a process limited to one core
-    "thread": {"core_free": lambda: True, "INLINE_BYTES_PER_S": 0},  # never declined
-}
-
-
-def _load(
-    root: Path, tag: str, verify: bool, cold: bool = False, mode: str = "auto", seen=None
-) -> tuple[float, float]:
-    """Wall and CPU seconds of reading every tensor; ``seen`` (a list of two counts) gets
-    the keys hashed on the hashing thread and those it declined (hashed inline)."""
+def _load(root: Path, tag: str, verify: bool, cold: bool = False) -> tuple[float, float]:
+    """Wall and CPU seconds (all threads) of reading every tensor."""
     if cold:
         _evict(root, tag)
-    with mock.patch.multiple(hash_thread, **_MODES[mode]) if _MODES[mode] else _nothing():
-        t0, c0 = time.perf_counter(), time.process_time()
-        with CheckpointReader(root, tag, verify=verify) as r:
-            for name in r.names():
-                r.read(name)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if seen is not None and r._hashing is not None:
-                seen[0] += r._hashing.streams
-                seen[1] += r._hashing.declined
-        return wall, cpu
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
+    t0, c0 = time.perf_counter(), time.process_time()
+    with CheckpointReader(root, tag, verify=verify) as r:
+        for name in r.names():
+            r.read(name)
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     tensors, pieces, meta = _state(args.mib)
     nbytes = sum(t.numel() * 4 for t in tensors.values())
     cpu: dict[str, list[float]] = {k: [] for k in NAMES}
-    seen = [0, 0]  # keys of "load verify" hashed on the thread, and declined
     times: dict[str, list[float]] = {k: [] for k in NAMES}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
@@ -179,22 +151,18 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()
             _load(root, "c", False)  # warm the page cache for both
             loads = [
-                ("load verify", True, False, "auto"),
-                ("load verify inline", True, False, "inline"),
-                ("load verify thread", True, False, "thread"),
-                ("load no verify", False, False, "auto"),
-                ("load verify, cold", True, True, "auto"),
-                ("load no verify, cold", False, True, "auto"),
+                ("load verify", True, False),
+                ("load no verify", False, False),
+                ("load verify, cold", True, True),
+                ("load no verify, cold", False, True),
             ]
             k = rnd % len(loads)  # rotate, as the saves
             warm = [x for x in loads if not x[2]]
             extra = [warm[(j + k) % len(warm)] for j in range(len(warm) * (args.load_repeats - 1))]
-            for name, verify, cold, mode in loads[k:] + loads[:k] + extra:
+            for name, verify, cold in loads[k:] + loads[:k] + extra:
                 if not cold:
                     _load(root, "c", False)  # back in the page cache after a cold one
-                wall, c = _load(
-                    root, "c", verify, cold, mode, seen if name == "load verify" else None
-                )
+                wall, c = _load(root, "c", verify, cold)
                 times[name].append(wall)
                 cpu[name].append(c)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -216,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("save", "save checksums", "save none"),
         ("save, sha256 second pass", "save sha256 pass", "save none"),
-        ("load (meshtrain: auto)", "load verify", "load no verify"),
-        ("load, hashed inline", "load verify inline", "load no verify"),
-        ("load, hashing thread", "load verify thread", "load no verify"),
+        ("load (from the page cache)", "load verify", "load no verify"),
         ("load from the disk (cold)", "load verify, cold", "load no verify, cold"),
     ]
     ratios = {}
@@ -226,10 +192,6 @@ def main(argv: list[str] | None = None) -> int:
         ratios[label] = (med[a] / med[b], cmed[a] / cmed[b], best[a] / best[b])
         w, c, f = ratios[label]
         print(f"  {label:26s} {w:6.3f}x | {c:6.3f}x | {f:6.3f}x")
-    print(
-        f"load verify (auto): {seen[0]} keys hashed on the hashing thread, {seen[1]} "
-        "declined by it (hashed inline: no core free, or backing off)"
-    )
     print(f"load average at the start: {load_start}, at the end: {os.getloadavg()}")
     if args.json:
         args.json.write_text(json.dumps({
@@ -241,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
             "save_ratio": save_ratio, "load_ratio": load_ratio, "cold_load_ratio": cold_ratio,
             "cpu_save_ratio": c_save, "cpu_load_ratio": c_load,
-            "ratios_wall_cpu_fastest": ratios, "thread_keys": seen[0], "declined_keys": seen[1],
+            "ratios_wall_cpu_fastest": ratios,
         }, indent=1))  # fmt: skip
     return 0
 

@@ -171,37 +171,6 @@ def _key_span(path, key):
         rf.close()
 
 
-def test_keys_hashed_on_the_hashing_thread_match_and_damage_is_named(two_tags, monkeypatch):
-    """The threaded path at test size: every key, 8-byte reads, 32-byte chunks."""
-    from meshtrain.checkpoint import rank_file
-    from meshtrain.files import hash_thread
-
-    monkeypatch.setattr(rank_file, "THREAD_MIN", 1)
-    monkeypatch.setattr(rank_file, "BLOCK", 8)
-    monkeypatch.setattr(hash_thread, "CHUNK", 32)
-    monkeypatch.setattr(hash_thread, "usable", lambda: True)
-    monkeypatch.setattr(hash_thread, "INLINE_BYTES_PER_S", 0)  # never back off (tiny keys)
-    monkeypatch.setattr(hash_thread, "core_free", lambda: True)  # nor for a busy machine
-    fed = []
-    feed = hash_thread.HashThread.feed
-    monkeypatch.setattr(
-        hash_thread.HashThread, "feed", lambda s, v: fed.append(len(v)) or feed(s, v)
-    )
-    with CheckpointReader(two_tags, "t2") as a, CheckpointReader(two_tags, "t2", verify=False) as b:
-        for name in a.names():
-            assert torch.equal(a.read(name), b.read(name))
-        assert torch.equal(a.rank_tensor(0, "rng.torch"), b.rank_tensor(0, "rng.torch"))
-    assert len(fed) > 10 and max(fed) <= 32 and min(fed) <= 8
-    f = two_tags / "t2" / "rank00000.safetensors"
-    begin, end = _key_span(f, "param.flat")
-    _flip(f, (begin + end) // 2)
-    with CheckpointReader(two_tags, "t2") as r, pytest.raises(CheckpointError) as e:
-        r.rank_tensor(0, "param.flat")
-    assert f"{f}: tensor 'param.flat' (bytes {begin}..{end} of the file) is corrupted" in str(
-        e.value
-    )
-
-
 def test_part_of_a_large_key_is_read_in_one_pass_and_verified_whole(two_tags, monkeypatch):
     """A range of a key too large to keep (KEEP_BYTES 0 here): the key's bytes are read
     once, in order, the range straight into the result; damage outside the range is

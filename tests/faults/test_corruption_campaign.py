@@ -16,22 +16,15 @@ def test_100_of_100_damaged_files_detected_and_named(tmp_path):
     assert not failed, summary(results)
 
 
-def test_damage_detected_on_the_hashing_thread_and_in_one_pass_partial_reads(tmp_path, monkeypatch):
-    """The same contract with the load's newer paths forced at test size, on the
-    checkpoint's files (the only ones they read): every key of a rank file hashed on the
-    hashing thread (64-byte reads, 256-byte chunks, never declined), and every part of a
-    key read by ``read_part`` (KEEP_BYTES 0)."""
+def test_damage_detected_in_one_pass_partial_reads(tmp_path, monkeypatch):
+    """The same contract with every part of a key read by ``RankFile.read_part`` (the
+    one-pass read of a key too large to keep: KEEP_BYTES 0 here, 64-byte reads), on the
+    checkpoint's files (the only ones it reads)."""
     from meshtrain.checkpoint import rank_file, reader
-    from meshtrain.files import hash_thread
 
-    monkeypatch.setattr(rank_file, "THREAD_MIN", 1)
     monkeypatch.setattr(rank_file, "BLOCK", 64)
-    monkeypatch.setattr(hash_thread, "CHUNK", 256)
-    monkeypatch.setattr(hash_thread, "usable", lambda: True)
-    monkeypatch.setattr(hash_thread, "core_free", lambda: True)
-    monkeypatch.setattr(hash_thread, "INLINE_BYTES_PER_S", 0)
     monkeypatch.setattr(reader, "KEEP_BYTES", 0)
-    results = run(trials=50, seed=1, work=tmp_path, files=CKPT_FILES)  # the paths are its
+    results = run(trials=50, seed=1, work=tmp_path, files=CKPT_FILES)
     assert {r["file"] for r in results} == set(CKPT_FILES)
     failed = [r for r in results if not (r["detected"] and r["named"] and r["others_load"])]
     assert not failed, summary(results)

@@ -6,16 +6,15 @@ verifying); its offsets are validated against the file size, so every later read
 plain ``readinto`` at a known position.
 
 **Whole keys, one pass.** ``read_key`` reads a key's bytes with ``readinto`` straight
-into the storage of the tensor it returns, in ``BLOCK`` pieces, and when verifying hashes
-them as they land; the digest is compared with the record before the tensor is handed
-out. Verification never reads a byte a second time. Where the hash runs: a key of at
-least ``THREAD_MIN`` bytes is handed, chunk by chunk, to the reader's hashing thread
-(``files.hash_thread``), which hashes chunk i on the second core while block i+1 is read,
-so the load waits only for the last block's hash; a smaller key (or one without a thread)
-is hashed inline, each block right after it lands, while it is still in the CPU cache.
-The reader before this one hashed each file in a pass of its own and then let
-safetensors read it again through a memory map (2.5x a load from the page cache). The
-tensor is the caller's: nothing else refers to its storage.
+into the storage of the tensor it returns, in ``BLOCK`` pieces; when verifying, each
+block is hashed right after it lands, while it is still in the CPU cache, and the
+digest is compared with the record before the tensor is handed out. So verification
+adds the hash's arithmetic over bytes already in cache, never a second read: the reader
+before this one hashed each file in a pass of its own and then let safetensors read it
+again through a memory map (2.5x a load from the page cache, where a load is a memory
+copy). Hashing on a second thread while the next block is read was measured and is not
+done: slower than inline on this project's machine even with a core free
+(docs/checkpoints.md). The tensor is the caller's: nothing else refers to its storage.
 
 **Parts of large keys.** A key read only in part (one rank's range of a flat ZeRO
 buffer) is sliced from safetensors' memory map once it is verified, so a narrow read
@@ -45,16 +44,12 @@ from meshtrain.checkpoint import tensor_files
 from meshtrain.dtypes import SAFETENSORS_CODES
 from meshtrain.errors import CheckpointError
 from meshtrain.files import checksums
-from meshtrain.files.hash_thread import HashThread, cut
 
 # 256 KiB: a block and its hash stay in a core's L2 (1 MiB here); measured with
 # benchmarks/bench_integrity.py against 64 KiB (more syscalls) and 1-4 MiB (the block is
 # evicted before it is hashed)
 BLOCK = 1 << 18
 KEEP_BYTES = 64 << 20  # a key read in part is read whole (one pass) when no larger
-# below this a key is hashed inline: handing it to the hashing thread and waiting for the
-# result (two wake-ups, 20-50 us here) costs about what hashing 1-2 MiB in the cache does
-THREAD_MIN = 4 << 20
 _TORCH = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
 
 
@@ -63,8 +58,7 @@ class RankFile:
 
     ``record``: the manifest's checksum record (``{"header", "tensors", ...}``), or None.
     ``sha256``: the whole-file digest of an older manifest, or None. ``verify``: check
-    against whichever is present. ``fix``: what a message tells the user to do.
-    ``hashing``: the thread that hashes large keys while they are read (None: inline)."""
+    against whichever is present. ``fix``: what a message tells the user to do."""
 
     def __init__(
         self,
@@ -75,10 +69,8 @@ class RankFile:
         sha256: str | None,
         verify: bool,
         fix: str,
-        hashing: HashThread | None = None,
     ) -> None:
         self.path, self.rank, self.verify, self.fix = path, rank, verify, fix
-        self.hashing = hashing
         self.where = f"checkpoint file {path} (rank {rank})"
         self.record = record if verify else None
         self.verified: set[str] = set()
@@ -197,44 +189,27 @@ class RankFile:
         h: Any = None,
     ) -> str | None:
         """Read bytes ``[begin, end)`` block by block into ``dst`` (or through it, when it is
-        one block); with ``verify``, return their digest, else None. Bytes are hashed as
-        they land: on the hashing thread (chunk by chunk, while the next block is read)
-        when there is one and the range is at least ``THREAD_MIN`` bytes read into
-        ``dst`` and the thread takes it (``HashThread.take``), else inline, block by
-        block, while the block is in the cache. A caller's running hasher ``h`` is fed
-        inline instead."""
-        n = end - begin
-        ht = self.hashing if verify and into_buf and n >= THREAD_MIN else None
-        if ht is not None and not ht.take():
-            ht = None
-        if verify and ht is None:
+        one block); with ``verify``, return their digest, else None. Each block is hashed
+        right after it lands, while it is in the CPU cache (a caller's running hasher ``h``
+        is fed instead, when given)."""
+        if verify:
             h = checksums.hasher()
-        if ht is not None:
-            ht.begin()
         f = self._file()
         f.seek(begin)
-        pos = last = 0
-        try:
-            while pos < n:
-                take = min(BLOCK, n - pos)
-                view = dst[pos : pos + take] if into_buf else dst[:take]
-                got = f.readinto(view)
-                if not got:
-                    raise CheckpointError(
-                        f"{self.where}: the file ends inside tensor {key!r} (byte "
-                        f"{begin + pos}); it was truncated after it was opened; {self.fix}"
-                    )
-                if h is not None:
-                    h.update(view[:got])
-                pos += got
-                if ht is not None and cut(pos, last, n, BLOCK):
-                    ht.feed(dst[last:pos])  # hashed while the next block is read
-                    last = pos
-        finally:
-            digest = ht.hexdigest() if ht is not None else None  # the thread is done with dst
-        if not verify:
-            return None
-        return digest if ht is not None else h.hexdigest()
+        pos, n = 0, end - begin
+        while pos < n:
+            take = min(BLOCK, n - pos)
+            view = dst[pos : pos + take] if into_buf else dst[:take]
+            got = f.readinto(view)
+            if not got:
+                raise CheckpointError(
+                    f"{self.where}: the file ends inside tensor {key!r} (byte {begin + pos}); "
+                    f"it was truncated after it was opened; {self.fix}"
+                )
+            if h is not None:
+                h.update(view[:got])
+            pos += got
+        return h.hexdigest() if verify else None
 
     def _check(self, key: str, digest: str | None, begin: int, end: int) -> None:
         if digest is None:

@@ -4,8 +4,8 @@
 manifest (pieces tile every tensor exactly) and that every rank file exists with the size
 the manifest records; the first time a rank file is read, its header is checked against
 the manifest's record and its keys against the pieces that point into it, and each tensor
-is verified the first time it is read (``rank_file``: hashed as the load reads it, on a
-second core for large tensors, one pass over the bytes). A failure names the file, what failed (missing, size,
+is verified the first time it is read (``rank_file``: hashed block by block as the load
+reads it, one pass over the bytes). A failure names the file, what failed (missing, size,
 header, tensor checksum, key) and what to do.
 
 Reads are lazy and narrow: ``read(name, state, start, numel)`` touches only the pieces
@@ -34,8 +34,6 @@ from meshtrain.checkpoint import integrity, storage
 from meshtrain.checkpoint.manifest import MANIFEST, dtype_from_name, full_numel, parse_manifest
 from meshtrain.checkpoint.rank_file import KEEP_BYTES, RankFile
 from meshtrain.errors import CheckpointError
-from meshtrain.files import hash_thread
-from meshtrain.files.hash_thread import HashThread
 
 _LIST_MAX = 20  # names shown per category in a model-mismatch message
 
@@ -95,8 +93,6 @@ class CheckpointReader:
         self._starts = {k: [p.start for p, _ in v] for k, v in self._index.items()}
         self._files: dict[int, RankFile] = {}
         self._kept: dict[tuple[int, str], torch.Tensor] = {}  # whole keys read for slices
-        # large keys are hashed on a second core while they are read (rank_file)
-        self._hashing = HashThread() if self._verify and hash_thread.usable() else None
         for entry in data["ranks"]:
             self._check_size(entry)
 
@@ -188,7 +184,6 @@ class CheckpointReader:
             sha256=entry.get("sha256"),
             verify=self._verify,
             fix=integrity.fix_for(self.path),
-            hashing=self._hashing,
         )
         for p in self._pieces[rank]:
             shape = rf.shape(p.key) if p.key in rf.keys else None
@@ -246,16 +241,13 @@ class CheckpointReader:
         self._kept.clear()
 
     def close(self) -> None:
-        """``release()``, and stop the hashing thread (idle, it stops by itself)."""
         self.release()
-        if self._hashing is not None:
-            self._hashing.close()
 
     def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self.release()
 
     def rank_keys(self, rank: int) -> list[str]:
         return sorted(self._open(rank).keys)

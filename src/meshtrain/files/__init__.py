@@ -12,8 +12,6 @@
   twice in ``vocab.txt``).
 * :mod:`~meshtrain.files.checksums` -- the hash every artifact carries (xxh3-64), streamed
   while writing, and the sealed JSON that carries its own checksum.
-* :mod:`~meshtrain.files.hash_thread` -- that hash computed on a second core while a
-  checkpoint load reads on (inline when no core is free).
 
 Each function takes the exception class to raise (``ConfigError`` for a config,
 ``DataError`` for data, ...) so the caller's error type stays what its users catch.

@@ -6,8 +6,8 @@ non-cryptographic hash is the right tool. Measured on this project's 2-core mach
 (``benchmarks/bench_hashes.py``, one core, GB/s over a block in the cache / from memory):
 xxh3-64 87 / 27, xxh3-128 88 / 26, crc32c (``crc32c``, ``google-crc32c``) 18-23 / 7-8,
 blake3 (one thread) 7.2 / 3.8, sha256 (``hashlib``) 1.5 / 1.5. A load from the page cache
-is a memory copy of 10-17 GB/s, so only xxh3 keeps the hash a small fraction of it (and
-``hash_thread`` moves even that to a second core when one is free). 64 bits make the
+is a memory copy of 10-17 GB/s, so only xxh3 keeps the hash a small fraction of it (a
+fifth, inline; docs/checkpoints.md). 64 bits make the
 chance that a damaged file still matches about 2^-64 (5e-20) per check; what matters for
 damage is that every byte feeds the hash, and it does.
 
