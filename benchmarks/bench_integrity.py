@@ -1,34 +1,38 @@
 """Checkpoint save and load throughput with checksum verification on and off, in one run.
 
-    python -m benchmarks.bench_integrity [--mib 512] [--rounds 5] [--json OUT]
+    python -m benchmarks.bench_integrity [--mib 512] [--rounds 5] [--load-repeats 1]
+                                         [--json OUT]
 
 One process saves a checkpoint of ``--mib`` MiB (8 fp32 tensors, ``save_shards`` with
 ``group=None``: write, fsync, commit) and loads it back whole (``CheckpointReader.read``
 of every tensor), alternating the variants round by round so that load on the shared
 machine hits them alike; the median of ``--rounds`` is reported:
 
-* save ``checksums``: what meshtrain does (per-tensor xxh3-64 from the tensors written,
-  manifest sealed); save ``none``: the same with the checksum record replaced by an empty
-  one (the cost of hashing, isolated); save ``sha256 pass``: the previous implementation's
-  second read of the file with sha256, for reference;
-* load ``verify``: ``CheckpointReader.read`` of every tensor, each hashed block by block
-  as it is read into the tensor returned (``checkpoint.rank_file``); load ``no verify``:
-  the same with ``CheckpointReader(verify=False)``;
-* the same two loads ``cold``: the rank file is dropped from the page cache first
+* save ``checksums``: what meshtrain does (per-tensor xxh3-64 of the tensors written,
+  hashed while fsync waits for the disk; manifest sealed);
+  save ``none``: the same with ``tensor_files.tensor_digests`` hashing nothing (the cost
+  of hashing, isolated); save ``sha256 pass``: the earliest implementation's second read
+  of the written file with sha256, for reference;
+* load ``verify``: ``CheckpointReader.read`` of every tensor, each block read into the
+  tensor returned and hashed right after it lands (``checkpoint.rank_file``); ``no
+  verify``: the same with ``CheckpointReader(verify=False)``;
+* ``verify`` and ``no verify`` ``cold``: the rank file is dropped from the page cache first
   (``posix_fadvise(DONTNEED)`` on that file only), so the bytes come from the disk, as
   when a job restarts on a fresh node.
 
 Before each save the previous one is deleted and ``os.sync()`` flushes dirty pages, and
-the order of the save variants rotates, so that writeback of one save does not land on
+the order of the save variants, and of the loads, rotates round by round, so that writeback of one save does not land on
 the next. ``--dir /dev/shm`` takes the disk out and leaves the compute cost (tmpfs).
 Warm loads read from the page cache (the file was just written): the load is then a
 memory copy, the worst case for the relative cost of verification.
-Ratios are printed; the goal (issue 32) is verification within 5% of none.
+Ratios of wall and of CPU time (the process's, all threads) are printed, with the load
+average; the goal (issue 32) is verification within 5% of none.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -65,25 +69,27 @@ def _state(mib: int) -> tuple[dict, list, dict]:
     return tensors, pieces, {"tensors": specs}
 
 
-def _empty_record(path, host):
-    size = Path(path).stat().st_size
-    return {"algo": "xxh3_64", "size": size, "header": "", "tensors": {}}
+def _no_digests(host):
+    return {}
 
 
-def _sha_record(path, host):
-    rec = _empty_record(path, host)
-    storage.sha256_file(Path(path))
-    return rec
+def _sha_record(path, digests):
+    storage.sha256_file(Path(path))  # the second pass over the written file
+    return {"algo": "xxh3_64", "size": Path(path).stat().st_size, "header": "", "tensors": {}}
 
 
-def _save(root: Path, tag: str, tensors, pieces, meta, record) -> tuple[float, float]:
-    t0, c0 = time.perf_counter(), time.process_time()
-    if record is None:
+def _save(root: Path, tag: str, tensors, pieces, meta, variant) -> tuple[float, float]:
+    patches = {
+        "checksums": {},
+        "none": {"tensor_digests": _no_digests},
+        "sha256": {"tensor_digests": _no_digests, "record_from_tensors": _sha_record},
+    }[variant]
+    with contextlib.ExitStack() as stack:
+        for attr, fn in patches.items():
+            stack.enter_context(mock.patch.object(tensor_files, attr, fn))
+        t0, c0 = time.perf_counter(), time.process_time()
         save_shards(root, tag, group=None, tensors=tensors, pieces=pieces, meta=meta)
-    else:
-        with mock.patch.object(tensor_files, "record_from_tensors", record):
-            save_shards(root, tag, group=None, tensors=tensors, pieces=pieces, meta=meta)
-    return time.perf_counter() - t0, time.process_time() - c0
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _evict(root: Path, tag: str) -> None:
@@ -97,6 +103,7 @@ def _evict(root: Path, tag: str) -> None:
 
 
 def _load(root: Path, tag: str, verify: bool, cold: bool = False) -> tuple[float, float]:
+    """Wall and CPU seconds (all threads) of reading every tensor."""
     if cold:
         _evict(root, tag)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -111,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--load-repeats",
+        type=int,
+        default=1,
+        help="warm loads per round and variant (they are short: more samples, same time)",
+    )
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     args = p.parse_args(argv)
     load_start = os.getloadavg()
@@ -121,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         saves = [
-            ("save checksums", None),
-            ("save none", _empty_record),
-            ("save sha256 pass", _sha_record),
+            ("save checksums", "checksums"),
+            ("save none", "none"),
+            ("save sha256 pass", "sha256"),
         ]
         for rnd in range(args.rounds):
             k = rnd % len(saves)  # rotate: each variant runs first, middle and last alike
@@ -134,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(wall)
                 cpu[name].append(c)
             shutil.rmtree(root, ignore_errors=True)
-            _save(root, "c", tensors, pieces, meta, None)  # the loads read a real checkpoint
+            _save(root, "c", tensors, pieces, meta, "checksums")  # the loads read a real one
             os.sync()
             _load(root, "c", False)  # warm the page cache for both
             loads = [
@@ -143,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                 ("load verify, cold", True, True),
                 ("load no verify, cold", False, True),
             ]
-            for name, verify, cold in loads if rnd % 2 == 0 else loads[::-1]:
+            k = rnd % len(loads)  # rotate, as the saves
+            warm = [x for x in loads if not x[2]]
+            extra = [warm[(j + k) % len(warm)] for j in range(len(warm) * (args.load_repeats - 1))]
+            for name, verify, cold in loads[k:] + loads[:k] + extra:
                 if not cold:
                     _load(root, "c", False)  # back in the page cache after a cold one
                 wall, c = _load(root, "c", verify, cold)
@@ -153,37 +169,41 @@ def main(argv: list[str] | None = None) -> int:
     cmed = {k: statistics.median(v) for k, v in cpu.items()}
     best = {k: min(v) for k, v in times.items()}  # the least disturbed run of each
     gbs = {k: nbytes / v / 1e9 for k, v in med.items()}
-    print(f"checkpoint of {nbytes / 2**20:.0f} MiB, median of {args.rounds} rounds")
+    print(
+        f"checkpoint of {nbytes / 2**20:.0f} MiB, median of {args.rounds} rounds "
+        f"({args.rounds * args.load_repeats} warm loads of each variant)"
+    )
     for k in times:
         print(f"  {k:20s} wall {med[k]:7.3f} s  {gbs[k]:6.2f} GB/s   cpu {cmed[k]:7.3f} s")
     save_ratio = med["save checksums"] / med["save none"]
     load_ratio = med["load verify"] / med["load no verify"]
-    print(
-        f"save with checksums / without: {save_ratio:.3f}x  (sha256 second pass: "
-        f"{med['save sha256 pass'] / med['save none']:.3f}x)"
-    )
-    print(f"load with verification / without: {load_ratio:.3f}x")
     cold_ratio = med["load verify, cold"] / med["load no verify, cold"]
-    print(f"cold load (from the disk) with verification / without: {cold_ratio:.3f}x")
     c_save = cmed["save checksums"] / cmed["save none"]
     c_load = cmed["load verify"] / cmed["load no verify"]
-    print(f"cpu time ratios (less sensitive to other load): save {c_save:.3f}x, load {c_load:.3f}x")
-    print(
-        "fastest-run ratios (the least disturbed by other processes): save "
-        f"{best['save checksums'] / best['save none']:.3f}x, load "
-        f"{best['load verify'] / best['load no verify']:.3f}x, cold load "
-        f"{best['load verify, cold'] / best['load no verify, cold']:.3f}x"
-    )
+    print("ratios to no checksums: wall (median) | cpu (median) | wall (fastest run)")
+    rows = [
+        ("save", "save checksums", "save none"),
+        ("save, sha256 second pass", "save sha256 pass", "save none"),
+        ("load (from the page cache)", "load verify", "load no verify"),
+        ("load from the disk (cold)", "load verify, cold", "load no verify, cold"),
+    ]
+    ratios = {}
+    for label, a, b in rows:
+        ratios[label] = (med[a] / med[b], cmed[a] / cmed[b], best[a] / best[b])
+        w, c, f = ratios[label]
+        print(f"  {label:26s} {w:6.3f}x | {c:6.3f}x | {f:6.3f}x")
     print(f"load average at the start: {load_start}, at the end: {os.getloadavg()}")
     if args.json:
         args.json.write_text(json.dumps({
             "bench": "integrity", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": platform.platform(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "mib": args.mib, "rounds": args.rounds,
+            "load_repeats": args.load_repeats,
             "times_s": times, "median_s": med, "gb_per_s": gbs, "cpu_s": cpu, "cpu_median_s": cmed, "min_s": best,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
             "save_ratio": save_ratio, "load_ratio": load_ratio, "cold_load_ratio": cold_ratio,
             "cpu_save_ratio": c_save, "cpu_load_ratio": c_load,
+            "ratios_wall_cpu_fastest": ratios,
         }, indent=1))  # fmt: skip
     return 0
 

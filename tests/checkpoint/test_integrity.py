@@ -159,3 +159,45 @@ def test_foreign_folder_header_sizes_and_dtypes(tmp_path):
         match=r"config\.json: duplicate key 'model_type' at line 1, column 25 \(first at line 1, column 2\)",
     ):
         check_folder(folder, ServeError)
+
+
+def _key_span(path, key):
+    from meshtrain.checkpoint.rank_file import RankFile
+
+    rf = RankFile(path, 0, record=None, sha256=None, verify=False, fix="")
+    try:
+        return rf.keys[key][2:]
+    finally:
+        rf.close()
+
+
+def test_part_of_a_large_key_is_read_in_one_pass_and_verified_whole(two_tags, monkeypatch):
+    """A range of a key too large to keep (KEEP_BYTES 0 here): the key's bytes are read
+    once, in order, the range straight into the result; damage outside the range is
+    still caught, because the whole key is hashed."""
+    from meshtrain.checkpoint import rank_file, reader
+
+    monkeypatch.setattr(reader, "KEEP_BYTES", 0)
+    passes = []
+    orig = rank_file.RankFile._pass
+    monkeypatch.setattr(
+        rank_file.RankFile,
+        "_pass",
+        lambda self, key, b, e, *a, **k: (
+            passes.append((key, b, e)) or orig(self, key, b, e, *a, **k)
+        ),
+    )
+    f = two_tags / "t2" / "rank00000.safetensors"
+    begin, end = _key_span(f, "param.flat")
+    with CheckpointReader(two_tags, "t2", verify=False) as b:
+        want = b.read("layer.w")
+    with CheckpointReader(two_tags, "t2") as a:
+        assert torch.equal(a.read("layer.w"), want)
+        assert a._files[0]._mmap is None  # not sliced from the memory map: no second read
+    spans = [(lo, hi) for key, lo, hi in passes if key == "param.flat"]
+    assert spans[0][0] == begin and spans[-1][1] == end and len(spans) == 3
+    assert all(x[1] == y[0] for x, y in zip(spans, spans[1:], strict=False))
+    _flip(f, end - 1)  # the last element of param.flat: not part of layer.w
+    with CheckpointReader(two_tags, "t2") as a, pytest.raises(CheckpointError) as e:
+        a.read("layer.w")
+    assert "tensor 'param.flat'" in str(e.value) and "is corrupted" in str(e.value)

@@ -132,7 +132,10 @@ def damage(path: Path, rng: random.Random) -> str:
     return f"truncate {len(data)} -> {keep} bytes"
 
 
-def run(trials: int = 100, seed: int = 0, work: Path | None = None) -> list[dict]:
+def run(
+    trials: int = 100, seed: int = 0, work: Path | None = None, files: tuple = FILES
+) -> list[dict]:
+    """``trials`` trials, each damaging one of ``files`` (all of them by default)."""
     from meshtrain.errors import MeshtrainError
 
     rng = random.Random(seed)
@@ -145,7 +148,7 @@ def run(trials: int = 100, seed: int = 0, work: Path | None = None) -> list[dict
         case = tmp / "case"
         shutil.rmtree(case, ignore_errors=True)
         shutil.copytree(pristine, case)
-        rel = rng.choice(FILES)
+        rel = rng.choice(files)
         target = case / rel
         how = damage(target, rng)
         row = {"trial": trial, "file": rel, "damage": how, "detected": False, "named": False,

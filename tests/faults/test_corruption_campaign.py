@@ -5,12 +5,26 @@ and the undamaged artifacts must load with their exact content, in every trial."
 
 from __future__ import annotations
 
-from tests.faults.corruption import FILES, run, summary
+from tests.faults.corruption import CKPT_FILES, FILES, run, summary
 
 
 def test_100_of_100_damaged_files_detected_and_named(tmp_path):
     results = run(trials=100, seed=0, work=tmp_path)
     assert len(results) == 100
     assert {r["file"] for r in results} == set(FILES)  # every file was hit at least once
+    failed = [r for r in results if not (r["detected"] and r["named"] and r["others_load"])]
+    assert not failed, summary(results)
+
+
+def test_damage_detected_in_one_pass_partial_reads(tmp_path, monkeypatch):
+    """The same contract with every part of a key read by ``RankFile.read_part`` (the
+    one-pass read of a key too large to keep: KEEP_BYTES 0 here, 64-byte reads), on the
+    checkpoint's files (the only ones it reads)."""
+    from meshtrain.checkpoint import rank_file, reader
+
+    monkeypatch.setattr(rank_file, "BLOCK", 64)
+    monkeypatch.setattr(reader, "KEEP_BYTES", 0)
+    results = run(trials=50, seed=1, work=tmp_path, files=CKPT_FILES)
+    assert {r["file"] for r in results} == set(CKPT_FILES)
     failed = [r for r in results if not (r["detected"] and r["named"] and r["others_load"])]
     assert not failed, summary(results)

@@ -12,14 +12,17 @@ digest is compared with the record before the tensor is handed out. So verificat
 adds the hash's arithmetic over bytes already in cache, never a second read: the reader
 before this one hashed each file in a pass of its own and then let safetensors read it
 again through a memory map (2.5x a load from the page cache, where a load is a memory
-copy). The tensor is the caller's: nothing else refers to its storage.
+copy). Hashing on a second thread while the next block is read was measured and is not
+done: slower than inline on this project's machine even with a core free
+(docs/checkpoints.md). The tensor is the caller's: nothing else refers to its storage.
 
 **Parts of large keys.** A key read only in part (one rank's range of a flat ZeRO
-buffer) is sliced from safetensors' memory map, so a narrow read touches only its bytes.
-When verifying, such a key is checked first: ``CheckpointReader`` reads a key of at most
-``KEEP_BYTES`` whole (one pass, kept for the slices that follow) and calls
-``verify_key`` for a larger one, a streamed pass of its own in ``BLOCK`` reads (memory
-stays one block; the slices then read those bytes a second time).
+buffer) is sliced from safetensors' memory map once it is verified, so a narrow read
+touches only its bytes. Before that, ``CheckpointReader`` reads a key of at most
+``KEEP_BYTES`` whole (one pass, kept for the slices that follow); a larger one is read by
+``read_part``: one streamed pass over the key that hashes every byte, reads the range
+asked for straight into the tensor returned and the rest through one block of memory.
+``verify_key`` (``verify_all``) is the same pass keeping nothing.
 
 Manifests written before per-tensor records carry a whole-file sha256; such a file is
 hashed whole when it is opened, as before.
@@ -134,32 +137,63 @@ class RankFile:
 
     def read_key(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` (its stored shape and dtype) in a new storage, read in
-        one pass and, unless already verified, hashed block by block and checked."""
+        one pass and, unless already verified, hashed as it lands and checked."""
         code, shape, begin, end = self.keys[key]
         out = torch.empty(end - begin, dtype=torch.uint8)
-        h = self._hasher(key)
-        self._pass(key, begin, end, memoryview(out.numpy()), h)
-        self._check(key, h, begin, end)
+        digest = self._pass(key, begin, end, memoryview(out.numpy()), self._needs(key))
+        self._check(key, digest, begin, end)
         return out.view(_TORCH[code]).reshape(shape)
+
+    def read_part(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of 1-D key ``key`` in a new storage. While the key is not
+        yet verified, the whole key is streamed once: its bytes before and after the range
+        through one block of memory, the range itself straight into the tensor returned,
+        every byte hashed in order; so the range is read once and the key checked before
+        it is handed out. Once verified (or not verifying), only the range is read."""
+        code, _shape, begin, end = self.keys[key]
+        item = _TORCH[code].itemsize
+        a, b = begin + lo * item, begin + hi * item
+        out = torch.empty(b - a, dtype=torch.uint8)
+        dst = memoryview(out.numpy())
+        if not self._needs(key):
+            self._pass(key, a, b, dst, False)
+        else:
+            h = checksums.hasher()
+            buf = memoryview(bytearray(min(BLOCK, end - begin) or 1))
+            self._pass(key, begin, a, buf, False, into_buf=False, h=h)
+            self._pass(key, a, b, dst, False, h=h)
+            self._pass(key, b, end, buf, False, into_buf=False, h=h)
+            self._check(key, h.hexdigest(), begin, end)
+        return out.view(_TORCH[code])
 
     def verify_key(self, key: str) -> None:
         """Hash ``key``'s bytes in a streamed pass (one block of memory) and check them."""
-        h = self._hasher(key)
-        if h is None:
+        if not self._needs(key):
             return
         _code, _shape, begin, end = self.keys[key]
         buf = memoryview(bytearray(min(BLOCK, end - begin) or 1))
-        self._pass(key, begin, end, buf, h, into_buf=False)
-        self._check(key, h, begin, end)
+        self._check(key, self._pass(key, begin, end, buf, True, into_buf=False), begin, end)
 
-    def _hasher(self, key: str) -> Any:
-        return checksums.hasher() if self.record is not None and key not in self.verified else None
+    def _needs(self, key: str) -> bool:
+        """Whether ``key`` is still to be checked."""
+        return self.record is not None and key not in self.verified
 
     def _pass(
-        self, key: str, begin: int, end: int, dst: memoryview, h: Any, into_buf: bool = True
-    ) -> None:
+        self,
+        key: str,
+        begin: int,
+        end: int,
+        dst: memoryview,
+        verify: bool,
+        into_buf: bool = True,
+        h: Any = None,
+    ) -> str | None:
         """Read bytes ``[begin, end)`` block by block into ``dst`` (or through it, when it is
-        one block), feeding each block to ``h`` as it lands."""
+        one block); with ``verify``, return their digest, else None. Each block is hashed
+        right after it lands, while it is in the CPU cache (a caller's running hasher ``h``
+        is fed instead, when given)."""
+        if verify:
+            h = checksums.hasher()
         f = self._file()
         f.seek(begin)
         pos, n = 0, end - begin
@@ -175,11 +209,12 @@ class RankFile:
             if h is not None:
                 h.update(view[:got])
             pos += got
+        return h.hexdigest() if verify else None
 
-    def _check(self, key: str, h: Any, begin: int, end: int) -> None:
-        if h is None:
+    def _check(self, key: str, digest: str | None, begin: int, end: int) -> None:
+        if digest is None:
             return
-        if h.hexdigest() != self.record["tensors"][key]:
+        if digest != self.record["tensors"][key]:
             raise CheckpointError(
                 f"{self.path}: tensor {key!r} (bytes {begin}..{end} of the file) is corrupted: "
                 f"its {checksums.ALGO} checksum differs from the one recorded at save; "

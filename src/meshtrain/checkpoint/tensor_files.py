@@ -9,9 +9,10 @@ the tensors back to back with no gaps (the format requires it). So a record of
 covers every byte of the file, and a mismatch can say *which* tensor (and which byte range
 of the file) is damaged rather than only "the file differs".
 
-Writing: ``record_from_tensors`` hashes each tensor's bytes from memory as it is handed to
+Writing: ``tensor_digests`` hashes each tensor's bytes from memory as it is handed to
 safetensors (the bytes safetensors writes are exactly the tensor's little-endian
-contiguous bytes), then reads back only the header; the streamed consolidated export
+contiguous bytes; the checkpoint writer runs it while fsync waits for the disk), and
+``record_from_tensors`` reads back only the header; the streamed consolidated export
 hashes each chunk as it writes it. Neither reads a written file again.
 
 Reading: ``verify`` reads the file once, front to back, in 4 MiB chunks.
@@ -87,8 +88,14 @@ def parse_header(
     return header
 
 
-def record_from_tensors(path: str | os.PathLike, host: Mapping[str, torch.Tensor]) -> dict:
-    """The checksum record of a file safetensors just wrote from ``host`` (CPU tensors)."""
+def tensor_digests(host: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{key: digest}`` of the CPU tensors handed to ``safetensors.save_file``."""
+    return {k: tensor_digest(t) for k, t in host.items()}
+
+
+def record_from_tensors(path: str | os.PathLike, digests: Mapping[str, str]) -> dict:
+    """The checksum record of a file safetensors just wrote from tensors whose digests
+    (``tensor_digests``) are ``digests``: only its header is read back."""
     with open(path, "rb") as f:
         head = header_bytes(f, str(path), OSError)
         size = os.fstat(f.fileno()).st_size
@@ -96,7 +103,7 @@ def record_from_tensors(path: str | os.PathLike, host: Mapping[str, torch.Tensor
         "algo": checksums.ALGO,
         "size": size,
         "header": checksums.digest(head),
-        "tensors": {k: tensor_digest(t) for k, t in host.items()},
+        "tensors": dict(digests),
     }
 
 

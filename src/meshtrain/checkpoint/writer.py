@@ -203,11 +203,13 @@ def _write_shard(
             f"save_shards (rank {rank}): safetensors could not write {path}: {exc}; tensors "
             f"under different keys must not overlap in memory"
         ) from exc
-    # the tensors are hashed while fsync waits for the disk (it releases the GIL), so the
-    # checksums add CPU time but little wall time to a save
+    # the tensors are hashed while fsync waits for the disk (it releases the GIL): this
+    # core is idle then, so the checksums add CPU time but little wall time to a save even
+    # with no second core free. (Hashing on a thread from before save_file was tried: it
+    # competes with safetensors' copy into the page cache whenever no core is free.)
     with ThreadPoolExecutor(1, thread_name_prefix="meshtrain-fsync") as pool:
         synced = pool.submit(storage.fsync_file, path)
-        record = tensor_files.record_from_tensors(path, host)
+        record = tensor_files.record_from_tensors(path, tensor_files.tensor_digests(host))
         synced.result()
     return path, record
 

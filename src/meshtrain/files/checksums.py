@@ -2,13 +2,14 @@
 
 Hash: **xxh3-64** from the ``xxhash`` package. It guards against damage (a flipped bit
 on disk or in a copy, a truncated transfer), not against an adversary, so a fast
-non-cryptographic hash is the right tool. Measured on this project's 2-core machine over
-256 MiB in memory: xxh3-64 12.7 GB/s, xxh3-64 7.4 GB/s, sha256 (``hashlib``) 0.81 GB/s,
-blake2b 0.44 GB/s. Verification must cost under 5% of a load that itself runs at about
-0.5 GB/s from the page cache (docs/checkpoints.md): only xxh3-64 leaves room for that
-(128 MiB: 10 ms against 240 ms). 64 bits make the chance that a damaged file still
-matches about 2^-64 (5e-20) per check; what matters for damage is that every byte feeds
-the hash, and it does.
+non-cryptographic hash is the right tool. Measured on this project's 2-core machine
+(``benchmarks/bench_hashes.py``, one core, GB/s over a block in the cache / from memory):
+xxh3-64 87 / 27, xxh3-128 88 / 26, crc32c (``crc32c``, ``google-crc32c``) 18-23 / 7-8,
+blake3 (one thread) 7.2 / 3.8, sha256 (``hashlib``) 1.5 / 1.5. A load from the page cache
+is a memory copy of 10-17 GB/s, so only xxh3 keeps the hash a small fraction of it (a
+fifth, inline; docs/checkpoints.md). 64 bits make the
+chance that a damaged file still matches about 2^-64 (5e-20) per check; what matters for
+damage is that every byte feeds the hash, and it does.
 
 Streaming: writers feed the hash the bytes they write (``Hasher.update`` or
 ``HashingWriter``), so no second pass over a written file is needed; readers verify in one
