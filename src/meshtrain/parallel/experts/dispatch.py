@@ -79,9 +79,8 @@ class Permute(torch.autograd.Function):
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
+    positions = torch.arange(perm.numel(), device=perm.device)
+    return torch.empty_like(perm).index_copy_(0, perm, positions)
 
 
 @dataclass
