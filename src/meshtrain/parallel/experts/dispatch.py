@@ -18,6 +18,12 @@ element size ``b``)::
     weight    rows x their routing weight, summed back into their token (index_add, in
               expert order as transformers does)
 
+The counts' all-to-all is started asynchronously and the sort runs while it is in flight.
+The permutations (``regroup``/``ungroup``, and the routing weights into sorted order) are
+:class:`Permute` nodes: their backward is the gather by the inverse permutation, not the
+``index_put`` with accumulation that autograd runs for ``x[index]`` (the same numbers: each
+gradient row lands in exactly one place).
+
 Backward is the same two all-to-alls with the splits swapped (:class:`AllToAll`): the
 gradient of the combine's output travels ``N k H b`` bytes to the experts, the gradient of
 the dispatched rows ``R H b`` back. So per layer and step, each rank records exactly
@@ -58,11 +64,31 @@ class AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+class Permute(torch.autograd.Function):
+    """``x[index]`` along dim 0 for a permutation ``index`` with its ``inverse``: the
+    backward is ``grad[inverse]``, a gather."""
+
+    @staticmethod
+    def forward(ctx, x, index: torch.Tensor, inverse: torch.Tensor):
+        ctx.inverse = inverse  # an integer index, never differentiated
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.inverse), None, None
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(perm.numel(), device=perm.device)
+    return torch.empty_like(perm).index_copy_(0, perm, positions)
+
+
 @dataclass
 class DispatchPlan:
     """Where each of this rank's ``N k`` routed rows goes and what comes back."""
 
     order: torch.Tensor  # [N k] (token, slot) indices sorted by expert
+    unorder: torch.Tensor  # its inverse
     tokens: torch.Tensor  # [N k] token index of each sorted row (order // k)
     counts: torch.Tensor  # [E] rows this rank routes to each expert
     send: list[int]  # rows to each ep rank
@@ -77,15 +103,19 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group: Group | None) 
     all-to-all over ``group``; none when the group has one rank)."""
     top_k = experts.shape[-1]
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
     p = 1 if group is None else group.size
     n_local = num_experts // p
-    if p == 1:
+    work = None
+    if p > 1:  # in flight while this rank sorts its rows
+        received = torch.empty_like(counts)
+        work = comm.all_to_all(received, counts, group, async_op=True, label="control")
+    order = torch.argsort(flat, stable=True)
+    unorder = _inverse(order)
+    if work is None:
         received = counts.view(1, n_local)
     else:
-        received = torch.empty_like(counts)
-        comm.all_to_all(received, counts, group, label="control")
+        work.wait()
         received = received.view(p, n_local)  # [source, local expert]
     send = counts.view(p, n_local).sum(1).tolist()
     recv = received.sum(1).tolist()
@@ -97,6 +127,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group: Group | None) 
         ungroup = torch.argsort(regroup)
     return DispatchPlan(
         order=order,
+        unorder=unorder,
         tokens=order // top_k,
         counts=counts,
         send=send,
@@ -109,10 +140,10 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group: Group | None) 
 
 def dispatch(x: torch.Tensor, plan: DispatchPlan, group: Group | None) -> torch.Tensor:
     """``x`` ``[N, H]`` -> the rows this rank's experts compute, grouped by local expert."""
-    rows = x[plan.tokens]
+    rows = x.index_select(0, plan.tokens)
     if group is not None and group.size > 1:
         rows = AllToAll.apply(rows, group, plan.recv, plan.send)
-    return rows if plan.regroup is None else rows[plan.regroup]
+    return rows if plan.regroup is None else Permute.apply(rows, plan.regroup, plan.ungroup)
 
 
 def combine(
@@ -125,12 +156,13 @@ def combine(
 ) -> torch.Tensor:
     """The experts' rows ``y`` back to their tokens: ``out[t] = sum_j w[t, j] y[t, j]``."""
     if plan.ungroup is not None:
-        y = y[plan.ungroup]
+        y = Permute.apply(y, plan.ungroup, plan.regroup)
     if group is not None and group.size > 1:
         y = AllToAll.apply(y, group, plan.send, plan.recv)
     # weight in the routing weights' dtype (fp32), then back, as transformers does
-    y = (y * weights.reshape(-1)[plan.order, None]).to(dtype)
+    w = Permute.apply(weights.reshape(-1), plan.order, plan.unorder)
+    y = (y * w[:, None]).to(dtype)
     return y.new_zeros(n_tokens, y.shape[-1]).index_add(0, plan.tokens, y)
 
 
-__all__ = ["AllToAll", "DispatchPlan", "combine", "dispatch", "plan_dispatch"]
+__all__ = ["AllToAll", "DispatchPlan", "Permute", "combine", "dispatch", "plan_dispatch"]
