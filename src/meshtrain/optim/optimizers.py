@@ -225,10 +225,31 @@ def _bitsandbytes_class(class_name: str) -> type[torch.optim.Optimizer]:
             whole = getattr(p, "meshtrain_whole_numel", None)
             if whole is not None:  # bitsandbytes compares p.numel() with min_8bit_size
                 config["min_8bit_size"] = 0 if whole >= self.args.min_8bit_size else 1 << 62
+            bits = getattr(p, "meshtrain_optim_bits", None)
+            if bits is not None:  # a parameter's own width (``keep_embeddings_32bit``)
+                config["optim_bits"] = bits
             return config
 
     WholeParameterSized.__name__ = WholeParameterSized.__qualname__ = class_name
     return WholeParameterSized
+
+
+def keep_embeddings_32bit(model: torch.nn.Module) -> int:
+    """Give every trainable ``nn.Embedding`` weight of ``model`` 32-bit state in an 8-bit
+    bitsandbytes optimizer, as transformers' Trainer does for ``optim="adamw_bnb_8bit"``
+    and the other 8-bit names (it registers ``{"optim_bits": 32}`` overrides with
+    bitsandbytes' ``GlobalOptimManager``: 8-bit state of a large, sparsely updated
+    embedding is less stable, and re-quantizing it every step costs time). The mark
+    (``meshtrain_optim_bits``) follows the weight into its ZeRO master slices. Returns the
+    elements marked."""
+    marked = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Embedding) and w is not None and w.requires_grad:
+            if getattr(w, "meshtrain_optim_bits", None) is None:
+                w.meshtrain_optim_bits = 32
+                marked += w.numel()
+    return marked
 
 
 def _construct(cls, name, params, allowed, kwargs, param_groups) -> torch.optim.Optimizer:

@@ -145,6 +145,10 @@ def build_engine(
     )
     if topology.pp_size > 1:
         check_pipeline(topology.pp_size)
+    if optimizer is None and config.get("optimizer", {}).get("type") in ("AdamW8bit", "Lion8bit"):
+        from meshtrain.optim.optimizers import keep_embeddings_32bit
+
+        keep_embeddings_32bit(model)  # as transformers' Trainer does for its 8-bit names
     engine, _, _, _ = meshtrain.initialize(
         model=model,
         training_data=loader,  # its position goes into checkpoints

@@ -49,9 +49,9 @@ from torch import nn
 
 from meshtrain.parallel.zero.master_layout import (
     LAYOUTS,
-    _leaf,
     cut_state,
     join_state,
+    master_leaves,
     master_spans,
 )
 from meshtrain.parallel.zero.packing import pack_buckets, pack_whole, padding_spans
@@ -257,12 +257,7 @@ class FlatGroup:
         # elements each, so its temporaries stay small (module docstring)
         self.slice_spans = [master_spans(self, b) for b in self.buckets]
         self.master_slices = [
-            [
-                _leaf(
-                    c.narrow(0, lo, n) if shape is None else c.narrow(0, lo, n).view(shape), numel
-                )
-                for lo, n, shape, numel in spans
-            ]
+            master_leaves(c, spans)
             for c, spans in zip(self.master_chunks, self.slice_spans, strict=True)
         ]
         self.master_params = [m for slices in self.master_slices for m in slices]
@@ -360,7 +355,7 @@ class FlatGroup:
                     g = g.to(device=self.master_device, dtype=torch.float32)
                 if factor != 1.0:
                     g.mul_(factor)
-            for master, (lo, n, _, _) in zip(slices, spans, strict=True):
+            for master, (lo, n, *_) in zip(slices, spans, strict=True):
                 master.grad = g.narrow(0, lo, n).view(master.shape)
         if pending is not None:
             torch.cuda.current_stream(pending).synchronize()

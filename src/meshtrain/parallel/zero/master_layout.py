@@ -20,25 +20,43 @@ from torch import nn
 LAYOUTS: dict[str, int] = {"flat": 1, "blocks": 256, "whole": 1}
 
 
-def _leaf(view: torch.Tensor, whole_numel: int) -> nn.Parameter:
+def _leaf(view: torch.Tensor, whole_numel: int, bits: int | None = None) -> nn.Parameter:
     """An optimizer leaf sharing ``view``'s storage; ``whole_numel`` is the numel of the
-    parameter it belongs to (8-bit optimizers choose 8-bit state by that size)."""
+    parameter it belongs to (8-bit optimizers choose 8-bit state by that size), ``bits``
+    the parameter's own optimizer-state width when it has one (``meshtrain_optim_bits``:
+    32 for the embeddings transformers' Trainer keeps out of 8-bit state)."""
     leaf = nn.Parameter(view, requires_grad=True)
     leaf.meshtrain_whole_numel = whole_numel
+    if bits is not None:
+        leaf.meshtrain_optim_bits = bits
     return leaf
 
 
-def master_spans(self, bucket) -> list[tuple[int, int, torch.Size | None, int]]:
-    """``(offset in the chunk, numel, shape, whole parameter's numel)`` of each master
-    slice of ``bucket`` (see ``LAYOUTS``)."""
+def master_leaves(chunk: torch.Tensor, spans) -> list[nn.Parameter]:
+    """The optimizer leaves of one master ``chunk``, one per span of :func:`master_spans`."""
+    return [
+        _leaf(
+            chunk.narrow(0, lo, n) if shape is None else chunk.narrow(0, lo, n).view(shape), *rest
+        )
+        for lo, n, shape, *rest in spans
+    ]
+
+
+def master_spans(self, bucket) -> list[tuple[int, int, torch.Size | None, int, int | None]]:
+    """``(offset in the chunk, numel, shape, whole parameter's numel, its state bits or
+    None)`` of each master slice of ``bucket`` (see ``LAYOUTS``; a "flat" slice may span
+    parameters, so it has no bits of its own)."""
     if self.layout == "flat":
         cuts = range(0, bucket.chunk, self.slice_numel)
-        return [(lo, min(self.slice_numel, bucket.chunk - lo), None, bucket.chunk) for lo in cuts]
+        return [
+            (lo, min(self.slice_numel, bucket.chunk - lo), None, bucket.chunk, None) for lo in cuts
+        ]
     lo, hi = self.owned_range(bucket)
     step = max(self.align, self.slice_numel // self.align * self.align)
     spans = []
     for p, off in zip(bucket.params, bucket.offsets, strict=True):
         shape = self.shapes[p]
+        bits = getattr(p, "meshtrain_optim_bits", None)
         start, n = off - bucket.start, shape.numel()
         a, b = max(start, lo), min(start + n, hi)
         if a >= b:
@@ -46,11 +64,11 @@ def master_spans(self, bucket) -> list[tuple[int, int, torch.Size | None, int]]:
         if self.layout == "whole":
             if (a, b) != (start, start + n):  # pack_whole never splits one
                 raise RuntimeError(f"whole layout: a parameter of shape {tuple(shape)} is split")
-            spans.append((a - lo, n, shape, n))
+            spans.append((a - lo, n, shape, n, bits))
             continue
         # "blocks": cut on the align grid measured from the parameter's first element
         for cut in range(a, b, step):
-            spans.append((cut - lo, min(step, b - cut), None, n))
+            spans.append((cut - lo, min(step, b - cut), None, n, bits))
     return spans
 
 
