@@ -382,10 +382,18 @@ def _forced_router(router, skew: str, token_offset: int, rank0_tokens: int):
 
 
 def tiny_causal_lm(family: str, seed: int = 0, skew=None, token_offset=0, rank0_tokens=0, **over):
-    """A tiny transformers MoE causal LM (8 experts, top-2, 2 layers), fp32, deterministic;
-    ``skew``: its routers forced (:func:`_forced_router`)."""
+    """A tiny transformers MoE causal LM (``mixtral``, ``qwen2_moe`` or ``qwen3_moe``: 8
+    experts, top-2, 2 layers), fp32, deterministic; ``skew``: its routers forced
+    (:func:`_forced_router`)."""
     import torch
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     common = dict(
         vocab_size=64,
@@ -402,6 +410,10 @@ def tiny_causal_lm(family: str, seed: int = 0, skew=None, token_offset=0, rank0_
     if family == "mixtral":
         cfg = MixtralConfig(**{"intermediate_size": 24, "num_local_experts": 8, **common, **over})
         model = MixtralForCausalLM(cfg)
+    elif family == "qwen3_moe":
+        sizes = dict(moe_intermediate_size=24, num_experts=8, head_dim=8)
+        cfg = Qwen3MoeConfig(**{"intermediate_size": 24, **sizes, **common, **over})
+        model = Qwen3MoeForCausalLM(cfg)
     else:
         sizes = dict(moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=8)
         cfg = Qwen2MoeConfig(**{"intermediate_size": 24, **sizes, **common, **over})

@@ -46,32 +46,13 @@ def _decoder():
     return Decoder(cfg)
 
 
-def _qwen3_moe():
-    """A tiny transformers Qwen3-MoE (8 experts, top-2, 4 layers, aux coefficient 0.02),
-    initialised as ``test_moe.tiny_causal_lm`` (larger router weights)."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=24,
-        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        output_router_logits=True, router_aux_loss_coef=0.02, max_position_embeddings=64,
-    )  # fmt: skip
-    model = Qwen3MoeForCausalLM(cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "gate" in n else 0.1))
-    return model.float()
-
-
 def _make(fam: str):
     if fam == "decoder":
         return _decoder()
-    if fam == "qwen3_moe":
-        return _qwen3_moe()
     from tests.distributed.test_moe import tiny_causal_lm
+
+    if fam == "qwen3_moe":
+        return tiny_causal_lm("qwen3_moe", num_hidden_layers=4, norm_topk_prob=True)
 
     if fam == "mixtral_one_expert":  # every token to experts 0 and 1, on every rank
         return tiny_causal_lm("mixtral", skew="one_expert", num_hidden_layers=4)

@@ -52,39 +52,10 @@ TOL, STEPS, ROWS, CLIP = 1e-6, 20, 2, 0.085
 MESH = {"tensor_parallel_size": 2, "expert_parallel_size": 2}
 
 
-def tiny_qwen3_moe():
-    """A tiny transformers Qwen3-MoE (8 experts, top-2, unnormalised top-k), as
-    ``tiny_causal_lm`` builds the other families."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        intermediate_size=24,
-        moe_intermediate_size=24,
-        num_experts=8,
-        num_experts_per_tok=2,
-        output_router_logits=True,
-        router_aux_loss_coef=0.02,
-        max_position_embeddings=64,
-    )
-    model = Qwen3MoeForCausalLM(cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "gate" in n else 0.1))
-    return model.float()
-
-
 def _make(fam: str):
     if fam == "decoder":
         return tiny_decoder()
-    return tiny_qwen3_moe() if fam == "qwen3_moe" else tiny_causal_lm(fam)
+    return tiny_causal_lm(fam)
 
 
 def _loss(out):

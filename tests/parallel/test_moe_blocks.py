@@ -11,16 +11,19 @@ from meshtrain.errors import ConfigError
 from meshtrain.parallel.tensor.moe_blocks import inside, moe_blocks
 from meshtrain.parallel.tensor.plans import LLAMA, LLAMA_MOE, QWEN3_MOE, plan_for
 from tests.distributed.test_moe import tiny_causal_lm, tiny_decoder
-from tests.distributed.test_moe_tensor_parallel import tiny_qwen3_moe
 
 
 def test_moe_blocks_of_each_family():
-    for model in (tiny_causal_lm("mixtral"), tiny_causal_lm("qwen2_moe"), tiny_qwen3_moe()):
+    for model in (
+        tiny_causal_lm("mixtral"),
+        tiny_causal_lm("qwen2_moe"),
+        tiny_causal_lm("qwen3_moe"),
+    ):
         assert moe_blocks(model) == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert moe_blocks(tiny_decoder()) == ["layers.0.mlp", "layers.1.mlp"]
     assert plan_for(tiny_causal_lm("mixtral")) is LLAMA_MOE
     assert plan_for(tiny_causal_lm("qwen2_moe")) is LLAMA_MOE
-    assert plan_for(tiny_qwen3_moe()) is QWEN3_MOE
+    assert plan_for(tiny_causal_lm("qwen3_moe")) is QWEN3_MOE
 
 
 def test_blocks_cover_everything_inside_them_only():

@@ -124,7 +124,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, group: Group | None) 
         expert_of_row = torch.arange(n_local, device=flat.device).repeat(p)
         expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1))
         regroup = torch.argsort(expert_of_row, stable=True)
-        ungroup = torch.argsort(regroup)
+        ungroup = _inverse(regroup)
     return DispatchPlan(
         order=order,
         unorder=unorder,
