@@ -303,6 +303,7 @@ def serve_split(app: Any, run_http: Callable[[], None]) -> int:
             to_model_recv.close()
             to_http_send.close()
             _end_with_parent()
+            _no_wakeup_preemption()
             app.state.model_process = (to_model_send, to_http_recv)
             run_http()
             code = 0
@@ -326,6 +327,19 @@ def serve_split(app: Any, run_http: Callable[[], None]) -> int:
         signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)
+
+
+def _no_wakeup_preemption() -> None:
+    """Linux: make this (the HTTP) process ``SCHED_BATCH``. Each decoding step's message
+    wakes it, and the kernel tends to wake a process on the waker's core and let it
+    preempt the waker: the decoding thread then waited for the HTTP work (a 10 us pipe
+    write took 270 us at the median, 420 us on average, when the other core was busy).
+    A ``SCHED_BATCH`` process does not preempt on wake-up: it runs on an idle core, or
+    when the decoding thread's time slice ends. Unprivileged; other systems: no-op."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def _end_with_parent() -> None:
