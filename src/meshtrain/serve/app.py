@@ -14,9 +14,11 @@ Routes (``docs/serve.md`` has curl examples):
 
 Chat requests are continuously batched (``continuous.py``): up to ``chat_batch_size``
 sequences decode together, joining and leaving at every step; ``chat_batch_size=1`` runs
-one ``model.generate`` at a time (``generation.py``). A conversation longer than the
-context loses its oldest history rounds (``context_overflow="drop-oldest"``, reported as
-``dropped_rounds`` and the ``X-Dropped-Rounds`` header) or gets 422 (``"error"``).
+one ``model.generate`` at a time (``generation.py``); when ``meshtrain serve`` forked the
+HTTP side off (``split_process.py``), ``app.state.model_process`` holds the pipes and
+the worker is a ``RemoteWorker`` talking to the model's process. A conversation longer
+than the context loses its oldest history rounds (``context_overflow="drop-oldest"``,
+reported as ``dropped_rounds`` and the ``X-Dropped-Rounds`` header) or gets 422 (``"error"``).
 
 Errors are answers, never crashes: every bad input gets a 4xx whose JSON body names the
 field (``http_errors.py``) -- 400 invalid JSON, 415 JSON without ``Content-Type:
