@@ -228,8 +228,10 @@ def test_split_server_queue_and_timeout(endless_dir):
 
 def test_split_server_stops_a_stream_whose_client_went_away(endless_dir):
     """A streamed answer of 8,000 tokens whose client closes the connection after the
-    first pieces is stopped in the model process: far fewer tokens are made."""
-    proc, url = _serve(endless_dir, "--max-new-tokens", "8000")
+    first pieces is stopped in the model process: far fewer tokens are made. Batching
+    off here (``model.generate`` one at a time, in the model process): the other tests
+    cover the continuous batcher."""
+    proc, url = _serve(endless_dir, "--max-new-tokens", "8000", "--chat-batch-size", "1")
     try:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000}
         with httpx.Client(base_url=url, timeout=60) as client:

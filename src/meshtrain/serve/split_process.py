@@ -62,8 +62,8 @@ class RemoteWorker:
         self._out, self._in = send, recv
         self.max_queue = max_queue
         self.on_step = on_step
-        self.done = self.tokens = self.running = 0
-        self._sent = self._received = self._model_waiting = 0
+        self.done = self.tokens = 0
+        self._sent = self._received = self._model_waiting = self._model_running = 0
         self._jobs: dict[int, GenerationJob] = {}
         self._ids = itertools.count()
         self._lost: str | None = None
@@ -73,6 +73,13 @@ class RemoteWorker:
     @property
     def waiting(self) -> int:  # in the pipe, plus queued in the model process
         return self._sent - self._received + self._model_waiting
+
+    @property
+    def running(self) -> int:
+        # the counters travel with answers, so the last message may predate the worker's
+        # own bookkeeping (generate's worker counts a job as running until after its
+        # answer is sent): no more run than are unanswered
+        return min(self._model_running, len(self._jobs))
 
     def submit(
         self,
@@ -124,7 +131,11 @@ class RemoteWorker:
 
     def _take(self, events: list, stats: dict) -> None:
         self._received, self._model_waiting = stats["received"], stats["waiting"]
-        self.running, self.done, self.tokens = stats["running"], stats["done"], stats["tokens"]
+        self._model_running, self.done, self.tokens = (
+            stats["running"],
+            stats["done"],
+            stats["tokens"],
+        )
         for n in stats["steps"]:
             self.on_step(n)
         for jid, kind, value in events:
