@@ -246,3 +246,15 @@ def test_split_server_stops_a_stream_whose_client_went_away(endless_dir):
     finally:
         code, out = _stop(proc)
     assert code in (0, -signal.SIGTERM), out
+
+
+def test_no_http_process_keeps_one_process(chat_dir):
+    """``--no-http-process``: no child process, and chat answers as before."""
+    proc, url = _serve(chat_dir, "--max-new-tokens", "4", "--no-http-process")
+    try:
+        assert _children(proc.pid) == []
+        r = httpx.post(url, json={"prompt": "hi"}, timeout=60)
+        assert r.status_code == 200 and "response" in r.json()
+    finally:
+        code, out = _stop(proc)
+    assert code in (0, -signal.SIGTERM), out
