@@ -23,8 +23,12 @@ Messages (pickled over ``multiprocessing`` connections, one pipe each way):
 * model -> HTTP: ``(events, stats)``: ``events`` are ``(id, "piece", text)``,
   ``(id, "done", answer)`` and ``(id, "error", exception)``, ``stats`` the worker's
   counters (requests received, waiting, running, answered, tokens, the batch size of
-  each step since the last message: the metrics). The batcher sends one message per
-  decoding step (all its answers and streamed pieces), plus one per request received.
+  each step since the last message: the metrics). The batcher sends at most one
+  message per decoding step (that step's answers and streamed pieces, when it has
+  any), plus one per request received.
+
+The HTTP process runs ``SCHED_BATCH`` (:func:`_no_wakeup_preemption`: the message of a
+step must not put the decoding thread off its core).
 
 The bounded queue stays on the HTTP side: a request is refused (503 with Retry-After)
 when ``max_queue`` requests are waiting, counting those still in the pipe, as in one
