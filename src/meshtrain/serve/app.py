@@ -14,9 +14,11 @@ Routes (``docs/serve.md`` has curl examples):
 
 Chat requests are continuously batched (``continuous.py``): up to ``chat_batch_size``
 sequences decode together, joining and leaving at every step; ``chat_batch_size=1`` runs
-one ``model.generate`` at a time (``generation.py``). A conversation longer than the
-context loses its oldest history rounds (``context_overflow="drop-oldest"``, reported as
-``dropped_rounds`` and the ``X-Dropped-Rounds`` header) or gets 422 (``"error"``).
+one ``model.generate`` at a time (``generation.py``); when ``meshtrain serve`` forked the
+HTTP side off (``split_process.py``), ``app.state.model_process`` holds the pipes and
+the worker is a ``RemoteWorker`` talking to the model's process. A conversation longer
+than the context loses its oldest history rounds (``context_overflow="drop-oldest"``,
+reported as ``dropped_rounds`` and the ``X-Dropped-Rounds`` header) or gets 422 (``"error"``).
 
 Errors are answers, never crashes: every bad input gets a 4xx whose JSON body names the
 field (``http_errors.py``) -- 400 invalid JSON, 415 JSON without ``Content-Type:
@@ -28,6 +30,7 @@ lives on the app built by :func:`build_app`, so tests run several servers in one
 """
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -91,26 +94,35 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                 batching = f"off ({why})"
                 log.warning("chat requests run one at a time: %s", why)
 
+    def local_worker(on_step, max_queue: int = settings.max_queue) -> Any:
+        """The chat worker of this process: the continuous batcher, or one at a time."""
+        if batching.startswith("continuous"):
+            from meshtrain.serve.continuous import ContinuousBatcher
+
+            return ContinuousBatcher(
+                chat,
+                max_batch=settings.chat_batch_size,
+                max_queue=max_queue,
+                prefill_chunk=settings.prefill_chunk,
+                kv_blocks=settings.kv_blocks,
+                on_step=on_step,
+            )
+        return GenerationWorker(chat.run, max_queue=max_queue, on_done=lambda: on_step(1))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         nonlocal worker
         if batcher is not None:
             await batcher.start()
-        if chat is not None and batching.startswith("continuous"):
-            from meshtrain.serve.continuous import ContinuousBatcher
+        if chat is not None:
+            on_step = functools.partial(metrics.step, "chat")
+            remote = getattr(app.state, "model_process", None)  # split_process.serve_split
+            if remote is not None:
+                from meshtrain.serve.split_process import RemoteWorker
 
-            worker = ContinuousBatcher(
-                chat,
-                max_batch=settings.chat_batch_size,
-                max_queue=settings.max_queue,
-                prefill_chunk=settings.prefill_chunk,
-                kv_blocks=settings.kv_blocks,
-                on_step=lambda n: metrics.step("chat", n),
-            )
-        elif chat is not None:
-            worker = GenerationWorker(
-                chat.run, max_queue=settings.max_queue, on_done=lambda: metrics.step("chat", 1)
-            )
+                worker = RemoteWorker(*remote, max_queue=settings.max_queue, on_step=on_step)
+            else:
+                worker = local_worker(on_step)
         yield
         if batcher is not None:
             await batcher.stop()
@@ -124,6 +136,7 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
         MetricsMiddleware, metrics=metrics, routes=lambda: {r.path for r in app.routes}
     )
     app.state.served, app.state.settings, app.state.metrics = served, settings, metrics
+    app.state.chat_worker = local_worker if chat is not None else None
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,17 @@ def _main(args: argparse.Namespace) -> int:
     # in flight.
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+    def run_http() -> None:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+    if args.http_process and served.task == "chat" and hasattr(os, "fork"):
+        from meshtrain.serve.split_process import serve_split
+
+        # HTTP in a child process, the model here: no GIL shared between the event loop
+        # and the decoding loop (split_process's docstring; docs/serve.md)
+        return serve_split(app, run_http)
+    run_http()
     return 0
 
 
@@ -217,6 +228,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="torch intra-op threads (default: torch's, one per core); 1 is far faster on "
         "a CPU shared with other busy processes",
+    )
+    p.add_argument(
+        "--http-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="chat: run HTTP in a process of its own and the model in this one, so the "
+        "event loop and the decoding loop do not share a GIL (default: on)",
     )
     p.add_argument("--model-name", default=None, help="name in responses (default: folder name)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
