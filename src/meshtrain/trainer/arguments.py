@@ -161,12 +161,9 @@ class TrainingArguments:
         positive(
             "dataloader_num_workers", self.dataloader_num_workers, allow_zero=True, integer=True
         )
-        positive("learning_rate", self.learning_rate, allow_zero=True)
-        positive("weight_decay", self.weight_decay, allow_zero=True)
-        positive("adam_epsilon", self.adam_epsilon, allow_zero=True)
-        positive("max_grad_norm", self.max_grad_norm, allow_zero=True)
-        positive("num_train_epochs", self.num_train_epochs, allow_zero=True)
-        positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        nonnegative = ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm")
+        for name in (*nonnegative, "num_train_epochs", "warmup_steps"):
+            positive(name, getattr(self, name), allow_zero=True)
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0 <= value < 1:
@@ -375,6 +372,8 @@ class TrainingArguments:
         params: dict[str, Any] = {"lr": self.learning_rate, "weight_decay": self.weight_decay}
         if kind in ("Adam", "AdamW", "AdamW8bit"):
             params.update(betas=[self.adam_beta1, self.adam_beta2], eps=self.adam_epsilon)
+        if self.optim == "adamw_torch_fused":  # torch's fused kernel, on CPU too (transformers)
+            params["fused"] = True
         if kind in ("Lion", "Lion8bit"):  # transformers passes Adam's betas to Lion
             params["betas"] = [self.adam_beta1, self.adam_beta2]
         if kind == "Adagrad":

@@ -90,6 +90,9 @@ class TrainingLoop:
         self.control = TrainerControl()
         if path is not None and args.restore_callback_states_from_checkpoint:
             self._restore_callback_states()
+        # every module, once: training_step only checks the top flag, and a peft wrapper
+        # says training while the from_pretrained model inside it is in eval mode
+        self.model.train()
         self.control = self._event("on_train_begin")
         t0 = time.perf_counter()
         run_loss = torch.zeros((), device=engine.device)  # this run's summed step shares

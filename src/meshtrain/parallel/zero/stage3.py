@@ -4,8 +4,15 @@ A *unit* is a module whose parameters are gathered together (``meshtrain.paralle
 ``gather_units``: by default each block of the model's outermost ``nn.ModuleList`` /
 ``nn.Sequential`` and each other child along the way, or the instances of the classes
 named in ``zero_optimization.stage3_module_classes``). Each
-unit's parameters form their own buckets (``FlatGroup`` ``keys``), so gathering a unit is
-one all-gather per param group.
+unit's parameters form their own buckets (``FlatGroup`` ``keys``), one per param group it
+has parameters in (frozen and trainable, each dtype, decayed or not). The buckets of a
+unit under ``COALESCE_BYTES`` each share one all-gather: this rank's chunks are packed
+into one byte buffer, gathered, and copied out into each bucket's buffer (the copies are of
+small buckets only; larger ones are gathered in place, one all-gather each). Measured on
+the lever benchmark's QLoRA MiniLM at 2 ranks: a transformer layer's three buckets (its
+packed 4-bit base, its fp32 norms and biases, its LoRA adapters) took three all-gathers
+of two gloo broadcasts each, 47 all-gathers per step in all; 17 coalesced (the same
+59.3 MB).
 
 Life of a unit's parameters in one training micro-step::
 
@@ -69,6 +76,32 @@ def assign_units(
             if p.requires_grad and full_numel(p) >= threshold and p not in owner:
                 owner[p] = i
     return owner
+
+
+# buckets at most this many bytes each share their unit's one all-gather (module docstring)
+COALESCE_BYTES = 1 << 20
+
+
+class _Coalesced:
+    """One all-gather of several buckets' chunks packed in ``packed`` (rank-major: rank
+    ``r``'s region holds its chunk of each bucket at ``offsets``); the first ``wait``
+    copies each rank's chunks out into the buckets' full buffers."""
+
+    def __init__(self, work, packed: torch.Tensor, parts: list, size: int) -> None:
+        self.work, self.packed, self.parts, self.size = work, packed, parts, size
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        ranks = self.packed.numel() // self.size
+        for full, offset, nbytes in self.parts:
+            out = full.view(torch.uint8)
+            for r in range(ranks):
+                src = self.packed.narrow(0, r * self.size + offset, nbytes)
+                out.narrow(0, r * nbytes, nbytes).copy_(src)
+        self.packed = self.parts = None
 
 
 def _in_backward() -> bool:
@@ -135,6 +168,12 @@ class ParamGatherer:
         """Launch the all-gather of ``b`` into its buffer, re-allocating its storage (async)."""
         if id(b) in self._live:
             return
+        full, src = self._claim(g, b)
+        self._work[id(b)] = comm.all_gather_bucket(full, src, self.dp_group)
+
+    def _claim(self, g: FlatGroup, b: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """``b``'s full buffer, its storage allocated again and marked live, and this rank's
+        chunk of it (brought to the device when parameters are offloaded)."""
         src = b.in_shard(g.param_shard)
         if src.device != g.device:  # parameters offloaded to the CPU
             src = src.to(g.device, non_blocking=True)
@@ -144,7 +183,24 @@ class ParamGatherer:
         else:  # the same storage object the saved views of the last forward point at
             full.untyped_storage().resize_(b.numel * g.itemsize)
         self._live.add(id(b))
-        self._work[id(b)] = comm.all_gather_bucket(full, src, self.dp_group)
+        return full, src
+
+    def _start_coalesced(self, pairs: list[tuple[FlatGroup, Bucket]]) -> None:
+        """One all-gather for the small buckets ``pairs`` (module docstring; async)."""
+        sizes = [b.chunk * g.itemsize for g, b in pairs]
+        size, rank = sum(sizes), self.dp_group.rank
+        packed = torch.empty(
+            size * self.dp_group.size, dtype=torch.uint8, device=pairs[0][0].device
+        )
+        mine, parts, offset = packed.narrow(0, rank * size, size), [], 0
+        for (g, b), nbytes in zip(pairs, sizes, strict=True):
+            full, src = self._claim(g, b)
+            mine.narrow(0, offset, nbytes).copy_(src.reshape(-1).view(torch.uint8))
+            parts.append((full, offset, nbytes))
+            offset += nbytes
+        work = _Coalesced(comm.all_gather_bucket(packed, mine, self.dp_group), packed, parts, size)
+        for _, b in pairs:
+            self._work[id(b)] = work
 
     def _finish_bucket(self, g: FlatGroup, b: Bucket) -> None:
         """Wait for ``b``'s gather and point its parameters at the full buffer."""
@@ -174,8 +230,15 @@ class ParamGatherer:
 
     # units -------------------------------------------------------------------------------------
     def _start(self, unit: Unit) -> None:
+        small = [
+            (g, b)
+            for g, b in unit.buckets
+            if id(b) not in self._live and b.numel * g.itemsize <= COALESCE_BYTES
+        ]
+        if len(small) > 1 and self.dp_group.size > 1 and len({g.device for g, _ in small}) == 1:
+            self._start_coalesced(small)
         for g, b in unit.buckets:
-            self._start_bucket(g, b)
+            self._start_bucket(g, b)  # the rest (a live bucket is skipped)
 
     def gather(self, unit: Unit) -> None:
         self._start(unit)
