@@ -184,7 +184,9 @@ def worker(framework: str, lever: str, steps: int, out: str) -> None:
         seed=0,
         **overrides,
     )
-    if framework == "transformers":
+    if framework == "transformers" and not zero3:
+        # with use_cpu transformers never builds DeepSpeed (it wraps the model in DDP):
+        # the ZeRO-3 row leaves it out so that its peer is DeepSpeed's ZeRO-3
         kwargs["use_cpu"] = True
     if zero3:
         kwargs["deepspeed"] = {
@@ -200,6 +202,8 @@ def worker(framework: str, lever: str, steps: int, out: str) -> None:
 
     trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=data)
     trainer.add_callback(Clock())
+    if zero3 and framework == "transformers" and not trainer.is_deepspeed_enabled:
+        raise RuntimeError("the ZeRO-3 row's transformers run did not enable DeepSpeed")
     trainer.train()
     peak = (_rss_kib("VmHWM") - base) * 1024
     formula = None
@@ -236,6 +240,8 @@ def _run(framework: str, lever: str, steps: int) -> dict:
         else:
             cmd = [sys.executable, *me]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+        if framework == "transformers" and LEVERS[lever][2].get("zero3"):
+            env.pop("ACCELERATE_USE_CPU")  # it too keeps DeepSpeed out (see worker)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if p.returncode != 0 or not Path(out).exists():
