@@ -14,7 +14,11 @@ before this one hashed each file in a pass of its own and then let safetensors r
 again through a memory map (2.5x a load from the page cache, where a load is a memory
 copy). Hashing on a second thread while the next block is read was measured and is not
 done: slower than inline on this project's machine even with a core free
-(docs/checkpoints.md). The tensor is the caller's: nothing else refers to its storage.
+(docs/checkpoints.md). A key split over two threads, each reading and hashing its half
+while it is in its own core's cache, measured 1.11-1.18x against 1.30-1.32x inline, but
+only with the second core idle, and it needs a digest per part (a format change): not
+built (``benchmarks/bench_warm_load.py``, docs/checkpoints.md). The tensor is the
+caller's: nothing else refers to its storage.
 
 **Parts of large keys.** A key read only in part (one rank's range of a flat ZeRO
 buffer) is sliced from safetensors' memory map once it is verified, so a narrow read
