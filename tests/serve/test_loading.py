@@ -92,17 +92,20 @@ def test_cli_fails_before_binding_the_port(tmp_path, capsys):
         s.bind(("127.0.0.1", port))
 
 
-def _serve_on_a_free_port(classifier_dir) -> tuple[subprocess.Popen, int]:
-    """``meshtrain serve`` in a subprocess, up and answering /health.
+def _serve_on_a_free_port(model_dir, *flags: str) -> tuple[subprocess.Popen, int]:
+    """``meshtrain serve MODEL_DIR *FLAGS`` in a subprocess, up and answering /health.
 
     The port is free when chosen but bound later by the subprocess; if another process
     took it meanwhile, the server exits with EADDRINUSE and a fresh port is tried."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for _ in range(3):
         port = _free_port()
-        cmd = [sys.executable, "-m", "meshtrain", "serve", str(classifier_dir)]
+        cmd = [sys.executable, "-m", "meshtrain", "serve", str(model_dir)]
         proc = subprocess.Popen(
-            [*cmd, "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            [*cmd, "--port", str(port), *flags],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 300  # bounds a hang; a loaded machine is slow
         while proc.poll() is None:

@@ -11,9 +11,7 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,44 +21,14 @@ import torch
 
 from tests.serve.test_batched_server import _metric, _reference
 from tests.serve.test_chat import default_format_ids
+from tests.serve.test_loading import _serve_on_a_free_port
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``meshtrain serve`` in a subprocess, answering /health (a port taken meanwhile by
-    another process makes it exit: then a fresh port is tried)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    for _ in range(3):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "meshtrain", "serve", str(model_dir), "--port", str(port)]
-        proc = subprocess.Popen(
-            [*cmd, "--log-level", "warning", *flags],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 300  # bounds a hang; a loaded machine is slow
-        while proc.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    return proc, f"http://127.0.0.1:{port}"
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"server did not come up:\n{proc.communicate()[0]}")
-            time.sleep(0.2)
-        out = proc.stdout.read().decode()
-        if "address already in use" not in out.lower():
-            raise AssertionError(out)
-    raise AssertionError("three free ports were taken before the server bound them")
+    proc, port = _serve_on_a_free_port(model_dir, "--log-level", "warning", *flags)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def _children(pid: int) -> list[int]:
