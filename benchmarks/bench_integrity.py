@@ -27,6 +27,12 @@ Warm loads read from the page cache (the file was just written): the load is the
 memory copy, the worst case for the relative cost of verification.
 Ratios of wall and of CPU time (the process's, all threads) are printed, with the load
 average; the goal (issue 32) is verification within 5% of none.
+
+``--resume-rounds N`` adds what a user's restart does: ``engine.load_checkpoint`` of a
+121 MiB checkpoint (a stack of ten 1024 x 1024 linears with AdamW: weights and both
+moments), each load in a fresh process (the memory it loads into is new to it) with the
+file in the page cache, ``MESHTRAIN_VERIFY=1`` against ``=0``, alternating; only the
+``load_checkpoint`` call is timed.
 """
 
 from __future__ import annotations
@@ -113,6 +119,62 @@ def _load(root: Path, tag: str, verify: bool, cold: bool = False) -> tuple[float
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def _resume_engine():
+    import meshtrain
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(10)])
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    return meshtrain.initialize(model=model, config=cfg)[0]
+
+
+def _resume_worker(save_dir: str, mode: str) -> None:
+    """``save``: one step, then a checkpoint; ``load``: print the seconds of
+    ``load_checkpoint`` (wall, CPU) as JSON."""
+    engine = _resume_engine()
+    if mode == "save":
+        engine.backward(engine(torch.randn(4, 1024)).square().mean())
+        engine.step()
+        engine.save_checkpoint(save_dir, tag="t")
+        return
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.load_checkpoint(save_dir, tag="t")
+    print(json.dumps({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0}))
+
+
+def _resume(rounds: int, tmp: Path) -> dict:
+    """Fresh-process ``load_checkpoint`` with and without verification (module docstring)."""
+    import subprocess
+    import sys
+
+    def run(mode: str, verify: str) -> dict:
+        env = {**os.environ, "MESHTRAIN_VERIFY": verify, "OMP_NUM_THREADS": "1"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_integrity",
+            "--resume-worker",
+            str(tmp),
+            mode,
+        ]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1]) if mode == "load" else {}
+
+    run("save", "1")
+    got: dict[str, list[dict]] = {"1": [], "0": []}
+    for rnd in range(rounds):
+        for v in ("1", "0") if rnd % 2 == 0 else ("0", "1"):
+            got[v].append(run("load", v))
+    wall = {v: statistics.median(x["wall"] for x in r) for v, r in got.items()}
+    cpu = {v: statistics.median(x["cpu"] for x in r) for v, r in got.items()}
+    print(
+        f"resume (engine.load_checkpoint in a fresh process, page cache, median of {rounds}): "
+        f"verify {1000 * wall['1']:.1f} ms, none {1000 * wall['0']:.1f} ms: "
+        f"wall {wall['1'] / wall['0']:.3f}x | cpu {cpu['1'] / cpu['0']:.3f}x"
+    )
+    return {"runs": got, "wall_ratio": wall["1"] / wall["0"], "cpu_ratio": cpu["1"] / cpu["0"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=512)
@@ -125,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         help="warm loads per round and variant (they are short: more samples, same time)",
     )
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--resume-rounds", type=int, default=0, help="fresh-process engine loads")
+    p.add_argument("--resume-worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.resume_worker:
+        _resume_worker(*args.resume_worker)
+        return 0
     load_start = os.getloadavg()
     tensors, pieces, meta = _state(args.mib)
     nbytes = sum(t.numel() * 4 for t in tensors.values())
@@ -192,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         ratios[label] = (med[a] / med[b], cmed[a] / cmed[b], best[a] / best[b])
         w, c, f = ratios[label]
         print(f"  {label:26s} {w:6.3f}x | {c:6.3f}x | {f:6.3f}x")
+    resume = None
+    if args.resume_rounds:
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            resume = _resume(args.resume_rounds, Path(tmp))
     print(f"load average at the start: {load_start}, at the end: {os.getloadavg()}")
     if args.json:
         args.json.write_text(json.dumps({
@@ -203,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
             "save_ratio": save_ratio, "load_ratio": load_ratio, "cold_load_ratio": cold_ratio,
             "cpu_save_ratio": c_save, "cpu_load_ratio": c_load,
-            "ratios_wall_cpu_fastest": ratios,
+            "ratios_wall_cpu_fastest": ratios, "resume": resume,
         }, indent=1))  # fmt: skip
     return 0
 
