@@ -39,6 +39,30 @@ _OPTIMIZER_NAMES = {
 }
 
 
+# an 8-bit optimizer's parameters marked ``meshtrain_optim_bits = 32`` (the Trainer's
+# ``optim.keep_embeddings_32bit``, as transformers' Trainer does) hold this one's state
+_FULL_WIDTH = {"AdamW8bit": "AdamW", "Lion8bit": "Lion"}
+
+
+def _full_width_numel(zero) -> int:
+    """Trainable elements whose optimizer state is kept at 32 bits (``meshtrain_optim_bits``)."""
+    return sum(
+        g.shapes[p].numel()
+        for g in zero.flat_groups
+        for p in g.params
+        if getattr(p, "meshtrain_optim_bits", None) == 32
+    )
+
+
+def _sum(a: ModelStates, b: ModelStates) -> ModelStates:
+    return ModelStates(
+        params=a.params + b.params,
+        grads=a.grads + b.grads,
+        optimizer=a.optimizer + b.optimizer,
+        host=a.host + b.host,
+    )
+
+
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
     name = type(optimizer).__name__.lower()
     if name == "sgd":
@@ -163,10 +187,17 @@ def memory_report(engine) -> MemoryReport:
             offload_param=offload_par,
         )
         parts = getattr(zero, "parts", None)
+        wide = _full_width_numel(zero) if name in _FULL_WIDTH else 0
         if parts is None:
+            dp = engine.topology.dp_size
             formula = model_states_bytes(
-                trainable, dp=engine.topology.dp_size, frozen_params=frozen_numel, **common
+                trainable - wide, dp=dp, frozen_params=frozen_numel, **common
             )
+            if wide:  # embeddings with 32-bit state under an 8-bit optimizer (Trainer)
+                formula = _sum(
+                    formula,
+                    model_states_bytes(wide, dp=dp, **{**common, "optimizer": _FULL_WIDTH[name]}),
+                )
         else:  # expert parallelism: each kind over its own replicas (parallel.zero.stages)
             formula = _expert_formula(zero, frozen, common)
     # Under tensor parallelism the flat groups hold this rank's shards (sharded weights
