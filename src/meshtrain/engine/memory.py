@@ -54,15 +54,6 @@ def _full_width_numel(zero) -> int:
     )
 
 
-def _sum(a: ModelStates, b: ModelStates) -> ModelStates:
-    return ModelStates(
-        params=a.params + b.params,
-        grads=a.grads + b.grads,
-        optimizer=a.optimizer + b.optimizer,
-        host=a.host + b.host,
-    )
-
-
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
     name = type(optimizer).__name__.lower()
     if name == "sgd":
@@ -187,17 +178,15 @@ def memory_report(engine) -> MemoryReport:
             offload_param=offload_par,
         )
         parts = getattr(zero, "parts", None)
-        wide = _full_width_numel(zero) if name in _FULL_WIDTH else 0
         if parts is None:
             dp = engine.topology.dp_size
+            wide = _full_width_numel(zero) if name in _FULL_WIDTH else 0
             formula = model_states_bytes(
                 trainable - wide, dp=dp, frozen_params=frozen_numel, **common
             )
             if wide:  # embeddings with 32-bit state under an 8-bit optimizer (Trainer)
-                formula = _sum(
-                    formula,
-                    model_states_bytes(wide, dp=dp, **{**common, "optimizer": _FULL_WIDTH[name]}),
-                )
+                wide_common = {**common, "optimizer": _FULL_WIDTH[name]}
+                formula = formula + model_states_bytes(wide, dp=dp, **wide_common)
         else:  # expert parallelism: each kind over its own replicas (parallel.zero.stages)
             formula = _expert_formula(zero, frozen, common)
     # Under tensor parallelism the flat groups hold this rank's shards (sharded weights
@@ -220,21 +209,22 @@ def _expert_formula(zero, whole_frozen: dict, common: dict) -> ModelStates:
     frozen parameters only (frozen experts) holds their bytes alone."""
     from meshtrain.parallel.experts import is_expert_param
 
-    total = [0, 0, 0, 0]
+    total = ModelStates(0, 0, 0, 0)
     for part in zero.parts:
         expert = part is zero.experts
         loose = sum(p.numel() for p in whole_frozen.values() if is_expert_param(p) == expert)
         frozen, n = part.frozen_sharded_numel + loose, part.replicas.size
         if part.trainable_numel:
-            s = model_states_bytes(part.trainable_numel, dp=n, frozen_params=frozen, **common)
-            parts = (s.params, s.grads, s.optimizer, s.host)
+            total += model_states_bytes(part.trainable_numel, dp=n, frozen_params=frozen, **common)
         else:
             width = 4 if common["precision"] == "fp32" else 2
             held = width * (-(-frozen // n) if common["stage"] >= 3 else frozen)
-            parts = (0, 0, 0, held) if common["offload_param"] else (held, 0, 0, 0)
-        for i, v in enumerate(parts):
-            total[i] += v
-    return ModelStates(*total)
+            total += (
+                ModelStates(0, 0, 0, held)
+                if common["offload_param"]
+                else ModelStates(held, 0, 0, 0)
+            )
+    return total
 
 
 def _pipeline_part(engine) -> PipelinePart:

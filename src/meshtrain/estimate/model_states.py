@@ -87,6 +87,15 @@ class ModelStates:
         """Device bytes: params + grads + optimizer."""
         return self.params + self.grads + self.optimizer
 
+    def __add__(self, other: ModelStates) -> ModelStates:
+        """Two holdings of one rank together (field by field)."""
+        return ModelStates(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.optimizer + other.optimizer,
+            self.host + other.host,
+        )
+
 
 def _param_split(model: nn.Module) -> tuple[int, int]:
     """(trainable, frozen) element counts; a tied (shared) parameter is counted once."""
