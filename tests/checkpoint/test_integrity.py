@@ -171,33 +171,85 @@ def _key_span(path, key):
         rf.close()
 
 
-def test_part_of_a_large_key_is_read_in_one_pass_and_verified_whole(two_tags, monkeypatch):
-    """A range of a key too large to keep (KEEP_BYTES 0 here): the key's bytes are read
-    once, in order, the range straight into the result; damage outside the range is
-    still caught, because the whole key is hashed."""
-    from meshtrain.checkpoint import rank_file, reader
+def test_part_of_a_key_is_hashed_in_place_then_sliced_from_the_same_pages(two_tags, monkeypatch):
+    """A range of a key: the whole key is hashed once, in windows (8 bytes here, so many),
+    in place in the page cache (never read into memory of its own), later slices are not
+    hashed again, the slices are views of safetensors' map of the file, damage outside the
+    range is caught, and a file truncated after it was opened is named as such."""
+    from meshtrain.checkpoint import rank_file
 
-    monkeypatch.setattr(reader, "KEEP_BYTES", 0)
-    passes = []
-    orig = rank_file.RankFile._pass
+    monkeypatch.setattr(rank_file, "HASH_WINDOW", 8)
+    fed, passes = [], []
+    real_hasher = checksums.hasher
+
+    def counting_hasher():
+        h = real_hasher()
+        return type("H", (), {"update": lambda _s, b: fed.append(len(b)) or h.update(b),
+                              "hexdigest": lambda _s: h.hexdigest()})()  # fmt: skip
+
+    monkeypatch.setattr(rank_file.checksums, "hasher", counting_hasher)
+    orig_pass = rank_file.RankFile._pass
     monkeypatch.setattr(
         rank_file.RankFile,
         "_pass",
-        lambda self, key, b, e, *a, **k: (
-            passes.append((key, b, e)) or orig(self, key, b, e, *a, **k)
-        ),
+        lambda self, key, *a, **k: passes.append(key) or orig_pass(self, key, *a, **k),
     )
     f = two_tags / "t2" / "rank00000.safetensors"
     begin, end = _key_span(f, "param.flat")
     with CheckpointReader(two_tags, "t2", verify=False) as b:
-        want = b.read("layer.w")
+        want = {n: b.read(n) for n in b.names()}
     with CheckpointReader(two_tags, "t2") as a:
-        assert torch.equal(a.read("layer.w"), want)
-        assert a._files[0]._mmap is None  # not sliced from the memory map: no second read
-    spans = [(lo, hi) for key, lo, hi in passes if key == "param.flat"]
-    assert spans[0][0] == begin and spans[-1][1] == end and len(spans) == 3
-    assert all(x[1] == y[0] for x, y in zip(spans, spans[1:], strict=False))
+        for name, w in want.items():
+            assert torch.equal(a.read(name), w)
+        rf = a._files[0]
+        assert "param.flat" in rf.verified
+        mapped = rf.mapped().get_slice("param.flat")[:].untyped_storage().data_ptr()
+        part = a._slice(0, "param.flat", 1, 3)
+        assert part.untyped_storage().data_ptr() == mapped  # a view of the mapped file
+    assert "param.flat" not in passes  # never read into memory of its own
+    n = end - begin
+    assert sum(fed) == n  # param.flat (the only key read), once for several slices
+    assert len(fed) == -(-n // 8)  # in 8-byte windows
     _flip(f, end - 1)  # the last element of param.flat: not part of layer.w
     with CheckpointReader(two_tags, "t2") as a, pytest.raises(CheckpointError) as e:
         a.read("layer.w")
-    assert "tensor 'param.flat'" in str(e.value) and "is corrupted" in str(e.value)
+    assert f"{f}: tensor 'param.flat'" in str(e.value) and "is corrupted" in str(e.value)
+    with CheckpointReader(two_tags, "t1") as a:
+        g = two_tags / "t1" / "rank00000.safetensors"
+        a._open(0)  # sizes checked and the header read; then the file shrinks
+        with open(g, "r+b") as fh:
+            fh.truncate(_key_span(g, "param.flat")[0] + 4)
+        with pytest.raises(CheckpointError, match="truncated after it was opened"):
+            a.read("layer.w")
+
+
+def test_verifying_part_of_a_large_key_keeps_no_copy_resident(tmp_path, monkeypatch):
+    """Checking a 48 MiB key to read 16 of its elements: the process's peak resident
+    memory (anonymous and file pages) grows by far less than the key, because the hash
+    reads the page cache in place, in windows (``HASH_WINDOW`` forced to 4 MiB here), and
+    drops each window's pages from the map once hashed. Reading the key into memory
+    first (the reader before) grew it by the key's 48 MiB, and so does mapping it whole."""
+    from meshtrain.checkpoint import Piece, rank_file
+
+    monkeypatch.setattr(rank_file, "HASH_WINDOW", 4 << 20)
+    n = 12 << 20  # 48 MiB of fp32
+    big = torch.arange(n, dtype=torch.float32)
+    pieces = [Piece("w", "param", "param.flat", 0, 0, n)]
+    m = {"tensors": {"w": {"shape": [n], "dtype": "float32", "kind": "param"}}, "step": 1}
+    save_shards(tmp_path, "t", group=None, tensors={"param.flat": big}, pieces=pieces, meta=m)
+    del big
+
+    def peak() -> int:  # VmHWM: the highest resident memory (anonymous and file pages)
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        return int(fields["VmHWM"].split()[0]) * 1024
+
+    with CheckpointReader(tmp_path, "t") as r:
+        r._open(0)
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # reset the peak to what is resident now
+        before = peak()
+        part = r.read("w", "param", n - 16, 16)
+        grew = peak() - before
+        assert torch.equal(part, torch.arange(n - 16, n, dtype=torch.float32))
+        assert "param.flat" in r._files[0].verified
+    assert grew < 8 << 20, f"peak resident memory grew {grew / 2**20:.1f} MiB for a 48 MiB key"

@@ -17,13 +17,13 @@ def test_100_of_100_damaged_files_detected_and_named(tmp_path):
 
 
 def test_damage_detected_in_one_pass_partial_reads(tmp_path, monkeypatch):
-    """The same contract with every part of a key read by ``RankFile.read_part`` (the
-    one-pass read of a key too large to keep: KEEP_BYTES 0 here, 64-byte reads), on the
-    checkpoint's files (the only ones it reads)."""
-    from meshtrain.checkpoint import rank_file, reader
+    """The same contract with every key checked as a part of it is read, hashed in place
+    in windows (``RankFile.verify_key``: 64-byte windows here, so many per key) and whole
+    keys read in 64-byte blocks, on the checkpoint's files (the only ones it reads)."""
+    from meshtrain.checkpoint import rank_file
 
     monkeypatch.setattr(rank_file, "BLOCK", 64)
-    monkeypatch.setattr(reader, "KEEP_BYTES", 0)
+    monkeypatch.setattr(rank_file, "HASH_WINDOW", 64)
     results = run(trials=50, seed=1, work=tmp_path, files=CKPT_FILES)
     assert {r["file"] for r in results} == set(CKPT_FILES)
     failed = [r for r in results if not (r["detected"] and r["named"] and r["others_load"])]

@@ -20,13 +20,19 @@ only with the second core idle, and it needs a digest per part (a format change)
 built (``benchmarks/bench_warm_load.py``, docs/checkpoints.md). The tensor is the
 caller's: nothing else refers to its storage.
 
-**Parts of large keys.** A key read only in part (one rank's range of a flat ZeRO
-buffer) is sliced from safetensors' memory map once it is verified, so a narrow read
-touches only its bytes. Before that, ``CheckpointReader`` reads a key of at most
-``KEEP_BYTES`` whole (one pass, kept for the slices that follow); a larger one is read by
-``read_part``: one streamed pass over the key that hashes every byte, reads the range
-asked for straight into the tensor returned and the rest through one block of memory.
-``verify_key`` (``verify_all``) is the same pass keeping nothing.
+**Parts of keys.** A key read only in part (one rank's range of a flat ZeRO buffer) is
+sliced from safetensors' memory map, so a narrow read touches only its bytes. While it is
+not yet verified, the whole key is first hashed *in place*, in the page cache
+(``verify_key``): through a read-only map of the file, ``HASH_WINDOW`` bytes at a time,
+each window's pages dropped from this process's map once hashed (they stay in the page
+cache), so checking even a huge key adds no copy and no resident memory. The slices
+handed out afterwards are views of those same page-cache pages, so what the caller copies
+is what was hashed (unless another writer rewrites the file in between, or the kernel
+evicts a page and reads it again from the disk in that interval). Reading the key into
+memory first, as this reader did before, cost a copy and a page fault per 4 KiB of fresh
+memory (2.3 us each on this project's VM): a restart (``engine.load_checkpoint``) took
+1.96x its unverified time (docs/checkpoints.md, ``bench_integrity.py --resume-rounds``).
+``verify_all`` runs the same hash over every key, slicing nothing.
 
 Manifests written before per-tensor records carry a whole-file sha256; such a file is
 hashed whole when it is opened, as before.
@@ -38,6 +44,7 @@ as safetensors itself does on the little-endian machines torch supports.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -53,7 +60,7 @@ from meshtrain.files import checksums
 # benchmarks/bench_integrity.py against 64 KiB (more syscalls) and 1-4 MiB (the block is
 # evicted before it is hashed)
 BLOCK = 1 << 18
-KEEP_BYTES = 64 << 20  # a key read in part is read whole (one pass) when no larger
+HASH_WINDOW = 64 << 20  # bytes hashed per window of the map before its pages are dropped
 _TORCH = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
 
 
@@ -148,72 +155,56 @@ class RankFile:
         self._check(key, digest, begin, end)
         return out.view(_TORCH[code]).reshape(shape)
 
-    def read_part(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of 1-D key ``key`` in a new storage. While the key is not
-        yet verified, the whole key is streamed once: its bytes before and after the range
-        through one block of memory, the range itself straight into the tensor returned,
-        every byte hashed in order; so the range is read once and the key checked before
-        it is handed out. Once verified (or not verifying), only the range is read."""
-        code, _shape, begin, end = self.keys[key]
-        item = _TORCH[code].itemsize
-        a, b = begin + lo * item, begin + hi * item
-        out = torch.empty(b - a, dtype=torch.uint8)
-        dst = memoryview(out.numpy())
-        if not self._needs(key):
-            self._pass(key, a, b, dst, False)
-        else:
-            h = checksums.hasher()
-            buf = memoryview(bytearray(min(BLOCK, end - begin) or 1))
-            self._pass(key, begin, a, buf, False, into_buf=False, h=h)
-            self._pass(key, a, b, dst, False, h=h)
-            self._pass(key, b, end, buf, False, into_buf=False, h=h)
-            self._check(key, h.hexdigest(), begin, end)
-        return out.view(_TORCH[code])
-
     def verify_key(self, key: str) -> None:
-        """Hash ``key``'s bytes in a streamed pass (one block of memory) and check them."""
+        """Hash ``key``'s bytes in place (``HASH_WINDOW`` at a time, through a read-only
+        map of the file whose pages are dropped from this process once hashed) and check
+        them; the slices that follow come from safetensors' map of the same pages."""
         if not self._needs(key):
             return
         _code, _shape, begin, end = self.keys[key]
-        buf = memoryview(bytearray(min(BLOCK, end - begin) or 1))
-        self._check(key, self._pass(key, begin, end, buf, True, into_buf=False), begin, end)
+        h = checksums.hasher()
+        if end > begin:
+            mm = mmap.mmap(self._file().fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                if len(mm) < end:  # checked at opening; a shorter map would fault (SIGBUS)
+                    self._truncated(key, len(mm))
+                for lo in range(begin, end, HASH_WINDOW):
+                    hi = min(end, lo + HASH_WINDOW)
+                    with memoryview(mm)[lo:hi] as window:
+                        h.update(window)
+                    page = lo - lo % mmap.PAGESIZE
+                    mm.madvise(mmap.MADV_DONTNEED, page, hi - page)  # not this process's RSS
+            finally:
+                mm.close()
+        self._check(key, h.hexdigest(), begin, end)
 
     def _needs(self, key: str) -> bool:
         """Whether ``key`` is still to be checked."""
         return self.record is not None and key not in self.verified
 
-    def _pass(
-        self,
-        key: str,
-        begin: int,
-        end: int,
-        dst: memoryview,
-        verify: bool,
-        into_buf: bool = True,
-        h: Any = None,
-    ) -> str | None:
-        """Read bytes ``[begin, end)`` block by block into ``dst`` (or through it, when it is
-        one block); with ``verify``, return their digest, else None. Each block is hashed
-        right after it lands, while it is in the CPU cache (a caller's running hasher ``h``
-        is fed instead, when given)."""
-        if verify:
-            h = checksums.hasher()
+    def _pass(self, key: str, begin: int, end: int, dst: memoryview, verify: bool) -> str | None:
+        """Read bytes ``[begin, end)`` block by block into ``dst``; with ``verify``, return
+        their digest, else None. Each block is hashed right after it lands, while it is in
+        the CPU cache."""
+        h = checksums.hasher() if verify else None
         f = self._file()
         f.seek(begin)
         pos, n = 0, end - begin
         while pos < n:
-            take = min(BLOCK, n - pos)
-            view = dst[pos : pos + take] if into_buf else dst[:take]
+            view = dst[pos : pos + min(BLOCK, n - pos)]
             got = f.readinto(view)
             if not got:
-                raise CheckpointError(
-                    f"{self.where}: the file ends inside tensor {key!r} (byte {begin + pos}); "
-                    f"it was truncated after it was opened; {self.fix}"
-                )
+                self._truncated(key, begin + pos)
             if h is not None:
                 h.update(view[:got])
             pos += got
-        return h.hexdigest() if verify else None
+        return h.hexdigest() if h is not None else None
+
+    def _truncated(self, key: str, at: int) -> None:
+        raise CheckpointError(
+            f"{self.where}: the file ends inside tensor {key!r} (byte {at}); it was "
+            f"truncated after it was opened; {self.fix}"
+        )
 
     def _check(self, key: str, digest: str | None, begin: int, end: int) -> None:
         if digest is None:

@@ -4,8 +4,9 @@
 manifest (pieces tile every tensor exactly) and that every rank file exists with the size
 the manifest records; the first time a rank file is read, its header is checked against
 the manifest's record and its keys against the pieces that point into it, and each tensor
-is verified the first time it is read (``rank_file``: hashed block by block as the load
-reads it, one pass over the bytes). A failure names the file, what failed (missing, size,
+is verified the first time it is read (``rank_file``: a whole key hashed block by block
+as the load reads it, one pass over the bytes; a key read in part hashed in place, in the
+page cache, before it is sliced). A failure names the file, what failed (missing, size,
 header, tensor checksum, key) and what to do.
 
 Reads are lazy and narrow: ``read(name, state, start, numel)`` touches only the pieces
@@ -15,9 +16,10 @@ map (``get_slice``), so a rank loading its ZeRO partition reads its share of the
 not the checkpoint. Nothing is unpickled.
 
 Memory: safetensors memory-maps the files it opens; pages it touched stay counted in RSS
-while the file is open. Keys read whole for verification and kept for the slices that
-follow hold at most ``rank_file.KEEP_BYTES``. ``release()`` closes the files and drops
-those (consolidation calls it after each chunk, which keeps its peak near one tensor).
+while the file is open (verifying a key read in part hashes all of it in place, through a
+map whose pages are dropped once hashed, so only the slices read stay counted).
+``release()`` closes the files (consolidation calls it after each chunk,
+which keeps its peak near one tensor).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 
 from meshtrain.checkpoint import integrity, storage
 from meshtrain.checkpoint.manifest import MANIFEST, dtype_from_name, full_numel, parse_manifest
-from meshtrain.checkpoint.rank_file import KEEP_BYTES, RankFile
+from meshtrain.checkpoint.rank_file import RankFile
 from meshtrain.errors import CheckpointError
 
 _LIST_MAX = 20  # names shown per category in a model-mismatch message
@@ -92,7 +94,6 @@ class CheckpointReader:
         self._meta, self._pieces, self._index = parse_manifest(data, str(mpath))
         self._starts = {k: [p.start for p, _ in v] for k, v in self._index.items()}
         self._files: dict[int, RankFile] = {}
-        self._kept: dict[tuple[int, str], torch.Tensor] = {}  # whole keys read for slices
         for entry in data["ranks"]:
             self._check_size(entry)
 
@@ -198,30 +199,11 @@ class CheckpointReader:
         return rf
 
     def _slice(self, rank: int, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of 1-D key ``key`` of rank ``rank``'s file, verified."""
-        kept = self._kept.get((rank, key))
-        if kept is not None:
-            return kept[lo:hi]
+        """Elements ``[lo, hi)`` of 1-D key ``key`` of rank ``rank``'s file, verified: a
+        view of the file's memory map once the whole key is hashed there (``rank_file``)."""
         rf = self._open(rank)
-        if self._verify and key not in rf.verified:
-            if rf.nbytes(key) <= KEEP_BYTES:  # read it whole once; the slices come from it
-                whole = rf.read_key(key)
-                self._keep((rank, key), whole)
-                return whole[lo:hi]
-            return rf.read_part(key, lo, hi)  # too large to keep: one pass, the range kept
+        rf.verify_key(key)  # the whole key, hashed in place, the first time
         return rf.mapped().get_slice(key)[lo:hi]
-
-    def _keep(self, k: tuple[int, str], t: torch.Tensor) -> None:
-        self._kept[k] = t
-        total = sum(v.nbytes for v in self._kept.values())
-        while total > KEEP_BYTES and len(self._kept) > 1:  # oldest first; they are verified
-            total -= self._kept.pop(next(iter(self._kept))).nbytes
-
-    def _whole_key(self, rank: int, key: str) -> torch.Tensor:
-        """A whole key in a storage of its own: handed over from the kept ones, or read in
-        one pass (verified as it is read)."""
-        kept = self._kept.pop((rank, key), None)
-        return kept if kept is not None else self._open(rank).read_key(key)
 
     def verify_all(self) -> None:
         """Verify every byte of every rank file now, not only what is read (a streamed
@@ -234,11 +216,10 @@ class CheckpointReader:
                 rf.verify_key(key)
 
     def release(self) -> None:
-        """Close the files (unmaps them) and drop kept keys; later reads reopen them (what
-        was verified is not hashed again)."""
+        """Close the files (unmaps them); later reads reopen them (what was verified is not
+        hashed again)."""
         for rf in self._files.values():
             rf.close()
-        self._kept.clear()
 
     def close(self) -> None:
         self.release()
@@ -260,7 +241,7 @@ class CheckpointReader:
                 f"{self.path / self._rank_entry(rank)['file']}: no tensor {key!r}; "
                 f"keys there: {_short(sorted(rf.keys))}"
             )
-        return self._whole_key(rank, key).reshape(rf.shape(key))
+        return rf.read_key(key).reshape(rf.shape(key))
 
     # ---- tensors --------------------------------------------------------------------
     def iter_chunks(
@@ -348,7 +329,7 @@ class CheckpointReader:
         rf = self._open(rank)
         if first != 0 or n != rf.shape(p.key)[0]:
             return None
-        return self._whole_key(rank, p.key).reshape(-1)
+        return rf.read_key(p.key).reshape(-1)
 
     def read_full(self, name: str, state: str = "param") -> torch.Tensor:
         """The whole tensor in its shape (stored dtype)."""
