@@ -178,7 +178,7 @@ def test_part_of_a_key_is_hashed_in_place_then_sliced_from_the_same_pages(two_ta
     range is caught, and a file truncated after it was opened is named as such."""
     from meshtrain.checkpoint import rank_file
 
-    monkeypatch.setattr(rank_file, "HASH_WINDOW", 8)
+    monkeypatch.setattr(rank_file.checksums, "WINDOW", 8)
     fed, passes = [], []
     real_hasher = checksums.hasher
 
@@ -226,12 +226,12 @@ def test_part_of_a_key_is_hashed_in_place_then_sliced_from_the_same_pages(two_ta
 def test_verifying_part_of_a_large_key_keeps_no_copy_resident(tmp_path, monkeypatch):
     """Checking a 48 MiB key to read 16 of its elements: the process's peak resident
     memory (anonymous and file pages) grows by far less than the key, because the hash
-    reads the page cache in place, in windows (``HASH_WINDOW`` forced to 4 MiB here), and
+    reads the page cache in place, in windows (``checksums.WINDOW`` forced to 4 MiB here), and
     drops each window's pages from the map once hashed. Reading the key into memory
     first (the reader before) grew it by the key's 48 MiB, and so does mapping it whole."""
     from meshtrain.checkpoint import Piece, rank_file
 
-    monkeypatch.setattr(rank_file, "HASH_WINDOW", 4 << 20)
+    monkeypatch.setattr(rank_file.checksums, "WINDOW", 4 << 20)
     n = 12 << 20  # 48 MiB of fp32
     big = torch.arange(n, dtype=torch.float32)
     pieces = [Piece("w", "param", "param.flat", 0, 0, n)]

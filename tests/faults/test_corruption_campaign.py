@@ -23,7 +23,7 @@ def test_damage_detected_in_one_pass_partial_reads(tmp_path, monkeypatch):
     from meshtrain.checkpoint import rank_file
 
     monkeypatch.setattr(rank_file, "BLOCK", 64)
-    monkeypatch.setattr(rank_file, "HASH_WINDOW", 64)
+    monkeypatch.setattr(rank_file.checksums, "WINDOW", 64)
     results = run(trials=50, seed=1, work=tmp_path, files=CKPT_FILES)
     assert {r["file"] for r in results} == set(CKPT_FILES)
     failed = [r for r in results if not (r["detected"] and r["named"] and r["others_load"])]

@@ -23,7 +23,7 @@ caller's: nothing else refers to its storage.
 **Parts of keys.** A key read only in part (one rank's range of a flat ZeRO buffer) is
 sliced from safetensors' memory map, so a narrow read touches only its bytes. While it is
 not yet verified, the whole key is first hashed *in place*, in the page cache
-(``verify_key``): through a read-only map of the file, ``HASH_WINDOW`` bytes at a time,
+(``verify_key``): through a read-only map of the file, ``checksums.WINDOW`` at a time,
 each window's pages dropped from this process's map once hashed (they stay in the page
 cache), so checking even a huge key adds no copy and no resident memory. The slices
 handed out afterwards are views of those same page-cache pages, so what the caller copies
@@ -44,7 +44,6 @@ as safetensors itself does on the little-endian machines torch supports.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -60,7 +59,6 @@ from meshtrain.files import checksums
 # benchmarks/bench_integrity.py against 64 KiB (more syscalls) and 1-4 MiB (the block is
 # evicted before it is hashed)
 BLOCK = 1 << 18
-HASH_WINDOW = 64 << 20  # bytes hashed per window of the map before its pages are dropped
 _TORCH = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
 
 
@@ -156,27 +154,18 @@ class RankFile:
         return out.view(_TORCH[code]).reshape(shape)
 
     def verify_key(self, key: str) -> None:
-        """Hash ``key``'s bytes in place (``HASH_WINDOW`` at a time, through a read-only
-        map of the file whose pages are dropped from this process once hashed) and check
-        them; the slices that follow come from safetensors' map of the same pages."""
+        """Hash ``key``'s bytes in place (``checksums.digest_in_place``: through a read-only
+        map of the file, in windows whose pages leave this process's map once hashed) and
+        check them; the slices that follow come from safetensors' map of the same pages."""
         if not self._needs(key):
             return
         _code, _shape, begin, end = self.keys[key]
-        h = checksums.hasher()
-        if end > begin:
-            mm = mmap.mmap(self._file().fileno(), 0, access=mmap.ACCESS_READ)
-            try:
-                if len(mm) < end:  # checked at opening; a shorter map would fault (SIGBUS)
-                    self._truncated(key, len(mm))
-                for lo in range(begin, end, HASH_WINDOW):
-                    hi = min(end, lo + HASH_WINDOW)
-                    with memoryview(mm)[lo:hi] as window:
-                        h.update(window)
-                    page = lo - lo % mmap.PAGESIZE
-                    mm.madvise(mmap.MADV_DONTNEED, page, hi - page)  # not this process's RSS
-            finally:
-                mm.close()
-        self._check(key, h.hexdigest(), begin, end)
+        if self._file_size() < end:  # checked at opening; a shorter map would fault
+            self._truncated(key, self._file_size())
+        self._check(key, checksums.digest_in_place(self._file(), begin, end), begin, end)
+
+    def _file_size(self) -> int:
+        return os.fstat(self._file().fileno()).st_size
 
     def _needs(self, key: str) -> bool:
         """Whether ``key`` is still to be checked."""

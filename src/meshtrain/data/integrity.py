@@ -60,10 +60,11 @@ def verify_store(path: str, meta: dict[str, Any]) -> None:
 def _locate(file: str, block_digests: list[str] | None, block: int) -> str:
     if not block_digests or block <= 0:
         return ""
-    with open(file, "rb") as f, checksums.file_view(f) as view:
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         for i, want in enumerate(block_digests):
-            lo, hi = i * block, min(len(view), (i + 1) * block)
-            if checksums.digest(view[lo:hi]) != want:
+            lo, hi = i * block, min(size, (i + 1) * block)
+            if checksums.digest_in_place(f, lo, hi) != want:
                 return f" in bytes {lo}..{hi}"
     return ""
 

@@ -13,7 +13,7 @@ damage is that every byte feeds the hash, and it does.
 
 Streaming: writers feed the hash the bytes they write (``Hasher.update`` or
 ``HashingWriter``), so no second pass over a written file is needed; readers verify in one
-pass, hashing the page cache in place (``file_view``, ``digest_file``).
+pass, hashing the page cache in place (``digest_in_place``, ``digest_file``).
 
 Sealed JSON: a manifest or metadata file carries its own checksum as its *last* member,
 ``"_checksum": "xxh3_64:<hex>"``, over the exact bytes before it. ``seal`` writes it,
@@ -24,11 +24,9 @@ single damaged byte cannot remove both the key and the ``xxh3_64:`` label it loo
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import re
-from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import xxhash
@@ -38,6 +36,7 @@ from meshtrain.errors import MeshtrainError
 ALGO = "xxh3_64"
 VERIFY_ENV = "MESHTRAIN_VERIFY"  # =0: open damaged artifacts anyway, to inspect them
 CHUNK = 1 << 22  # 4 MiB reads: large enough to run at memory speed, small in RSS
+WINDOW = 64 << 20  # bytes hashed in place before their pages leave the map (RSS)
 SEAL_KEY = "_checksum"
 _SEAL = re.compile(rb',\n[ \t]*"_checksum": "xxh3_64:([0-9a-f]{16})"\n\}\n\Z')
 
@@ -59,32 +58,35 @@ def digest(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-@contextlib.contextmanager
-def file_view(f: BinaryIO) -> Iterator[memoryview]:
-    """The whole open file as a read-only memoryview through a memory map, for hashing
-    in place: the hash reads the page cache where it lies, with no copy into memory of
-    this process (reading into a buffer first cost a copy and, for a fresh buffer, a page
-    fault per 4 KiB: ``benchmarks/bench_integrity.py --resume-rounds``). Slices of it
-    must not outlive the block. A file that shrinks while mapped would fault on the
-    lost pages (SIGBUS), so callers check the size first; an empty file maps to b""."""
-    size = os.fstat(f.fileno()).st_size
-    if size == 0:
-        yield memoryview(b"")
-        return
-    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    view = memoryview(mm)
-    try:
-        yield view
-    finally:
-        view.release()
-        with contextlib.suppress(BufferError):  # a slice still held (in a traceback):
-            mm.close()  # the map then closes when that is collected
+def digest_in_place(f: BinaryIO, start: int, end: int) -> str:
+    """Hex digest of bytes ``[start, end)`` of an open file, hashed where they lie in the
+    page cache: through a read-only memory map, ``WINDOW`` bytes at a time, each window's
+    pages dropped from this process's map once hashed (``MADV_DONTNEED``; they stay in
+    the page cache). So a check adds no copy into memory of this process and no resident
+    memory, however large the file: reading into a buffer first cost a copy and, for new
+    memory, a page fault per 4 KiB (``benchmarks/bench_integrity.py --resume-rounds``).
+    Bytes past the end of the file are not there to hash (the digest then differs), and
+    the caller checks the size first: a file that shrinks while mapped faults (SIGBUS)."""
+    h = hasher()
+    end = min(end, os.fstat(f.fileno()).st_size)
+    if end > start:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            for lo in range(start, end, WINDOW):
+                hi = min(end, lo + WINDOW)
+                with memoryview(mm)[lo:hi] as window:
+                    h.update(window)
+                page = lo - lo % mmap.PAGESIZE
+                mm.madvise(mmap.MADV_DONTNEED, page, hi - page)
+        finally:
+            mm.close()
+    return h.hexdigest()
 
 
 def digest_file(path: str | os.PathLike) -> str:
-    """Hex digest of a whole file, hashed in place (``file_view``)."""
-    with open(path, "rb") as f, file_view(f) as view:
-        return digest(view)
+    """Hex digest of a whole file, hashed in place (``digest_in_place``)."""
+    with open(path, "rb") as f:
+        return digest_in_place(f, 0, os.fstat(f.fileno()).st_size)
 
 
 class HashingWriter:
