@@ -40,7 +40,12 @@ def _main(args: argparse.Namespace) -> int:
     try:
         _check_port(args.host, args.port)  # before the model load, not after it
         served = load(
-            args.model, task=args.task, tag=args.tag, tokenizer=args.tokenizer, dtype=args.dtype
+            args.model,
+            task=args.task,
+            tag=args.tag,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            device=args.device,
         )
     except MeshtrainError as exc:
         print(f"meshtrain serve: error: {exc}", file=sys.stderr)
@@ -63,7 +68,7 @@ def _main(args: argparse.Namespace) -> int:
     )
     app = build_app(served, settings)
     print(
-        f"meshtrain serve: {served.task} from {served.source}\n"
+        f"meshtrain serve: {served.task} from {served.source} on {served.info['device']}\n"
         f"meshtrain serve: http://{args.host}:{args.port} (POST "
         f"{'/classify' if served.task == 'text-classification' else '/ and /v1/chat/completions'}"
         f", GET /health, GET /metrics"
@@ -150,6 +155,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "fp32", "bf16", "fp16"),
         help="weights dtype (default: as saved)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the model runs: auto (the first CUDA device if torch sees one, else "
+        "cpu), cpu, cuda or cuda:N",
     )
     p.add_argument(
         "--max-batch-size",

@@ -20,6 +20,11 @@ randomly initialised) is refused. The tokenizer comes from ``--tokenizer``, or t
 of these folders holding one: MODEL (the tag directory), then its parent (the save_dir
 or the Trainer ``output_dir``).
 
+The model is moved to ``--device`` once loaded: ``auto`` (the default) is the first CUDA
+device when torch sees one, else the CPU. The continuous batcher, its paged key/value
+cache and the classifier put their tensors on the model's device; only HTTP, JSON and
+tokenization stay on the CPU (in their own process for chat: ``split_process``).
+
 Every failure raises :class:`~meshtrain.errors.ServeError` naming the path and the fix,
 before the server binds its port.
 """
@@ -143,6 +148,35 @@ def _dtype_arg(dtype: str | None) -> torch.dtype | None:
             f"--dtype {dtype!r} is not supported; use auto or one of {sorted(PRECISIONS)}"
         )
     return PRECISIONS[dtype]
+
+
+def device_arg(device: str | None) -> torch.device:
+    """``--device``: ``auto`` (or None) is ``cuda`` when torch sees a CUDA device, else
+    ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` are checked against what torch sees."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ServeError(
+            f"--device {device!r} is not a device; use auto, cpu, cuda or cuda:N"
+        ) from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ServeError(f"--device {device!r}: meshtrain serve runs on cpu or cuda devices")
+    if not torch.cuda.is_available():
+        raise ServeError(
+            f"--device {device}: torch {torch.__version__} sees no CUDA device "
+            f"(torch.cuda.is_available() is False); serve with --device cpu, or install a "
+            f"CUDA build of torch on a machine with a GPU"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ServeError(
+            f"--device {device}: torch sees {count} CUDA device(s), cuda:0..cuda:{count - 1}"
+        )
+    return dev
 
 
 def _load_pretrained(res: Resolved, task: str | None, dtype: torch.dtype | None):
@@ -284,9 +318,11 @@ def load(
     tag: str | None = None,
     tokenizer: str | None = None,
     dtype: str | None = None,
+    device: str | None = None,
 ) -> ServedModel:
     """Load MODEL for serving (module docstring). ``dtype``: auto (the saved one), fp32,
-    bf16 or fp16. Raises ServeError with the fix on every failure."""
+    bf16 or fp16. ``device``: auto (CUDA when there is one), cpu, cuda or cuda:N.
+    Raises ServeError with the fix on every failure."""
     try:
         import transformers  # noqa: F401
     except ImportError as exc:
@@ -295,6 +331,7 @@ def load(
         ) from None
     res = resolve(model, tag)
     cast = _dtype_arg(dtype)
+    dev = device_arg(device)
     if res.kind == "meshtrain":
         net, task, source, where = _load_sharded(res, task, cast)
         folders = [where, where.parent]
@@ -305,8 +342,12 @@ def load(
     if res.note:
         source += f" ({res.note})"
     tok, tok_path = _tokenizer(tokenizer, folders)
-    net.eval()
-    info = {"tokenizer": str(tok_path), "parameters": sum(p.numel() for p in net.parameters())}
+    net.to(dev).eval()
+    info = {
+        "tokenizer": str(tok_path),
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "device": str(dev),
+    }
     return ServedModel(
         model=net,
         tokenizer=tok,
