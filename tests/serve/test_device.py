@@ -7,6 +7,7 @@ equal ``model.generate`` on the same device alone."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -51,9 +52,12 @@ def test_cuda_without_a_gpu_exits_2_before_binding(chat_dir):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_chat_on_cuda_matches_generate_under_batching(chat_dir):
+@pytest.mark.parametrize("batch", ["16", "1"])
+def test_chat_on_cuda_matches_generate(chat_dir, batch):
     """16 concurrent greedy requests of mixed lengths, on the GPU through the split HTTP
-    process and continuous batching, equal ``model.generate`` on the GPU alone (fp32)."""
+    process, equal ``model.generate`` on the GPU alone (fp32), with continuous batching
+    (16) and one ``model.generate`` at a time (1: the stopping criteria the server adds
+    must live on the GPU too); a streamed answer with a stop string equals the plain one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(chat_dir).to("cuda").eval()
@@ -71,7 +75,8 @@ def test_chat_on_cuda_matches_generate_under_batching(chat_dir):
                 max_new_tokens=n,
             )[0, len(ids) :].tolist()
             want.append(tok.decode(got, skip_special_tokens=True))
-    proc, port = _serve_on_a_free_port(chat_dir, "--device", "cuda", "--log-level", "warning")
+    flags = ("--device", "cuda", "--chat-batch-size", batch, "--log-level", "warning")
+    proc, port = _serve_on_a_free_port(chat_dir, *flags)
     url = f"http://127.0.0.1:{port}"
     try:
         info = httpx.get(f"{url}/", timeout=60).json()
@@ -90,9 +95,23 @@ def test_chat_on_cuda_matches_generate_under_batching(chat_dir):
         assert [r.status_code for r in rs] == [200] * 16
         assert [r.json()["response"] for r in rs] == want
         metrics = httpx.get(f"{url}/metrics", timeout=60).text
-        steps = _metric(metrics, "meshtrain_serve_batch_size_count", kind="chat")
-        seqs = _metric(metrics, "meshtrain_serve_batch_size_sum", kind="chat")
-        assert steps > 0 and seqs / steps > 1  # sequences shared decoding steps
+        if batch == "16":
+            steps = _metric(metrics, "meshtrain_serve_batch_size_count", kind="chat")
+            seqs = _metric(metrics, "meshtrain_serve_batch_size_sum", kind="chat")
+            assert steps > 0 and seqs / steps > 1  # sequences shared decoding steps
+        body = {
+            "messages": [{"role": "user", "content": prompts[15]}],
+            "max_tokens": 20,
+            "temperature": 0,
+            "stop": [want[15][4:6]] if len(want[15]) > 6 else None,
+        }
+        plain = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        streamed = httpx.post(
+            f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120
+        )
+        pieces = [json.loads(x[6:]) for x in streamed.text.split("\n") if x.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in pieces)
+        assert streamed.status_code == 200 and text == plain["choices"][0]["message"]["content"]
     finally:
         proc.terminate()
         proc.communicate(timeout=60)

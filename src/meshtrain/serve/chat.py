@@ -89,7 +89,9 @@ class Chat:
                 stop = self.job.cancelled.is_set() or (
                     self.answer is not None and self.answer.stopped
                 )
-                return torch.full((input_ids.shape[0],), stop, dtype=torch.bool)
+                return torch.full(
+                    (input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device
+                )
 
         self._stopping = lambda job, answer: StoppingCriteriaList([_Stop(job, answer)])
 
