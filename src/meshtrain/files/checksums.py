@@ -70,7 +70,10 @@ def digest_in_place(f: BinaryIO, start: int, end: int) -> str:
     h = hasher()
     end = min(end, os.fstat(f.fileno()).st_size)
     if end > start:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError:  # a file system that cannot map files: read it through a buffer
+            return _digest_read(f, start, end)
         try:
             for lo in range(start, end, WINDOW):
                 hi = min(end, lo + WINDOW)
@@ -80,6 +83,16 @@ def digest_in_place(f: BinaryIO, start: int, end: int) -> str:
                 mm.madvise(mmap.MADV_DONTNEED, page, hi - page)
         finally:
             mm.close()
+    return h.hexdigest()
+
+
+def _digest_read(f: BinaryIO, start: int, end: int) -> str:
+    h, buf = hasher(), bytearray(CHUNK)
+    view = memoryview(buf)
+    f.seek(start)
+    while start < end and (n := f.readinto(view[: min(CHUNK, end - start)])):
+        h.update(view[:n])
+        start += n
     return h.hexdigest()
 
 
