@@ -223,15 +223,20 @@ def test_part_of_a_key_is_hashed_in_place_then_sliced_from_the_same_pages(two_ta
             a.read("layer.w")
 
 
-def test_verifying_part_of_a_large_key_keeps_no_copy_resident(tmp_path, monkeypatch):
+@pytest.mark.parametrize("parts", [True, False])
+def test_verifying_part_of_a_large_key_keeps_no_copy_resident(tmp_path, monkeypatch, parts):
     """Checking a 48 MiB key to read 16 of its elements: the process's peak resident
-    memory (anonymous and file pages) grows by far less than the key, because the hash
-    reads the page cache in place, in windows (``checksums.WINDOW`` forced to 4 MiB here), and
-    drops each window's pages from the map once hashed. Reading the key into memory
-    first (the reader before) grew it by the key's 48 MiB, and so does mapping it whole."""
-    from meshtrain.checkpoint import Piece, rank_file
+    memory (anonymous and file pages) grows by far less than the key. With part digests
+    (the default for keys over 4 MiB) only the 4 MiB part holding the range is hashed;
+    without (a record written before them) the whole key is hashed in place, in windows
+    (``checksums.WINDOW`` forced to 4 MiB here) whose pages leave the map once hashed.
+    Reading the key into memory first (the reader before) grew it by the key's 48 MiB,
+    and so does mapping it whole."""
+    from meshtrain.checkpoint import Piece, rank_file, tensor_files
 
     monkeypatch.setattr(rank_file.checksums, "WINDOW", 4 << 20)
+    if not parts:
+        monkeypatch.setattr(tensor_files, "PART_BYTES", 1 << 40)
     n = 12 << 20  # 48 MiB of fp32
     big = torch.arange(n, dtype=torch.float32)
     pieces = [Piece("w", "param", "param.flat", 0, 0, n)]
@@ -244,12 +249,63 @@ def test_verifying_part_of_a_large_key_keeps_no_copy_resident(tmp_path, monkeypa
         return int(fields["VmHWM"].split()[0]) * 1024
 
     with CheckpointReader(tmp_path, "t") as r:
-        r._open(0)
+        rf = r._open(0)
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # reset the peak to what is resident now
         before = peak()
         part = r.read("w", "param", n - 16, 16)
         grew = peak() - before
         assert torch.equal(part, torch.arange(n - 16, n, dtype=torch.float32))
-        assert "param.flat" in r._files[0].verified
+        if parts:
+            assert rf._parts_ok["param.flat"] == {11} and "param.flat" not in rf.verified
+        else:
+            assert "param.flat" in rf.verified
     assert grew < 8 << 20, f"peak resident memory grew {grew / 2**20:.1f} MiB for a 48 MiB key"
+
+
+def test_a_read_checks_only_the_parts_it_reads(two_tags, monkeypatch, tmp_path):
+    """With part digests (16-byte parts here), a range is checked by the parts it lies in,
+    hashed in place: damage in another part of the same key is found when that part is
+    read, or by ``verify_all``, not by a read that never touches it. Every part read once
+    makes the key verified; a record with a malformed parts table is refused by name."""
+    from meshtrain.checkpoint import rank_file, tensor_files
+
+    monkeypatch.setattr(tensor_files, "PART_BYTES", 16)
+    save_dir = tmp_path / "ckpt"
+    _save(save_dir, "t", 3)
+    f = save_dir / "t" / "rank00000.safetensors"
+    rec = json.loads((save_dir / "t" / "manifest.json").read_text())["ranks"][0]["checksum"]
+    begin, end = _key_span(f, "param.flat")
+    assert rec["parts"]["bytes"] == 16
+    assert len(rec["parts"]["tensors"]["param.flat"]) == -(-(end - begin) // 16)
+    hashed = []
+    orig = rank_file.checksums.digest_in_place
+    monkeypatch.setattr(
+        rank_file.checksums,
+        "digest_in_place",
+        lambda fh, a, b: hashed.append((a, b)) or orig(fh, a, b),
+    )
+    _flip(f, end - 1)  # the last element of param.flat: the last part, not layer.w's
+    with CheckpointReader(save_dir, "t") as r:
+        r.read("layer.w")  # elements 66..81 of param.flat (embed.weight's 66 come first)
+        assert all(b - a <= 16 and begin <= a and b <= end - 16 for a, b in hashed)
+        assert len(hashed) == -(-(81 * 4) // 16) - (66 * 4) // 16
+        with pytest.raises(CheckpointError) as e:
+            r.read("temperature")  # the last element: in the damaged part
+        msg = str(e.value)
+        assert f"{f}: tensor 'param.flat' (part " in msg and "is corrupted" in msg
+    with CheckpointReader(save_dir, "t") as r, pytest.raises(CheckpointError, match="corrupted"):
+        r.verify_all()
+    _flip(f, end - 1)  # undamaged again: every part read makes the key verified
+    with CheckpointReader(save_dir, "t") as r:
+        for name in r.names():
+            r.read(name)
+        assert "param.flat" in r._files[0].verified
+    m = save_dir / "t" / "manifest.json"
+    data = json.loads(m.read_text())
+    data.pop("_checksum")
+    data["ranks"][0]["checksum"]["parts"]["tensors"]["param.flat"].pop()
+    m.write_text(checksums.seal(json.dumps(data, indent=1)))
+    with CheckpointReader(save_dir, "t") as r, pytest.raises(CheckpointError) as e:
+        r.read("layer.w")
+    assert f"{f}: the manifest's per-part checksums of this file are malformed" in str(e.value)

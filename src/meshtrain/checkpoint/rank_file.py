@@ -104,6 +104,8 @@ class RankFile:
                 )
         if self.record is not None and set(self.record["tensors"]) != set(self.keys):
             raise CheckpointError(f"{path}: holds other tensors than were written; {err_fix}")
+        self._parts = self._part_record(err_fix)
+        self._parts_ok: dict[str, set[int]] = {}
         if verify and self.record is None and sha256 is not None:
             self._check_sha256(sha256)
 
@@ -152,6 +154,56 @@ class RankFile:
         digest = self._pass(key, begin, end, memoryview(out.numpy()), self._needs(key))
         self._check(key, digest, begin, end)
         return out.view(_TORCH[code]).reshape(shape)
+
+    def _part_record(self, err_fix: str) -> tuple[int, dict[str, list[str]]] | None:
+        """``(part bytes, {key: part digests})`` from the record, checked against the keys'
+        sizes; None when the record has none (written before parts, or no key is large)."""
+        rec = None if self.record is None else self.record.get("parts")
+        if rec is None:
+            return None
+        size, table = rec.get("bytes") if isinstance(rec, dict) else None, None
+        if isinstance(size, int) and size > 0 and isinstance(rec.get("tensors"), dict):
+            table = rec["tensors"]
+            for key, digests in table.items():
+                n = -(-self.nbytes(key) // size) if key in self.keys else -1
+                if not isinstance(digests, list) or len(digests) != n:
+                    table = None
+                    break
+        if table is None:
+            raise CheckpointError(
+                f"{self.path}: the manifest's per-part checksums of this file are malformed "
+                f"(each key's list must have one digest per {size!r} bytes); {err_fix}"
+            )
+        return size, table
+
+    def verify_elements(self, key: str, lo: int, hi: int) -> None:
+        """Check what elements ``[lo, hi)`` of 1-D key ``key`` lie in: the parts covering
+        them, when the record has parts for it (each hashed in place just before the
+        caller copies it, so the copy reads it from cache), else the whole key."""
+        if not self._needs(key):
+            return
+        if self._parts is None or key not in self._parts[1]:
+            self.verify_key(key)
+            return
+        size, digests = self._parts[0], self._parts[1][key]
+        code, _shape, begin, end = self.keys[key]
+        item = _TORCH[code].itemsize
+        ok = self._parts_ok.setdefault(key, set())
+        for i in range(lo * item // size, -(-hi * item // size)):
+            if i in ok:
+                continue
+            a, b = begin + i * size, min(end, begin + (i + 1) * size)
+            if self._file_size() < b:  # checked at opening; a shorter map would fault
+                self._truncated(key, self._file_size())
+            if checksums.digest_in_place(self._file(), a, b) != digests[i]:
+                raise CheckpointError(
+                    f"{self.path}: tensor {key!r} (part {i}, bytes {a}..{b} of the file) is "
+                    f"corrupted: its {checksums.ALGO} checksum differs from the one recorded "
+                    f"at save; (rank {self.rank}) {self.fix}"
+                )
+            ok.add(i)
+        if len(ok) == len(digests):
+            self.verified.add(key)
 
     def verify_key(self, key: str) -> None:
         """Hash ``key``'s bytes in place (``checksums.digest_in_place``: through a read-only

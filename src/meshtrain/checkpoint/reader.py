@@ -202,7 +202,7 @@ class CheckpointReader:
         """Elements ``[lo, hi)`` of 1-D key ``key`` of rank ``rank``'s file, verified: a
         view of the file's memory map once the whole key is hashed there (``rank_file``)."""
         rf = self._open(rank)
-        rf.verify_key(key)  # the whole key, hashed in place, the first time
+        rf.verify_elements(key, lo, hi)  # the parts it lies in, or the whole key, in place
         return rf.mapped().get_slice(key)[lo:hi]
 
     def verify_all(self) -> None:

@@ -4,10 +4,14 @@ A safetensors file is ``8-byte header length N | N bytes of JSON header | tensor
 the tensors back to back with no gaps (the format requires it). So a record of
 
     {"algo": "xxh3_64", "size": bytes, "header": digest of the first 8 + N bytes,
-     "tensors": {key: digest of that tensor's bytes}}
+     "tensors": {key: digest of that tensor's bytes},
+     "parts": {"bytes": P, "tensors": {key: [digest of each P bytes of the tensor]}}}
 
 covers every byte of the file, and a mismatch can say *which* tensor (and which byte range
-of the file) is damaged rather than only "the file differs".
+of the file) is damaged rather than only "the file differs". ``parts`` (rank files of a
+sharded checkpoint, keys over ``PART_BYTES``) lets a reader that wants part of a key
+check only the parts it reads, each just before its bytes are copied, while they are in
+the CPU's cache (``rank_file``); files and readers without it use the whole-key digests.
 
 Writing: ``tensor_digests`` hashes each tensor's bytes from memory as it is handed to
 safetensors (the bytes safetensors writes are exactly the tensor's little-endian
@@ -45,10 +49,23 @@ _FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
 MAX_HEADER = 100 << 20  # safetensors' own limit on the header size
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """Digest of a CPU tensor's bytes as safetensors stores them (contiguous, native LE)."""
-    t = t.detach().contiguous().reshape(-1)
-    return checksums.digest(t.view(torch.uint8).numpy())
+PART_BYTES = checksums.CHUNK  # 4 MiB: a part and its copy stay in the shared L3 cache
+
+
+def _digests(t: torch.Tensor) -> tuple[str, list[str] | None]:
+    """The digest of a CPU tensor's bytes as safetensors stores them (contiguous, native
+    LE) and, for one over ``PART_BYTES``, the digest of each part: each part is hashed
+    on its own and then fed to the whole tensor's hash while it is still in cache, so the
+    tensor is read from memory once."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    if b.nbytes <= PART_BYTES:
+        return checksums.digest(b), None
+    whole, parts = checksums.hasher(), []
+    for lo in range(0, b.nbytes, PART_BYTES):
+        part = b[lo : lo + PART_BYTES]
+        parts.append(checksums.digest(part))
+        whole.update(part)
+    return whole.hexdigest(), parts
 
 
 FOREIGN_FIX = "save the model again with save_pretrained"
@@ -88,23 +105,38 @@ def parse_header(
     return header
 
 
-def tensor_digests(host: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """``{key: digest}`` of the CPU tensors handed to ``safetensors.save_file``."""
-    return {k: tensor_digest(t) for k, t in host.items()}
+def tensor_digests(
+    host: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """``({key: digest}, {key: [part digests]})`` of the CPU tensors handed to
+    ``safetensors.save_file`` (parts only for tensors over ``PART_BYTES``)."""
+    whole, parts = {}, {}
+    for k, t in host.items():
+        whole[k], p = _digests(t)
+        if p is not None:
+            parts[k] = p
+    return whole, parts
 
 
-def record_from_tensors(path: str | os.PathLike, digests: Mapping[str, str]) -> dict:
+def record_from_tensors(
+    path: str | os.PathLike,
+    digests: Mapping[str, str],
+    parts: Mapping[str, list[str]] | None = None,
+) -> dict:
     """The checksum record of a file safetensors just wrote from tensors whose digests
-    (``tensor_digests``) are ``digests``: only its header is read back."""
+    (``tensor_digests``) are ``digests`` and ``parts``: only its header is read back."""
     with open(path, "rb") as f:
         head = header_bytes(f, str(path), OSError)
         size = os.fstat(f.fileno()).st_size
-    return {
+    record = {
         "algo": checksums.ALGO,
         "size": size,
         "header": checksums.digest(head),
         "tensors": dict(digests),
     }
+    if parts:
+        record["parts"] = {"bytes": PART_BYTES, "tensors": dict(parts)}
+    return record
 
 
 def _ranges(

@@ -209,7 +209,7 @@ def _write_shard(
     # competes with safetensors' copy into the page cache whenever no core is free.)
     with ThreadPoolExecutor(1, thread_name_prefix="meshtrain-fsync") as pool:
         synced = pool.submit(storage.fsync_file, path)
-        record = tensor_files.record_from_tensors(path, tensor_files.tensor_digests(host))
+        record = tensor_files.record_from_tensors(path, *tensor_files.tensor_digests(host))
         synced.result()
     return path, record
 
