@@ -267,6 +267,8 @@ class ContinuousBatcher(JobQueue):
         """Admit waiting requests, oldest first, while the batch has room and the pool
         has the blocks their whole answer may need (reserved now, taken as they grow:
         a running sequence never waits for memory)."""
+        if not self._pending:
+            return
         reserved = sum(s.need - len(s.paged.blocks) for s in self._seqs)
         while self._pending and len(self._seqs) < self.max_batch:
             job = self._pending[0]
