@@ -10,8 +10,11 @@ Layout. The process that loaded the model keeps it, and runs the chat worker the
 continuous batcher, or ``model.generate`` one request at a time: the same objects as
 in one process). Just before uvicorn starts it forks; the child runs uvicorn and the
 FastAPI app and hands every chat request to the parent over a pipe
-(:class:`RemoteWorker`, in the app's ``lifespan``); the parent's main thread reads
-that pipe and feeds the worker's queue (:func:`serve_model`). The model side never
+(:class:`RemoteWorker`, in the app's ``lifespan``). The continuous batcher's own
+thread reads that pipe between decoding steps (its ``inbox``, :func:`serve_model`):
+a second reader thread would wake for every message and then wait for the GIL the
+decoding thread holds. With ``model.generate`` one at a time, which has no steps to
+read between, the parent's main thread reads it and feeds the worker's queue. The model side never
 runs in the child, because a forked child can neither use CUDA set up by its parent
 nor, with GNU OpenMP, run a multi-threaded op once its parent has (it hangs): the
 child runs no torch op at all, only tokenization and HTTP.
