@@ -380,7 +380,8 @@ def serve_split(app: Any, run_http: Callable[[], None]) -> int:
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):  # uvicorn re-raises the signal that stopped it: so do we
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two take no handler
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)
 
