@@ -216,6 +216,34 @@ def test_split_server_stops_a_stream_whose_client_went_away(endless_dir):
     assert code in (0, -signal.SIGTERM), out
 
 
+def test_model_process_ends_when_the_http_process_dies(endless_dir):
+    """The HTTP child killed (SIGKILL) while the continuous batcher decodes an 8,000-token
+    answer: the batcher's thread, which reads the pipe between its steps, sees its end,
+    drops the running sequence and stops, and the model process exits as its child did
+    (it re-raises the signal; it used to fail with a traceback trying to set a SIGKILL
+    handler, status 1)."""
+    proc, url = _serve(endless_dir, "--max-new-tokens", "8000", "--chat-batch-size", "4")
+    try:
+        (child,) = _children(proc.pid)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000}
+        with httpx.Client(base_url=url, timeout=60) as client:
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                while "content" not in next(lines):  # the answer has begun
+                    pass
+                os.kill(child, signal.SIGKILL)
+                with pytest.raises(httpx.HTTPError):  # the connection dies with its process
+                    for _ in lines:
+                        pass
+        code = proc.wait(timeout=60)  # a hang here would be the model process not ending
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert code == -signal.SIGKILL, proc.stdout.read().decode()[-3000:]
+
+
 def test_no_http_process_keeps_one_process(chat_dir):
     """``--no-http-process``: no child process, and chat answers as before."""
     proc, url = _serve(chat_dir, "--max-new-tokens", "4", "--no-http-process")

@@ -94,8 +94,9 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                 batching = f"off ({why})"
                 log.warning("chat requests run one at a time: %s", why)
 
-    def local_worker(on_step, max_queue: int = settings.max_queue) -> Any:
-        """The chat worker of this process: the continuous batcher, or one at a time."""
+    def local_worker(on_step, max_queue: int = settings.max_queue, inbox=None) -> Any:
+        """The chat worker of this process: the continuous batcher, or one at a time
+        (``inbox``: see ``ContinuousBatcher``; the one-at-a-time worker takes none)."""
         if batching.startswith("continuous"):
             from meshtrain.serve.continuous import ContinuousBatcher
 
@@ -106,6 +107,7 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
                 prefill_chunk=settings.prefill_chunk,
                 kv_blocks=settings.kv_blocks,
                 on_step=on_step,
+                inbox=inbox,
             )
         return GenerationWorker(chat.run, max_queue=max_queue, on_done=lambda: on_step(1))
 

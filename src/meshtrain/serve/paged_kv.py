@@ -28,8 +28,9 @@ only for these forwards), which, per layer:
    ``scaled_dot_product_attention`` of their ``B`` single queries, each kv head's group of
    query heads folded into the query length (``[B, kv_heads, group, dim]``: no
    ``enable_gqa`` expansion, and the CPU kernel then works on ``group`` rows at once);
-3. for each prefill chunk, gathers that sequence's slots and attends causally (its
-   chunk sees its own earlier tokens and the chunk so far).
+3. for each prefill chunk attends causally: a sequence's first chunk to the step's own
+   keys and values (no gather), a later chunk of a long prompt to its sequence's slots
+   (gathered: it sees its own earlier tokens and the chunk so far).
 
 So the Python work of a step is the model's own plus O(number of prefill chunks): no
 per-token loops. Reads are gathers, so memory traffic is that of the live tokens.
@@ -124,15 +125,6 @@ class PagedSeq:
     length: int = 0  # tokens whose keys and values are stored
 
 
-def _slots(tables: list[list[int]], width: int, block_size: int) -> torch.Tensor:
-    """``[B, width]`` slot of each position ``0 .. width - 1`` of each block table (rows
-    shorter than ``width`` get block 0's slots past their end: masked by the caller)."""
-    most = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (most - len(t)) for t in tables])
-    pos = torch.arange(width)
-    return table[:, pos // block_size] * block_size + pos % block_size
-
-
 @dataclass
 class StepPlan:
     """What every layer of one forward needs (built once per step; module docstring).
@@ -142,8 +134,9 @@ class StepPlan:
     (each padded to ``nb`` blocks with block 0), ``decode_valid[B, 1, 1, nb * block_size]``
     which gathered slots are real; ``decode_bias`` is that mask as ``0`` / ``-inf`` in the
     query's dtype, made by the first layer and shared by the others. ``chunks``: per
-    prefill chunk (start in the row, length, its sequence's slots so far, causal mask or
-    None when the chunk is the sequence's whole history)."""
+    prefill chunk (start in the row, length, then its sequence's slots so far and the
+    causal mask over them; both None for a sequence's first chunk, which attends to the
+    step's own keys and values with ``is_causal``)."""
 
     pool: BlockPool
     slots: torch.Tensor
@@ -173,42 +166,48 @@ def plan_step(
     ``decoding``: sequences that add one token; ``chunks``: (sequence, tokens) prefill
     pieces. Row order: the decoding tokens first, then each chunk. Lengths are advanced
     here: the forward that follows stores exactly these tokens. Python work is O(number
-    of sequences + chunk tokens) on small ints; the tensors are made in one call each."""
+    of sequences + chunk tokens) on small ints, in one pass per sequence; the tensors are
+    made in one call each. A chunk that starts its sequence (nothing cached yet) needs
+    no gather and no mask: it attends to its own keys, causally."""
     bs = pool.block_size
     slots: list[int] = []
-    for seq, n in [(s, 1) for s in decoding] + chunks:
-        need = pool.blocks_for(seq.length + n) - len(seq.blocks)
-        if need > 0:
-            seq.blocks += pool.allocate(need)
     decode_blocks = decode_valid = None
     if decoding:
-        nb = max(len(s.blocks) for s in decoding)
-        lengths = []
-        tables: list[int] = []
+        lengths: list[int] = []
         for s in decoding:
-            slots.append(s.blocks[s.length // bs] * bs + s.length % bs)
-            lengths.append(s.length + 1)
-            tables += s.blocks
-            tables += [0] * (nb - len(s.blocks))
-        decode_blocks = torch.tensor(tables, device=device)
+            pos = s.length
+            if (pos + bs) // bs > len(s.blocks):  # its next token opens a new block
+                s.blocks += pool.allocate(1)
+            slots.append(s.blocks[pos // bs] * bs + pos % bs)
+            s.length = pos + 1
+            lengths.append(pos + 1)
+        nb = max(len(s.blocks) for s in decoding)
+        decode_blocks = torch.tensor(
+            [b for s in decoding for b in s.blocks + [0] * (nb - len(s.blocks))], device=device
+        )
         valid = torch.arange(nb * bs, device=device) < torch.tensor(lengths, device=device)[:, None]
         decode_valid = valid[:, None, None]
     planned = []
     start = len(decoding)
     for seq, n in chunks:
         past = seq.length
-        kv = _slots([seq.blocks], past + n, bs)[0]
-        slots += kv[past:].tolist()
-        mask = None
-        if past:  # query i (position past + i) sees keys 0 .. past + i
+        need = -(-(past + n) // bs) - len(seq.blocks)
+        if need > 0:
+            seq.blocks += pool.allocate(need)
+        first, last = past // bs, (past + n - 1) // bs
+        mine = [b * bs + i for b in seq.blocks[first : last + 1] for i in range(bs)]
+        slots += mine[past - first * bs : past - first * bs + n]
+        kv = mask = None
+        if past:  # query i (position past + i) sees keys 0 .. past + i, gathered
+            kv = torch.tensor(
+                [b * bs + i for b in seq.blocks[: last + 1] for i in range(bs)][: past + n],
+                device=device,
+            )
             q = torch.arange(n)[:, None] + past
             mask = (torch.arange(past + n)[None, :] <= q).to(device)
-        planned.append((start, n, kv.to(device), mask))
+        planned.append((start, n, kv, mask))
         start += n
-    for s in decoding:
-        s.length += 1
-    for s, n in chunks:
-        s.length += n
+        seq.length = past + n
     return StepPlan(
         pool,
         torch.tensor(slots, device=device),
@@ -271,8 +270,11 @@ def paged_attention(
         out[0, :b] = o
     for start, n, kv, mask in plan.chunks:
         q = query[:, :, start : start + n]
-        k = keys.index_select(0, kv).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, past+n, dim]
-        v = values.index_select(0, kv).transpose(0, 1).unsqueeze(0)
+        if kv is None:  # the sequence's first chunk: its keys are this step's own
+            k, v = key[:, :, start : start + n], value[:, :, start : start + n]
+        else:  # [1, kv_heads, past + n, dim] gathered from its slots
+            k = keys.index_select(0, kv).transpose(0, 1).unsqueeze(0)
+            v = values.index_select(0, kv).transpose(0, 1).unsqueeze(0)
         o = sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa)
         out[0, start : start + n] = o[0].transpose(0, 1)
     return out, None

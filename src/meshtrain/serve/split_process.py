@@ -10,8 +10,11 @@ Layout. The process that loaded the model keeps it, and runs the chat worker the
 continuous batcher, or ``model.generate`` one request at a time: the same objects as
 in one process). Just before uvicorn starts it forks; the child runs uvicorn and the
 FastAPI app and hands every chat request to the parent over a pipe
-(:class:`RemoteWorker`, in the app's ``lifespan``); the parent's main thread reads
-that pipe and feeds the worker's queue (:func:`serve_model`). The model side never
+(:class:`RemoteWorker`, in the app's ``lifespan``). The continuous batcher's own
+thread reads that pipe between decoding steps (its ``inbox``, :func:`serve_model`):
+a second reader thread would wake for every message and then wait for the GIL the
+decoding thread holds. With ``model.generate`` one at a time, which has no steps to
+read between, the parent's main thread reads it and feeds the worker's queue. The model side never
 runs in the child, because a forked child can neither use CUDA set up by its parent
 nor, with GNU OpenMP, run a multi-threaded op once its parent has (it hangs): the
 child runs no torch op at all, only tokenization and HTTP.
@@ -252,12 +255,16 @@ def _portable(exc: BaseException) -> BaseException:
 
 def serve_model(make_worker: Callable, recv: Any, send: Any) -> None:
     """The model side (module docstring): run the chat worker that
-    ``make_worker(on_step, max_queue)`` returns and feed it the jobs read from ``recv``
-    until the HTTP side says stop or goes away."""
+    ``make_worker(on_step, max_queue, inbox)`` returns and feed it the jobs read from
+    ``recv`` until the HTTP side says stop or goes away.
+
+    A worker that takes an ``inbox`` (the continuous batcher) reads the pipe on its own
+    thread between decoding steps, and this thread only waits for it to end; otherwise
+    (one request at a time with ``model.generate``) this thread reads the pipe."""
     steps: collections.deque[int] = collections.deque()  # appended by the worker thread
     received = 0
-    # the HTTP side bounds the queue; this one only must never block the pipe's reader
-    worker = make_worker(steps.append, 1 << 16)
+    jobs: dict[int, GenerationJob] = {}
+    worker: Any = None
 
     def stats() -> dict:
         done = [steps.popleft() for _ in range(len(steps))]
@@ -271,13 +278,11 @@ def serve_model(make_worker: Callable, recv: Any, send: Any) -> None:
         }
 
     sink = _Sink(send, stats)
-    jobs: dict[int, GenerationJob] = {}
-    while True:
-        try:
-            msg = recv.recv()
-        except (EOFError, OSError):
-            break
-        if msg[0] == "submit":
+
+    def take(msg: tuple | None) -> bool:
+        """Apply one message (None: the pipe ended); False once there is no more to read."""
+        nonlocal received
+        if msg is not None and msg[0] == "submit":
             _, jid, ids, kwargs, stream, stop = msg
             job = GenerationJob(
                 ids,
@@ -290,13 +295,49 @@ def serve_model(make_worker: Callable, recv: Any, send: Any) -> None:
             jobs[jid] = job
             worker._queue.put(job)
             received += 1
-            sink.send()  # the HTTP side now counts it as queued here
-        elif msg[0] == "cancel":
+            return True
+        if msg is not None and msg[0] == "cancel":
             job = jobs.get(msg[1])
             if job is not None:
                 job.cancelled.set()
-        else:  # "stop"
+            return True
+        return False  # "stop", or the HTTP side is gone
+
+    ended = False
+
+    def inbox(block: bool) -> None:
+        """Every message waiting (``block``: wait for the first), on the worker's thread;
+        one acknowledgement for the submits among them."""
+        nonlocal ended
+        before, last = received, ended
+        try:
+            while not ended and (block or recv.poll()):
+                block = False
+                ended = not take(recv.recv())
+        except (EOFError, OSError):
+            ended = True
+        if ended and not last:  # nobody will read answers any more: stop now
+            for job in jobs.values():
+                job.cancelled.set()
+            worker._queue.put(_STOP)
+        if received != before:
+            sink.send()  # the HTTP side now counts them as queued here
+
+    # the HTTP side bounds the queue; this one only must never block the pipe's reader
+    worker = make_worker(steps.append, 1 << 16, inbox)
+    if getattr(worker, "inbox", None) is inbox:
+        worker._thread.join()
+        worker.close()
+        return
+    while True:
+        try:
+            msg = recv.recv()
+        except (EOFError, OSError):
             break
+        if not take(msg):
+            break
+        if msg[0] == "submit":
+            sink.send()  # the HTTP side now counts it as queued here
     worker.close()
 
 
@@ -339,7 +380,8 @@ def serve_split(app: Any, run_http: Callable[[], None]) -> int:
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):  # uvicorn re-raises the signal that stopped it: so do we
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two take no handler
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)
 
