@@ -4,7 +4,7 @@ A pickle (``pickle.load``, ``torch.load`` without ``weights_only=True``, ``np.lo
 ``allow_pickle=True``) runs code from the file it reads; a checkpoint or data file from
 elsewhere must never be able to do that. The allowed uses are ``pickle.loads`` of what a
 process's own children send it over a pipe (no file): ``launch/processes.py`` (results)
-and ``serve/split_process.py`` (a round trip of an exception about to be sent to the
+and ``serve/model_side.py`` (a round trip of an exception about to be sent to the
 forked HTTP process, to check that it survives the pipe).
 """
 
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshtrain"
-ALLOWED = {("launch/processes.py", "pickle.loads"), ("serve/split_process.py", "pickle.loads")}
+ALLOWED = {("launch/processes.py", "pickle.loads"), ("serve/model_side.py", "pickle.loads")}
 PATTERNS = {
     "pickle.load": re.compile(r"\bpickle\.loads?\("),
     "pickle.loads": re.compile(r"\bpickle\.loads\("),

@@ -36,7 +36,8 @@ def _prompts(tok, n: int = 50) -> list[list[int]]:
 
 def test_greedy_under_batching_equals_generate_alone(served_chat):
     from meshtrain.serve.chat import Chat
-    from meshtrain.serve.continuous import ContinuousBatcher, blocker
+    from meshtrain.serve.continuous import ContinuousBatcher
+    from meshtrain.serve.paged_model import blocker
 
     model, tok = served_chat.model, served_chat.tokenizer
     assert served_chat.dtype == torch.float32

@@ -86,7 +86,7 @@ def build_app(served: ServedModel, settings: ServeSettings | None = None) -> Any
 
         chat = Chat(served, chat_format=settings.chat_format)
         if settings.chat_batch_size > 1:
-            from meshtrain.serve.continuous import blocker
+            from meshtrain.serve.paged_model import blocker
 
             why = blocker(served.model, served.context_length)
             batching = f"continuous, up to {settings.chat_batch_size} sequences"

@@ -36,10 +36,11 @@ batch-1 answer after that token (vLLM and TGI carry the same caveat).
 
 What is not batched. ``generation_config`` options beyond EOS, ``min_new_tokens``,
 ``temperature``, ``top_k`` and ``top_p`` (beam search, repetition penalties, forced or
-suppressed tokens, ...), and models the paged attention cannot run (``blocker`` probes
-it: sliding windows shorter than the context, softcaps, recurrent layers, attention
-outside ``transformers``' attention interface) are served one sequence at a time by
-``model.generate`` (``blocker`` names the reason; ``GET /`` and the log show it).
+suppressed tokens, ...), and models the paged attention cannot run (sliding windows
+shorter than the context, softcaps, recurrent layers, attention outside
+``transformers``' attention interface) are served one sequence at a time by
+``model.generate``: ``paged_model.blocker`` probes for them and names the reason
+(``GET /`` and the log show it).
 """
 
 from __future__ import annotations
@@ -59,48 +60,9 @@ import torch
 from meshtrain.errors import ServeError
 from meshtrain.serve.generation import _STOP, GenerationJob, JobQueue
 from meshtrain.serve.paged_kv import BlockPool, PagedSeq
-from meshtrain.serve.paged_model import PagedForward, probe
+from meshtrain.serve.paged_model import PagedForward
 
 log = logging.getLogger("meshtrain.serve")
-
-# generation_config fields this loop does not implement, with the value that means "off"
-_UNSUPPORTED = {
-    "num_beams": 1,
-    "num_beam_groups": 1,
-    "penalty_alpha": None,
-    "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "min_length": 0,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "min_p": None,
-    "guidance_scale": None,
-    "stop_strings": None,
-    "exponential_decay_length_penalty": None,
-    "renormalize_logits": False,
-}
-
-
-def blocker(model: Any, context: int | None = None) -> str | None:
-    """Why ``model`` cannot be continuously batched (module docstring), or None.
-
-    Besides the ``generation_config`` options, the model must pass
-    :func:`~meshtrain.serve.paged_model.probe` (the paged forward reproduces its
-    logits)."""
-    gen = model.generation_config
-    for name, off in _UNSUPPORTED.items():
-        value = getattr(gen, name, off)
-        if value not in (off, None) and not (name == "min_length" and value == 0):
-            return f"generation_config.{name}={value!r} is not implemented by continuous batching"
-    return probe(model, context)
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """A ``transformers`` causal LM run over the paged cache (``paged_kv``): one forward of a
-step's tokens laid end to end (:class:`PagedForward`), and the start-up check that the
-model's logits come out the same that way (:func:`probe`).
+step's tokens laid end to end (:class:`PagedForward`), and the start-up checks that the
+model can be continuously batched (:func:`blocker`: its ``generation_config`` asks for
+nothing the batcher does not implement, and :func:`probe`: its logits come out the same
+that way).
 
 The attention implementation is switched to ``meshtrain_paged`` on the model's config
 for the length of each paged forward only, so ``model.generate`` elsewhere is untouched;
@@ -110,3 +112,43 @@ def _forward_params(model: Any) -> set[str]:
     import inspect
 
     return set(inspect.signature(model.forward).parameters)
+
+
+# generation_config fields this loop does not implement, with the value that means "off"
+_UNSUPPORTED = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "penalty_alpha": None,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "min_length": 0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+    "guidance_scale": None,
+    "stop_strings": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+}
+
+
+def blocker(model: Any, context: int | None = None) -> str | None:
+    """Why ``model`` cannot be continuously batched (``continuous``' docstring), or None.
+
+    Besides the ``generation_config`` options, the model must pass
+    :func:`~meshtrain.serve.paged_model.probe` (the paged forward reproduces its
+    logits)."""
+    gen = model.generation_config
+    for name, off in _UNSUPPORTED.items():
+        value = getattr(gen, name, off)
+        if value not in (off, None) and not (name == "min_length" and value == 0):
+            return f"generation_config.{name}={value!r} is not implemented by continuous batching"
+    return probe(model, context)
