@@ -178,8 +178,10 @@ class RankFile:
 
     def verify_elements(self, key: str, lo: int, hi: int) -> None:
         """Check what elements ``[lo, hi)`` of 1-D key ``key`` lie in: the parts covering
-        them, when the record has parts for it (each hashed in place just before the
-        caller copies it, so the copy reads it from cache), else the whole key."""
+        them, when the record has parts for it, else the whole key. A part is hashed in
+        place through safetensors' map of the file, the map the caller's slice is a view
+        of, just before the caller copies it: the copy then finds its bytes in the CPU's
+        cache and its pages already mapped, so the check adds the hash's arithmetic."""
         if not self._needs(key):
             return
         if self._parts is None or key not in self._parts[1]:
@@ -189,13 +191,17 @@ class RankFile:
         code, _shape, begin, end = self.keys[key]
         item = _TORCH[code].itemsize
         ok = self._parts_ok.setdefault(key, set())
+        data: Any = None
         for i in range(lo * item // size, -(-hi * item // size)):
             if i in ok:
                 continue
-            a, b = begin + i * size, min(end, begin + (i + 1) * size)
-            if self._file_size() < b:  # checked at opening; a shorter map would fault
-                self._truncated(key, self._file_size())
-            if checksums.digest_in_place(self._file(), a, b) != digests[i]:
+            if data is None:  # the key's bytes in safetensors' map: the slices' own pages
+                if self._file_size() < end:  # checked at opening; a shorter map would fault
+                    self._truncated(key, self._file_size())
+                data = self.mapped().get_slice(key)[:].view(torch.uint8).numpy()
+            a, b = i * size, min(end - begin, (i + 1) * size)
+            if checksums.digest(data[a:b]) != digests[i]:
+                a, b = begin + a, begin + b
                 raise CheckpointError(
                     f"{self.path}: tensor {key!r} (part {i}, bytes {a}..{b} of the file) is "
                     f"corrupted: its {checksums.ALGO} checksum differs from the one recorded "
