@@ -180,8 +180,9 @@ class RankFile:
         """Check what elements ``[lo, hi)`` of 1-D key ``key`` lie in: the parts covering
         them, when the record has parts for it, else the whole key. A part is hashed in
         place through safetensors' map of the file, the map the caller's slice is a view
-        of, just before the caller copies it: the copy then finds its bytes in the CPU's
-        cache and its pages already mapped, so the check adds the hash's arithmetic."""
+        of, so a narrow read of a large key hashes about what it reads. (Hashing just
+        before the caller's copy was meant to let the copy read the bytes from cache; the
+        restart measured the same with or without parts: docs/checkpoints.md.)"""
         if not self._needs(key):
             return
         if self._parts is None or key not in self._parts[1]:
