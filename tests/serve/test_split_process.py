@@ -8,6 +8,7 @@ process, and shutdown on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -194,6 +195,19 @@ def test_split_server_queue_and_timeout(endless_dir):
     assert code in (0, -signal.SIGTERM), out
 
 
+@contextlib.contextmanager
+def _endless_stream(url: str):
+    """A streamed 8,000-token answer that has begun; yields its remaining lines."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000, "stream": True}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while "content" not in next(lines):  # the answer has begun
+                pass
+            yield lines
+
+
 def test_split_server_stops_a_stream_whose_client_went_away(endless_dir):
     """A streamed answer of 8,000 tokens whose client closes the connection after the
     first pieces is stopped in the model process: far fewer tokens are made. Batching
@@ -201,13 +215,8 @@ def test_split_server_stops_a_stream_whose_client_went_away(endless_dir):
     cover the continuous batcher."""
     proc, url = _serve(endless_dir, "--max-new-tokens", "8000", "--chat-batch-size", "1")
     try:
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000}
-        with httpx.Client(base_url=url, timeout=60) as client:
-            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-                assert r.status_code == 200
-                lines = r.iter_lines()
-                while "content" not in next(lines):  # the answer has begun
-                    pass
+        with _endless_stream(url):
+            pass
         # the stream is closed: the client is gone
         made = _metric(_settled(url), "meshtrain_serve_generated_tokens_total")
         assert 0 < made < 8000, made
@@ -225,17 +234,11 @@ def test_model_process_ends_when_the_http_process_dies(endless_dir):
     proc, url = _serve(endless_dir, "--max-new-tokens", "8000", "--chat-batch-size", "4")
     try:
         (child,) = _children(proc.pid)
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000}
-        with httpx.Client(base_url=url, timeout=60) as client:
-            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-                assert r.status_code == 200
-                lines = r.iter_lines()
-                while "content" not in next(lines):  # the answer has begun
+        with _endless_stream(url) as lines:
+            os.kill(child, signal.SIGKILL)
+            with pytest.raises(httpx.HTTPError):  # the connection dies with its process
+                for _ in lines:
                     pass
-                os.kill(child, signal.SIGKILL)
-                with pytest.raises(httpx.HTTPError):  # the connection dies with its process
-                    for _ in lines:
-                        pass
         code = proc.wait(timeout=60)  # a hang here would be the model process not ending
     finally:
         if proc.poll() is None:
