@@ -16,14 +16,17 @@ copy). Hashing on a second thread while the next block is read was measured and 
 done: slower than inline on this project's machine even with a core free
 (docs/checkpoints.md). A key split over two threads, each reading and hashing its half
 while it is in its own core's cache, measured 1.11-1.18x against 1.30-1.32x inline, but
-only with the second core idle, and it needs a digest per part (a format change): not
-built (``benchmarks/bench_warm_load.py``, docs/checkpoints.md). The tensor is the
+only with the second core idle, and it needs a digest per part (records now carry part
+digests for large keys, but whole-key reads do not use threads: not built;
+``benchmarks/bench_warm_load.py``, docs/checkpoints.md). The tensor is the
 caller's: nothing else refers to its storage.
 
 **Parts of keys.** A key read only in part (one rank's range of a flat ZeRO buffer) is
-sliced from safetensors' memory map, so a narrow read touches only its bytes. While it is
-not yet verified, the whole key is first hashed *in place*, in the page cache
-(``verify_key``): through a read-only map of the file, ``checksums.WINDOW`` at a time,
+sliced from safetensors' memory map, so a narrow read touches only its bytes. When the
+record has a digest per 4 MiB part of the key (``tensor_files.PART_BYTES``), only the
+parts the range lies in are checked (``verify_elements``), hashed in place through that
+same map. Otherwise, while it is not yet verified, the whole key is first hashed *in
+place*, in the page cache (``verify_key``): through a read-only map of the file, ``checksums.WINDOW`` at a time,
 each window's pages dropped from this process's map once hashed (they stay in the page
 cache), so checking even a huge key adds no copy and no resident memory. The slices
 handed out afterwards are views of those same page-cache pages, so what the caller copies

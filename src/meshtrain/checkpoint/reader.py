@@ -200,14 +200,15 @@ class CheckpointReader:
 
     def _slice(self, rank: int, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of 1-D key ``key`` of rank ``rank``'s file, verified: a
-        view of the file's memory map once the whole key is hashed there (``rank_file``)."""
+        view of the file's memory map once the parts it lies in (or the whole key) are
+        hashed there (``rank_file``)."""
         rf = self._open(rank)
         rf.verify_elements(key, lo, hi)  # the parts it lies in, or the whole key, in place
         return rf.mapped().get_slice(key)[lo:hi]
 
     def verify_all(self) -> None:
-        """Verify every byte of every rank file now, not only what is read (a streamed
-        pass over each tensor not yet verified); a no-op with ``verify=False``."""
+        """Verify every byte of every rank file now, not only what is read (each tensor
+        not yet verified hashed whole, in place); a no-op with ``verify=False``."""
         if not self._verify:
             return
         for rank in range(self.world_size):

@@ -10,8 +10,8 @@ the tensors back to back with no gaps (the format requires it). So a record of
 covers every byte of the file, and a mismatch can say *which* tensor (and which byte range
 of the file) is damaged rather than only "the file differs". ``parts`` (rank files of a
 sharded checkpoint, keys over ``PART_BYTES``) lets a reader that wants part of a key
-check only the parts it reads, each just before its bytes are copied, while they are in
-the CPU's cache (``rank_file``); files and readers without it use the whole-key digests.
+check only the parts it reads (``rank_file``); files and readers without it use the
+whole-key digests.
 
 Writing: ``tensor_digests`` hashes each tensor's bytes from memory as it is handed to
 safetensors (the bytes safetensors writes are exactly the tensor's little-endian
@@ -19,7 +19,8 @@ contiguous bytes; the checkpoint writer runs it while fsync waits for the disk),
 ``record_from_tensors`` reads back only the header; the streamed consolidated export
 hashes each chunk as it writes it. Neither reads a written file again.
 
-Reading: ``verify`` reads the file once, front to back, in 4 MiB chunks.
+Reading: ``verify`` hashes each tensor once, in place in the page cache
+(``checksums.digest_in_place``), front to back.
 
 Files meshtrain did not write (a transformers ``save_pretrained`` folder) have no record;
 ``check_foreign`` validates what the format allows: a parseable header, offsets that tile
@@ -49,7 +50,7 @@ _FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
 MAX_HEADER = 100 << 20  # safetensors' own limit on the header size
 
 
-PART_BYTES = checksums.CHUNK  # 4 MiB: a part and its copy stay in the shared L3 cache
+PART_BYTES = checksums.CHUNK  # 4 MiB: what a partial read hashes at least, per key
 
 
 def _digests(t: torch.Tensor) -> tuple[str, list[str] | None]:
