@@ -9,12 +9,17 @@ group costs process start-up.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from meshtrain.launch.processes import RankFailedError, run_on_ranks
 
 DEFAULT_TIMEOUT_S = 240.0
+# Intra-op threads per rank. One by default (ranks share 2 cores); the kernel-matrix job
+# (tools/kernel_matrix.py) sets 2, because a GEMM split over threads blocks its sums
+# differently, and a parity bound must hold for either.
+RANK_THREADS_ENV = "MESHTRAIN_TEST_RANK_THREADS"
 
 __all__ = ["RankFailedError", "run_ranks"]
 
@@ -27,4 +32,7 @@ def run_ranks(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    return run_on_ranks(fn, world_size, args, kwargs, timeout=timeout, env=env)
+    threads = int(os.environ.get(RANK_THREADS_ENV, "1"))
+    return run_on_ranks(
+        fn, world_size, args, kwargs, timeout=timeout, env=env, threads_per_rank=threads
+    )

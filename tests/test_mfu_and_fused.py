@@ -2,9 +2,12 @@
 
 MFU is exact arithmetic: (6N + 12 L d T) x tokens/s / (peak x dp), checked to 1e-12
 relative (float rounding only). The fused switch is checked by the optimizer's own flags;
-its deviation from foreach is asserted at <= 1e-6 absolute after 3 steps on values of
-order 1 (measured: about 5e-7 after 6 steps), and the default is asserted bit-identical
-to a plain torch AdamW(foreach=True).
+its deviation from foreach after 3 steps on the same gradients is the rounding of each
+kernel's own elementwise order: each AdamW step rounds the parameter about 3 times (the
+decay, the update, the moments' quotient), so two kernels differ by at most
+``MARGIN x 3 x steps x u x max|p|`` (``tests/tolerance.py``; measured: about 5e-7 after 6
+steps on values of order 1); the default is asserted bit-identical to a plain torch
+AdamW(foreach=True).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from meshtrain.engine import flops
 from meshtrain.engine.step_log import StepLog
 from meshtrain.optim.optimizers import build_optimizer
+from tests.tolerance import MARGIN, unit_roundoff
 
 
 def test_flops_per_token_and_step_log_mfu():
@@ -53,4 +57,6 @@ def test_fused_switch_default_is_bit_identical_foreach():
             opt.step()
         out[fused] = p.detach()
     assert torch.equal(out[None], out["torch"])
-    assert (out[True] - out[None]).abs().max() <= 1e-6
+    roundings = 3 * len(grads)  # per step: the decay, the update, the moments' quotient
+    bound = MARGIN * roundings * unit_roundoff("float32") * float(init.abs().max())
+    assert (out[True] - out[None]).abs().max() <= bound

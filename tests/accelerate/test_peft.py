@@ -2,8 +2,10 @@
 
 For each stage, on a tiny random BERT with LoRA on ``query``/``value`` (dropout 0):
 
-* adapter weights within 1e-6 of the one-process run on the same global batch (fp32; the
-  two runs differ only in the order of the gradient sums);
+* adapter weights (normwise, each tensor within ``per_tensor``) within
+  ``trajectory(1e-2, 2)`` of the one-process run on the same global batch
+  (``tests/tolerance.py``; fp32; the two runs differ only in the order of the gradient
+  sums);
 * base weights bit-unchanged; the flat groups and the optimizer hold the adapter only;
 * bytes per optimizer step count only the adapter's parameters, asserted exactly: the
   engine's recorded bytes (minus the gradient-norm scalar) equal both the plan's theory
@@ -18,10 +20,11 @@ For each stage, on a tiny random BERT with LoRA on ``query``/``value`` (dropout 
   measured parameter bytes equal the estimator's at every stage (exact: no padding);
 * stage 3 (adapters sharded: persistence threshold 0): the saved adapter is non-empty and
   equals the gathered one bit for bit; plain ``PeftModel.from_pretrained`` loads it and
-  gives the trained model's logits (within 1e-5: same weights, same kernels; the bound
-  only absorbs summation-order noise); the merged export loads in plain transformers
-  (``BertForSequenceClassification.from_pretrained``) with logits within 1e-5 of the peft
-  model's (merging adds ``scaling x B @ A`` into ``W``: a reassociation of the same sum),
+  gives the trained model's logits (within ``evaluation()`` of the largest logit: same
+  weights, same kernels, another batch); the merged export loads in plain transformers
+  (``BertForSequenceClassification.from_pretrained``) with logits within ``evaluation()``
+  of the largest of the peft model's (merging adds ``scaling x B @ A`` into ``W``: a
+  reassociation of the same sum),
   and so does ``meshtrain consolidate CKPT OUT --merge-lora ADAPTER`` of an engine checkpoint;
   ``save_state`` / ``load_state`` resumes bit-exactly; ``ZeroStage.release_module`` (the
   Trainer's end of training) leaves the module whole, frozen base included.
@@ -33,6 +36,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.tolerance import check, check_weights, evaluation, trajectory
 
 GLOBAL_BATCH = 8
 STEPS = 2
@@ -166,6 +170,7 @@ def _stage(stage: int, world: int, tmp: str) -> dict:
             out["cli_rc"] = cli(argv)
             from_cli = BertForSequenceClassification.from_pretrained(cli_dir).eval()
             with torch.no_grad():
+                out["logits_scale"] = logits.abs().max().item()
                 out["peft_loaded_diff"] = (loaded(input_ids=ids).logits - logits).abs().max().item()
                 out["merged_diff"] = (merged(input_ids=ids).logits - logits).abs().max().item()
                 out["cli_diff"] = (from_cli(input_ids=ids).logits - logits).abs().max().item()
@@ -206,9 +211,7 @@ def test_lora_every_stage_matches_one_process_and_moves_adapter_bytes_only(runs)
         for r in (0, 1):
             got = two[r][stage]
             assert got["base_unchanged"], f"stage {stage}: a frozen base weight changed"
-            for k, v in ref.items():
-                diff = (got["adapter"][k] - v).abs().max().item()
-                assert diff <= 1e-6, f"stage {stage} rank {r} {k}: {diff}"
+            check_weights(f"stage {stage} rank {r}", got["adapter"], ref, trajectory(1e-2, STEPS))
             psi = got["psi"]
             assert got["trainable_numel"] == psi
             assert got["opt_state_numel"] == (psi if stage == 0 else psi // 2)
@@ -239,9 +242,11 @@ def test_stage3_adapter_save_load_merge_and_resume(runs):
     assert len(saved) == len(gathered)
     for k, v in gathered.items():
         assert torch.equal(saved[k.replace(".default", "")], v), k
-    assert got["peft_loaded_diff"] <= 1e-5
-    assert got["merged_diff"] <= 1e-5
-    assert got["cli_rc"] == 0 and got["cli_diff"] <= 1e-5  # meshtrain consolidate --merge-lora
+    bound = evaluation() * got["logits_scale"]
+    check("PeftModel.from_pretrained logits", got["peft_loaded_diff"], bound)
+    check("merged export logits", got["merged_diff"], bound)
+    assert got["cli_rc"] == 0  # meshtrain consolidate --merge-lora
+    check("consolidate --merge-lora logits", got["cli_diff"], bound)
     for r in (0, 1):
         for k, v in two[r][3]["adapter"].items():
             assert torch.equal(two[r][3]["resumed"][k], v), f"rank {r}: resume differs at {k}"

@@ -3,15 +3,16 @@
 For each method, on the tiny Llama (fp32), 4 AdamW steps on 2 ranks (2 rows each) at
 stages 0, 1, 2 and 3 against one process on the same 4 rows per step:
 
-* losses within 1e-5 relative (fp32; the runs differ only in the order of the
-  data-parallel gradient sum, amplified a little by Adam's first steps);
+* losses within ``trajectory(1e-2, 4)`` relative (``tests/tolerance.py``; fp32; the runs
+  differ only in the order of the data-parallel gradient sum, carried by Adam's
+  normalised update);
 * the base model's weights bit-unchanged (read from the gathered state dict, so stage 3's
   shards are checked too) and the optimizer holds the adapter only;
 * the adapter saved from the gathered state (``accelerate.peft_io.save_model`` inside
   ``whole_for_save``, what ``Accelerator.save_model`` does; peft runs a prompt encoder
   while saving, which under ZeRO-3 hung before) holds adapter tensors only, loads in plain
-  ``PeftModel.from_pretrained`` and gives the trained model's logits (within 1e-6: the
-  same weights; the bound absorbs nothing else).
+  ``PeftModel.from_pretrained`` and gives the trained model's logits (within
+  ``evaluation()`` of the largest logit: the same weights, evaluated again).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.tolerance import check, evaluation, trajectory
 
 pytest.importorskip("peft")
 
@@ -143,8 +145,10 @@ def test_peft_method_at_every_zero_stage(method, tmp_path):
     per_stage = run_ranks(_all, 2, method, str(tmp_path))[0]
     n_adapter = sum(p.numel() for p in _model(method).parameters() if p.requires_grad)
     for stage, got in enumerate(per_stage):
-        for a, b in zip(got["losses"], ref, strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (method, stage, got["losses"], ref)
+        for step, (a, b) in enumerate(zip(got["losses"], ref, strict=True)):
+            check(
+                f"{method} stage {stage} loss {step}", abs(a - b) / abs(b), trajectory(1e-2, STEPS)
+            )
         assert got["base_unchanged"], (method, stage)
         assert got["trainable_numel"] == n_adapter
         saved = load_file(f"{got['dir']}/adapter_model.safetensors")
@@ -152,4 +156,5 @@ def test_peft_method_at_every_zero_stage(method, tmp_path):
         reloaded = peft.PeftModel.from_pretrained(tiny_llama(0), got["dir"]).eval()
         with torch.no_grad():
             logits = reloaded(input_ids=_batch(99, 2)).logits
-        assert (logits - got["logits"]).abs().max() <= 1e-6, (method, stage)
+        bound = evaluation() * float(got["logits"].abs().max())
+        check(f"{method} stage {stage} logits", float((logits - got["logits"]).abs().max()), bound)

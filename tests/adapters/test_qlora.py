@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.tolerance import evaluation
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -181,15 +182,17 @@ def test_qlora_matches_transformers_peft_and_zero3_shards_the_4bit_base(tmp_path
         logits = reloaded(input_ids=_batch(99, 2)).logits
     assert torch.equal(logits, one["logits"])
     # the merged export is the dequantized base + B A: plain transformers loads it (no
-    # quantization config) and gives the peft model's logits within 1e-5 (the same
-    # products, reassociated: x W^T + s (x A^T) B^T vs x (W + s B A)^T)
+    # quantization config) and gives the peft model's logits within evaluation() of the
+    # largest (tests/tolerance.py: the same products, reassociated: x W^T + s (x A^T) B^T
+    # vs x (W + s B A)^T)
     import transformers
 
     merged = transformers.AutoModelForCausalLM.from_pretrained(adapter + "-merged")
     assert getattr(merged.config, "quantization_config", None) is None
     with torch.no_grad():
         plain = merged(input_ids=_batch(99, 2)).logits
-    assert (plain - one["train_logits"]).abs().max() <= 1e-5
+    scale = float(one["train_logits"].abs().max())
+    assert (plain - one["train_logits"]).abs().max() <= evaluation() * scale
 
 
 def _lora_8bit(path: str):

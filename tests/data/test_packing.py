@@ -6,11 +6,12 @@
   example, order kept by greedy.
 * Parity, fp32: a packed batch gives the same per-document losses and gradients as the
   same documents one per row, on meshtrain's Decoder and tiny transformers Llama, GPT-2
-  (and the other verified families' logits). Tolerance 1e-6 (absolute on losses of ~4,
-  and on gradients of ~1e-2, i.e. ~1e-5 relative at worst): the packed row runs SDPA
-  with an explicit block-diagonal mask over a longer row, so the matmuls and softmax
-  sums have other shapes and blockings than the one-document rows, and fp32 rounding
-  (2^-24 ~ 6e-8 relative per operation) differs by a few ulps; nothing else differs.
+  (and the other verified families' logits). Tolerances (``tests/tolerance.py``): losses
+  and logits within ``evaluation()``, gradients within ``gradient()``, relative normwise:
+  the packed row runs SDPA with an explicit block-diagonal mask over a longer row, so the
+  matmuls and softmax sums have other shapes and blockings than the one-document rows, and
+  fp32 rounding (2^-24 ~ 6e-8 relative per operation) differs by a few ulps; nothing else
+  differs.
 * Boundary: changing one document leaves every output of the other documents of the row
   bit for bit unchanged (masked keys get weight exactly 0, and adding exact zeros
   changes no sum).
@@ -35,10 +36,11 @@ from meshtrain.data.packing import (
 from meshtrain.errors import ConfigError, DataError
 from meshtrain.models import Decoder, DecoderConfig
 from meshtrain.models.packed_batches import PACKING_FAMILIES, check_packed_batch
+from tests.tolerance import check, evaluation, gradient, relative
 
 VOCAB = 64
 LENGTHS = (5, 9, 3, 7, 1, 6)
-TOL = 1e-6  # module docstring
+OUT, GRAD = evaluation(), gradient()  # module docstring
 
 
 def _docs(lengths=LENGTHS, seed=0) -> list[torch.Tensor]:
@@ -264,7 +266,7 @@ def _close(a, b):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_packed_losses_and_gradients_equal_one_document_per_row(name):
     """Both packing shapes (one flattened row; fixed rows with a padded tail) against the
-    documents one per row (module docstring: 1e-6)."""
+    documents one per row (module docstring)."""
     model = MODELS[name]().float()
     docs = [d for d in _docs() if len(d) > 1]  # a 1-token document has no label item
     ref_losses, ref_grads = _one_per_row(model, docs)
@@ -280,9 +282,9 @@ def test_packed_losses_and_gradients_equal_one_document_per_row(name):
     assert rows["input_ids"].shape == (2, 16)  # [5 9 +2 padding] [3 7 6]
     for batch, spans in ((flat, _spans(flat["position_ids"])), (rows, row_spans)):
         losses, grads = _packed_run(model, batch, spans)
-        assert _close(losses, ref_losses) < TOL, (name, losses, ref_losses)
+        check(f"{name} per-document losses", relative(losses, ref_losses), OUT)
         for key, g in grads.items():
-            assert _close(g, ref_grads[key]) < TOL, (name, key)
+            check(f"{name} gradient of {key}", relative(g, ref_grads[key]), GRAD)
         assert any(g.abs().max() > 0 for g in grads.values())
 
 
@@ -328,7 +330,7 @@ def test_every_verified_family_masks_packed_documents(model_type):
     with torch.no_grad():
         packed = _logits(model, FlatteningCollator()([{"input_ids": d} for d in docs]))[0]
         ref = torch.cat([_logits(model, {"input_ids": d[None]})[0] for d in docs])
-    assert _close(packed, ref) < 1e-5
+    check(f"{model_type} logits", relative(packed, ref), OUT)
 
 
 def test_transformers_needs_the_guard():
@@ -344,7 +346,7 @@ def test_transformers_needs_the_guard():
         guarded = _logits(model, {**batch, "attention_mask": torch.ones_like(batch["input_ids"])})
     assert model.config.use_cache is True
     assert _close(raw, ref) > 1e-3 and _close(ones.logits[0], ref) > 1e-3
-    assert _close(guarded[0], ref) < 1e-5
+    check("guarded logits", relative(guarded[0], ref), OUT)
 
 
 def test_check_packed_batch_refusals():

@@ -5,7 +5,8 @@ Saved at ep 2 x edp 2 (world 4) under ZeRO-1 after 3 AdamW steps of ``ToyMoE``; 
 ep 2 x edp 1 (world 2) under ZeRO-3 and at ep 1 (world 1, every expert on one rank) under
 ZeRO-0. Each load must give back the saved parameters exactly (fp32 masters are stored,
 nothing is recomputed), and 2 further steps on the same global batches must match the
-uninterrupted world-4 run within 1e-6 normwise relative (fp32 summation order of a
+uninterrupted world-4 run within ``trajectory(1e-2, 2)`` normwise relative
+(``tests/tolerance.py``: fp32 summation order of a
 different rank count; the optimizer states came through the checkpoint, or the steps
 would differ at ~1e-2). ``consolidate`` of the ep-2 checkpoint equals the whole model.
 """
@@ -18,6 +19,7 @@ from tests.distributed.expert_models import global_expert_state, toy_batch, toy_
 from tests.distributed.test_zero_experts import initialize_ep
 from tests.distributed.training import max_rel_diff
 from tests.harness import run_ranks
+from tests.tolerance import check, trajectory
 
 GLOBAL_ROWS, LR = 16, 1e-2
 
@@ -96,6 +98,6 @@ def test_expert_checkpoint_reshards_over_ep_dp_and_stage(tmp_path):
         for k in saved:
             assert torch.equal(loaded[k], saved[k]), f"world {world} ep {ep}: {k}"
         err = max_rel_diff(_whole(again, "final"), final)
-        assert err < 1e-6, f"world {world} ep {ep} stage {stage}: resumed run off by {err:.2e}"
+        check(f"world {world} ep {ep} stage {stage}: resumed run", err, trajectory(LR, 2))
     # sanity: the two extra steps move the model (the resume comparison is not vacuous)
     assert max_rel_diff(saved, final) > 1e-4

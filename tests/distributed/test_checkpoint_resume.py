@@ -8,7 +8,8 @@ must be *bit-identical*; the RNG streams continue where they were saved.
 Reshard protocol: the global batch stays 8 rows whatever the world size (micro-batch
 8 / world), so a run saved at size a and stage s and continued at size b and stage t
 computes the same mathematics as the unchanged run, up to summation order: losses within
-1e-6 relative.
+``trajectory(1e-3, 6)`` relative (``tests/tolerance.py``; the loaded run's 3 steps follow 3
+whose reductions already ran in another order when the saved run differs in size).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from tests.distributed.training import make_engine, train_steps
 from tests.harness import run_ranks
+from tests.tolerance import check, trajectory
 
 STAGE3 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 5000}
 GLOBAL = 8
@@ -126,5 +128,6 @@ def test_load_under_other_world_size_and_stage(tmp_path):
     for name, world, stage in (("a2s1", 4, 3), ("a4s3", 2, 0), ("a2s2", 1, 2)):
         losses, steps = run_ranks(_load, world, root, name, stage)[0]
         assert steps == 6
-        for a, b in zip(losses, unchanged[name], strict=True):
-            assert abs(a - b) <= 1e-6 * abs(b), f"{name} -> dp {world} stage {stage}"
+        for step, (a, b) in enumerate(zip(losses, unchanged[name], strict=True)):
+            what = f"{name} -> dp {world} stage {stage}, loss {step}"
+            check(what, abs(a - b) / abs(b), trajectory(1e-3, 6))

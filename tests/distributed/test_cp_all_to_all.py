@@ -5,11 +5,12 @@ Each rank builds the whole sequence's q, k, v (seeded, the same on every rank), 
 ``ulysses_attention`` on its load-balanced chunks (``i`` and ``2C-1-i``) and compares its
 output and the gradients of its q, k, v slices with the reference's rows.
 
-Tolerance: fp32, 1e-6 relative (norm of the difference over the norm of the reference).
-Both sides run the same SDPA kernel over the same whole sequence in natural order, so each
+Tolerance: fp32, relative (norm of the difference over the norm of the reference). Both
+sides run the same SDPA kernel over the same whole sequence in natural order, so each
 score row sums the same terms; what differs is only how many heads one call batches (and
 the zero heads padded in), which can change the kernel's blocking and so the order of a
-few fp32 additions: ~1e-7 relative, hence 1e-6.
+few fp32 additions (~1e-7 relative measured): the output within ``evaluation()``, the
+q, k, v gradients within ``gradient()`` (``tests/tolerance.py``).
 
 Bytes are asserted exactly against ``CommStats`` and the collective ledger, computed in
 the test from the shapes (not from the module's own formula, which is checked against
@@ -24,6 +25,7 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import run_ranks
+from tests.tolerance import check, evaluation, gradient
 
 
 def _shard(t, cp: int, rank: int, dim: int):
@@ -189,7 +191,9 @@ def test_ulysses_parity_and_bytes(world):
         for name, B, hq, hkv, hd, docs, _ in CASES:
             got = res[name]
             for key in ("out", "dq", "dk", "dv"):
-                assert got[key] < 1e-6, (r, name, key, got[key])
+                check(
+                    f"rank {r} {name} {key}", got[key], evaluation() if key == "out" else gradient()
+                )
             a2a = _expected_a2a(world, B, hq, hkv, L, hd)
             fwd = {("all_to_all", "cp"): a2a}
             if docs:

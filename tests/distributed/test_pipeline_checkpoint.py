@@ -5,8 +5,9 @@ The reference decoder with its LM head tied to the embedding, 4 blocks, AdamW, Z
 the interleaved schedule (2 virtual stages per rank: stages 0 and 2 on pp rank 0) after
 2 steps; the same run continues 2 more. Loaded at pp 1 x dp 4, at pp 4 x dp 1 (1F1B) and
 in one process (pp 1), each continuing the same 2 steps on the same global batches:
-per-step losses within 1e-6 relative and the final parameters within 1e-6 normwise of
-the uninterrupted run (fp32; the data-parallel mean and the tied embedding's gradient
+per-step losses and the final parameters (normwise) within ``trajectory(1e-2, 2)``
+(``tests/tolerance.py``) of the uninterrupted run (fp32; the data-parallel mean and the
+tied embedding's gradient
 sum run in another order under another layout, as in the parity tests). Loaded at the
 same layout it continues bit-identically. A ``PipelineModule`` (tied ``TiedLayerSpec``
 embedding, names ``layers.<i>`` / ``tied_modules.<key>``) saved at pp 2 x dp 2 loads at
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from tests.harness import run_ranks
+from tests.tolerance import check, trajectory
 
 ROWS, M = 4, 4
 ADAMW = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -254,7 +256,8 @@ def _one_process(tmp: str, ref: dict) -> dict:
 
 def _check_close(o: dict, what: str) -> None:
     assert o["keys"] and o["global_steps"] == 4, (what, o)
-    assert o["loss"] < 1e-6 and o["params"] < 1e-6, (what, o)
+    check(f"{what} losses", o["loss"], trajectory(ADAMW["lr"], 2))  # the 2 steps after loading
+    check(f"{what} parameters", o["params"], trajectory(ADAMW["lr"], 2))
 
 
 def test_pipeline_checkpoint_reshards(tmp_path):

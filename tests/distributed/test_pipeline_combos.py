@@ -13,10 +13,11 @@ the tied tiny decoder, 4 micro-batches of varying sequence length, clipping at 0
 * a pipeline step that raised midway makes the next call raise TrainingError (its
   early-posted receives would take that call's data).
 
-Tolerances as in ``test_pipeline_3d`` (fp32): losses and global gradient norms within
-1e-6 relative per step, every parameter (tp shards gathered to the full tensor) within
-1e-6 normwise after the last step: the same sums in another order (tp partial sums, dp
-averages, the tied gradient added across stages), ~1e-7 per step. A loaded run is held
+Tolerances as in ``test_pipeline_3d`` (fp32, ``tests/tolerance.py``): losses within
+``trajectory`` of SGD's per-element steps, global gradient norms within ``gradient_from``
+it, every parameter (tp shards gathered to the full tensor) within ``per_tensor`` of it:
+the same sums in another order (tp partial sums, dp averages, the tied gradient added
+across stages). A loaded run is held
 to the same: the checkpoint carries the parameters and SGD's momentum exactly, the rest
 is the same arithmetic as the unbroken run.
 """

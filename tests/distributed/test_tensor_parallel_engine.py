@@ -14,18 +14,19 @@ of the per-rank mean losses is the global mean). One run clips the gradient at a
 the model exceeds, so the global norm (replicated parameters counted once, sharded ones
 over the tp group) decides the update.
 
-Tolerances: per-step loss within 1e-6 relative, and the final parameters
-(``engine.module_state_dict()``: unsharded, unpadded) within 1e-6 normwise over the
-whole model: fp32 sums in another order (~1e-7 per step) that AdamW's normalised update
-does not amplify over 20 steps. Per tensor, within 1e-5 relative normwise: a small
-tensor (a bias, one layer's down projection) averages fewer roundings than the whole
-model, so its relative error is noisier (measured: up to 4.6e-6, the decoder's
-``layers.0.mlp.down_proj.weight`` at tp 4). The gradient norm the engine reports (the
-global norm: replicated parameters once, shards summed over tp) within 1e-6 relative of
-``clip_grad_norm_``'s at step 0, where both see identical weights, and within 1e-5 over
-all 20 steps: from step 1 on the two runs differentiate weights that already differ by
-up to the parameter tolerance, which the gradient amplifies by the loss curvature
-(measured: up to 1.2e-6 for GPT-2 under ZeRO 3, below 5e-7 elsewhere).
+Tolerances (the suite's rule, ``tests/tolerance.py``): the two sides sum the same
+products in another order (split matmuls, the reduction over tp), so per-step losses and
+the final parameters (``engine.module_state_dict()``: unsharded, unpadded, normwise over
+the whole model) are held to ``trajectory(1e-3, 20)`` = 1.3e-5 relative (measured across
+kernels and thread counts: at most 1.4e-6, Llama's sequence classifier). Per tensor,
+``per_tensor``: a small tensor (a bias, a norm) holds few of the elements whose Adam
+update flips with the last bits of a nearly cancelling gradient, so its relative error
+fluctuates by up to ``sqrt(N / n)`` around the model's. The gradient norm the engine
+reports (the global norm: replicated parameters once, shards summed over tp) within
+``evaluation()`` of ``clip_grad_norm_``'s at step 0, where both see identical weights (one
+evaluation in another order), and within ``composed(trajectory, 2)`` over all 20 steps:
+from step 1 on the two runs differentiate weights that already differ by up to the
+parameter bound, through the forward and the backward maps.
 
 Two runs train in bf16 (sequence parallel decoder at tp 2, sequence parallel Llama at tp
 4) against the fp32 reference: loss and parameters within 2e-2 (bf16 keeps 8 mantissa
@@ -48,10 +49,14 @@ import functools
 import pytest
 
 from tests.harness import run_ranks
+from tests.tolerance import check, composed, evaluation, per_tensor, trajectory
 
 STEPS = 20
 BF16_TOL = 2e-2
 ADAMW = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+PARAMS_TOL = trajectory(ADAMW["lr"], STEPS)  # losses and the whole model, relative
+NORM0_TOL = evaluation()  # the gradient norm from identical weights
+NORM_TOL = composed(PARAMS_TOL, 2)  # the gradient norm from weights within PARAMS_TOL
 
 
 def _seq(tp: int) -> int:
@@ -121,11 +126,13 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int, extra: st
     state, noise = _without_key_biases(state)
     ref_state, ref_noise = _without_key_biases(ref_state)
     num = sum(float((state[k] - ref_state[k]).pow(2).sum()) for k in ref_state)
-    rel = {  # per tensor, for the record: small tensors' relative error is noisier
+    rel = {  # per tensor, against its own bound: small tensors' relative error is noisier
         k: float((state[k] - ref_state[k]).norm() / ref_state[k].norm().clamp_min(1e-12))
         for k in ref_state
     }
-    worst = max(rel, key=rel.get)  # (key biases are left out above)
+    numel = sum(v.numel() for v in ref_state.values())
+    bound = {k: per_tensor(PARAMS_TOL, numel, v.numel()) for k, v in ref_state.items()}
+    worst = max(rel, key=lambda k: rel[k] / bound[k])  # (key biases are left out above)
     den = sum(float(ref_state[k].pow(2).sum()) for k in ref_state)
     return {
         "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -134,7 +141,7 @@ def _engine_run(kind: str, stage: int, sp: bool, clip: float, tp: int, extra: st
         "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
         "clipped": clip > 0 and min(ref_norms) > clip,
         "worst": (worst, f"{rel[worst]:.1e}"),
-        "per_tensor": rel[worst],
+        "per_tensor": (rel[worst], bound[worst]),
         "keys": keys and shapes,
         "moved": max(float((state[k] - v).abs().max()) for k, v in _initial_kept(kind).items()),
         "key_bias_diff": max(
@@ -232,9 +239,11 @@ def test_engine_matches_one_process(world, cases):
             if case[-1] == "bf16":  # 8-bit mantissa: ~4e-3 per rounding, BF16_TOL
                 assert o["loss"] < BF16_TOL and o["params"] < BF16_TOL, (case, o)
                 continue
-            assert o["loss"] < 1e-6 and o["params"] < 1e-6, (case, o)
-            assert o["per_tensor"] < 1e-5, (case, o)
-            assert o["norm0"] < 1e-6 and o["norm"] < 1e-5, (case, o)
+            check(f"{case} loss", o["loss"], PARAMS_TOL)
+            check(f"{case} params", o["params"], PARAMS_TOL)
+            check(f"{case} worst tensor {o['worst'][0]}", *o["per_tensor"])
+            check(f"{case} norm at step 0", o["norm0"], NORM0_TOL)
+            check(f"{case} norm", o["norm"], NORM_TOL)
             assert o["moved"] > 1e-4, (case, o)  # training changed the weights
             assert o["key_bias_diff"] <= 2 * ADAMW["lr"] * STEPS, (case, o)
             tp, measured, ratio, predicted = o["memory"]

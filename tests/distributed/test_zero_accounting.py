@@ -19,6 +19,7 @@ from tests.distributed.training import (
 )
 from tests.harness import run_ranks
 from tests.tiny_models import tiny_llama_config
+from tests.tolerance import check, trajectory
 
 STAGE3 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 5000}
 
@@ -164,9 +165,10 @@ def test_offload_gather_checkpointing_tied():
     assert out["gathered"] == (True, True, True, True)
     assert out["eval"] and out["state_dict"]
     assert out["no_sync"] is not None and "gradient_accumulation_steps" in out["no_sync"]
-    for name in ("ac", "tied"):
+    for name in ("ac", "tied"):  # stage 3 against stage 0: reductions in another order
         loss_err, param_err = out[name]
-        assert loss_err <= 1e-6 and param_err <= 1e-6, f"{name}: {out[name]}"
+        check(f"{name} losses", loss_err, trajectory(1e-3, 10))
+        check(f"{name} parameters", param_err, trajectory(1e-3, 10))
 
 
 def _hf_llama():
@@ -209,4 +211,5 @@ def test_transformers_model_under_stage3():
     pytest.importorskip("transformers")
     loss_err, param_err, units = run_ranks(_hf_llama, 2)[0]
     assert units == 5  # embed_tokens, 2 decoder layers, the final norm, lm_head
-    assert loss_err <= 1e-6 and param_err <= 1e-6
+    check("losses", loss_err, trajectory(1e-3, 5))  # stage 3 against stage 0
+    check("parameters", param_err, trajectory(1e-3, 5))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from meshtrain.models import Decoder, DecoderConfig
+from tests.tolerance import normwise
 
 TINY_DECODER = DecoderConfig(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, seed=11
@@ -158,17 +159,5 @@ def engine_run(kind, steps, micro, accum, config_extra=None, lr=1e-3, frozen=(),
     return losses, engine.module_state_dict(), step_bytes, off_boundary
 
 
-def max_rel_diff(a: dict, b: dict) -> float:
-    """Normwise relative error of the whole model: ||a - b||_2 / ||b||_2 over all tensors.
-
-    Normwise, not elementwise, because Adam amplifies summation-order noise unevenly: its
-    update m / (sqrt(v) + eps) is ~lr * sign(g) early on, so an element whose gradient
-    nearly cancels can move by a visible fraction of lr when the last bits of g change.
-    Measured in one process: slicing the same batch of 32 into 4 accumulated chunks
-    instead of one moves single small tensors by up to 5e-6 (normwise) after one step,
-    while the model as a whole stays at ~2e-7.
-    """
-    assert a.keys() == b.keys()
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
-    den = sum(float(b[k].double().pow(2).sum()) for k in a)
-    return (num / max(den, 1e-300)) ** 0.5
+# Normwise, not elementwise (tests/tolerance.py says why): the name the parity tests use.
+max_rel_diff = normwise

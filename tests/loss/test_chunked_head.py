@@ -2,8 +2,12 @@
 
 Each layout runs 3 AdamW steps twice, with and without ``loss.chunked`` (chunks of 5
 tokens, so every batch is several chunks and an uneven last one), and compares losses
-and the trained weights: within 1e-6 relative (fp32; the chunked head sums the same
-products in another order). Layouts: meshtrain's Decoder on 2 ranks under ZeRO-3, the
+and the trained weights (normwise over the model) within ``trajectory(1e-2, 3)`` = 1.9e-5
+relative (``tests/tolerance.py``: the chunked head sums the same products in another
+order, and Adam at lr 1e-2 moves the weights by three updates; the Llama takes one step,
+``trajectory(1e-2, 1)`` = 7.6e-6; measured across kernels and thread counts: at most
+1.37e-6, the Llama at ``MKL_CBWR=COMPATIBLE``). The Llama's logits after its step,
+normwise, within ``composed``: 16 linear maps whose weights each agree to that bound. Layouts: meshtrain's Decoder on 2 ranks under ZeRO-3, the
 same Decoder with tensor parallelism 2 (vocab-parallel chunked loss), and a transformers
 Llama with ``num_items_in_batch`` given and without labels (the head then returns real
 logits). Pipeline parallelism and sequence parallelism are refused by name.
@@ -16,8 +20,11 @@ import torch
 
 from tests.distributed.training import global_batch, make_model, max_rel_diff
 from tests.harness import run_ranks
+from tests.tolerance import check, composed, trajectory
 
 STEPS = 3
+LR = 1e-2
+TOL = trajectory(LR, STEPS)  # the Decoder's 3 steps; the Llama takes 1 (below)
 
 
 def _decoder(config_extra: dict) -> tuple[list[float], dict]:
@@ -29,7 +36,7 @@ def _decoder(config_extra: dict) -> tuple[list[float], dict]:
     model = make_model("decoder")
     config = {
         "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "steps_per_print": 1000,
         **config_extra,
     }
@@ -58,7 +65,7 @@ def _llama() -> dict:
         model = tiny_llama(0)
         config = {
             "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
             "steps_per_print": 1000,
             "loss": {"chunked": chunked, "chunk_size": 5},
         }
@@ -106,16 +113,18 @@ def test_chunked_loss_through_the_engine():
     got = run_ranks(_all, 2)[0]
     for layout in ("zero3", "tp"):
         (plain_losses, plain_state), (losses, state) = got[layout]
-        for a, b in zip(losses, plain_losses, strict=True):
-            assert abs(a - b) <= 1e-6 * abs(b), (layout, losses, plain_losses)
-        assert max_rel_diff(state, plain_state) <= 1e-6, layout
+        for step, (a, b) in enumerate(zip(losses, plain_losses, strict=True)):
+            check(f"{layout} loss at step {step}", abs(a - b) / abs(b), TOL)
+        check(f"{layout} params", max_rel_diff(state, plain_state), TOL)
     plain, chunked = got["llama"][False], got["llama"][True]
-    assert abs(chunked[0] - plain[0]) <= 1e-6 * abs(plain[0])
-    assert max_rel_diff(chunked[1], plain[1]) <= 1e-6
+    one_step = trajectory(LR, 1)
+    check("llama loss", abs(chunked[0] - plain[0]) / abs(plain[0]), one_step)
+    check("llama params", max_rel_diff(chunked[1], plain[1]), one_step)
     # no labels: the head gives real logits (vocabulary-sized), from weights that agree
-    # to 1e-6 after the step
+    # to one_step; through the Llama's 2 x 7 block matrices, the embedding and the head
     assert chunked[2].shape == plain[2].shape == (2, 8, 64)
-    assert (chunked[2] - plain[2]).abs().max() <= 1e-5
+    logits_diff = float((chunked[2] - plain[2]).norm() / plain[2].norm())
+    check("llama logits", logits_diff, composed(one_step, 16))
     assert all(m.startswith("loss.chunked") for m in got["refused"]), got["refused"]
 
 

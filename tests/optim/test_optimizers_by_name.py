@@ -4,8 +4,11 @@ Protocol: "the same parameters and gradients". Every rank trains on the *same* r
 the data-parallel average of N identical gradients ((g + g) / 2) is g bit for bit and
 every layout sees exactly the single-process gradients. Then:
 
-* Adafactor (torch.optim.Adafactor) and Lion (bitsandbytes Lion32bit) at one process:
-  within 1e-6 (the issue's bound; measured: identical);
+* Lion (bitsandbytes Lion32bit) at one process: bit-identical; Adafactor
+  (torch.optim.Adafactor) at one process: within ``trajectory(1e-2, 6)`` (losses relative,
+  the state normwise and per tensor; ``tests/tolerance.py``: a normalised update like
+  Adam's, whose rows/columns statistics may be summed in another order; measured:
+  identical);
 * Lion and AdamW8bit under ZeRO-2 on 2 ranks, AdamW8bit also under ZeRO 1, 3 and CPU
   offload: bit-identical to the library's optimizer stepping the model's parameters in
   one process. 8-bit state is blockwise (absmax per 256 elements); meshtrain's "blocks"
@@ -13,8 +16,8 @@ every layout sees exactly the single-process gradients. Then:
   8-bit state by the whole parameter's size, so a shard steps the same blocks;
 * foreach AdamW equals torch's foreach AdamW bit for bit;
 * (their checkpoints, which are not element-wise: tests/checkpoint/test_slice_state.py)
-* Adafactor under ZeRO 1, 2 and 3 over 2 ranks: within 1e-6 of torch's Adafactor in one
-  process. Its factored statistics need each parameter whole, so the "whole" master layout
+* Adafactor under ZeRO 1, 2 and 3 over 2 ranks: within the same bound of torch's
+  Adafactor in one process. Its factored statistics need each parameter whole, so the "whole" master layout
   packs every parameter inside one rank's chunk (``zero.packing.pack_whole``); the reference
   tolerance is the one-process one (the same arithmetic per parameter, measured identical).
 """
@@ -26,6 +29,7 @@ import torch
 
 from tests.distributed.training import global_batch, make_model
 from tests.harness import run_ranks
+from tests.tolerance import check, check_weights, trajectory
 
 pytest.importorskip("bitsandbytes")
 
@@ -112,11 +116,11 @@ def _same(got, ref, exact: bool) -> None:
         assert losses == ref_losses
         for k, v in ref_state.items():
             assert torch.equal(state[k], v), k
-    else:
-        for a, b in zip(losses, ref_losses, strict=True):
-            assert abs(a - b) <= 1e-6 * abs(b)
-        for k, v in ref_state.items():
-            assert (state[k] - v).abs().max() <= 1e-6 * max(1.0, v.abs().max()), k
+    else:  # Adafactor, the only one compared with a bound
+        bound = trajectory(CASES["Adafactor"][0]["lr"], STEPS)
+        for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+            check(f"loss {step}", abs(a - b) / abs(b), bound)
+        check_weights("Adafactor", state, ref_state, bound)
 
 
 def test_each_optimizer_matches_its_library_at_one_process():

@@ -1,9 +1,11 @@
 """POST /classify on a real uvicorn server: the offline pipeline's answers, batched or not.
 
-Tolerances: the served score is compared with ``transformers.pipeline`` within 1e-5 (both
-fp32 softmax of the same logits; the pipeline's softmax is numpy, ours torch: ~1e-7
-apart). A batched text is padded to the batch's longest text with the mask set, so its
-logits differ from the text alone only by fp32 summation order: scores within 1e-6.
+Tolerances (``tests/tolerance.py``): a batched text is padded to the batch's longest text
+with the mask set, so its logits differ from the text alone only by fp32 summation order:
+scores (probabilities, at most 1) within ``evaluation()``. The served score against
+``transformers.pipeline``: both fp32 softmax of the same logits, the pipeline's in numpy,
+ours in torch (two implementations of exp and the sum, each within one evaluation):
+``2 evaluation()`` (measured ~1e-7 apart).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 from tests.serve.conftest import live_server
 from tests.serve.models import CONTEXT, LABELS, reviews
+from tests.tolerance import evaluation
 
 TEXTS = ["我觉得不错!", "房间太小，服务很差", "good", "还行吧"] + reviews(24)[::3]
 
@@ -49,9 +52,9 @@ def test_matches_pipeline_and_batching(classifier_dir, served_classifier):
     assert health == {"status": "ok", "task": "text-classification", "waiting": 0}
     for e, a, b, c in zip(expected, alone, batched, one, strict=True):
         assert a["label"] == b["label"] == c["label"] == e["label"]
-        assert a["score"] == pytest.approx(e["score"], abs=1e-5)
-        assert b["score"] == pytest.approx(a["score"], abs=1e-6)
-        assert c["score"] == pytest.approx(a["score"], abs=1e-6)
+        assert a["score"] == pytest.approx(e["score"], abs=2 * evaluation())
+        assert b["score"] == pytest.approx(a["score"], abs=evaluation())
+        assert c["score"] == pytest.approx(a["score"], abs=evaluation())
         assert a["truncated"] is b["truncated"] is False
 
 
@@ -67,4 +70,4 @@ def test_long_text_is_truncated_with_a_note(classifier_dir, served_classifier):
     cut, short = r.json()
     assert cut["truncated"] is True and short["truncated"] is False
     assert cut["label"] == expected["label"]
-    assert cut["score"] == pytest.approx(expected["score"], abs=1e-5)
+    assert cut["score"] == pytest.approx(expected["score"], abs=2 * evaluation())

@@ -6,8 +6,9 @@ engine's shards (optimizer and scheduler state, data position: ``manifest.json``
 model's logits exactly (the same fp32 tensors run the same ops), and ``meshtrain
 serve``'s loader serves the folder with the same logits; over real HTTP (uvicorn on a
 free port, as tests/serve does), ``POST /classify`` answers each text with the label and
-score of the trained model's own softmax on that text (within 1e-6: the same fp32 logits,
-one softmax each; the server tokenizes the text alone, as the reference does).
+score of the trained model's own softmax on that text (within ``evaluation()``,
+``tests/tolerance.py``: the same fp32 logits, one softmax each, possibly in another
+batch; the server tokenizes the text alone, as the reference does).
 
 One rank, forked (the test process never holds a process group)."""
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.tolerance import evaluation
 
 HTTP_TEXTS = ["房间太小，服务很差", "我觉得不错!", "good", "还行吧"]
 
@@ -117,5 +119,5 @@ def test_meshtrain_serve_answers_from_a_checkpoint_folder_over_http(trained):
     assert "checkpoint-4" in info["source"] and info["task"] == "text-classification", info
     for (label, score), a, b in zip(got["direct"], alone, listed, strict=True):
         assert a["label"] == b["label"] == label, (a, b, label)
-        assert a["score"] == pytest.approx(score, abs=1e-6)
-        assert b["score"] == pytest.approx(score, abs=1e-6)
+        assert a["score"] == pytest.approx(score, abs=evaluation())  # probabilities <= 1
+        assert b["score"] == pytest.approx(score, abs=evaluation())

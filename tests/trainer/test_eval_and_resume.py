@@ -2,7 +2,9 @@
 
 * predict() on 2 ranks returns exactly the 101 dataset rows in order (no duplicated
   padding row on the odd tail): equal to the trained model applied to the whole dataset
-  on one process, within 1e-6 (the same fp32 ops on the same rows; batches differ).
+  on one process, within ``evaluation()`` of the largest logit, elementwise
+  (``tests/tolerance.py``: the same fp32 ops on the same rows; batches differ, so GEMMs
+  block their sums differently).
 * Seed 003's override with the old signature (no num_items_in_batch) trains and
   evaluates a model whose forward takes no labels; a new-signature override receives
   num_items_in_batch = the label items of the whole window over both ranks.
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import run_ranks
+from tests.tolerance import check, evaluation
 from tests.trainer.common import BasicNet, train_lm, xy_collate, xy_rows
 
 
@@ -85,7 +88,8 @@ def test_predict_gathers_exact_rows_and_both_signatures(tmp_path):
             assert step == 4  # 64 rows / (8 x 2) per step
             assert preds.shape == (101, 4)
             np.testing.assert_array_equal(label_ids, labels)
-            np.testing.assert_allclose(preds, direct, atol=1e-6, rtol=0)
+            scale = float(np.abs(direct).max())
+            check("predictions", float(np.abs(preds - direct).max()), evaluation() * scale)
             assert set(metrics) >= {"eval_loss", "eval_accuracy", "eval_runtime"}
             acc = float((direct.argmax(-1) == labels).mean())
             assert metrics["eval_accuracy"] == acc

@@ -2,8 +2,9 @@
 ``meshtrain launch``) train exactly as one process at cp 1 on the same rows.
 
 Short rows (256 tokens) and 3 steps keep it quick; the example's default is 8k. The
-per-step losses agree within 1e-5 relative (fp32; the Trainer's logged loss is rounded
-to 4 decimals, so that is the resolution compared).
+per-step losses agree within ``trajectory(1e-3, 3)`` relative (``tests/tolerance.py``;
+fp32, cp sums in another order) plus the resolution of the Trainer's logged loss, which is
+rounded to 4 decimals: two rounded values differ by up to 1e-4 more than the values.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.tolerance import check, trajectory
+
+LOGGED_RESOLUTION = 1e-4  # two values rounded to 4 decimals differ by this much more
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "long_context_sft.py"
 
 
@@ -37,8 +41,8 @@ def test_long_context_example_cp2_equals_one_process(tmp_path):
     one, two = _run(tmp_path, 1), _run(tmp_path, 2)
     assert two["cp"] == 2 and two["method"] == "ring"
     assert len(two["losses"]) == 3
-    for a, b in zip(two["losses"], one["losses"], strict=True):
-        assert abs(a - b) <= 1e-4 + 1e-5 * abs(b), (two["losses"], one["losses"])
+    for step, (a, b) in enumerate(zip(two["losses"], one["losses"], strict=True)):
+        check(f"loss {step}", abs(a - b), LOGGED_RESOLUTION + trajectory(1e-3, 3) * abs(b))
     # packed rows hold no padding; one document per padded row would need more tokens
     assert two["real_token_fraction"] == 1.0
     assert two["padded_batch_tokens_for_same_documents"] > two["packed_tokens_for_same_documents"]

@@ -14,9 +14,13 @@ Tiny transformers Llama (GQA, sdpa, fp32, no dropout) on 32 documents of 3..12 t
 * meshtrain's Decoder on ``PackedDataset`` rows (fixed 24-token rows, padded tails) at
   dp 2 and at pp 2 against one process on the same rows.
 
-Every logged loss within 1e-6 of the reference and the weights within 1e-5 (fp32: the
-same per-token sums in another order and blocking, ~1e-7 relative; Adam's 1/sqrt(v)
-enlarges ~1e-7 gradient differences on near-zero entries, as in test_parity.py). The loss
+Every logged loss and the weights (normwise over the model, and each tensor within
+``per_tensor`` of that) within ``trajectory`` of the run's learning rates (1e-2 decaying
+linearly over 4 steps: 1.6e-5 relative; ``tests/tolerance.py``): the same per-token sums
+in another order and blocking, which Adam's normalised update carries into the weights.
+Not elementwise: Adam's 1/sqrt(v) turns ~1e-7 gradient differences on near-zero entries
+into updates that differ by a visible fraction of lr (measured across kernels: up to
+6.0e-6 absolute on single elements, while the model agrees to 7.8e-7). The loss
 of a step is the sum over its label items divided by their count over every rank
 (``num_items_in_batch``): packing drops the padding and adds one -100 per document, so
 the counts are the same as padded rows'.
@@ -26,9 +30,15 @@ from __future__ import annotations
 
 import torch
 
+from tests.distributed.training import max_rel_diff
 from tests.harness import run_ranks
+from tests.tolerance import check, per_tensor, trajectory
 
 N_DOCS = 32
+STEPS = 4
+LR = 1e-2
+RATES = [LR * (1 - step / STEPS) for step in range(STEPS)]  # transformers' linear decay
+TOL = trajectory(RATES)
 
 
 def _docs():
@@ -67,7 +77,7 @@ def _train(out, collator, per_device, accumulation=1, model="llama", data=None, 
                                     max_seq_len=32, seed=5))  # fmt: skip
     args = TrainingArguments(
         out, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
-        max_steps=4, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+        max_steps=STEPS, learning_rate=LR, logging_steps=1, save_strategy="no",
         disable_tqdm=True, **kw,
     )  # fmt: skip
     trainer = Trainer(net, args, train_dataset=data or _docs(), data_collator=collator)
@@ -109,27 +119,32 @@ def _two_processes(tmp):
     return flat, free, pp, rows, pp_rows
 
 
-def _close(a, b, tol):
-    assert len(a) == len(b) == 4, (a, b)
-    worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
-    assert worst <= tol, (worst, a, b)
+def _close(what, a, b):
+    assert len(a) == len(b) == STEPS, (a, b)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        check(f"{what} loss at step {step}", abs(x - y) / abs(x), TOL)
 
 
-def _weights_close(a, b, tol=1e-5):
+def _weights_close(what, a, b):
+    assert a.keys() == b.keys()
+    check(f"{what} weights", max_rel_diff(b, a), TOL)
+    numel = sum(v.numel() for v in a.values())
     for k, v in a.items():
-        assert torch.allclose(v, b[k], atol=tol, rtol=0), k
+        rel = float((v - b[k]).norm() / v.norm())
+        check(f"{what} {k}", rel, per_tensor(TOL, numel, v.numel()))
 
 
 def test_packed_trainer_equals_padded_rows_on_one_and_two_processes(tmp_path):
     ((padded, flat, rows, n_rows),) = run_ranks(_one_process, 1, str(tmp_path))
     (dp_flat, dp_free, pp, dp_rows, pp_rows), _ = run_ranks(_two_processes, 2, str(tmp_path))
     assert n_rows == 12  # 4 rows a step: the fourth step starts the second epoch
-    for losses, weights in (flat, dp_flat, dp_free, pp):
-        _close(padded[0], losses, 1e-6)
-        _weights_close(padded[1], weights)
-    for losses, weights in (dp_rows, pp_rows):
-        _close(rows[0], losses, 1e-6)
-        _weights_close(rows[1], weights)
+    runs = {"flat": flat, "dp_flat": dp_flat, "dp_free": dp_free, "pp": pp}
+    for what, (losses, weights) in runs.items():
+        _close(what, padded[0], losses)
+        _weights_close(what, padded[1], weights)
+    for what, (losses, weights) in {"dp_rows": dp_rows, "pp_rows": pp_rows}.items():
+        _close(what, rows[0], losses)
+        _weights_close(what, rows[1], weights)
     from tests.tiny_models import tiny_llama
 
     start = tiny_llama(seed=3).state_dict()

@@ -7,7 +7,8 @@ writing rank alone is a gather on one rank, which hung. Every rank now computes 
 embeddings together from whole weights, and rank 0 writes them. Asserted: neither save
 hangs (the harness's timeout), both folders hold the adapter only, and
 ``PeftModel.from_pretrained`` on the base model gives the trained model's logits (within
-1e-6: the same fp32 weights run the same ops).
+``evaluation()`` of the largest logit, ``tests/tolerance.py``: the same fp32 weights, the
+prompt embeddings computed once more in another batch).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.tolerance import check, evaluation
 
 pytest.importorskip("peft")
 
@@ -91,4 +93,5 @@ def test_prompt_learning_saves_under_zero3(method, tmp_path):
         reloaded = peft.PeftModel.from_pretrained(tiny_llama(0), folder).eval()
         with torch.no_grad():
             logits = reloaded(input_ids=_ids(99, 2)).logits
-        assert (logits - got["logits"]).abs().max() <= 1e-6, folder
+        bound = evaluation() * float(got["logits"].abs().max())
+        check(f"{folder} logits", float((logits - got["logits"]).abs().max()), bound)

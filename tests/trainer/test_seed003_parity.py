@@ -12,10 +12,10 @@ default learning rate its model is further along. Given the same run -- transfor
 really data-parallel (``use_cpu=True``), the same global batch and step count -- the
 two agree.
 
-Tolerance: 1e-5 relative on the eval loss. Both deal the seed-42 permutation to the
-ranks the same way here, so the runs see the same batches; what differs is the order of
-fp32 sums (gradient all-reduce, loss weighting), measured at 8e-8 relative on this test
-(1.1659591 both).
+Tolerance: the eval loss within ``trajectory(1e-2, steps)`` relative
+(``tests/tolerance.py``). Both deal the seed-42 permutation to the ranks the same way here,
+so the runs see the same batches; what differs is the order of fp32 sums (gradient
+all-reduce, loss weighting), measured at 8e-8 relative on this test (1.1659591 both).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import run_ranks
+from tests.tolerance import check, trajectory
 from tests.trainer.common import BasicNet, xy_collate, xy_rows
 
 
@@ -86,4 +87,6 @@ def test_seed003_trainer_agrees_with_transformers_data_parallel():
     assert default["steps"] == 2 * mesh["steps"] == 2 * 512 // (16 * 2)
     # the same run agrees
     assert ddp["steps"] == mesh["steps"] == 16
-    assert abs(mesh["eval_loss"] - ddp["eval_loss"]) <= 1e-5 * ddp["eval_loss"], out
+    rates = [1e-2 * (1 - step / 16) for step in range(16)]  # 16 steps, linear decay
+    diff = abs(mesh["eval_loss"] - ddp["eval_loss"]) / ddp["eval_loss"]
+    check("eval loss against transformers' DDP", diff, trajectory(rates))

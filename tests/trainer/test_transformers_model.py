@@ -10,9 +10,13 @@ The tp 2 run has one data-parallel rank, so it reads 8 rows per device where ZeR
 reads 4 on each of 2 ranks: the same rows per step (the loader deals rows to ranks in
 turn), and the loss is normalised by the step's label items either way.
 
-Tolerances: logged losses within 1e-6 (fp32, dropout off; ZeRO-3 reduce-scatters where
-stage 0 all-reduces: the same sums in another order); weights within 1e-5 (AdamW's
-division by sqrt(v) enlarges ~1e-7 gradient differences on near-zero entries).
+Tolerances (``tests/tolerance.py``): logged losses, eval losses and the weights (normwise,
+each tensor within ``per_tensor``) within ``trajectory`` of the run's learning rates
+(5e-3 decaying linearly over 8 steps; fp32, dropout off; ZeRO-3 reduce-scatters where
+stage 0 all-reduces: the same sums in another order, which AdamW's division by sqrt(v)
+carries into the weights); the attention key biases, whose exact gradient is zero, within
+``2 sum(lr)`` elementwise (``check_weights``' ``noise``). The best checkpoint's logits against the user's model, which
+holds the same weights: ``evaluation()``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from tests.harness import run_ranks
+from tests.tolerance import check, check_weights, evaluation, relative, trajectory
 
 CHARS = list("我觉得不错很好差评酒店服务房间干净价格便宜太贵了失望推荐满意")
 REVIEWS = [
@@ -118,12 +123,26 @@ def _run(tmp: str):
         batch.pop("labels")
         with torch.no_grad():
             mine = model(**batch).logits
-            same = torch.allclose(exported(**batch).logits, mine, atol=1e-5)
+            same = relative(exported(**batch).logits, mine) <= evaluation()
             same = same and torch.equal(final(**batch).logits, mine)
         same = same and os.path.isfile(f"{tmp}/final{stage}/training_args.json")
         out[stage] = (losses, weights, metrics, answer, kept, best, same and plain)
         out[f"one_row_{stage}"] = one_row.metrics["eval_loss"]
     return out
+
+
+STEPS = 8  # logged steps: 2 epochs, 8 rows a step
+RATES = [5e-3 * (1 - step / STEPS) for step in range(STEPS)]  # linear decay
+TOL = trajectory(RATES)
+# BERT's attention key biases have an exactly zero gradient (softmax ignores a shift of
+# every score): trained on rounding noise only (tests/tolerance.check_weights)
+KEY_BIAS = ("attention.self.key.bias",)
+
+
+def _losses(got: list, want: list, what: str) -> None:
+    assert len(got) == len(want), (what, got, want)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        check(f"{what} {step}", abs(a - b) / abs(b), TOL)
 
 
 def test_zero3_bert_pipeline_and_exports(tmp_path):
@@ -133,14 +152,14 @@ def test_zero3_bert_pipeline_and_exports(tmp_path):
             out[0],
             out[3],
         )
-        assert len(l0) == 8 and max(abs(a - b) for a, b in zip(l0, l3, strict=True)) <= 1e-6
-        for k in w0:
-            assert torch.allclose(w0[k], w3[k], atol=1e-5, rtol=0), k
-        assert abs(m0["eval_loss"] - m3["eval_loss"]) <= 1e-5
+        assert len(l0) == STEPS
+        _losses(l3, l0, "stage 3")
+        assert sorted(w3) == sorted(w0)
+        check_weights("stage 3", w3, w0, TOL, noise=KEY_BIAS, lr_sum=sum(RATES))
+        _losses([m3["eval_loss"]], [m0["eval_loss"]], "stage 3 eval")
         # a one-row evaluation at step 1 (rank 1 evaluates nothing; under ZeRO-3 it still
         # runs the forward's collectives, on row 0)
-        assert abs(out["one_row_0"] - out["one_row_3"]) <= 1e-5
-        assert abs(out["one_row_0"] - out["one_row_tp"]) <= 1e-5
+        _losses([out["one_row_3"], out["one_row_tp"]], [out["one_row_0"]] * 2, "one-row eval")
         assert a0[0]["label"] in ("差评!", "好评!") and a3[0]["label"] == a0[0]["label"]
         # 2 epochs, limit 1: the best (with load_best_model_at_end) and the newest survive
         assert best0.endswith(kept0[0]) or best0.endswith(kept0[-1])
@@ -148,10 +167,10 @@ def test_zero3_bert_pipeline_and_exports(tmp_path):
         # tensor parallel (tp 2, dp 1, 8 rows per device: the same rows per step as
         # stage 0's 2 x 4) equals stage 0; the user's model is whole and plain again
         lt, wt, mt, at, _kept, _best, same_t = out["tp"]
-        assert max(abs(a - b) for a, b in zip(l0, lt, strict=True)) <= 1e-6
-        for k in w0:
-            assert wt[k].shape == w0[k].shape and torch.allclose(w0[k], wt[k], atol=1e-5), k
-        assert abs(m0["eval_loss"] - mt["eval_loss"]) <= 1e-5
+        _losses(lt, l0, "tp")
+        assert sorted(wt) == sorted(w0)
+        check_weights("tp", wt, w0, TOL, noise=KEY_BIAS, lr_sum=sum(RATES))
+        _losses([mt["eval_loss"]], [m0["eval_loss"]], "tp eval")
         assert at[0]["label"] == a0[0]["label"] and same_t
     # every rank holds the same full weights
     for stage in (3, "tp"):
