@@ -107,7 +107,9 @@ def run_rank(
     d = job.data
 
     def corpus():
-        return prepare_corpus(d.corpus, d.tokenizer, d.seq_len, d.min_char_count, out / "data")
+        return prepare_corpus(
+            d.corpus, d.tokenizer, d.seq_len, d.min_char_count, out / "data", d.heldout_fraction
+        )
 
     data = corpus() if rank == 0 else None
     if env.world_size > 1:
