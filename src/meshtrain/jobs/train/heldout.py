@@ -80,7 +80,7 @@ class HeldOut:
         finally:
             _give_back(module, saved)
         if ranks > 1:
-            everyone = torch.empty(ranks * forwards, 2, dtype=torch.float64, device=device)
+            everyone = torch.empty(ranks * forwards * 2, dtype=torch.float64, device=device)
             comm.all_gather(everyone, table.reshape(-1), group, label="control")
             everyone = everyone.view(ranks, forwards, 2)
         else:

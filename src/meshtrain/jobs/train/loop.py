@@ -317,7 +317,7 @@ def _finish(engine, rank, out, start, max_steps, n_params, job, tag, t0, run_log
         n_params=n_params,
         model_line=model_line,
         outputs=outputs,
-        samples=ending["samples"],
+        sample=ending["samples"],
         serve_dir=None if ending["serve"] is None else str(out),
         serve_note=ending["serve_note"],
     )

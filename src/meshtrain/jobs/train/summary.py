@@ -121,14 +121,14 @@ def build_summary(
     n_params: int,
     model_line: str,
     outputs: list[str],
-    samples: dict[str, str] | None = None,
+    sample: dict[str, str] | None = None,
     serve_dir: str | None = None,
     serve_note: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The text printed at the end of a run, and the same facts as a dict (summary.json).
 
     ``history`` is every metrics row of the output directory (earlier runs included),
-    ``this_run`` the rows of this run. ``samples``: the generated text
+    ``this_run`` the rows of this run. ``sample``: the generated text
     (``jobs.train.sample.samples``); ``serve_dir``: the output folder ``meshtrain serve``
     takes (the last line), or None with ``serve_note`` saying why not.
     """
@@ -202,11 +202,11 @@ def build_summary(
             f"token all-to-all {_mb(moe['all_to_all_bytes'])} per step"
         )
     lines.append("  outputs     " + "\n              ".join(outputs))
-    if samples is not None:
-        lines.append(f"  sample      prompt (held-out text): {samples['prompt']}")
-        lines.append(f"              greedy:  {samples['prompt']}[{samples['greedy']}]")
+    if sample is not None:
+        lines.append(f"  sample      prompt (held-out text): {sample['prompt']}")
+        lines.append(f"              greedy:  {sample['prompt']}[{sample['greedy']}]")
         lines.append(
-            f"              sampled: {samples['prompt']}[{samples['sampled']}] ({samples['how']})"
+            f"              sampled: {sample['prompt']}[{sample['sampled']}] ({sample['how']})"
         )
     if serve_dir is not None:
         lines.append(f"  serve       meshtrain serve {shlex.quote(serve_dir)}")
@@ -237,7 +237,7 @@ def build_summary(
         "memory": _plain(report),
         "heldout_first": _eval_facts(evals[0]) if evals else None,
         "heldout_last": _eval_facts(evals[-1]) if evals else None,
-        "samples": samples,
+        "sample": sample,
         "serve_command": None if serve_dir is None else f"meshtrain serve {shlex.quote(serve_dir)}",
         "serve_note": serve_note,
     }
