@@ -177,7 +177,7 @@ def run_rank(
             shutdown_distributed()
         raise
     run_log = trainer.run_log_rows
-    ending = _ending(rank, model, data, resolved, out, heldout is not None)
+    ending = _ending(rank, model, data, resolved, out, heldout is not None, engine.topology)
     facts = _finish(
         engine, rank, out, start, max_steps, n_params, resolved, tag, t0, run_log, ending
     )
@@ -206,10 +206,12 @@ def _heldout(d, data, engine, trainer, job: JobConfig):
     return heldout, None
 
 
-def _ending(rank: int, model, data, job: JobConfig, out: Path, evaluated: bool) -> dict:
+def _ending(rank: int, model, data, job: JobConfig, out: Path, evaluated: bool, topo) -> dict:
     """Rank 0, after training: the samples and the serving export (``facts`` keys
     ``samples``, ``serve``, ``serve_note``). The user's model holds the whole trained
-    weights on every rank by now (the Trainer's end of training)."""
+    weights on every rank by now (the Trainer's end of training), except the experts of
+    a MoE model under expert parallelism, which stay split over the ep ranks: a forward
+    is then a collective, which rank 0 alone cannot run, so there is no sample."""
     ending: dict[str, Any] = {"samples": None, "serve": None, "serve_note": None}
     if rank != 0:
         return ending
@@ -217,7 +219,13 @@ def _ending(rank: int, model, data, job: JobConfig, out: Path, evaluated: bool) 
     from meshtrain.jobs.train.serving_export import export_for_serving, why_not_exportable
 
     tok = data.tokenizer
-    if evaluated and job.train.sample_tokens and hasattr(tok, "eos_id"):
+    if topo.ep_size > 1:
+        print(
+            f"note: no sample under mesh.expert_parallel_size={topo.ep_size} (the experts "
+            "stay split over the ranks; generation runs on rank 0 alone)",
+            flush=True,
+        )
+    elif evaluated and job.train.sample_tokens and hasattr(tok, "eos_id"):
         prompt = prompt_text(data.heldout_prompt)
         ending["samples"] = samples(model, tok, prompt, job.train.sample_tokens, job.model.seed)
     why = why_not_exportable(model.config, tok)
