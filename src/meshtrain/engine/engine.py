@@ -205,15 +205,11 @@ class Engine(EngineQueries):
 
     @contextmanager
     def between_steps(self):
-        """Work between two optimizer steps that is not training (a held-out evaluation):
-        its wall time and the bytes its forwards move (ZeRO-3 gathers, tensor- and
-        expert-parallel activations) are kept out of the next step's ``seconds``,
-        tokens/s and ``comm``, which are measured from the end of the previous step."""
-        try:
-            yield
-        finally:
-            self._comm_mark = self.topology.stats.snapshot()
-            self.log.restart_clock()
+        """Work between optimizer steps that is not training (an evaluation): its time and
+        bytes stay out of the next step's seconds, tokens/s and comm."""
+        yield
+        self._comm_mark = self.topology.stats.snapshot()
+        self.log.restart_clock()
 
     def shorten_window(self, micro_batches: int) -> None:
         """Make the coming accumulation window ``micro_batches`` long (fewer than

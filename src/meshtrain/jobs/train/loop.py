@@ -8,6 +8,12 @@ corpus (a cached no-op when the launching process already did) while the others 
 the job also works when started directly by ``torchrun -m meshtrain train`` or
 ``meshtrain launch -m meshtrain train`` (several nodes need a shared output directory).
 
+The held-out split (``jobs.train.heldout``) is evaluated by a Trainer callback every
+``train.eval_interval`` steps and at the last step. After training, rank 0 writes the
+sample (``jobs.train.sample``) and the serving export (``jobs.train.serving_export``)
+from the user's model object, which by then holds the whole trained weights on every
+rank; the summary's last line is the ``meshtrain serve`` command for the output folder.
+
 Checkpoints go to ``<output_dir>/checkpoints/global_step<N>`` (the Trainer saves through
 ``engine.save_checkpoint``, which also records the position of its data loader), so a
 resumed run continues with the next unseen batch. A run finds
