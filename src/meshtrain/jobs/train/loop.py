@@ -231,7 +231,7 @@ def _ending(rank: int, model, data, job: JobConfig, out: Path, evaluated: bool, 
             "stay split over the ranks; generation runs on rank 0 alone)",
             flush=True,
         )
-    elif evaluated and job.train.sample_tokens and hasattr(tok, "eos_id"):
+    elif evaluated and job.train.sample_tokens and getattr(tok, "eos_id", None) is not None:
         prompt = prompt_text(data.heldout_prompt)
         ending["samples"] = samples(model, tok, prompt, job.train.sample_tokens, job.model.seed)
     why = why_not_exportable(model.config, tok)
