@@ -133,6 +133,8 @@ def test_heldout_loss_is_reported_falls_and_equals_one_process_evaluation(first_
     assert last["eval_perplexity"] == pytest.approx(math.exp(last["eval_loss"]), rel=1e-12)
     assert last["eval_tokens"] == last["eval_rows"] * 31  # seq_len 32: 31 labels per row
     assert "'eval_loss': " in run.stderr  # transformers' eval line
+    # the evaluation's all-gather (after steps 2 and 4) is not counted as step 3's comm
+    assert len({r["comm_bytes"] for r in metrics(out)}) == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["heldout_last"]["loss"] == last["eval_loss"]
     assert summary["heldout_first"]["step"] == 2
