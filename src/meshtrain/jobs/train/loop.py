@@ -8,6 +8,12 @@ corpus (a cached no-op when the launching process already did) while the others 
 the job also works when started directly by ``torchrun -m meshtrain train`` or
 ``meshtrain launch -m meshtrain train`` (several nodes need a shared output directory).
 
+The held-out split (``jobs.train.heldout``) is evaluated by a Trainer callback every
+``train.eval_interval`` steps and at the last step. After training, rank 0 writes the
+sample (``jobs.train.sample``) and the serving export (``jobs.train.serving_export``)
+from the user's model object, which by then holds the whole trained weights on every
+rank; the summary's last line is the ``meshtrain serve`` command for the output folder.
+
 Checkpoints go to ``<output_dir>/checkpoints/global_step<N>`` (the Trainer saves through
 ``engine.save_checkpoint``, which also records the position of its data loader), so a
 resumed run continues with the next unseen batch. A run finds
@@ -107,7 +113,9 @@ def run_rank(
     d = job.data
 
     def corpus():
-        return prepare_corpus(d.corpus, d.tokenizer, d.seq_len, d.min_char_count, out / "data")
+        return prepare_corpus(
+            d.corpus, d.tokenizer, d.seq_len, d.min_char_count, out / "data", d.heldout_fraction
+        )
 
     data = corpus() if rank == 0 else None
     if env.world_size > 1:
@@ -152,6 +160,9 @@ def run_rank(
         )
     trainer = _trainer(resolved, resolved_dict, model, dataset, collate, out, progress)
     engine = trainer.prepare_engine()
+    heldout, no_heldout = _heldout(d, data, engine, trainer, resolved)
+    if no_heldout:
+        _say(rank, f"note: {no_heldout}")
     if tag is not None:
         # the engine restores the model, optimizer, schedule, loss scale, RNG and the
         # data position (the next unseen batch)
@@ -172,10 +183,62 @@ def run_rank(
             shutdown_distributed()
         raise
     run_log = trainer.run_log_rows
-    facts = _finish(engine, rank, out, start, max_steps, n_params, resolved, tag, t0, run_log)
+    ending = _ending(rank, model, data, resolved, out, heldout is not None, engine.topology)
+    facts = _finish(
+        engine, rank, out, start, max_steps, n_params, resolved, tag, t0, run_log, ending
+    )
     if owns_group:
         shutdown_distributed()
     return facts
+
+
+def _heldout(d, data, engine, trainer, job: JobConfig):
+    """(the HeldOut split the Trainer now evaluates, None) or (None, why there is none)."""
+    from meshtrain.jobs.train.heldout import HeldOut
+    from meshtrain.jobs.train.heldout_callback import HeldOutCallback
+
+    if data.heldout_store is None:
+        return None, None  # data.heldout_fraction=0: the corpus line says so
+    topo = engine.topology
+    for size, key in ((topo.pp_size, "pipeline"), (topo.cp_size, "context")):
+        if size > 1:
+            return None, (
+                f"no held-out evaluation or sample under mesh.{key}_parallel_size={size} "
+                "(not built yet: the evaluation calls the whole model on each rank)"
+            )
+    rows, collate = _dataset(d, data.heldout_store)
+    heldout = HeldOut(rows, collate, engine.config.train_micro_batch_size_per_gpu)
+    trainer.add_callback(HeldOutCallback(heldout, job.train.eval_interval, trainer.log))
+    return heldout, None
+
+
+def _ending(rank: int, model, data, job: JobConfig, out: Path, evaluated: bool, topo) -> dict:
+    """Rank 0, after training: the samples and the serving export (``facts`` keys
+    ``samples``, ``serve``, ``serve_note``). The user's model holds the whole trained
+    weights on every rank by now (the Trainer's end of training), except the experts of
+    a MoE model under expert parallelism, which stay split over the ep ranks: a forward
+    is then a collective, which rank 0 alone cannot run, so there is no sample."""
+    ending: dict[str, Any] = {"samples": None, "serve": None, "serve_note": None}
+    if rank != 0:
+        return ending
+    from meshtrain.jobs.train.sample import prompt_text, samples
+    from meshtrain.jobs.train.serving_export import export_for_serving, why_not_exportable
+
+    tok = data.tokenizer
+    if topo.ep_size > 1:
+        print(
+            f"note: no sample under mesh.expert_parallel_size={topo.ep_size} (the experts "
+            "stay split over the ranks; generation runs on rank 0 alone)",
+            flush=True,
+        )
+    elif evaluated and job.train.sample_tokens and getattr(tok, "eos_id", None) is not None:
+        prompt = prompt_text(data.heldout_prompt)
+        ending["samples"] = samples(model, tok, prompt, job.train.sample_tokens, job.model.seed)
+    why = why_not_exportable(model.config, tok)
+    if why is None:
+        ending["serve"] = str(export_for_serving(model, tok, out))
+    ending["serve_note"] = why
+    return ending
 
 
 def _dataset(data_section, store: str):
@@ -230,14 +293,15 @@ def _tensorboard_dir(job: JobConfig, out: Path) -> Path | None:
     return Path(tb.output_path or out / "tensorboard") / tb.job_name
 
 
-def _finish(engine, rank, out, start, max_steps, n_params, job, tag, t0, run_log):
+def _finish(engine, rank, out, start, max_steps, n_params, job, tag, t0, run_log, ending):
     """Rank 0: the plot, summary.json and the closing summary."""
     if rank != 0:
         return None
     import json
 
+    from meshtrain.jobs.train.plot import plot_run
     from meshtrain.jobs.train.summary import build_summary
-    from meshtrain.trainer.run_log import METRICS, PLOT, plot_loss, read_metrics
+    from meshtrain.trainer.run_log import METRICS, PLOT, read_metrics
 
     m = job.model
     model_line = (
@@ -250,11 +314,13 @@ def _finish(engine, rank, out, start, max_steps, n_params, job, tag, t0, run_log
     title = (
         f"meshtrain train: {model_line}; ZeRO-{engine.zero_stage}, {engine.topology.dp_size} ranks"
     )
-    if plot_loss(out / METRICS, out / PLOT, title, resumed_at=start):
+    if plot_run(out / METRICS, out / PLOT, title, resumed_at=start):
         outputs.append(str(out / PLOT))
     else:
         outputs.append('(no loss.png: matplotlib missing; pip install "meshtrain[examples]")')
     outputs.append(str(out / CHECKPOINTS / f"global_step{engine.global_steps}"))
+    if ending["serve"] is not None:
+        outputs.append(f"{ending['serve']} (the model as a transformers folder, for serving)")
     text, facts = build_summary(
         engine,
         history=read_metrics(out / METRICS),
@@ -265,6 +331,9 @@ def _finish(engine, rank, out, start, max_steps, n_params, job, tag, t0, run_log
         n_params=n_params,
         model_line=model_line,
         outputs=outputs,
+        sample=ending["samples"],
+        serve_dir=None if ending["serve"] is None else str(out),
+        serve_note=ending["serve_note"],
     )
     facts["resumed_from"] = tag
     (out / SUMMARY).write_text(json.dumps(facts, indent=2, default=str), encoding="utf-8")

@@ -196,7 +196,9 @@ def _prepare(job_dict: dict[str, Any]) -> tuple[dict[str, Any], int, Path]:
     check_engine_config(resolve_job_autos(job_dict, gpu=gpus > 0, vocab_size=None), nproc)
     out = Path(job.train.output_dir)
     d = job.data
-    data = prepare_corpus(d.corpus, d.tokenizer, d.seq_len, d.min_char_count, out / "data")
+    data = prepare_corpus(
+        d.corpus, d.tokenizer, d.seq_len, d.min_char_count, out / "data", d.heldout_fraction
+    )
     print(f"data: {data.description}", flush=True)
     resolved = resolve_job_autos(job_dict, gpu=gpus > 0, vocab_size=data.vocab_size)
     resolved["train"]["nproc"] = nproc

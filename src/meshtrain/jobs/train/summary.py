@@ -1,4 +1,9 @@
-"""The closing summary of ``meshtrain train``: loss, throughput, memory and bytes vs theory.
+"""The closing summary of ``meshtrain train``: training and held-out loss, throughput, memory
+and bytes vs theory, the generated sample, and last the command that serves the run.
+
+The held-out line reads the ``eval_*`` rows of ``metrics.jsonl`` (``jobs.train.heldout``:
+a token-weighted mean over every rank): the last evaluation, and the first one for how
+far it fell.
 
 Communication theory per optimizer step, from the engine's own flat buffers (see
 ``meshtrain.parallel.zero.plan`` for the derivation). ``P`` is the bytes of a group's padded
@@ -28,6 +33,7 @@ measured bytes.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
@@ -82,6 +88,17 @@ def _duration(seconds: float) -> str:
     return f"{h}h {m:02d}m {s:02d}s" if h else (f"{m}m {s:02d}s" if m else f"{s}s")
 
 
+def _eval_facts(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics.jsonl evaluation row as summary.json keeps it."""
+    return {
+        "step": row["step"],
+        "loss": row["eval_loss"],
+        "perplexity": row.get("eval_perplexity"),
+        "tokens": int(row.get("eval_tokens") or 0),
+        "rows": int(row.get("eval_rows") or 0),
+    }
+
+
 def _plain(obj: Any) -> Any:
     """A JSON-safe view of a memory report (a dataclass, or whatever the engine returns)."""
     if is_dataclass(obj):
@@ -104,13 +121,19 @@ def build_summary(
     n_params: int,
     model_line: str,
     outputs: list[str],
+    sample: dict[str, str] | None = None,
+    serve_dir: str | None = None,
+    serve_note: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The text printed at the end of a run, and the same facts as a dict (summary.json).
 
     ``history`` is every metrics row of the output directory (earlier runs included),
-    ``this_run`` the rows of this run.
+    ``this_run`` the rows of this run. ``sample``: the generated text
+    (``jobs.train.sample.samples``); ``serve_dir``: the output folder ``meshtrain serve``
+    takes (the last line), or None with ``serve_note`` saying why not.
     """
     losses = [r for r in history if r.get("loss") is not None]
+    evals = [r for r in history if r.get("eval_loss") is not None]
     first, last = (losses[0], losses[-1]) if losses else (None, None)
     tail = [r["loss"] for r in losses[-10:]]
     # throughput over this run's steps after the first (which includes warm-up work)
@@ -134,6 +157,19 @@ def build_summary(
         lines.append(
             f"  loss        {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} "
             f"at step {last['step']} (mean of the last {len(tail)}: {sum(tail) / len(tail):.4f})"
+        )
+    if evals:
+        e0, e1 = evals[0], evals[-1]
+        lines.append(
+            f"  held-out    loss {e1['eval_loss']:.4f}, perplexity {e1['eval_perplexity']:,.1f} "
+            f"at step {e1['step']} (token-weighted over {int(e1['eval_tokens']):,} tokens of "
+            f"{int(e1['eval_rows']):,} rows never trained on)"
+            + (
+                f"; {e0['eval_loss']:.4f} (perplexity {e0['eval_perplexity']:,.1f}) at step "
+                f"{e0['step']}"
+                if len(evals) > 1
+                else ""
+            )
         )
     if timed:
         lines.append(
@@ -166,6 +202,16 @@ def build_summary(
             f"token all-to-all {_mb(moe['all_to_all_bytes'])} per step"
         )
     lines.append("  outputs     " + "\n              ".join(outputs))
+    if sample is not None:
+        lines.append(f"  sample      prompt (held-out text): {sample['prompt']}")
+        lines.append(f"              greedy:  {sample['prompt']}[{sample['greedy']}]")
+        lines.append(
+            f"              sampled: {sample['prompt']}[{sample['sampled']}] ({sample['how']})"
+        )
+    if serve_dir is not None:
+        lines.append(f"  serve       meshtrain serve {shlex.quote(serve_dir)}")
+    elif serve_note:
+        lines.append(f"  serve       not available: {serve_note}")
     facts = {
         "global_step": engine.global_steps,
         "max_steps": max_steps,
@@ -189,6 +235,11 @@ def build_summary(
         },
         "comm_formula": formula,
         "memory": _plain(report),
+        "heldout_first": _eval_facts(evals[0]) if evals else None,
+        "heldout_last": _eval_facts(evals[-1]) if evals else None,
+        "sample": sample,
+        "serve_command": None if serve_dir is None else f"meshtrain serve {shlex.quote(serve_dir)}",
+        "serve_note": serve_note,
     }
     return "\n".join(lines), facts
 
