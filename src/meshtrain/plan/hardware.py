@@ -19,6 +19,8 @@ NVLink 600 GB/s bidirectional); L40S data sheet (362.05 bf16 dense, 48 GB, 864 G
 Gen4 x16 64 GB/s bidirectional); DGX B200 / HGX B200 (2.25 PFLOP/s dense bf16 per GPU,
 180 GB, 8 TB/s, NVLink 5 1.8 TB/s bidirectional). Inter-node: one ConnectX-7 400 Gb/s NIC
 per GPU (DGX H100/H200/B200 reference design) = 50 GB/s; 200 Gb/s HDR for A100/L40S.
+Memory is what CUDA sees (nvidia-smi's total: H100 SXM 81,559 MiB, H200 143,771 MiB,
+A100 80GB 81,920 MiB, L40S 46,068 MiB; B200: the data sheet's 180 GB).
 ``--bw-intra`` / ``--bw-inter`` override the links; ``--calibrate`` replaces the
 efficiency and bandwidth by fitted ones for the machine at hand.
 
@@ -41,11 +43,13 @@ __all__ = ["GPUS", "Hardware"]
 GiB = 1 << 30
 
 # name -> (bf16 peak FLOP/s, memory bytes, intra GB/s, inter GB/s, HBM GB/s, PCIe GB/s)
+# memory: what the device reports to CUDA (nvidia-smi's MiB), below the marketing GB
+MiB = 1 << 20
 GPUS: dict[str, tuple[float, int, float, float, float, float]] = {
-    "H100": (989.4e12, 80 * 10**9, 450.0, 50.0, 3350.0, 64.0),
-    "H200": (989.4e12, 141 * 10**9, 450.0, 50.0, 4800.0, 64.0),
-    "A100": (312.0e12, 80 * 10**9, 300.0, 25.0, 2039.0, 32.0),
-    "L40S": (362.05e12, 48 * 10**9, 32.0, 25.0, 864.0, 32.0),
+    "H100": (989.4e12, 81559 * MiB, 450.0, 50.0, 3350.0, 64.0),
+    "H200": (989.4e12, 143771 * MiB, 450.0, 50.0, 4800.0, 64.0),
+    "A100": (312.0e12, 81920 * MiB, 300.0, 25.0, 2039.0, 32.0),
+    "L40S": (362.05e12, 46068 * MiB, 32.0, 25.0, 864.0, 32.0),
     "B200": (2250.0e12, 180 * 10**9, 900.0, 50.0, 8000.0, 64.0),
 }
 SOURCE = "NVIDIA data sheet (see meshtrain.plan.hardware)"

@@ -1,0 +1,103 @@
+"""``meshtrain plan --calibrate``: measure a handful of layouts on this machine's CPU ranks,
+fit the constants of ``calibration.Calibration``, store them.
+
+The layouts (``LAYOUTS``) are chosen so the fit sees each term move on its own: one rank at
+two micro-batch sizes (compute and the per-micro-step cost), two ranks under data
+parallelism at stage 0 and 2 (gradient bytes), tensor parallelism (per-layer all-reduces)
+and a pipeline (bubble, p2p). The model is a small reference decoder (``MODEL``) at
+sequence length ``SEQ``: a few seconds a step at most on a loaded two-core machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+from meshtrain.plan.calibration import Calibration
+from meshtrain.plan.hardware import Hardware
+from meshtrain.plan.layout import Layout
+
+__all__ = ["LAYOUTS", "MODEL", "SEQ", "calibrate", "features", "planner_for"]
+
+MODEL = dict(vocab_size=4224, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=256)
+SEQ = 256
+LAYOUTS = (
+    Layout(dp=1, micro_batch=2, grad_accum=1),
+    Layout(dp=1, micro_batch=1, grad_accum=4),
+    Layout(dp=2, stage=0, micro_batch=2, grad_accum=1),
+    Layout(dp=2, stage=2, micro_batch=1, grad_accum=2),
+    Layout(dp=1, tp=2, micro_batch=2, grad_accum=1),
+    Layout(dp=1, pp=2, micro_batch=1, grad_accum=4),
+)
+
+
+def load_average() -> str:
+    """``uptime``'s three load averages."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def planner_for(model_cfg: dict, hw: Hardware, world: int, seq: int, global_batch: int):
+    """A planner of the reference decoder ``model_cfg`` on ``world`` CPU ranks (fp32)."""
+    import torch
+
+    from meshtrain.models import Decoder, DecoderConfig
+    from meshtrain.plan.model_facts import ModelFacts
+    from meshtrain.plan.planner import Planner
+
+    with torch.device("meta"):
+        model = Decoder(DecoderConfig(**model_cfg))
+    facts = ModelFacts.of(model)
+    return Planner(
+        facts, hw, gpus=world, seq=seq, global_batch=global_batch, limit=hw.memory_bytes,
+        precision="fp32", optimizer="AdamW",
+    )  # fmt: skip
+
+
+def features(pred) -> dict:
+    """The fit's inputs of one prediction made at efficiency 1 and no fixed costs."""
+    t = pred.time
+    x = pred.layout
+    return {
+        "layout": x.label(),
+        "compute": t.compute + t.bubble,
+        "wire": sum(t.comm_bytes.values()),
+        "slots": x.grad_accum + x.pp - 1,
+    }
+
+
+def raw_hardware(hw: Hardware) -> Hardware:
+    """``hw`` with efficiency 1 and no fixed costs: predictions become the fit's features."""
+    from dataclasses import replace
+
+    return replace(hw, efficiency=1.0, micro_step_s=0.0, step_s=0.0, bw_intra=1e30, bw_inter=1e30)
+
+
+def calibrate(
+    layouts=LAYOUTS, *, model_cfg: dict = MODEL, seq: int = SEQ, steps: int = 3, save: bool = True,
+    echo=print,
+) -> Calibration:  # fmt: skip
+    """Measure ``layouts``, fit, store (module docstring)."""
+    from meshtrain.plan.measure import measure
+
+    hw = raw_hardware(Hardware.cpu())
+    rows, rss = [], 0
+    for x in layouts:
+        planner = planner_for(model_cfg, hw, x.world, seq, x.global_batch)
+        row = features(planner.predict(x))
+        load = load_average()
+        got = measure(model_cfg, x, seq=seq, steps=steps)
+        row.update(measured=got["step_s"], world=x.world, load=load)
+        rss = max(rss, got["rss_base"])
+        rows.append(row)
+        echo(f"  {row['layout']:<32} {x.world} rank(s)  {got['step_s']:.3f} s/step  (load {load})")
+    cal = Calibration.fit(
+        rows, hw.peak_flops, rss_base=rss,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        load=load_average(),
+    )  # fmt: skip
+    if save:
+        cal.save()
+    return cal
