@@ -96,7 +96,7 @@ def calibrate(
     cal = Calibration.fit(
         rows, hw.peak_flops, rss_base=rss,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        load=load_average(),
+        load_avg=load_average(),
     )  # fmt: skip
     if save:
         cal.save()

@@ -53,7 +53,7 @@ class Calibration:
     peak_flops: float
     rss_base: int = 0  # the framework's own resident memory per rank (interpreter, torch)
     date: str = ""
-    load: str = ""  # `uptime`'s load averages while measuring
+    load_avg: str = ""  # `uptime`'s load averages while measuring
     samples: list = field(default_factory=list)
 
     @staticmethod
@@ -76,7 +76,7 @@ class Calibration:
             micro_step_s=self.micro_step_s,
             step_s=self.step_s,
             peak_flops=self.peak_flops,
-            source=f"calibrated on this machine {self.date} (load {self.load})",
+            source=f"calibrated on this machine {self.date} (load {self.load_avg})",
         )
 
     def save(self, path: Path | None = None) -> Path:

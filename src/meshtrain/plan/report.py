@@ -28,7 +28,8 @@ def ranked_table(preds: list[Prediction], top: int = 12) -> str:
 
     def fmt(r: list[str]) -> str:
         return "  ".join(
-            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            c.ljust(w) if i in left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
         ).rstrip()
 
     return "\n".join([fmt(head), *(fmt(r) for r in rows)])
