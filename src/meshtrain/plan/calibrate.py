@@ -22,10 +22,12 @@ __all__ = ["LAYOUTS", "MODEL", "SEQ", "calibrate", "features", "planner_for"]
 MODEL = dict(vocab_size=4224, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=256)
 SEQ = 256
 LAYOUTS = (
-    Layout(dp=1, micro_batch=2, grad_accum=1),
+    Layout(dp=1, micro_batch=1, grad_accum=1),
+    Layout(dp=1, micro_batch=4, grad_accum=1),
     Layout(dp=1, micro_batch=1, grad_accum=4),
     Layout(dp=2, stage=0, micro_batch=2, grad_accum=1),
     Layout(dp=2, stage=2, micro_batch=1, grad_accum=2),
+    Layout(dp=2, stage=3, micro_batch=2, grad_accum=1),
     Layout(dp=1, tp=2, micro_batch=2, grad_accum=1),
     Layout(dp=1, pp=2, micro_batch=1, grad_accum=4),
 )
@@ -40,16 +42,12 @@ def load_average() -> str:
 
 
 def planner_for(model_cfg: dict, hw: Hardware, world: int, seq: int, global_batch: int):
-    """A planner of the reference decoder ``model_cfg`` on ``world`` CPU ranks (fp32)."""
-    import torch
-
-    from meshtrain.models import Decoder, DecoderConfig
+    """A planner of ``model_cfg`` (``measure.build_model``) on ``world`` CPU ranks (fp32)."""
+    from meshtrain.plan.measure import build_model
     from meshtrain.plan.model_facts import ModelFacts
     from meshtrain.plan.planner import Planner
 
-    with torch.device("meta"):
-        model = Decoder(DecoderConfig(**model_cfg))
-    facts = ModelFacts.of(model)
+    facts = ModelFacts.of(build_model(model_cfg, meta=True))
     return Planner(
         facts, hw, gpus=world, seq=seq, global_batch=global_batch, limit=hw.memory_bytes,
         precision="fp32", optimizer="AdamW",

@@ -5,7 +5,8 @@ CPU ranks (``measure.measure``) and fits, by least squares over the measured ste
 
     t = compute / efficiency + wire_bytes / bandwidth + micro_step_s (m + p - 1) + step_s
 
-where ``compute`` is the step's FLOPs over the measured peak (bubble and oversubscribed
+(weighted by ``1 / measured``: relative error is what a plan is judged by) where
+``compute`` is the step's FLOPs over the measured peak (bubble and oversubscribed
 cores included, ``step_time``), ``wire_bytes`` every group's bytes per rank; on CPU ranks
 (gloo through the loopback and shared memory) nothing overlaps reliably, so all bytes
 count. A coefficient the fit makes negative is dropped (set to its floor) and the rest
@@ -114,13 +115,15 @@ class Calibration:
         names = ["compute", "wire", "slots", "one"]
         x = np.array([[r["compute"], r["wire"], r["slots"], 1.0] for r in rows], dtype=float)
         y = np.array([r["measured"] for r in rows], dtype=float)
-        keep = list(range(4))
-        coef = np.zeros(4)
-        for _ in range(4):
+        # relative errors are what the plan is judged by: weight each row by 1 / measured
+        x, y = x / y[:, None], np.ones_like(y)
+        keep = list(range(len(names)))
+        coef = np.zeros(len(names))
+        for _ in range(len(names)):
             sol, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-            coef = np.zeros(4)
+            coef = np.zeros(len(names))
             coef[keep] = sol
-            negative = [i for i in keep if coef[i] < 0 and names[i] != "compute"]
+            negative = [i for i in keep if coef[i] < 0]
             if not negative:
                 break
             keep = [i for i in keep if i not in negative]

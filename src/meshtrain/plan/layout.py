@@ -54,9 +54,7 @@ class Layout:
         if self.stage:
             parts.append(f"z{self.stage}")
         if self.offload_optimizer or self.offload_param:
-            parts.append(
-                "off" + ("o" if self.offload_optimizer else "") + ("p" * self.offload_param)
-            )
+            parts.append("offload:opt" + ("+param" if self.offload_param else ""))
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("sp" if self.sequence_parallel else ""))
         if self.pp > 1:
@@ -91,6 +89,11 @@ class Layout:
                 "expert_parallel_size": self.ep,
             },
         }
+        if self.cp > 1:
+            # load_config checks train_batch_size against world / (pp x tp) = dp x cp
+            # replicas while the engine counts dp (cp ranks share rows): written, it is
+            # refused by one of them, so it is left to be derived (micro x accumulation x dp)
+            del out["train_batch_size"]
         if precision in ("bf16", "fp16"):
             out[precision] = {"enabled": True}
         if self.tp > 1:

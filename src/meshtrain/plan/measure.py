@@ -26,7 +26,7 @@ import ctypes
 import time
 from typing import Any
 
-__all__ = ["measure", "measure_rank"]
+__all__ = ["build_model", "measure", "measure_rank"]
 
 _M_MMAP_THRESHOLD = -3
 
@@ -45,6 +45,30 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
+def build_model(model_cfg: dict[str, Any], meta: bool = False):
+    """The model a measured run trains: meshtrain's Decoder from its config's fields, or
+    with ``"hf": "llama" | "mixtral"`` a transformers model from the rest as its config
+    (SDPA attention); ``meta``: on the meta device (the planner's copy)."""
+    import contextlib
+
+    import torch
+
+    cfg = dict(model_cfg)
+    family = cfg.pop("hf", None)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if family is None:
+            from meshtrain.models import Decoder, DecoderConfig
+
+            return Decoder(DecoderConfig(**cfg))
+        import transformers
+
+        kind = {"llama": transformers.LlamaConfig, "mixtral": transformers.MixtralConfig}[family]
+        config = kind(**cfg)
+        config._attn_implementation = "sdpa"
+        cls = {"llama": transformers.LlamaForCausalLM, "mixtral": transformers.MixtralForCausalLM}
+        return cls[family](config)
+
+
 def measure_rank(
     model_cfg: dict[str, Any], layout: dict[str, Any], seq: int, steps: int, precision: str
 ) -> dict[str, Any]:
@@ -57,7 +81,6 @@ def measure_rank(
     import torch.distributed as dist
 
     import meshtrain
-    from meshtrain.models import Decoder, DecoderConfig
     from meshtrain.plan.layout import Layout
 
     torch.set_num_threads(1)
@@ -65,7 +88,8 @@ def measure_rank(
     x = Layout(**layout)
     config = x.config(precision)
     config["steps_per_print"] = 10**6
-    model = Decoder(DecoderConfig(**model_cfg))
+    torch.manual_seed(0)
+    model = build_model(model_cfg)
     engine, *_ = meshtrain.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(engine.topology.dp_rank)
 

@@ -19,16 +19,19 @@ instead of the dense MLP, the router's fp32 logits ``4 E``, and for each of its 
 routed copies of a token the dispatched input ``w h``, the expert's gate, up, silu and
 product ``4 w f_e`` and its output ``w h`` (derived the same way, not yet measured).
 Activation checkpointing keeps each block's input ``w h`` (``/ tp`` under sequence
-parallelism) and one block's full activations while it is recomputed. The peak adds the
-loss's two fp32 ``[b, s, V / tp]`` gradients (``peak_activation_bytes``). Under a pipeline
+parallelism), and the peak adds the larger of the loss's two fp32 ``[b, s, V / tp]``
+gradients (``peak_activation_bytes``, the start of the backward) and one block's full
+activations while it is recomputed (later: the loss's gradients are gone by then; measured
+on CPU, docs/plan.md). Without checkpointing the peak adds the loss's gradients. Under a pipeline
 the micro-batches alive at the peak come from the schedule's own action list
 (``estimate.pipeline.peak_activations``); the loss lives on the last rank.
 
-**Buffers**: stage >= 2 packs a gradient bucket before its reduce-scatter
-(``min(reduce_bucket_size, Psi_r)`` elements); stage 3 holds a gathered unit and the one
+**Buffers**: stage 3 holds a gathered unit and the one
 prefetched (two blocks' parameters); a pipeline rank one received activation and one
 gradient (``2 w b s h``); ring attention two key/value blocks in flight; expert
-parallelism the dispatched and combined tokens (``2 w b s k h``).
+parallelism the dispatched and combined tokens (``2 w b s k h``). Stage 2's gradient
+buckets add nothing measurable on CPU (their gradients are reduced into the shard as each
+bucket fills), so none is counted.
 
 **Overhead**: ``Hardware.overhead_bytes`` (data-sheet devices: an assumed 2 GiB for the
 CUDA context, NCCL and the allocator's reserve; ``--calibrate`` measures it on CPU).
@@ -46,8 +49,6 @@ from meshtrain.plan.model_facts import ModelFacts
 from meshtrain.plan.validity import LayoutCheck
 
 __all__ = ["MemoryBreakdown", "predict_memory"]
-
-BUCKET_ELEMENTS = 500_000_000  # zero_optimization.reduce_bucket_size's default
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ def activation_peak(
     recompute = block * s * b if layout.checkpointing else 0
     if layout.pp == 1:
         kept = b * (s * (facts.layers * kept_block + head_tok) + loss)
-        return round(kept + b * grads + recompute)
+        return round(kept + max(b * grads, recompute))
     stages = check.split(layout.pp * layout.virtual_stages)
     best = 0.0
     for r in range(layout.pp):
@@ -208,7 +209,7 @@ def activation_peak(
         sched = check.schedule(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages)
         peak = alive_peak(sched.actions[r], per_stage, layout.schedule)
         last_here = any(getattr(stages[k], "is_last", False) for k in per_stage)
-        best = max(best, peak + (b * grads if last_here else 0) + recompute)
+        best = max(best, peak + max(b * grads if last_here else 0, recompute))
     return round(best)
 
 
@@ -234,9 +235,6 @@ def buffers(facts: ModelFacts, layout: Layout, states_params: int, seq: int, pre
     w, b, s = _width(precision), layout.micro_batch, seq // layout.cp
     h, t = facts.hidden, layout.tp
     total = 0
-    psi_r = states_params // w if layout.stage < 3 else 0
-    if layout.stage == 2:
-        total += min(BUCKET_ELEMENTS, psi_r) * w
     if layout.stage == 3:
         per_block = facts.params / max(1, facts.layers) / t
         total += round(2 * per_block * w)

@@ -93,13 +93,13 @@ def nothing_fits(preds: list[Prediction], limit: int, gpus: int) -> str:
             "  relax --seq or --global-batch: activations are "
             f"{_gib(least.memory.activations)} GiB of it; a shorter sequence shrinks them"
         )
-    if per_gpu_states > 0:
-        fixed = need - per_gpu_states
-        room = limit - fixed
-        if room > 0:
-            more = max(gpus + 1, int(gpus * per_gpu_states / room) + 1)
-            lines.append(
-                f"  relax --gpus: model states shrink with more ZeRO-3 ranks; about {more} "
-                f"devices bring them under the limit ({_gib(per_gpu_states)} GiB now)"
-            )
+    # more devices divide the model states (ZeRO-3) and the activations (cp or tp) alike;
+    # the overhead stays per device
+    room = limit - least.memory.overhead
+    if room > 0:
+        more = max(gpus + 1, -(-(need - least.memory.overhead) * gpus // room))
+        lines.append(
+            f"  relax --gpus: about {more} devices (model states and activations divide "
+            f"over them; {_gib(need - least.memory.overhead)} GiB on {gpus} now)"
+        )
     return "\n".join(lines)

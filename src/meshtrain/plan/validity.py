@@ -1,7 +1,8 @@
 """Which layouts meshtrain runs: the planner asks the engine's own checks, never a copy.
 
-For each candidate the layout's config goes through ``Config.from_dict`` (every section's
-validation), its sizes through ``MeshLayout.for_world`` (the mesh arithmetic), and then
+For each candidate the layout's config goes through ``load_config`` for the world size
+and ``Config.resolve_batch_sizes`` for its dp (what ``initialize`` and the engine's start
+do: every section's validation and the batch arithmetic), its sizes through ``MeshLayout.for_world`` (the mesh arithmetic), and then
 through the checks ``parallelize`` runs before it changes a model, on the meta-device
 model with a stand-in topology that has the sizes and no process groups:
 
@@ -87,13 +88,15 @@ class LayoutCheck:
         return self._schedules[key]
 
     def _check(self, layout: Layout) -> None:
-        from meshtrain.config import Config
+        from meshtrain.config import Config, load_config
         from meshtrain.distributed.topology import MeshLayout
         from meshtrain.errors import ConfigError
 
         seq = self.seq
-        config = Config.from_dict(layout.config(self.precision))
-        config.resolve_batch_sizes(layout.dp)
+        written = layout.config(self.precision)
+        load_config(written, world_size=layout.world)  # what initialize loads first
+        config = Config.from_dict(written)
+        config.resolve_batch_sizes(layout.dp)  # what the engine resolves on its mesh
         mesh = MeshLayout.for_world(
             layout.world, pp=layout.pp, tp=layout.tp, cp=layout.cp, ep=layout.ep
         )
