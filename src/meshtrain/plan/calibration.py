@@ -3,11 +3,13 @@
 ``--calibrate`` runs a handful of layouts of a small reference decoder for a few steps on
 CPU ranks (``measure.measure``) and fits, by least squares over the measured step times,
 
-    t = compute / efficiency + wire_bytes / bandwidth + micro_step_s (m + p - 1) + step_s
+    t = compute / efficiency + wire_bytes / bandwidth + micro_step_s (m + p - 1)
+        + optimizer_bytes / memory_bandwidth + step_s
 
 (weighted by ``1 / measured``: relative error is what a plan is judged by) where
 ``compute`` is the step's FLOPs over the measured peak (bubble and oversubscribed
-cores included, ``step_time``), ``wire_bytes`` every group's bytes per rank; on CPU ranks
+cores included, ``step_time``), ``wire_bytes`` every group's bytes per rank, ``optimizer_bytes`` what the optimizer step
+reads and writes (``step_time``); on CPU ranks
 (gloo through the loopback and shared memory) nothing overlaps reliably, so all bytes
 count. A coefficient the fit makes negative is dropped (set to its floor) and the rest
 refitted. The store is a JSON file, ``~/.cache/meshtrain/plan_calibration.json`` (or
@@ -52,6 +54,7 @@ class Calibration:
     micro_step_s: float
     step_s: float
     peak_flops: float
+    hbm: float = 10e9  # bytes/s the optimizer step reaches
     rss_base: int = 0  # the framework's own resident memory per rank (interpreter, torch)
     date: str = ""
     load_avg: str = ""  # `uptime`'s load averages while measuring
@@ -76,6 +79,7 @@ class Calibration:
             bw_inter=self.bw_intra,
             micro_step_s=self.micro_step_s,
             step_s=self.step_s,
+            hbm=self.hbm,
             peak_flops=self.peak_flops,
             source=f"calibrated on this machine {self.date} (load {self.load_avg})",
         )
@@ -108,12 +112,16 @@ class Calibration:
 
     @classmethod
     def fit(cls, rows: list[dict], peak_flops: float, **meta) -> Calibration:
-        """Least squares over ``rows`` of ``{"compute", "wire", "slots", "measured"}``
+        """Least squares over ``rows`` of ``{"compute", "wire", "slots", "optimizer",
+        "measured"}``
         (module docstring)."""
         import numpy as np
 
-        names = ["compute", "wire", "slots", "one"]
-        x = np.array([[r["compute"], r["wire"], r["slots"], 1.0] for r in rows], dtype=float)
+        names = ["compute", "wire", "slots", "optimizer", "one"]
+        x = np.array(
+            [[r["compute"], r["wire"], r["slots"], r.get("optimizer", 0.0), 1.0] for r in rows],
+            dtype=float,
+        )
         y = np.array([r["measured"] for r in rows], dtype=float)
         # relative errors are what the plan is judged by: weight each row by 1 / measured
         x, y = x / y[:, None], np.ones_like(y)
@@ -127,7 +135,7 @@ class Calibration:
             if not negative:
                 break
             keep = [i for i in keep if i not in negative]
-        inv_eff, inv_bw, slot, one = (float(c) for c in coef)
+        inv_eff, inv_bw, slot, inv_hbm, one = (float(c) for c in coef)
         return cls(
             machine=cls.machine_key(),
             efficiency=1.0 / inv_eff if inv_eff > 0 else 1.0,
@@ -135,6 +143,7 @@ class Calibration:
             micro_step_s=max(0.0, slot),
             step_s=max(0.0, one),
             peak_flops=peak_flops,
+            hbm=1.0 / inv_hbm if inv_hbm > 0 else 1e15,
             samples=rows,
             **meta,
         )

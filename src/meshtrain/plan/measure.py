@@ -5,7 +5,11 @@ Each rank builds meshtrain's reference decoder, ``meshtrain.initialize`` with th
 layout's own config (``Layout.config``: the config the planner would write), and runs
 ``train_batch`` on random tokens: one warm-up step (the optimizer allocates its states),
 then ``steps`` timed steps, each started after a barrier; a step's time is the slowest
-rank's.
+rank's. Beside the wall time each rank's CPU seconds (``time.process_time``) over the
+same step: on a machine whose cores other processes share, a rank waits for a core and
+wall time swings with their load, while CPU time is what the step costs a rank with a core
+of its own (gloo's waits block rather than spin, so they cost no CPU time). Calibration
+and the step-time table use the slowest rank's CPU seconds; wall seconds are reported too.
 
 **Peak tensor memory on CPU.** There is no allocator statistic on CPU, so it is read from
 the process: glibc is told to give every block of 64 KiB or more its own mapping
@@ -102,18 +106,20 @@ def measure_rank(
 
     engine.train_batch(batches())  # warm-up: optimizer states allocated
     base = _reset_peak()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
         data = batches()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.train_batch(data)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     growth = _status("VmHWM") - base
     report = engine.memory_report()
     m = report.measured
     return {
         "times": times,
+        "cpu": cpu,
         "growth": growth,
         "states": m.params + m.grads + m.optimizer,
         "formula_states": None if report.formula is None else report.formula.total,
@@ -131,7 +137,8 @@ def measure(
     timeout: float = 600.0,
 ) -> dict[str, Any]:
     """Run ``layout`` on ``layout.world`` CPU ranks; the slowest rank's median step
-    seconds, the largest rank's peak tensor bytes and model states."""
+    seconds (wall, ``step_s``, and CPU, ``cpu_s``), the largest rank's peak tensor bytes
+    and model states."""
     import statistics
 
     from meshtrain.launch.processes import run_on_ranks
@@ -143,10 +150,12 @@ def measure(
         timeout=timeout,
     )
     per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
+    cpu_step = [max(r["cpu"][i] for r in ranks) for i in range(steps)]
     peak = max(r["states"] + r["growth"] for r in ranks)
     return {
         "step_s": statistics.median(per_step),
         "steps_s": per_step,
+        "cpu_s": statistics.median(cpu_step),
         "peak_tensor_bytes": peak,
         "states": max(r["states"] for r in ranks),
         "formula_states": max((r["formula_states"] or 0) for r in ranks),

@@ -107,7 +107,8 @@ def run_measured(out: str, steps: int = 3) -> None:
     cal = Calibration.load()
     if cal is None:
         raise SystemExit("run `meshtrain plan --calibrate` first (no calibration stored)")
-    hw = replace(cal.apply(hw), overhead_bytes=0)
+    # CPU seconds of a rank with its own core (measure's docstring): no oversubscription
+    hw = replace(cal.apply(hw), overhead_bytes=0, cores=0)
     rows = []
     for name, cfg, layout in MEASURED:
         load = load_average()
@@ -120,8 +121,8 @@ def run_measured(out: str, steps: int = 3) -> None:
         print(
             f"{name:<8} {layout.label():<32} {layout.world}  states {got['states']:>10,} / "
             f"{pred['states']:>10,}  peak {got['peak_tensor_bytes'] / 2**20:7.2f} / "
-            f"{pred['tensors'] / 2**20:7.2f} MiB  step {got['step_s']:.3f} / "
-            f"{pred['step_s']:.3f} s  load {load}",
+            f"{pred['tensors'] / 2**20:7.2f} MiB  step {got['cpu_s']:.3f} / "
+            f"{pred['step_s']:.3f} CPU s ({got['step_s']:.3f} wall)  load {load}",
             flush=True,
         )
     with open(out, "w") as f:
@@ -156,7 +157,7 @@ PUBLISHED = (
      "TorchTitan paper (3D, bf16); meshtrain runs ZeRO-1 instead of FSDP under a pipeline"),
     ("Llama-3.1-405B, 1,024 x H100, Megatron (TP 8, PP 16)", LLAMA31_405B, 1024, 128, 8192,
      1024, L(dp=8, tp=8, pp=16, stage=1, sequence_parallel=True, schedule="interleaved_1f1b",
-             virtual_stages=2, micro_batch=1, grad_accum=128, checkpointing=False), None,
+             virtual_stages=2, micro_batch=1, grad_accum=128, checkpointing=True), None,
      "no figure in issue 43; predicted only"),
     ("DeepSeek-V3, 1,024 x H100, Megatron (PP 16, EP 64)", DEEPSEEK_V3, 1024, 128, 4096, 8192,
      L(dp=64, pp=16, ep=64, stage=1, micro_batch=1, grad_accum=128, checkpointing=True), 1297,
@@ -206,9 +207,72 @@ def predict_published(rows=PUBLISHED, *, search: bool = False, echo=print) -> li
     return out
 
 
+def tables(path: str, calibration_labels: set[str] | None = None) -> str:
+    """The markdown tables of docs/plan.md from ``run_measured``'s JSON: memory, step time
+    (mean absolute error, Spearman), and fit decisions under synthetic caps."""
+    from meshtrain.plan.calibrate import LAYOUTS
+
+    with open(path) as f:
+        data = json.load(f)
+    rows = data["rows"]
+    calib = calibration_labels or {x.label() for x in LAYOUTS}
+    mib = 2**20
+    out = ["| model | layout | ranks | model states measured / predicted (B) | peak tensor MiB measured / predicted | error | load |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    errs = []
+    for r in rows:
+        m, p = r["measured_peak_tensor_bytes"], r["predicted_tensors"]
+        errs.append(abs(p / m - 1))
+        out.append(
+            f"| {r['model']} | {r['layout']} | {r['world']} | {r['measured_states']:,} / "
+            f"{r['predicted_states']:,} | {m / mib:.2f} / {p / mib:.2f} | {100 * (p / m - 1):+.1f}% "
+            f"| {r['load']} |"
+        )
+    out.append("")
+    out.append(f"{len(rows)} layouts; peak tensor memory: mean |error| {100 * statistics.fmean(errs):.1f}%, "
+               f"largest {100 * max(errs):.1f}%")  # fmt: skip
+    out += ["", "| model | layout | ranks | CPU s measured | predicted | error | wall s | in calibration set | load |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    meas, pred, terr, out_of = [], [], [], []
+    for r in rows:
+        m, p = r["measured_cpu_s"], r["predicted_step_s"]
+        inside = r["model"] == "decoder" and r["layout"] in calib
+        meas.append(m)
+        pred.append(p)
+        terr.append(abs(p / m - 1))
+        if not inside:
+            out_of.append(abs(p / m - 1))
+        out.append(
+            f"| {r['model']} | {r['layout']} | {r['world']} | {m:.3f} | {p:.3f} | "
+            f"{100 * (p / m - 1):+.1f}% | {r['measured_step_s']:.3f} | "
+            f"{'yes' if inside else 'no'} | {r['load']} |"
+        )
+    out.append("")
+    out.append(
+        f"{len(rows)} layouts: mean absolute error {100 * statistics.fmean(terr):.1f}% "
+        f"({100 * statistics.fmean(out_of):.1f}% on the {len(out_of)} outside the calibration "
+        f"set), Spearman rank {spearman(meas, pred):.2f}"
+    )
+    # fit decisions: a synthetic cap at each measured peak's neighbourhood
+    agree = total = 0
+    peaks = sorted(r["measured_peak_tensor_bytes"] for r in rows)
+    for cap in peaks[1::3]:
+        cap = cap * 1.0
+        for r in rows:
+            total += 1
+            fits_m = r["measured_peak_tensor_bytes"] <= cap
+            fits_p = r["predicted_tensors"] <= cap
+            agree += fits_m == fits_p
+    out += ["", f"fit decisions under {len(peaks[1::3])} synthetic caps (each a measured peak): "
+            f"{agree} of {total} predicted fits agree with the measured ones"]  # fmt: skip
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["measure"]:
         run_measured(sys.argv[2] if len(sys.argv) > 2 else "plan_measured.json")
+    elif sys.argv[1:2] == ["tables"]:
+        print(tables(sys.argv[2]))
     elif sys.argv[1:2] == ["published"]:
         predict_published(search="--search" in sys.argv)
     else:
