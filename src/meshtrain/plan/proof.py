@@ -4,8 +4,9 @@ machine's CPU ranks, and beside published GPU runs.
 ``python -m meshtrain.plan.proof measure OUT.json`` runs every layout of ``MEASURED`` on
 1, 2 or 4 CPU ranks (``measure.measure``), with the load average beside each, and writes
 measured and predicted memory and step time; ``python -m meshtrain.plan.proof published``
-prints the published-run table (no measurement). The step-time predictions use the
-calibration stored by ``meshtrain plan --calibrate`` (run it first).
+prints the published-run table (no measurement). ``measure`` calibrates first
+(``meshtrain plan --calibrate``'s runs, stored as it stores them), so the constants and the
+table see the same load.
 """
 
 from __future__ import annotations
@@ -98,15 +99,16 @@ def predicted(model_cfg: dict, layout: Layout, hw) -> dict:
 def run_measured(out: str, steps: int = 3) -> None:
     from dataclasses import replace
 
-    from meshtrain.plan.calibrate import load_average
-    from meshtrain.plan.calibration import Calibration
+    from meshtrain.plan.calibrate import calibrate, load_average
     from meshtrain.plan.hardware import Hardware
     from meshtrain.plan.measure import measure
 
     hw = Hardware.cpu()
-    cal = Calibration.load()
-    if cal is None:
-        raise SystemExit("run `meshtrain plan --calibrate` first (no calibration stored)")
+    # calibrated now, just before the table: the machine's load moves CPU seconds too
+    # (shared cores, caches), so constants fitted an hour earlier under another load
+    # would carry that difference into every row
+    print(f"calibrating (load {load_average()}):", flush=True)
+    cal = calibrate(echo=lambda line: print(line, flush=True))
     # CPU seconds of a rank with its own core (measure's docstring): no oversubscription
     hw = replace(cal.apply(hw), overhead_bytes=0, cores=0)
     rows = []
@@ -253,24 +255,75 @@ def tables(path: str, calibration_labels: set[str] | None = None) -> str:
         f"({100 * statistics.fmean(out_of):.1f}% on the {len(out_of)} outside the calibration "
         f"set), Spearman rank {spearman(meas, pred):.2f}"
     )
-    # fit decisions: a synthetic cap at each measured peak's neighbourhood
+    # fit decisions: synthetic caps between measured peaks (never at one: a cap equal to a
+    # measured peak would make that layout a coin toss by construction)
+    peaks = sorted({r["measured_peak_tensor_bytes"] for r in rows})
+    caps = [(a * b) ** 0.5 for a, b in zip(peaks, peaks[1:], strict=False)][::3]
     agree = total = 0
-    peaks = sorted(r["measured_peak_tensor_bytes"] for r in rows)
-    for cap in peaks[1::3]:
-        cap = cap * 1.0
+    wrong = []
+    for cap in caps:
         for r in rows:
             total += 1
             fits_m = r["measured_peak_tensor_bytes"] <= cap
             fits_p = r["predicted_tensors"] <= cap
             agree += fits_m == fits_p
-    out += ["", f"fit decisions under {len(peaks[1::3])} synthetic caps (each a measured peak): "
-            f"{agree} of {total} predicted fits agree with the measured ones"]  # fmt: skip
+            if fits_m != fits_p:
+                wrong.append(f"{r['model']} {r['layout']} at a {cap / mib:.1f} MiB cap")
+    out += ["", f"fit decisions under {len(caps)} synthetic caps (between measured peaks): "
+            f"{agree} of {total} predicted fits agree with the measured ones"
+            + (f"; the others: {', '.join(wrong)}" if wrong else "")]  # fmt: skip
     return "\n".join(out)
+
+
+def user_check(cap_mib: float = 200.0, echo=print) -> dict:
+    """A config over a ``--max-memory`` cap on one CPU process: measured over it, advised by
+    ``meshtrain plan --config``, and the first advised change measured under it."""
+    import os
+    import tempfile
+    from dataclasses import replace
+
+    from meshtrain.plan.calibrate import load_average, planner_for
+    from meshtrain.plan.explain import advice, breakdown, single_changes
+    from meshtrain.plan.hardware import Hardware
+    from meshtrain.plan.measure import measure
+
+    layout = L(dp=1, micro_batch=8, grad_accum=1)
+    cap = int(cap_mib * 2**20)
+    hw = replace(Hardware.cpu(), overhead_bytes=0)
+    planner = planner_for(DECODER, hw, 1, SEQ, layout.global_batch)
+    planner.limit = cap
+    path = os.path.join(tempfile.mkdtemp(), "my.json")
+    with open(path, "w") as f:
+        json.dump(layout.config("fp32"), f)
+    before = measure(DECODER, layout, seq=SEQ, steps=2)
+    echo(f"$ meshtrain plan --gpu cpu --gpus 1 --model decoder:{_spec(DECODER)} --seq {SEQ} "
+         f"--max-memory {cap_mib / 1024:.4f} --config my.json")  # fmt: skip
+    pred = planner.predict(layout)
+    echo(breakdown(pred))
+    echo(advice(planner, pred))
+    fit = [(w, p) for w, p in single_changes(planner, pred) if p.fits]
+    what, chosen = fit[0]
+    after = measure(DECODER, chosen.layout, seq=SEQ, steps=2)
+    result = {
+        "cap_mib": cap_mib, "load": load_average(),
+        "measured_before_mib": before["peak_tensor_bytes"] / 2**20,
+        "advice": what, "measured_after_mib": after["peak_tensor_bytes"] / 2**20,
+    }  # fmt: skip
+    echo(f"measured: {layout.label()} peaks at {result['measured_before_mib']:.1f} MiB (> "
+         f"{cap_mib:.0f} MiB cap); after '{what}' ({chosen.layout.label()}): "
+         f"{result['measured_after_mib']:.1f} MiB (load {result['load']})")  # fmt: skip
+    return result
+
+
+def _spec(cfg: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in cfg.items())
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["measure"]:
         run_measured(sys.argv[2] if len(sys.argv) > 2 else "plan_measured.json")
+    elif sys.argv[1:2] == ["user-check"]:
+        user_check()
     elif sys.argv[1:2] == ["tables"]:
         print(tables(sys.argv[2]))
     elif sys.argv[1:2] == ["published"]:
