@@ -95,6 +95,7 @@ def measure_rank(
     torch.manual_seed(0)
     model = build_model(model_cfg)
     engine, *_ = meshtrain.initialize(model=model, config=config)
+    load_peak = _status("VmHWM") - rss_base  # building the model and initialize, host RAM
     g = torch.Generator().manual_seed(engine.topology.dp_rank)
 
     def batches():
@@ -124,6 +125,7 @@ def measure_rank(
         "states": m.params + m.grads + m.optimizer,
         "formula_states": None if report.formula is None else report.formula.total,
         "rss_base": rss_base,
+        "load_peak": load_peak,
     }
 
 
@@ -160,4 +162,5 @@ def measure(
         "states": max(r["states"] for r in ranks),
         "formula_states": max((r["formula_states"] or 0) for r in ranks),
         "rss_base": max(r["rss_base"] for r in ranks),
+        "load_peak": max(r["load_peak"] for r in ranks),
     }

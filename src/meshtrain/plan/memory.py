@@ -206,8 +206,15 @@ def activation_peak(
             per_stage[k] = round(
                 b * (s * n_blocks * kept_block + (s * head_tok + loss if last else 0))
             )
-        sched = check.schedule(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages)
-        peak = alive_peak(sched.actions[r], per_stage, layout.schedule)
+        p, mb, v = layout.pp, layout.grad_accum, layout.virtual_stages
+        if check.walks(p, mb, v):
+            sched = check.schedule(layout.schedule, p, mb, v)
+            peak = alive_peak(sched.actions[r], per_stage, layout.schedule)
+        else:  # the closed forms of estimate.pipeline's docstring, in (chunk) micro-batches
+            alive = {"gpipe": mb, "1f1b": min(mb, p - r), "zb_h1": min(mb, p)}.get(
+                layout.schedule, min(v * mb, (v - 1) * p + 2 * (p - 1 - r) + 1)
+            )
+            peak = alive * max(per_stage.values())
         last_here = any(getattr(stages[k], "is_last", False) for k in per_stage)
         best = max(best, peak + max(b * grads if last_here else 0, recompute))
     return round(best)

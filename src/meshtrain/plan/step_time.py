@@ -122,11 +122,7 @@ def predict_time(
     compute = m * t_mb
     bubble = 0.0
     if layout.pp > 1:
-        from meshtrain.parallel.pipeline.validate import idle_fraction
-
-        f = float(
-            idle_fraction(check.schedule(layout.schedule, layout.pp, m, layout.virtual_stages))
-        )
+        f = check.bubble(layout.schedule, layout.pp, m, layout.virtual_stages)
         bubble = compute * f / (1 - f)
     blocks_r = facts.layers / layout.pp
     comm: dict[str, float] = {}

@@ -33,6 +33,8 @@ from meshtrain.plan.model_facts import ModelFacts
 
 __all__ = ["LayoutCheck"]
 
+WALK_LIMIT = 4096  # p x m x v up to which the action lists are built and walked
+
 
 class LayoutCheck:
     """The engine's refusals for one model and sequence length (module docstring); holds
@@ -76,6 +78,22 @@ class LayoutCheck:
                 out.append((trainable, frozen, blocks))
             self._ranks[key] = out
         return self._ranks[key]
+
+    def walks(self, p: int, m: int, v: int) -> bool:
+        """Whether the schedule is small enough to build and walk: its action lists cost
+        time quadratic in their length, so a search over thousands of devices uses the
+        closed forms of ``pipeline.validate`` and ``estimate.pipeline`` beyond this size
+        (they equal the walked figures for the costs used here)."""
+        return p * m * v <= WALK_LIMIT
+
+    def bubble(self, name: str, p: int, m: int, v: int) -> float:
+        """The schedule's idle fraction: its action lists' (``idle_fraction``) when
+        ``walks``, else the closed form (``expected_idle_fraction``)."""
+        from meshtrain.parallel.pipeline.validate import expected_idle_fraction, idle_fraction
+
+        if self.walks(p, m, v):
+            return float(idle_fraction(self.schedule(name, p, m, v)))
+        return float(expected_idle_fraction(name, p, m, v))
 
     def schedule(self, name: str, p: int, m: int, v: int):
         """``build_schedule`` with a backward twice a forward (zb_h1: B and W one each)."""
@@ -122,7 +140,8 @@ class LayoutCheck:
 
             check_pipeline(model, topology, config)
             self.split(layout.pp * layout.virtual_stages)
-            self.schedule(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages)
+            if self.walks(layout.pp, layout.grad_accum, layout.virtual_stages):
+                self.schedule(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages)
         if layout.cp > 1:
             from meshtrain.parallel.context.apply import check_context_parallel
 
