@@ -45,6 +45,8 @@ class LayoutCheck:
         self._splits: dict[int, list] = {}
         self._schedules: dict[tuple, object] = {}
         self._ranks: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        self._model_checks: dict[tuple, Exception | None] = {}
+        self._experts: list[tuple[str, int]] | None = None
 
     def refusal(self, layout: Layout) -> str | None:
         """Why meshtrain refuses ``layout``, else None."""
@@ -115,42 +117,68 @@ class LayoutCheck:
         load_config(written, world_size=layout.world)  # what initialize loads first
         config = Config.from_dict(written)
         config.resolve_batch_sizes(layout.dp)  # what the engine resolves on its mesh
-        mesh = MeshLayout.for_world(
-            layout.world, pp=layout.pp, tp=layout.tp, cp=layout.cp, ep=layout.ep
-        )
-        topology = SimpleNamespace(
-            pp_size=mesh.pp, dp_size=mesh.dp, cp_size=mesh.cp, tp_size=mesh.tp, ep_size=mesh.ep
-        )
-        model = self.facts.model
-        from meshtrain.parallel.experts.shard import check_layout, expert_modules
-
-        check_layout(model, topology)
+        MeshLayout.for_world(layout.world, pp=layout.pp, tp=layout.tp, cp=layout.cp, ep=layout.ep)
+        # the checks that walk the model read only whether each dimension is split (and
+        # the stage and sequence parallelism): once per such shape, not per layout
+        shape = (layout.pp > 1, layout.tp > 1, layout.cp > 1, layout.ep > 1,
+                 layout.sequence_parallel, layout.stage)  # fmt: skip
+        if shape not in self._model_checks:
+            try:
+                self._model_check(layout, config)
+                self._model_checks[shape] = None
+            except ConfigError as exc:
+                self._model_checks[shape] = exc
+        if self._model_checks[shape] is not None:
+            raise self._model_checks[shape]
         if layout.ep > 1:
-            layers = expert_modules(model)
-            if not layers:
-                raise ConfigError("mesh.expert_parallel_size: the model has no MoE layer")
-            for name, module in layers:
-                if module.num_experts % layout.ep:
+            for name, n_experts in self._expert_counts():
+                if n_experts % layout.ep:
                     raise ConfigError(
                         f"mesh.expert_parallel_size: {layout.ep} does not divide the "
-                        f"{module.num_experts} experts of {name}"
+                        f"{n_experts} experts of {name}; pick an ep that divides the expert count"
                     )
+        if layout.pp > 1:
+            self.split(layout.pp * layout.virtual_stages)
+            if self.walks(layout.pp, layout.grad_accum, layout.virtual_stages):
+                self.schedule(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages)
+        if layout.cp > 1 and seq % (2 * layout.cp):
+            raise ConfigError(
+                f"--seq: {seq} is not a multiple of 2 x cp = {2 * layout.cp} (the chunks "
+                "context parallelism cuts)"
+            )
+        if layout.sequence_parallel and seq % layout.tp:
+            raise ConfigError(
+                f"--seq: {seq} is not a multiple of tp {layout.tp} (sequence parallelism)"
+            )
+
+    def _expert_counts(self) -> list[tuple[str, int]]:
+        from meshtrain.parallel.experts.shard import expert_modules
+
+        if self._experts is None:
+            self._experts = [(n, m.num_experts) for n, m in expert_modules(self.facts.model)]
+        return self._experts
+
+    def _model_check(self, layout: Layout, config) -> None:
+        """The checks ``parallelize`` runs on the model, with a stand-in topology."""
+        from meshtrain.errors import ConfigError
+        from meshtrain.parallel.experts.shard import check_layout
+
+        topology = SimpleNamespace(
+            pp_size=layout.pp, dp_size=layout.dp, cp_size=layout.cp, tp_size=layout.tp,
+            ep_size=layout.ep,
+        )  # fmt: skip
+        model = self.facts.model
+        check_layout(model, topology)
+        if layout.ep > 1 and not self._expert_counts():
+            raise ConfigError("mesh.expert_parallel_size: the model has no MoE layer")
         if layout.pp > 1:
             from meshtrain.parallel.pipeline.engine_step import check_pipeline
 
             check_pipeline(model, topology, config)
-            self.split(layout.pp * layout.virtual_stages)
-            if self.walks(layout.pp, layout.grad_accum, layout.virtual_stages):
-                self.schedule(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages)
         if layout.cp > 1:
             from meshtrain.parallel.context.apply import check_context_parallel
 
             check_context_parallel(model, topology, config)
-            if seq % (2 * layout.cp):
-                raise ConfigError(
-                    f"--seq: {seq} is not a multiple of 2 x cp = {2 * layout.cp} (the chunks "
-                    "context parallelism cuts)"
-                )
         if layout.tp > 1:
             from meshtrain.parallel.tensor.plans import plan_for
 
@@ -163,8 +191,4 @@ class LayoutCheck:
             if layout.sequence_parallel and not plan.sequence_parallel:
                 raise ConfigError(
                     "tensor_parallel.sequence_parallel: the model's plan does not support it"
-                )
-            if layout.sequence_parallel and seq % layout.tp:
-                raise ConfigError(
-                    f"--seq: {seq} is not a multiple of tp {layout.tp} (sequence parallelism)"
                 )
