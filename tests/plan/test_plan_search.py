@@ -78,13 +78,21 @@ def test_refusals_come_from_the_engine_checks():
 
 def test_model_states_are_the_estimate_formulas():
     """The memory model's states are ``model_states_bytes`` exactly (dp x cp replicas,
-    tp through the plan)."""
+    tp through the plan); under ZeRO-3 plus the persistent parameters kept whole."""
+    from meshtrain.plan.memory import zero3_units
+
     p = _planner(precision="bf16")
     for x in (Layout(dp=4, stage=2), Layout(dp=2, tp=2, stage=1), Layout(dp=2, cp=2, stage=3)):
         got = p.predict(x).memory.states
         want = model_states_bytes(p.facts.model, dp=x.dp * x.cp, stage=x.stage,
                                   precision="bf16", optimizer="AdamW", tp=x.tp)  # fmt: skip
-        assert got == want
+        extra = 0
+        if x.stage == 3:
+            whole, _ = zero3_units(p.facts)
+            extra = 2 * (whole - -(-whole // (x.dp * x.cp)))
+            assert whole > 0  # the 256 x 256 projections are under the 100k threshold
+        assert got.params == want.params + extra
+        assert (got.grads, got.optimizer) == (want.grads, want.optimizer)
 
 
 def test_activations_without_tp_are_the_estimate_formula():

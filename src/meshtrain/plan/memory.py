@@ -1,7 +1,11 @@
 """Per-device memory of one layout: model states, activations, communication buffers and
 the framework's own overhead, the largest rank's (the one that decides whether it fits).
 
-**Model states** are ``estimate.model_states_bytes`` exactly: ZeRO partitions over the
+**Model states** are ``estimate.model_states_bytes`` exactly (the ZeRO paper's
+formula), with one correction the engine makes: ZeRO-3 keeps parameters under
+``stage3_param_persistence_threshold`` (100,000 elements) and those outside every unit
+whole on every rank (``persistent_elements``; measured: this is the whole difference on
+the decoder, to the byte but the optimizer's step scalars). ZeRO partitions over the
 ``dp x cp`` replicas (the engine's ``replica_group``), tensor parallelism through the
 model's plan (``parallel.tensor.sizes``: norms whole, padding counted), experts over ep.
 Under a pipeline each pp rank's parameters are those of its stages, the model cut as the
@@ -26,8 +30,8 @@ on CPU, docs/plan.md). Without checkpointing the peak adds the loss's gradients.
 the micro-batches alive at the peak come from the schedule's own action list
 (``estimate.pipeline.peak_activations``); the loss lives on the last rank.
 
-**Buffers**: stage 3 holds a gathered unit and the one
-prefetched (two blocks' parameters); a pipeline rank one received activation and one
+**Buffers**: stage 3 holds a gathered unit and its neighbour prefetched (the largest
+sum of two adjacent units' sharded parameters, ``zero3_units``); a pipeline rank one received activation and one
 gradient (``2 w b s h``); ring attention two key/value blocks in flight; expert
 parallelism the dispatched and combined tokens (``2 w b s k h``). Stage 2's gradient
 buckets add nothing measurable on CPU (their gradients are reduced into the shard as each
@@ -130,7 +134,13 @@ def _model_states(
         offload_param=layout.offload_param,
     )
     if layout.pp == 1:
-        return [model_states_bytes(facts.model, tp=layout.tp, ep=layout.ep, **common)]
+        states = model_states_bytes(facts.model, tp=layout.tp, ep=layout.ep, **common)
+        if layout.stage == 3 and not layout.offload_param:
+            whole, _ = zero3_units(facts, layout.tp)
+            n = layout.dp * layout.cp
+            extra = _width(precision) * (whole - -(-whole // n))
+            states = ModelStates(states.params + extra, states.grads, states.optimizer, states.host)
+        return [states]
     share = 1.0
     if layout.tp > 1:
         from meshtrain.parallel.tensor.sizes import local_parameter_counts
@@ -153,6 +163,45 @@ def _model_states(
             )
         )
     return out
+
+
+PERSISTENCE_THRESHOLD = 100_000  # zero_optimization.stage3_param_persistence_threshold's default
+
+
+def zero3_units(facts: ModelFacts, tp: int = 1) -> tuple[int, list[int]]:
+    """ZeRO-3's view of the model: (trainable elements kept whole on every rank, sharded
+    elements of each gather unit in order). Whole: parameters under
+    ``stage3_param_persistence_threshold`` elements and those outside every unit
+    (``parallel.zero.stage3.assign_units`` over ``parallel.blocks.gather_units``, on the
+    meta model). The threshold is compared with a parameter's full size (``full_numel``);
+    under tp a matrix holds ``1 / tp`` of its elements on a rank (the plan's shard;
+    vectors whole), an approximation of the plan's exact sizes."""
+    from meshtrain.parallel.blocks import gather_units
+
+    model = facts.model
+    seen: set[int] = set()
+    whole, units = 0, []
+
+    def local(p) -> int:
+        return p.numel() // tp if (tp > 1 and p.dim() >= 2) else p.numel()
+
+    for unit in gather_units(model, []):
+        sharded = 0
+        for p in unit.parameters():
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            if p.numel() < PERSISTENCE_THRESHOLD:  # the full size, as assign_units compares
+                whole += local(p)
+            else:
+                sharded += local(p)
+        units.append(sharded)
+    whole += sum(
+        local(p)
+        for p in {id(q): q for q in model.parameters()}.values()
+        if p.requires_grad and id(p) not in seen
+    )
+    return whole, units
 
 
 def per_token_block(facts: ModelFacts, layout: Layout, width: int) -> float:
@@ -237,14 +286,21 @@ def alive_peak(actions, per_stage: dict[int, int], schedule: str) -> int:
     return peak
 
 
-def buffers(facts: ModelFacts, layout: Layout, states_params: int, seq: int, precision: str) -> int:
+def buffers(
+    facts: ModelFacts,
+    layout: Layout,
+    states_params: int,
+    seq: int,
+    precision: str,
+    units: list[int] | None = None,
+) -> int:
     """Communication buffers of one rank (module docstring)."""
     w, b, s = _width(precision), layout.micro_batch, seq // layout.cp
     h, t = facts.hidden, layout.tp
     total = 0
-    if layout.stage == 3:
-        per_block = facts.params / max(1, facts.layers) / t
-        total += round(2 * per_block * w)
+    if layout.stage == 3 and units:  # a unit gathered and its neighbour prefetched
+        pairs = [a + b for a, b in zip(units, units[1:], strict=False)] or units
+        total += w * max(pairs)
     if layout.pp > 1:
         total += 2 * w * b * s * h // (t if layout.sequence_parallel else 1)
     if layout.cp > 1 and layout.cp_method == "ring":
@@ -269,5 +325,14 @@ def predict_memory(
     states = model_states(facts, layout, check, precision, optimizer, cache)
     states = max(states, key=lambda x: x.total)
     acts = activation_peak(facts, layout, check, seq, precision)
-    buf = buffers(facts, layout, states.params, seq, precision)
+    units = None
+    if layout.stage == 3:
+        key = ("zero3_units", layout.tp)
+        if cache is not None and key in cache:
+            units = cache[key]
+        else:
+            units = zero3_units(facts, layout.tp)[1]
+            if cache is not None:
+                cache[key] = units
+    buf = buffers(facts, layout, states.params, seq, precision, units)
     return MemoryBreakdown(states, acts, buf, hw.overhead_bytes)

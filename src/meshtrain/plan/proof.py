@@ -96,6 +96,25 @@ def predicted(model_cfg: dict, layout: Layout, hw) -> dict:
     }
 
 
+def repredict(path: str) -> None:
+    """Recompute the predicted columns of a ``measure`` JSON with the calibration stored in
+    it (after a change to the models; the measurements stay as they were)."""
+    from dataclasses import replace
+
+    from meshtrain.plan.calibration import Calibration
+    from meshtrain.plan.hardware import Hardware
+
+    with open(path) as f:
+        data = json.load(f)
+    cal = Calibration(**data["calibration"])
+    hw = replace(cal.apply(Hardware.cpu()), overhead_bytes=0, cores=0)
+    for row, (_, cfg, layout) in zip(data["rows"], MEASURED, strict=True):
+        assert row["layout"] == layout.label()
+        row.update({f"predicted_{k}": v for k, v in predicted(cfg, layout, hw).items()})
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def run_measured(out: str, steps: int = 3) -> None:
     from dataclasses import replace
 
@@ -324,6 +343,8 @@ if __name__ == "__main__":
         run_measured(sys.argv[2] if len(sys.argv) > 2 else "plan_measured.json")
     elif sys.argv[1:2] == ["user-check"]:
         user_check()
+    elif sys.argv[1:2] == ["repredict"]:
+        repredict(sys.argv[2])
     elif sys.argv[1:2] == ["tables"]:
         print(tables(sys.argv[2]))
     elif sys.argv[1:2] == ["published"]:
