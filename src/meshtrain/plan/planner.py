@@ -138,11 +138,9 @@ class Planner:
         memory = predict_memory(
             self.facts, layout, self.check, self.hw, cache=self._states, **common
         )
-        width = 4 if self.precision == "fp32" else 2
+        # the largest rank's trainable parameters before ZeRO: what its reductions move
         if layout.pp == 1:
-            trainable = memory.states.grads // width if layout.stage < 2 else 0
-            if layout.stage >= 2 or layout.tp > 1 or layout.ep > 1:
-                trainable = self._local_trainable(layout)
+            trainable = self._local_trainable(layout)
         else:
             share = self._local_trainable(layout.but(pp=1)) / max(1, self.facts.params)
             trainable = round(
