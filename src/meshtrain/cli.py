@@ -17,6 +17,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("launch", "meshtrain.launch.cli"),
     ("train", "meshtrain.jobs.train.main_job"),
     ("estimate", "meshtrain.estimate.cli"),
+    ("plan", "meshtrain.plan.cli"),
     ("consolidate", "meshtrain.checkpoint.consolidate"),
     ("data", "meshtrain.data.cli"),
     ("serve", "meshtrain.serve.cli"),

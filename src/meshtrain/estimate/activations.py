@@ -52,6 +52,7 @@ __all__ = [
     "activation_bytes",
     "activation_table",
     "attach_activations",
+    "block_parts",
     "peak_activation_bytes",
 ]
 
@@ -113,7 +114,29 @@ def activation_bytes(
         raise ValueError(f"seq_len {seq_len} is not divisible by cp {cp}")
     if method not in ("all_to_all", "ring"):
         raise ValueError(f"method {method!r}: use all_to_all or ring")
-    s, h, w = seq_len // cp, dims.hidden, width
+    s = seq_len // cp
+    norms, attention, mlp, small = block_parts(dims, cp=cp, width=width, method=method)
+    block = norms + attention + mlp + small
+    h, w = dims.hidden, width
+    per_token = dims.layers * block + (4 * h + 2 * w * h + 4) + 8
+    if position_ids:
+        per_token += 4 * dims.head_dim
+    total = batch * (s * per_token + (s - 1) * (4 * dims.vocab + 8))
+    if documents and method == "all_to_all":  # the dense mask, whole sequence, every rank
+        total += dims.layers * batch * w * seq_len * seq_len
+    elif documents:  # ring: the blocks' int64 document ids
+        total += dims.layers * batch * 8 * seq_len
+    return total
+
+
+def block_parts(
+    dims: DecoderDims, *, cp: int = 1, width: int = 4, method: str = "all_to_all"
+) -> tuple[int, int, int, int]:
+    """One block's bytes per local token, by part: ``(norms, attention, MLP, fp32 small)``
+    (module docstring; their sum is the block term of ``activation_bytes``). The planner
+    divides the attention and MLP parts by the tensor-parallel size (their activations
+    are sharded by heads and columns) and the norms only under sequence parallelism."""
+    h, w = dims.hidden, width
     kv = dims.kv_heads * dims.head_dim
     if method == "all_to_all" and cp > 1:
         from meshtrain.parallel.context.all_to_all import head_layout
@@ -127,16 +150,7 @@ def activation_bytes(
         attention = w * (3 * h + 2 * kv)
     else:  # q, out (the attention's heads), k, v; o_proj input
         attention = w * (2 * h_attn + 2 * kv + h)
-    block = norms + attention + 4 * w * dims.ffn + 4 * (h_attn // dims.head_dim) + 8
-    per_token = dims.layers * block + (4 * h + 2 * w * h + 4) + 8
-    if position_ids:
-        per_token += 4 * dims.head_dim
-    total = batch * (s * per_token + (s - 1) * (4 * dims.vocab + 8))
-    if documents and method == "all_to_all":  # the dense mask, whole sequence, every rank
-        total += dims.layers * batch * w * seq_len * seq_len
-    elif documents:  # ring: the blocks' int64 document ids
-        total += dims.layers * batch * 8 * seq_len
-    return total
+    return norms, attention, 4 * w * dims.ffn, 4 * (h_attn // dims.head_dim) + 8
 
 
 def peak_activation_bytes(dims: DecoderDims, *, seq_len: int, cp: int = 1, batch: int = 1,

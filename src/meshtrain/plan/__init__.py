@@ -1,0 +1,1 @@
+"""meshtrain plan: the layout that fits and runs fastest (docs/plan.md)."""

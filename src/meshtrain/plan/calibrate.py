@@ -1,0 +1,118 @@
+"""``meshtrain plan --calibrate``: measure a handful of layouts on this machine's CPU ranks,
+fit the constants of ``calibration.Calibration``, store them.
+
+The layouts (``LAYOUTS``) are chosen so the fit sees each term move on its own: one rank at
+two micro-batch sizes (compute and the per-micro-step cost), two ranks under data
+parallelism at stage 0 and 2 (gradient bytes), tensor parallelism (per-layer all-reduces)
+and a pipeline (bubble, p2p); two runs of a smaller decoder (``SMALL``) separate the
+optimizer step's per-parameter cost from the per-step one. The model is a small reference decoder (``MODEL``) at
+sequence length ``SEQ``: a few seconds a step at most on a loaded two-core machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import replace
+
+from meshtrain.plan.calibration import Calibration
+from meshtrain.plan.hardware import Hardware
+from meshtrain.plan.layout import Layout
+
+__all__ = ["LAYOUTS", "MODEL", "SEQ", "SMALL", "calibrate", "features", "planner_for"]
+
+MODEL = dict(vocab_size=4224, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=256)
+# a second, smaller model: per-parameter costs (the optimizer step) separate from per-step ones
+SMALL = dict(vocab_size=2048, dim=128, n_layers=2, n_heads=4, ffn_dim=352, max_seq_len=256)
+SEQ = 256
+SMALL_LAYOUTS = (
+    Layout(dp=1, micro_batch=2, grad_accum=1),
+    Layout(dp=1, micro_batch=1, grad_accum=4),
+)
+LAYOUTS = (
+    Layout(dp=1, micro_batch=1, grad_accum=1),
+    Layout(dp=1, micro_batch=4, grad_accum=1),
+    Layout(dp=1, micro_batch=1, grad_accum=4),
+    Layout(dp=2, stage=0, micro_batch=2, grad_accum=1),
+    Layout(dp=2, stage=2, micro_batch=1, grad_accum=2),
+    Layout(dp=2, stage=3, micro_batch=2, grad_accum=1),
+    Layout(dp=1, tp=2, micro_batch=2, grad_accum=1),
+    Layout(dp=1, pp=2, micro_batch=1, grad_accum=4),
+)
+
+
+def load_average() -> str:
+    """``uptime``'s three load averages."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def planner_for(model_cfg: dict, hw: Hardware, world: int, seq: int, global_batch: int):
+    """A planner of ``model_cfg`` (``measure.build_model``) on ``world`` CPU ranks (fp32)."""
+    from meshtrain.plan.measure import build_model
+    from meshtrain.plan.model_facts import ModelFacts
+    from meshtrain.plan.planner import Planner
+
+    facts = ModelFacts.of(build_model(model_cfg, meta=True))
+    return Planner(
+        facts, hw, gpus=world, seq=seq, global_batch=global_batch, limit=hw.memory_bytes,
+        precision="fp32", optimizer="AdamW",
+    )  # fmt: skip
+
+
+def features(pred) -> dict:
+    """The fit's inputs of one prediction made at efficiency 1 and no fixed costs."""
+    t = pred.time
+    x = pred.layout
+    return {
+        "layout": x.label(),
+        "compute": t.compute + t.bubble,
+        "wire": sum(t.comm_bytes.values()),
+        "slots": x.grad_accum + x.pp - 1,
+        "optimizer": t.optimizer,
+    }
+
+
+def raw_hardware(hw: Hardware) -> Hardware:
+    """``hw`` with efficiency 1 and no fixed costs: predictions become the fit's features."""
+    return replace(
+        hw, efficiency=1.0, micro_step_s=0.0, step_s=0.0, bw_intra=1e30, bw_inter=1e30, hbm=1.0
+    )  # the optimizer's time becomes its bytes
+
+
+def calibrate(
+    layouts=LAYOUTS, *, model_cfg: dict = MODEL, seq: int = SEQ, steps: int = 3, save: bool = True,
+    echo=print,
+) -> Calibration:  # fmt: skip
+    """Measure ``layouts``, fit, store (module docstring)."""
+    from meshtrain.plan.measure import measure
+
+    # fitted on CPU seconds (measure's docstring): a rank with a core of its own
+    hw = replace(raw_hardware(Hardware.cpu()), cores=0)
+    rows, rss = [], 0
+    runs = [(model_cfg, x) for x in layouts]
+    if layouts is LAYOUTS:
+        runs += [(SMALL, x) for x in SMALL_LAYOUTS]
+    for cfg, x in runs:
+        planner = planner_for(cfg, hw, x.world, seq, x.global_batch)
+        row = features(planner.predict(x))
+        load = load_average()
+        got = measure(cfg, x, seq=seq, steps=steps)
+        row.update(measured=got["cpu_s"], wall=got["step_s"], world=x.world, load=load,
+                   model=cfg["dim"])  # fmt: skip
+        rss = max(rss, got["rss_base"])
+        rows.append(row)
+        echo(
+            f"  {row['layout']:<32} {x.world} rank(s)  {got['cpu_s']:.3f} CPU s/step "
+            f"({got['step_s']:.3f} s wall, load {load})"
+        )
+    cal = Calibration.fit(
+        rows, hw.peak_flops, rss_base=rss,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        load_avg=load_average(),
+    )  # fmt: skip
+    if save:
+        cal.save()
+    return cal

@@ -1,0 +1,175 @@
+"""The search: every layout meshtrain runs for a model on N devices, each predicted.
+
+``Planner(facts, hw, gpus=N, ...)`` enumerates (``layouts``) every factorisation
+``pp x dp x cp x tp = N`` (tp within a node, cp up to 16, pp up to the block count), ep
+dividing ``dp x cp`` and the expert count, ZeRO stage 0-3 with the offloads each stage
+takes, sequence parallelism, the four pipeline schedules (interleaved with two chunks per
+rank), both context-parallel methods, micro-batches of 1, 2, 4, ... dividing the batch
+per replica, and activation checkpointing on and off. Each structure (everything but the
+micro-batch and checkpointing, which no check refuses) goes once through
+``validity.LayoutCheck``: what it refuses is dropped and counted. ``ranked`` predicts the
+rest (``memory.predict_memory``, ``step_time.predict_time``) and sorts the ones that fit
+first, fastest first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from meshtrain.errors import ConfigError
+from meshtrain.plan.hardware import Hardware
+from meshtrain.plan.layout import Layout
+from meshtrain.plan.memory import predict_memory, rank_params
+from meshtrain.plan.model_facts import ModelFacts
+from meshtrain.plan.prediction import Prediction
+from meshtrain.plan.step_time import predict_time, step_flops_per_token
+from meshtrain.plan.validity import LayoutCheck
+
+__all__ = ["Planner"]
+
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("interleaved_1f1b", 2))
+MAX_CP = 16
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Planner:
+    """Layouts of one model on ``gpus`` devices of kind ``hw`` (module docstring)."""
+
+    def __init__(
+        self,
+        facts: ModelFacts,
+        hw: Hardware,
+        *,
+        gpus: int,
+        seq: int,
+        global_batch: int,
+        limit: int,
+        precision: str = "bf16",
+        optimizer: str = "AdamW",
+        micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+    ) -> None:
+        if gpus < 1:
+            raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
+        if seq < 1 or global_batch < 1:
+            raise ConfigError("--seq and --global-batch: must be >= 1")
+        self.facts, self.hw, self.gpus, self.seq = facts, hw, gpus, seq
+        self.global_batch, self.limit = global_batch, limit
+        self.precision, self.optimizer = precision, optimizer
+        self.micro_batches = micro_batches
+        self.check = LayoutCheck(facts, seq, precision)
+        self.refused: Counter[str] = Counter()
+        self._refusals: dict[Layout, str | None] = {}
+        self._states: dict = {}  # model states per (tp, pp, ep, dp, stage, ...)
+        self._trainable: dict[tuple[int, int, int], int] = {}
+
+    # -- the search space --------------------------------------------------------------
+    def structures(self):
+        """Every layout with micro-batch 1 and no checkpointing (module docstring)."""
+        f, n = self.facts, self.gpus
+        for tp in _divisors(n):
+            if tp > self.hw.gpus_per_node or tp > f.heads:
+                continue
+            for cp in _divisors(n // tp):
+                if cp > MAX_CP:
+                    continue
+                for pp in _divisors(n // (tp * cp)):
+                    if pp > f.layers:
+                        continue
+                    dp = n // (tp * cp * pp)
+                    eps = [e for e in _divisors(dp * cp) if f.moe and f.n_experts % e == 0]
+                    for ep in eps or [1]:
+                        yield from self._knobs(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep))
+
+    def _knobs(self, base: Layout):
+        stages = (0, 1, 2) if base.pp > 1 else (0, 1, 2, 3)
+        offloads = {0: [(False, False)], 1: [(False, False), (True, False)],
+                    2: [(False, False), (True, False)],
+                    3: [(False, False), (True, False), (True, True)]}  # fmt: skip
+        sps = (False, True) if base.tp > 1 else (False,)
+        schedules = SCHEDULES if base.pp > 1 else (("1f1b", 1),)
+        methods = ("ring", "all_to_all") if base.cp > 1 else ("ring",)
+        for stage in stages:
+            for off_o, off_p in offloads[stage]:
+                for sp in sps:
+                    for sched, v in schedules:
+                        if v > 1 and base.pp * v > self.facts.layers:
+                            continue
+                        for method in methods:
+                            yield base.but(
+                                stage=stage, offload_optimizer=off_o, offload_param=off_p,
+                                sequence_parallel=sp, schedule=sched, virtual_stages=v,
+                                cp_method=method,
+                            )  # fmt: skip
+
+    def layouts(self):
+        """Every layout meshtrain accepts (module docstring)."""
+        for base in self.structures():
+            per_replica, rem = divmod(self.global_batch, base.dp)
+            if rem or per_replica == 0:
+                self.refused[f"--global-batch {self.global_batch} not divisible by dp"] += 1
+                continue
+            for mb in self.micro_batches:
+                if per_replica % mb:
+                    continue
+                layout = base.but(micro_batch=mb, grad_accum=per_replica // mb)
+                why = self.refusal(layout)
+                if why is not None:
+                    self.refused[why] += 1
+                    continue
+                yield layout
+                yield layout.but(checkpointing=True)
+
+    def refusal(self, layout: Layout) -> str | None:
+        """``LayoutCheck.refusal``, once per structure: the micro-batch, the accumulation
+        and checkpointing refuse nothing by themselves; the schedule's action lists for
+        this micro-batch count are built (and checked) when the time model asks."""
+        key = layout.but(micro_batch=1, grad_accum=1, checkpointing=False)
+        if key not in self._refusals:
+            self._refusals[key] = self.check.refusal(key)
+        return self._refusals[key]
+
+    # -- predictions -------------------------------------------------------------------
+    def predict(self, layout: Layout) -> Prediction:
+        """Memory and step time of one layout."""
+        common = dict(seq=self.seq, precision=self.precision, optimizer=self.optimizer)
+        memory = predict_memory(
+            self.facts, layout, self.check, self.hw, cache=self._states, **common
+        )
+        # the largest rank's trainable parameters before ZeRO: what its reductions move
+        if layout.pp == 1:
+            trainable = self._local_trainable(layout)
+        else:
+            share = self._local_trainable(layout.but(pp=1)) / max(1, self.facts.params)
+            trainable = round(
+                max(r[0] for r in rank_params(self.facts, layout, self.check)) * share
+            )
+        time = predict_time(
+            self.facts, layout, self.check, self.hw, trainable_per_rank=trainable, **common
+        )
+        return Prediction(
+            layout, memory, time, self.seq, step_flops_per_token(self.facts, self.seq),
+            self.hw.peak_flops, self.limit,
+        )  # fmt: skip
+
+    def _local_trainable(self, layout: Layout) -> int:
+        """Trainable parameters on one rank before ZeRO (tp and ep applied)."""
+        from meshtrain.estimate.model_states import model_states_bytes
+
+        key = (layout.tp, layout.ep, layout.dp * layout.cp)
+        if key in self._trainable:
+            return self._trainable[key]
+        s = model_states_bytes(
+            self.facts.model, dp=layout.dp * layout.cp, stage=0, precision="fp32",
+            optimizer=0, tp=layout.tp, ep=layout.ep,
+        )  # fmt: skip
+        self._trainable[key] = s.grads // 4
+        return self._trainable[key]
+
+    def ranked(self) -> list[Prediction]:
+        """Every accepted layout predicted: those that fit first, then by step time."""
+        preds = [self.predict(x) for x in self.layouts()]
+        preds.sort(key=lambda p: (not p.fits, p.time.total, p.memory.total))
+        return preds

@@ -1,0 +1,36 @@
+"""A small version of docs/plan.md's memory table, run for real: the planner's winner for a
+small decoder on two CPU ranks, its config as the planner writes it through
+``meshtrain.initialize`` (so the winner runs as is), model states and peak tensor memory
+measured against the prediction.
+
+Tolerances: model states exact but for the optimizer's scalar ``step`` tensors (one
+4-byte-or-more tensor per parameter leaf: at most 64 bytes per rank here; ZeRO-3's persistent parameters
+are counted by ``plan.memory.zero3_units``); peak tensor
+memory within 10% (the issue's bound; docs/plan.md's 23 layouts are within 4.1%). The
+memory measure (RSS high-water mark with every block >= 64 KiB mmapped) is the bytes alive,
+not a time, so the machine's load does not move it. No step time is asserted (the house
+rule: no wall-clock assertions in tests).
+"""
+
+from __future__ import annotations
+
+from meshtrain.plan.hardware import Hardware
+
+MODEL = dict(vocab_size=2048, dim=128, n_layers=2, n_heads=4, ffn_dim=352, max_seq_len=128)
+SEQ = 128
+
+
+def test_memory_predicted_against_measured_on_two_ranks():
+    from dataclasses import replace
+
+    from meshtrain.plan.calibrate import planner_for
+    from meshtrain.plan.measure import measure
+
+    hw = replace(Hardware.cpu(), overhead_bytes=0)
+    planner = planner_for(MODEL, hw, 2, SEQ, 8)
+    pred = next(p for p in planner.ranked() if p.fits)
+    layout = pred.layout
+    assert layout.world == 2 and planner.refusal(layout) is None
+    got = measure(MODEL, layout, seq=SEQ, steps=2, timeout=300)
+    assert 0 <= got["states"] - pred.memory.states.total <= 64
+    assert abs(pred.memory.tensors / got["peak_tensor_bytes"] - 1) < 0.10
