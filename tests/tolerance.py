@@ -58,6 +58,14 @@ after one step at lr 1e-2 (46 u per unit of ``lr / s``; bound 7.6e-6).
 ``tools/kernel_matrix.py`` measures them again; CI runs the parity tests a second time
 under another kernel choice and thread count (``.ci/run``).
 
+The other bounds follow from these: one step's gradients (:func:`gradient`, the
+evaluation times a gradient sum's condition), a gradient or a gradient norm computed from
+weights within a bound (:func:`gradient_from`, :func:`norm_from`), an output through
+``d`` linear maps of such weights (:func:`composed`), SGD's per-element step as the rate of
+:func:`trajectory` (:func:`sgd_rate`), a low-precision run against fp32
+(:func:`against_fp32`). The ``check*`` functions assert and record each comparison
+(``$MESHTRAIN_TOLERANCE_LOG``) so ``tools/kernel_matrix.py`` can show it beside its bound.
+
 Bounds wider than these rules give are allowed only with their own derivation written
 beside the assertion (bf16 runs against an fp32 reference, a quantized base, an
 approximation such as fp8).
@@ -70,8 +78,6 @@ import math
 import os
 from collections.abc import Sequence
 
-EXACT = 0.0
-
 UNIT_ROUNDOFF = {  # half the distance from 1 to the next number: 2^-(mantissa bits + 1)
     "float64": 2.0**-53,
     "float32": 2.0**-24,
@@ -82,11 +88,23 @@ MARGIN = 4.0
 ADAM_ULPS = 48.0
 WIDTH = 64  # the widest inner dimension of the suite's tiny models
 INIT_STD = 0.02  # the init std of the suite's models (Decoder, transformers' configs)
+# A weight gradient sums 16-64 token contributions of random sign: its condition number
+# (the sum of the terms' magnitudes over its value) is about sqrt(tokens), the kappa of
+# ADAM_ULPS = c kappa.
+GRADIENT_CONDITION = 8.0
+# The suite's tiny models start training with whole-model gradient norms below 2 (the
+# Decoder, Llama and GPT-2 of the parity tests: 1.0-1.9) and the norms fall as they train;
+# 4 leaves a margin of 2.
+GRAD_NORM = 4.0
+# bf16 against fp32 (Decoder and Llama, 20 steps, tp 2 and 4) measured: losses 2.1e-4,
+# whole-model parameters 2.9e-3 (0.75 u), the worst tensor, the embedding, 1.3e-2 (3.3 u).
+LOW_PRECISION_ROUNDINGS = 5.0
 
 LOG_ENV = "MESHTRAIN_TOLERANCE_LOG"  # a JSONL file every check appends to (the matrix job)
 
 
 def unit_roundoff(dtype: object = "float32") -> float:
+    """The unit roundoff ``u`` of a dtype (a torch dtype or its name)."""
     name = str(dtype).removeprefix("torch.")
     return UNIT_ROUNDOFF[name]
 
@@ -94,6 +112,13 @@ def unit_roundoff(dtype: object = "float32") -> float:
 def evaluation(*, width: int = WIDTH, dtype: object = "float32") -> float:
     """Relative bound for one evaluation whose reductions ran in another order."""
     return MARGIN * math.sqrt(width) * unit_roundoff(dtype)
+
+
+def gradient(*, width: int = WIDTH, dtype: object = "float32") -> float:
+    """Relative bound (normwise per tensor) for one step's gradients from identical weights
+    whose reductions ran in another order: :func:`evaluation` times the condition of a
+    gradient sum (:data:`GRADIENT_CONDITION`)."""
+    return GRADIENT_CONDITION * evaluation(width=width, dtype=dtype)
 
 
 def trajectory(
@@ -119,6 +144,18 @@ def trajectory(
     return MARGIN * u * (math.sqrt(width) + ADAM_ULPS * lr_sum / scale)
 
 
+def sgd_rate(
+    lr: float, numel: int, *, momentum: float = 0.0, grad_norm: float = GRAD_NORM
+) -> float:
+    """The per-element step of SGD, to use as :func:`trajectory`'s rate.
+
+    Adam moves every element by about ``lr`` a step, whatever its gradient; SGD moves it
+    by ``lr g`` (``lr g / (1 - momentum)`` once momentum has built up), so its rounding
+    differences enter the parameters at the rms gradient ``grad_norm / sqrt(numel)``
+    times that, with the same relative size ``c kappa u`` (``ADAM_ULPS``)."""
+    return lr * grad_norm / math.sqrt(numel) / (1.0 - momentum)
+
+
 def per_tensor(model_bound: float, model_numel: int, tensor_numel: int) -> float:
     """The relative bound for one tensor of a model held to ``model_bound`` normwise."""
     return model_bound * math.sqrt(model_numel / max(tensor_numel, 1))
@@ -129,6 +166,46 @@ def composed(model_bound: float, depth: int, *, width: int = WIDTH) -> float:
     each within ``model_bound`` (first-order perturbation of a product of ``depth``
     factors), plus the output's own evaluation in another order."""
     return depth * model_bound + evaluation(width=width)
+
+
+def gradient_from(param_bound: float) -> float:
+    """Relative bound on a gradient computed from weights within ``param_bound``: first
+    order through the forward and the backward maps (twice the bound), plus its own
+    evaluation in another order (:func:`gradient`)."""
+    return 2.0 * param_bound + gradient()
+
+
+def norm_from(param_bound: float, numel: int) -> float:
+    """Relative bound on a global gradient norm over ``numel`` elements computed from weights
+    within ``param_bound``: the gradients' bound (:func:`gradient_from`) plus the norm's own
+    sum of ``numel`` squares in another order (an engine's fp32 ``vector_norm`` over one
+    flat buffer against a sum of per-shard squares)."""
+    return gradient_from(param_bound) + evaluation(width=numel)
+
+
+def against_fp32(dtype: object) -> float:
+    """Relative bound for a run computing in ``dtype`` (fp32 masters) against the same run
+    in fp32: a few roundings of relative ``u(dtype)`` in the activations that do not cancel
+    (``LOW_PRECISION_ROUNDINGS``), and no growth with the steps, because the fp32 masters
+    keep every update exact."""
+    return LOW_PRECISION_ROUNDINGS * unit_roundoff(dtype)
+
+
+def normwise(state: dict, ref_state: dict) -> float:
+    """||a - b||_2 / ||b||_2 over every tensor of two state dicts (in float64)."""
+    assert state.keys() == ref_state.keys(), sorted(set(state) ^ set(ref_state))
+    num = sum(float((state[k].double() - ref_state[k].double()).pow(2).sum()) for k in state)
+    den = sum(float(ref_state[k].double().pow(2).sum()) for k in state)
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def relative(a, b) -> float:
+    """||a - b|| / ||b|| of two arrays or tensors (numpy or torch), in float64."""
+    import numpy as np
+
+    a64 = np.asarray(a.detach().cpu() if hasattr(a, "detach") else a, dtype=np.float64)
+    b64 = np.asarray(b.detach().cpu() if hasattr(b, "detach") else b, dtype=np.float64)
+    return float(np.linalg.norm(a64 - b64) / max(np.linalg.norm(b64), 1e-300))
 
 
 def record(what: str, measured: float, bound: float) -> None:
@@ -177,76 +254,9 @@ def check_trajectory(
     check(f"{what}: parameters (normwise)", normwise(state, ref_state), bound)
 
 
-def normwise(state: dict, ref_state: dict) -> float:
-    """||a - b||_2 / ||b||_2 over every tensor of two state dicts (in float64)."""
-    assert state.keys() == ref_state.keys(), sorted(set(state) ^ set(ref_state))
-    num = sum(float((state[k].double() - ref_state[k].double()).pow(2).sum()) for k in state)
-    den = sum(float(ref_state[k].double().pow(2).sum()) for k in state)
-    return (num / max(den, 1e-300)) ** 0.5
-
-
-def against_fp32(dtype: object) -> float:
-    """Relative bound for a run computing in ``dtype`` (fp32 masters) against the same run
-    in fp32: a few roundings of relative ``u(dtype)`` in the activations that do not cancel
-    (``LOW_PRECISION_ROUNDINGS``), and no growth with the steps, because the fp32 masters
-    keep every update exact."""
-    return LOW_PRECISION_ROUNDINGS * unit_roundoff(dtype)
-
-
-# Measured for bf16 against fp32 (Decoder and Llama, 20 steps, tp 2 and 4): losses 2.1e-4,
-# whole-model parameters 2.9e-3 (0.75 u), the worst tensor, the embedding, 1.3e-2 (3.3 u).
-LOW_PRECISION_ROUNDINGS = 5.0
-
-
-# A weight gradient sums 16-64 token contributions of random sign: its condition number
-# (the sum of the terms' magnitudes over its value) is about sqrt(tokens), the kappa of
-# ADAM_ULPS = c kappa.
-GRADIENT_CONDITION = 8.0
-
-
-def gradient(*, width: int = WIDTH, dtype: object = "float32") -> float:
-    """Relative bound (normwise per tensor) for one step's gradients from identical weights
-    whose reductions ran in another order: :func:`evaluation` times the condition of a
-    gradient sum (:data:`GRADIENT_CONDITION`)."""
-    return GRADIENT_CONDITION * evaluation(width=width, dtype=dtype)
-
-
-# The suite's tiny models start training with whole-model gradient norms below 2 (the
-# Decoder, Llama and GPT-2 of the parity tests: 1.0-1.9) and the norms fall as they train;
-# 4 leaves a margin of 2.
-GRAD_NORM = 4.0
-
-
-def sgd_rate(
-    lr: float, numel: int, *, momentum: float = 0.0, grad_norm: float = GRAD_NORM
-) -> float:
-    """The per-element step of SGD, to use as :func:`trajectory`'s rate.
-
-    Adam moves every element by about ``lr`` a step, whatever its gradient; SGD moves it
-    by ``lr g`` (``lr g / (1 - momentum)`` once momentum has built up), so its rounding
-    differences enter the parameters at the rms gradient ``grad_norm / sqrt(numel)``
-    times that, with the same relative size ``c kappa u`` (``ADAM_ULPS``)."""
-    return lr * grad_norm / math.sqrt(numel) / (1.0 - momentum)
-
-
-def gradient_from(param_bound: float) -> float:
-    """Relative bound on a gradient computed from weights within ``param_bound``: first
-    order through the forward and the backward maps (twice the bound), plus its own
-    evaluation in another order (:func:`gradient`)."""
-    return 2.0 * param_bound + gradient()
-
-
-def norm_from(param_bound: float, numel: int) -> float:
-    """Relative bound on a global gradient norm over ``numel`` elements computed from weights
-    within ``param_bound``: the gradients' bound (:func:`gradient_from`) plus the norm's own
-    sum of ``numel`` squares in another order (an engine's fp32 ``vector_norm`` over one
-    flat buffer against a sum of per-shard squares)."""
-    return gradient_from(param_bound) + evaluation(width=numel)
-
-
 def check_run(what: str, run: tuple, reference: tuple, bound: float) -> None:
     """``(losses, grad_norms, params)`` of a run against the reference's: every loss within
-    ``bound`` (relative), every gradient norm within :func:`gradient_from` it, every
+    ``bound`` (relative), every gradient norm within :func:`norm_from` it, every
     parameter tensor within :func:`per_tensor` of it (normwise). ``params`` may hold only
     this rank's tensors (a pipeline stage); ``grad_norms`` may be ``None``."""
     losses, norms, params = run
@@ -292,12 +302,3 @@ def check_weights(
             continue
         err = float((t.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
         check(f"{what}: {name}", err, per_tensor(bound, numel, ref.numel()))
-
-
-def relative(a, b) -> float:
-    """||a - b|| / ||b|| of two arrays or tensors (numpy or torch), in float64."""
-    import numpy as np
-
-    a64 = np.asarray(a.detach().cpu() if hasattr(a, "detach") else a, dtype=np.float64)
-    b64 = np.asarray(b.detach().cpu() if hasattr(b, "detach") else b, dtype=np.float64)
-    return float(np.linalg.norm(a64 - b64) / max(np.linalg.norm(b64), 1e-300))
