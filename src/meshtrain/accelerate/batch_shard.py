@@ -160,12 +160,16 @@ class BatchShardSampler(DistributedSampler):
         super().set_epoch(epoch)
 
     def skip_to(self, num_batches: int) -> None:
-        """The next pass starts ``num_batches`` whole global batches into this epoch's
-        order (accelerate's ``skip_first_batches``); a pass already resumed there by
-        ``load_state_dict`` is left as it is."""
+        """The next pass starts ``num_batches`` whole global batches into an order drawn
+        as accelerate's ``skip_first_batches`` loader draws it: the shuffling generator's
+        next pass from its state now (or a new seed from the global RNG), never a pass
+        order restored by ``load_state_dict``. accelerate does not save the generator, so
+        a script resumed in epoch ``e > 0`` skips into its generator's first pass; so does
+        this one (without ``skip_first_batches`` meshtrain resumes the saved order)."""
         start = min(self.num_samples_total, num_batches * self.batch_size * self.num_replicas)
         self._next_start = self._pass_start = self._consumed = start
         self._local = 0
+        self._fresh, self._pass_state = True, None
 
     def pass_batches(self, skipped: int) -> int:
         """This rank's batches in a pass that starts ``skipped`` global batches in."""

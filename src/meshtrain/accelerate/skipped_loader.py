@@ -9,13 +9,16 @@ its ``n``-th batch, as accelerate's examples use it to resume mid-epoch::
             active = train_dataloader
         for batch in active: ...
 
-accelerate returns a new loader whose batch sampler drops the first ``n`` batches of the
-pass. For a prepared loader meshtrain positions the prepared loader itself: its next pass
-starts ``n`` global batches into the epoch's order. ``load_state`` has already put it
-there when the checkpoint was saved after ``n`` batches, so the call then changes nothing,
-and either way the batches are the peer's (``batch_shard.BatchShardSampler.skip_to``). The
-object returned iterates that one pass; iterating it again (accelerate's loader skips
-again every time) starts the pass again at batch ``n``.
+accelerate returns a new loader whose batch sampler drops the first ``n`` batches of a
+new pass of the loader's sampler. For a prepared loader meshtrain positions the prepared
+loader itself: its next pass starts ``n`` global batches into an order drawn as
+accelerate's is (the shuffling generator's next pass: ``batch_shard.BatchShardSampler
+.skip_to``), whatever position ``load_state`` restored, so the batches are the peer's. In
+epoch 0 that is the uninterrupted run's order; resumed in a later epoch it is the
+generator's first pass again, as under accelerate (which does not save the generator);
+a script that iterates the loader after ``load_state`` without skipping gets meshtrain's
+exact resume instead. The object returned iterates that one pass; iterating it again
+(accelerate's loader skips again every time) starts a pass again at batch ``n``.
 
 A loader that was not prepared is skipped as accelerate skips it: the same batches from
 its own batch sampler, the first ``n`` dropped.
