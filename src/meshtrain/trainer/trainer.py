@@ -408,8 +408,9 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             print(text, flush=True)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add ``logs`` (with epoch and step) to ``state.log_history``; calls ``on_log``."""
-        logs = dict(logs)
+        """Add ``logs`` (with epoch and step) to ``state.log_history``; calls ``on_log``.
+        The epoch goes into ``logs`` itself, as in transformers: the metrics dict that
+        ``train()`` / ``evaluate()`` return then carries it (``train_results.json``)."""
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
