@@ -72,6 +72,7 @@ class BatchShardSampler(DistributedSampler):
         drop_last: bool,
         draw_each_pass: bool = False,
         generator: torch.Generator | None = None,
+        even_batches: bool = True,
     ) -> None:
         super().__init__(
             dataset,
@@ -82,6 +83,9 @@ class BatchShardSampler(DistributedSampler):
             drop_last=drop_last,
         )
         self.batch_size = int(batch_size)
+        # accelerate pads the last global batch only when it shards (several processes);
+        # in one process its loader is the user's, whose last batch is short
+        self.even_batches = bool(even_batches)
         self.generator = generator if shuffle else None
         self.draw_each_pass = bool(draw_each_pass and shuffle and generator is None)
         self._pass_state: torch.Tensor | None = None  # the generator at this pass's randperm
@@ -113,6 +117,8 @@ class BatchShardSampler(DistributedSampler):
 
     def _count(self, start: int) -> int:
         remaining = max(0, self.num_samples_total - start)
+        if not self.even_batches and not self.drop_last:
+            return math.ceil(remaining / self.num_replicas)  # one process: the short tail
         step = self.batch_size * self.num_replicas
         steps = remaining // step if self.drop_last else math.ceil(remaining / step)
         return steps * self.batch_size
@@ -126,6 +132,8 @@ class BatchShardSampler(DistributedSampler):
             return np.zeros(0, np.int64)
         if total > len(stream):  # the stream's own beginning, cycled
             stream = np.concatenate([stream, stream[np.arange(total - len(stream)) % len(stream)]])
+        if total % (self.num_replicas * self.batch_size):  # uneven: one process only
+            return stream[:total]
         order = stream[:total].reshape(-1, self.num_replicas, self.batch_size)
         return order[:, self.rank, :].reshape(-1)
 
@@ -174,7 +182,7 @@ class BatchShardSampler(DistributedSampler):
     def pass_batches(self, skipped: int) -> int:
         """This rank's batches in a pass that starts ``skipped`` global batches in."""
         start = min(self.num_samples_total, skipped * self.batch_size * self.num_replicas)
-        return self._count(start) // self.batch_size
+        return math.ceil(self._count(start) / self.batch_size)
 
     def state_dict(self) -> dict:
         state = super().state_dict()

@@ -341,6 +341,7 @@ def prepared_loader(loader, topology, device, seed: int | None, split_batches: b
         drop_last=loader.drop_last,
         draw_each_pass=generator is None,
         generator=generator,
+        even_batches=topology.dp_size > 1,
     )
     prepared = PreparedDataLoader(
         loader.dataset,

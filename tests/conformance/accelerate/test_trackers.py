@@ -21,6 +21,17 @@ import pytest
 from tests.conformance.accelerate.checks import accelerator
 
 IMPLS = ("accelerate", "meshtrain")
+
+
+@pytest.fixture(autouse=True)
+def _no_accelerate_state_left_behind():
+    """accelerate keeps its process state in class-level singletons; one left from this
+    process's world of 1 would be inherited by ranks a later test forks from it."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 CONFIG = {"lr": 0.001, "batch_size": 4, "model": "tiny"}
 
 
