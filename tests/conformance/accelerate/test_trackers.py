@@ -32,6 +32,8 @@ def _no_accelerate_state_left_behind():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
 CONFIG = {"lr": 0.001, "batch_size": 4, "model": "tiny"}
 
 
