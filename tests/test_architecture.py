@@ -127,6 +127,11 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "one param group's flat buffers, buckets and master chunks (its packing lives in "
         "packing.py, its master layouts in master_layout.py)",
     ),
+    "meshtrain.trainer.trainer": (
+        420,
+        "the Trainer class: transformers' public methods, each delegating to the module of "
+        "its job (setup, loss, evaluation, results, saving, the loop)",
+    ),
     "meshtrain.trainer.arguments": (
         422,
         "TrainingArguments: transformers' fields, each checked (value checks live in "

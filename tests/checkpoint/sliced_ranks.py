@@ -192,6 +192,7 @@ def expert_parity(root, family):
             "mesh": {"expert_parallel_size": 2},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "steps_per_print": 1000,
+            "loss": {"global_aux_loss": True},  # compared with one process on the whole batch
         }
         ref_model = cls[family].from_pretrained(root, dtype=torch.float32)
         ref, *_ = meshtrain.initialize(model=ref_model, config=config)

@@ -31,6 +31,7 @@ def _config(stage: int, world: int) -> dict:
         "gradient_clipping": 0.3,
         "steps_per_print": 1000,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "loss": {"global_aux_loss": True},  # compared with one process on the whole batch
     }
 
 

@@ -561,6 +561,7 @@ def _train_checks(
             "zero_optimization": {"stage": stage},
             "mesh": {"expert_parallel_size": ep},
             "steps_per_print": 1000,
+            "loss": {"global_aux_loss": True},  # compared with one process on the whole batch
             **dict(extra or ()),  # (key, value) pairs: a case is a dict key
         }
         engine, *_ = meshtrain.initialize(
@@ -703,6 +704,7 @@ def _trainer_run(tmp: str) -> dict:
         "zero_optimization": {"stage": 3},
         "mesh": {"expert_parallel_size": 2},
         "steps_per_print": 2,
+        "loss": {"global_aux_loss": True},  # compared with one process on the whole batch
     }
     args = TrainingArguments(
         f"{tmp}/qwen2moe",

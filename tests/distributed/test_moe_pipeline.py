@@ -149,6 +149,7 @@ def _pipeline_run(
         "mesh": {"pipeline_parallel_size": 2, "expert_parallel_size": ep},
         "pipeline": {"schedule": schedule, "virtual_stages": virtual},
         "steps_per_print": 1000,
+        "loss": {"global_aux_loss": True},  # compared with one process on the whole batch
         "activation_checkpointing": {"enabled": checkpointing},
     }
     engine, *_ = meshtrain.initialize(

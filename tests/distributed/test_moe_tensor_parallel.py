@@ -187,6 +187,7 @@ def _config(fam: str, world_rows: int = ROWS, mesh=MESH, sp: bool = False, stage
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "mesh": mesh,
         "steps_per_print": 1000,
+        "loss": {"global_aux_loss": True},  # compared with one process on the whole batch
     }
     if fam != "decoder":
         config["gradient_clipping"] = CLIP

@@ -45,6 +45,7 @@ def _config(stage: int, ep: int, rows: int = ROWS) -> dict:
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "mesh": {"expert_parallel_size": ep},
         "steps_per_print": 1000,
+        "loss": {"global_aux_loss": True},  # compared with one process on the whole batch
     }
 
 
@@ -175,6 +176,7 @@ def _accelerate(stages) -> dict:
             config={
                 "mesh": {"expert_parallel_size": 2},
                 "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                "loss": {"global_aux_loss": True},  # compared with one process on the whole batch
             },
             cpu=True,
         )

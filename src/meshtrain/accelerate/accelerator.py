@@ -80,6 +80,9 @@ class Accelerator(ProcessQueries, StateIO):
             ``engine_config.dataloader_options`` for the rest.
         split_batches: accepted and ignored, as accelerate 1.15 ignores it (a warning
             says so): pass ``dataloader_config`` instead.
+        log_with: accelerate's trackers (``"tensorboard"``, ``"all"``, a tracker object or
+            a list) plus meshtrain's ``"jsonl"``, written under ``project_dir``
+            (``trackers.choice``).
         cpu, device_placement, step_scheduler_with_optimizer, project_dir: accelerate's
             arguments of those names; the others accelerate has are refused by name.
     """
@@ -97,6 +100,7 @@ class Accelerator(ProcessQueries, StateIO):
         device_placement: bool = True,
         step_scheduler_with_optimizer: bool = True,
         project_dir: str | os.PathLike | None = None,
+        log_with: Any = None,
         **accelerate_kwargs: Any,
     ) -> None:
         refuse_unsupported(accelerate_kwargs)
@@ -111,6 +115,10 @@ class Accelerator(ProcessQueries, StateIO):
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
         self.project_dir = None if project_dir is None else str(project_dir)
         self._env, self.topology = self._join(cpu)
+        from meshtrain.accelerate.trackers.choice import Trackers
+
+        self.log_with = log_with
+        self._trackers = Trackers(log_with, self.project_dir, self.topology.rank == 0)
         self.step = 0  # micro-steps counted by accumulate() (accelerate's ``step``)
         self._sync = True
         self._local = 0  # depth of no_sync()

@@ -20,15 +20,26 @@ of global step ``k`` (``rows_kept``), accelerate's ``remainder``.
 takes its ``B / R`` consecutive rows of every batch, which is the rule above with
 ``B / R`` rows per rank (accelerate requires ``R | B``; so does meshtrain).
 
-The order ``P``: ``0..N-1`` for an unshuffled loader. Shuffled, accelerate gives the
-loader's ``RandomSampler`` a ``torch.Generator`` seeded at ``prepare`` with a seed drawn
-from the global torch RNG, and keeps it the same on every process (rank 0's); epoch
-``e``'s order is the ``(e + 1)``-th pass of that ``RandomSampler`` (each pass draws
-``torch.randperm(N)`` and one empty one from the generator). The sampler reproduces it
-from the seed (``_permutation``), so a resumed run continues the same order. In one
-process accelerate leaves the ``RandomSampler`` alone, which draws a fresh seed from the
+The order ``P``: ``0..N-1`` for an unshuffled loader. Shuffled, the order comes from a
+``torch.Generator`` used *live*, exactly as accelerate uses it: the user's own
+(``DataLoader(..., shuffle=True, generator=g)`` or ``RandomSampler(..., generator=g)``),
+else on several processes one seeded at ``prepare`` with a seed drawn from the global
+torch RNG (rank 0's, as accelerate synchronises it). Each pass that starts a new order
+draws what torch's ``RandomSampler`` draws from that generator: ``torch.randperm(N)``
+when its first batch is asked for, and the empty tail ``torch.randperm(N)[:0]`` when the
+pass runs to its end (a pass left by ``break`` never draws the tail, as in torch). So the
+generator's stream, and everything the script draws from it afterwards, is the peer's.
+accelerate also broadcasts rank 0's generator state at the start of every pass; the
+prepared loader does the same (``PreparedDataLoader``). In one process without a
+generator accelerate leaves the ``RandomSampler`` alone, which draws a fresh seed from the
 global RNG at the start of every pass; so does this sampler (``draw_each_pass``). An
-explicit ``Accelerator(seed=...)`` (meshtrain's) fixes the generator's seed instead.
+explicit ``Accelerator(seed=...)`` (meshtrain's) seeds the generator with it instead.
+
+Resume: the generator's state at the pass's ``randperm`` is part of ``state_dict``
+(``generator_state``), so a pass resumed from a checkpoint re-draws the same order from
+it and leaves the generator where the uninterrupted run left it. A state saved before
+this field existed replays the seed's passes instead (exact when every earlier pass ran
+to its end).
 
 Position and resharding are the base sampler's (``meshtrain.data.sampler``): all ranks
 consume the same number of whole batches, so what is consumed is always a prefix of
@@ -60,6 +71,8 @@ class BatchShardSampler(DistributedSampler):
         seed: int,
         drop_last: bool,
         draw_each_pass: bool = False,
+        generator: torch.Generator | None = None,
+        even_batches: bool = True,
     ) -> None:
         super().__init__(
             dataset,
@@ -70,27 +83,42 @@ class BatchShardSampler(DistributedSampler):
             drop_last=drop_last,
         )
         self.batch_size = int(batch_size)
-        self.draw_each_pass = bool(draw_each_pass and shuffle)
+        # accelerate pads the last global batch only when it shards (several processes);
+        # in one process its loader is the user's, whose last batch is short
+        self.even_batches = bool(even_batches)
+        self.generator = generator if shuffle else None
+        self.draw_each_pass = bool(draw_each_pass and shuffle and generator is None)
+        self._pass_state: torch.Tensor | None = None  # the generator at this pass's randperm
+        self._fresh = True  # whether the next pass draws a new order
 
     def _permutation(self) -> np.ndarray:
+        if self.generator is not None:
+            if self._perm is None:  # a state saved without generator_state: replay
+                self._perm = self._replay()
+            return self._perm
         n = self.num_samples_total
         key = (self.seed, self.epoch, self.shuffle, n)
         if self._perm_key != key:
-            if self.shuffle:
-                g = torch.Generator()
-                g.manual_seed(self.seed)
-                passes = 1 if self.draw_each_pass else self.epoch + 1
-                for _ in range(passes):  # torch's own sampler: the generator's exact draws
-                    perm = list(RandomSampler(range(n), generator=g))
-                self._perm = np.asarray(perm, dtype=np.int64)
-            else:
-                self._perm = np.arange(n, dtype=np.int64)
+            self._perm = self._replay() if self.shuffle else np.arange(n, dtype=np.int64)
             self._perm_key = key
         assert self._perm is not None
         return self._perm
 
+    def _replay(self) -> np.ndarray:
+        """Epoch ``epoch``'s order from ``seed``: the ``(epoch + 1)``-th pass of torch's
+        sampler over a generator seeded with it (one pass when a seed is drawn per pass)."""
+        n = self.num_samples_total
+        g = torch.Generator()
+        g.manual_seed(self.seed)
+        passes = 1 if self.draw_each_pass else self.epoch + 1
+        for _ in range(passes):  # torch's own sampler: the generator's exact draws
+            perm = list(RandomSampler(range(n), generator=g))
+        return np.asarray(perm, dtype=np.int64)
+
     def _count(self, start: int) -> int:
         remaining = max(0, self.num_samples_total - start)
+        if not self.even_batches and not self.drop_last:
+            return math.ceil(remaining / self.num_replicas)  # one process: the short tail
         step = self.batch_size * self.num_replicas
         steps = remaining // step if self.drop_last else math.ceil(remaining / step)
         return steps * self.batch_size
@@ -104,15 +132,72 @@ class BatchShardSampler(DistributedSampler):
             return np.zeros(0, np.int64)
         if total > len(stream):  # the stream's own beginning, cycled
             stream = np.concatenate([stream, stream[np.arange(total - len(stream)) % len(stream)]])
+        if total % (self.num_replicas * self.batch_size):  # uneven: one process only
+            return stream[:total]
         order = stream[:total].reshape(-1, self.num_replicas, self.batch_size)
         return order[:, self.rank, :].reshape(-1)
 
     def __iter__(self):
-        if self.draw_each_pass and self._next_start == 0:
+        # runs when the loader asks for its first batch: after torch's DataLoader drew its
+        # base seed (from the loader's generator), as RandomSampler's draws come after it
+        g, n = self.generator, self.num_samples_total
+        if g is not None:
+            if self._fresh:
+                self._pass_state = g.get_state()
+                self._perm = torch.randperm(n, generator=g).numpy()
+            elif self._pass_state is not None:  # a resumed pass: its own order again
+                g.set_state(self._pass_state)
+                self._perm = torch.randperm(n, generator=g).numpy()
+        elif self.draw_each_pass and self._fresh:
             # torch's RandomSampler without a generator: a fresh seed from the global RNG
             # when the pass starts (a resumed pass keeps the seed it was saved with)
             self.seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        self._fresh = False
         return super().__iter__()
+
+    def _generate(self, mine: np.ndarray):
+        yield from super()._generate(mine)
+        # the pass ran to its end: torch's sampler draws its empty tail; a new order next
+        if self.generator is not None:
+            torch.randperm(self.num_samples_total, generator=self.generator)
+        self._fresh = True
+
+    def set_epoch(self, epoch: int) -> None:
+        if int(epoch) != self.epoch:
+            self._fresh = True
+        super().set_epoch(epoch)
+
+    def skip_to(self, num_batches: int) -> None:
+        """The next pass starts ``num_batches`` whole global batches into an order drawn
+        as accelerate's ``skip_first_batches`` loader draws it: the shuffling generator's
+        next pass from its state now (or a new seed from the global RNG), never a pass
+        order restored by ``load_state_dict``. accelerate does not save the generator, so
+        a script resumed in epoch ``e > 0`` skips into its generator's first pass; so does
+        this one (without ``skip_first_batches`` meshtrain resumes the saved order)."""
+        start = min(self.num_samples_total, num_batches * self.batch_size * self.num_replicas)
+        self._next_start = self._pass_start = self._consumed = start
+        self._local = 0
+        self._fresh, self._pass_state = True, None
+
+    def pass_batches(self, skipped: int) -> int:
+        """This rank's batches in a pass that starts ``skipped`` global batches in."""
+        start = min(self.num_samples_total, skipped * self.batch_size * self.num_replicas)
+        return math.ceil(self._count(start) / self.batch_size)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.generator is not None and self._pass_state is not None:
+            state["generator_state"] = self._pass_state.tolist()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        saved = state.get("generator_state")
+        self._pass_state = None if saved is None else torch.tensor(saved, dtype=torch.uint8)
+        self._perm = None
+        self._perm_key = None
+        # a pass saved part-way continues its order; one saved at its start draws anew
+        self._fresh = int(state["consumed"]) == 0 and saved is None
 
 
 def rows_kept(local_start: int, rows: int, replicas: int, remaining: int, batch_size: int) -> int:

@@ -69,7 +69,6 @@ _REFUSED = {
     "dispatch_batches=True would send it, in the same order)",
     "even_batches": "the loaders always even out the ranks, padding the last global batch "
     "with the first rows as accelerate does (gather_for_metrics drops the repeats)",
-    "log_with": "there are no trackers; log on the main process yourself",
     "kwargs_handlers": "DDP/GradScaler/InitProcessGroup kwargs do not apply to the Engine; "
     "use config= (a DeepSpeed config) instead",
     "deepspeed_plugin": "pass the DeepSpeed config itself as config=",
@@ -83,7 +82,7 @@ _REFUSED = {
     "fp8_recipe_handler": "fp8 is not supported",
     "gradient_accumulation_plugin": "pass gradient_accumulation_steps=",
     "project_config": "pass project_dir=",
-    "logging_dir": "there are no trackers",
+    "logging_dir": "pass project_dir= (the trackers write under it)",
 }
 
 

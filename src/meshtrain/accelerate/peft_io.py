@@ -50,8 +50,11 @@ def save_model(
 ) -> Path:
     """Write ``module`` from its gathered ``state`` into ``directory`` (main rank only):
     a peft adapter folder (``PeftModel.from_pretrained`` loads it), with ``merge_lora``
-    the merged base model (``from_pretrained`` of the base class loads it), a
-    ``save_pretrained`` folder for other transformers models, else ``model.safetensors``."""
+    the merged base model (``from_pretrained`` of the base class loads it), else
+    accelerate's ``save_model`` file: ``model.safetensors`` of the state dict, a weight the
+    module shares under several names (tied embeddings) kept under its first name only,
+    as accelerate's ``clean_state_dict_for_safetensors`` keeps it (no ``config.json``:
+    accelerate writes none; ``model.save_pretrained`` writes the folder)."""
     directory.mkdir(parents=True, exist_ok=True)
     if is_peft_model(module):
         if merge_lora:
@@ -66,10 +69,18 @@ def save_model(
         else:
             module.save_pretrained(directory, state_dict=state, safe_serialization=True)
         return directory
-    if hasattr(module, "config") and hasattr(module.config, "save_pretrained"):
-        module.config.save_pretrained(directory)
-    _save_safetensors(state, directory / "model.safetensors")
+    _save_safetensors(_first_names(module, state), directory / "model.safetensors")
     return directory
+
+
+def _first_names(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` less the later names of a tensor ``module`` holds under several names
+    (the gathered copies no longer share storage, so sharing is read from the module)."""
+    first: dict[int, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        first.setdefault(id(t), name)
+    shared = {n for n, t in module.state_dict(keep_vars=True).items() if first[id(t)] != n}
+    return {k: v for k, v in state.items() if k not in shared}
 
 
 @contextmanager

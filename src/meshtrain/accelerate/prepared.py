@@ -62,6 +62,11 @@ class PreparedModel:
     def eval(self) -> PreparedModel:
         return self.train(False)
 
+    def no_sync(self):
+        """DDP's ``model.no_sync()`` (local SGD, hand-written accumulation): backward
+        passes inside keep their gradients local; ``Accelerator.no_sync``."""
+        return self.accelerator.no_sync(self)
+
     def __getattr__(self, name: str) -> Any:  # parameters(), config, generate, ...
         return getattr(self.module, name)
 
@@ -220,27 +225,69 @@ class PreparedDataLoader(ResumableDataLoader):
         self.batches_left = 0  # batches of this pass not yet consumed, the last one included
         self.on_batch = None  # the Accelerator's: which loader gather_for_metrics follows
         self.on_end = None  # and when a pass is over (no loader is being iterated)
+        self._abandoned = False  # the last pass was left by ``break`` before its end
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
+        self._leave_abandoned_pass()
+        self._sync_generator()
         # the pass deals the positions C0..N-1 (C0: where it starts, after a resume)
         self._pass_remaining = max(0, len(sampler.dataset) - sampler._next_start)
         self._local_start = self._last_rows = 0
         self.end_of_dataloader = False
         n_batches = len(self)
-        for i, batch in enumerate(super().__iter__()):
-            self._local_start += self._last_rows
-            self._last_rows = _rows(batch)
-            self.end_of_dataloader = i + 1 == n_batches
-            self.batches_left = n_batches - i
-            if self.on_batch is not None:
-                self.on_batch(self)
-            yield _to_device(batch, self.device)
-        # a pass that ran to its end: the next one is the next epoch
-        self.batches_left = 0
-        if self.on_end is not None:
-            self.on_end(self)
-        sampler.set_epoch(sampler.epoch + 1)
+        started = finished = False
+        try:
+            for i, batch in enumerate(super().__iter__()):
+                started = True
+                self._local_start += self._last_rows
+                self._last_rows = _rows(batch)
+                self.end_of_dataloader = i + 1 == n_batches
+                self.batches_left = n_batches - i
+                if self.on_batch is not None:
+                    self.on_batch(self)
+                yield _to_device(batch, self.device)
+            finished = True
+        finally:
+            # a pass that ran to its end, or one left by ``break`` (early stopping): the
+            # next ``for`` is the next epoch with a new order, as with torch's and
+            # accelerate's loaders (a pass never started leaves the position alone). A
+            # pass left part-way keeps its position until then, so a save_state right
+            # after the break resumes where it stopped
+            if finished or started:
+                self.batches_left = 0
+                if self.on_end is not None:
+                    self.on_end(self)
+            if finished:
+                sampler.set_epoch(sampler.epoch + 1)
+            elif started:
+                self._abandoned = True
+
+    def _leave_abandoned_pass(self) -> None:
+        if self._abandoned:
+            self._abandoned = False
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+
+    def start_at(self, num_batches: int) -> None:
+        """The next pass starts ``num_batches`` global batches into its epoch's order
+        (``skip_first_batches``; a new epoch if the last pass was left by ``break``)."""
+        self._leave_abandoned_pass()
+        self.sampler.skip_to(num_batches)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._abandoned = False  # the loaded position is where the next pass starts
+        super().load_state_dict(state)
+
+    def _sync_generator(self) -> None:
+        """accelerate's ``synchronize_rng_states(["generator"])``: every pass starts from
+        rank 0's state of the shuffling generator (over the whole world, as accelerate)."""
+        g = getattr(self.sampler, "generator", None)
+        dist = torch.distributed
+        if g is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        state = g.get_state()
+        dist.broadcast(state, src=0)
+        g.set_state(state)
 
     def rows_kept(self) -> int:
         """How many leading rows of the last global batch gathered in rank order are real
@@ -276,20 +323,25 @@ def prepared_loader(loader, topology, device, seed: int | None, split_batches: b
             )
         batch_size //= topology.dp_size
     shuffle = isinstance(loader.sampler, RandomSampler)
+    # the generator that orders the batches, used live (``batch_shard``): the user's own,
+    # else accelerate's, seeded now from the global RNG on several processes (rank 0's),
+    # else meshtrain's Accelerator(seed=); one process without either draws per pass
+    generator = loader.sampler.generator if shuffle else None
     fixed = seed is not None
-    if not fixed:
-        # accelerate: one process leaves torch's sampler alone (a new seed from the global
-        # RNG every pass); several get a generator seeded now, rank 0's
-        seed = draw_seed() if shuffle and topology.world_size > 1 else 0
+    if shuffle and generator is None and (fixed or topology.world_size > 1):
+        generator = torch.Generator()
+        generator.manual_seed(seed if fixed else draw_seed())
     sampler = BatchShardSampler(
         loader.dataset,
         batch_size,
         num_replicas=topology.dp_size,
         rank=topology.dp_rank,
         shuffle=shuffle,
-        seed=seed,
+        seed=0 if seed is None else seed,
         drop_last=loader.drop_last,
-        draw_each_pass=not fixed and topology.world_size == 1,
+        draw_each_pass=generator is None,
+        generator=generator,
+        even_batches=topology.dp_size > 1,
     )
     prepared = PreparedDataLoader(
         loader.dataset,
@@ -300,6 +352,9 @@ def prepared_loader(loader, topology, device, seed: int | None, split_batches: b
         drop_last=loader.drop_last,
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
+        # torch draws each pass's base seed from it (the global RNG without one), as the
+        # loader accelerate rebuilds with the user's kwargs does
+        generator=loader.generator,
     )
     prepared.shuffle = shuffle
     return prepared

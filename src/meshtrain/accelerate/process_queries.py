@@ -16,7 +16,6 @@ import torch
 
 from meshtrain.accelerate import collectives as col
 from meshtrain.accelerate import processes
-from meshtrain.errors import ConfigError
 
 
 class ProcessQueries:
@@ -160,22 +159,28 @@ class ProcessQueries:
         group, world = self._dp()
         return col.pad_across_processes(data, group, world, dim, pad_index, pad_first)
 
-    # trackers: accelerate's meaning without ``log_with`` (none configured): nothing ----------------
+    # trackers: accelerate's calls on ``log_with``'s trackers (``trackers.choice``) -------------
+    @property
+    def trackers(self) -> list:
+        return self._trackers.trackers
+
     def init_trackers(
         self, project_name: str, config: dict | None = None, init_kwargs=None
     ) -> None:
-        """No tracker is configured (``log_with`` is refused), so nothing to start."""
+        """Start ``log_with``'s trackers under ``project_dir/project_name`` and store
+        ``config`` as the run's hyperparameters (main process)."""
+        self._trackers.init(project_name, config, init_kwargs)
 
     def log(self, values: dict, step: int | None = None, log_kwargs=None) -> None:
-        """No tracker is configured, so nothing is logged (accelerate's behaviour)."""
+        """Log ``values`` to every tracker (main process; elsewhere nothing)."""
+        self._trackers.log(values, step, log_kwargs)
 
     def get_tracker(self, name: str, unwrap: bool = False):
-        raise ConfigError(
-            f"get_tracker({name!r}): meshtrain's Accelerator has no trackers (log_with is "
-            "not supported); log with TensorBoard/JSONL yourself on the main process"
-        )
+        return self._trackers.get(name, unwrap)
 
     def end_training(self) -> None:
+        """Close the trackers, then wait for every process."""
+        self._trackers.finish()
         self.wait_for_everyone()
 
     # triggers: a flag any rank sets, every rank sees -----------------------------------------------

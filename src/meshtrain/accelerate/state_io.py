@@ -170,12 +170,11 @@ class StateIO:
         load_rng_state(Path(path), self.process_index)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """Refused: ``load_state`` already resumes every prepared loader at the exact
-        batch it stopped at, so skipping again would lose batches."""
-        raise ConfigError(
-            "skip_first_batches: not needed with meshtrain: load_state restores each "
-            "prepared loader's position, and the next batch is the one after the save"
-        )
+        """accelerate's: the loader of one pass from its ``num_batches``-th batch
+        (``skipped_loader``); after ``load_state`` at that batch it changes nothing."""
+        from meshtrain.accelerate.skipped_loader import SkippedLoader
+
+        return SkippedLoader(dataloader, num_batches)
 
     def free_memory(self, *objects: Any) -> tuple:
         """Drop every reference the Accelerator holds (engines, loaders, ...)."""

@@ -210,6 +210,8 @@ class LossConfig(Section):
     """Chunked (fused linear) cross-entropy: the LM head and the loss in chunks of tokens, never the whole [tokens x vocab] logits; with labels, outputs.logits then holds the final hidden states. transformers *ForCausalLM and meshtrain's Decoder; tensor parallel too."""
     chunk_size: PosInt = 1024
     """Tokens per chunk: one [chunk_size x vocab] fp32 block is alive at a time."""
+    global_aux_loss: Bool = False
+    """meshtrain (Megatron's global_aux_loss): a MoE model's router load-balancing loss over the whole global batch (token fractions all-reduced over the data-parallel replicas), as one process on that batch computes it. Off (the default, as DDP, DeepSpeed and accelerate): each rank backpropagates the loss the model returns for its own micro-batch. The two differ because the loss is not linear in the batch (docs/moe.md)."""
 
 
 class CompileConfig(Section):

@@ -48,8 +48,13 @@ def model_shape(model: torch.nn.Module) -> tuple[int, int] | None:
 
 
 def measure_cpu_peak(size: int = 512, seconds: float = 0.2) -> float:
-    """Best fp32 matmul FLOP/s of this process's threads over about ``seconds``."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    """Best fp32 matmul FLOP/s of this process's threads over about ``seconds``.
+
+    The operands come from a private generator: drawing them from torch's default one
+    would shift every random number the user's script draws afterwards (dropout masks,
+    shuffles), which no peer does at set-up."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         t0 = time.perf_counter()

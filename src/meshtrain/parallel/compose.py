@@ -149,13 +149,18 @@ def parallelize(
         from meshtrain.parallel.tensor.moe_blocks import sum_moe_grads_over
 
         shards = topology.tp_group if sum_moe_grads_over(model, topology.tp_group) else None
-    # the router's load-balancing loss over every replica's tokens, as one process on the
-    # whole batch computes it (it is not linear in the batch; see parallel.experts.aux_loss)
-    # (under a pipeline the stages do it, over every stage's layers: ``router_aux``)
-    if (topology.replica_group.size > 1 or shards is not None) and topology.pp_size == 1:
+    # the router's load-balancing loss: by default each replica's own micro-batch's, as
+    # DDP / DeepSpeed / accelerate backpropagate the loss the model returns; with
+    # loss.global_aux_loss over every replica's tokens, as one process on the whole batch
+    # computes it (it is not linear in the batch; see parallel.experts.aux_loss). Under
+    # sequence parallelism a replica's tokens are spread over its tp ranks, so their sums
+    # are always combined. (Under a pipeline the stages do it: ``router_aux``.)
+    replicas = topology.replica_group if config.loss.global_aux_loss else None
+    replicas = replicas if replicas is not None and replicas.size > 1 else None
+    if (replicas is not None or shards is not None) and topology.pp_size == 1:
         from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over
 
-        reduce_aux_loss_over(model, topology.replica_group, shards)
+        reduce_aux_loss_over(model, replicas, shards)
     # 4. pipeline split: a rank keeps only its stages before anything is allocated for them
     pipeline = None
     if topology.pp_size > 1:

@@ -21,14 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtrain.errors import ConfigError
-from meshtrain.trainer.checks import (
-    check_bools,
-    check_liger,
-    check_names,
-    choice,
-    is_int,
-    positive,
-)
+from meshtrain.trainer.checks import check_bools, check_liger, check_names, choice, is_int, positive
+from meshtrain.trainer.process_arguments import ProcessArguments
 
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
@@ -53,7 +47,7 @@ REPORTERS = ("tensorboard", "jsonl", "none", "all")
 
 
 @dataclass
-class TrainingArguments:
+class TrainingArguments(ProcessArguments):
     """The arguments of :class:`~meshtrain.trainer.Trainer`, as in transformers.
 
     Everything a seed script passes to ``transformers.TrainingArguments`` is accepted with
@@ -113,12 +107,13 @@ class TrainingArguments:
     remove_unused_columns: bool = True
     label_names: list[str] | None = None
     prediction_loss_only: bool = False
-    report_to: str | list[str] | None = "none"
+    # None first, then str: HfArgumentParser's isinstance() cannot take list[str] there
+    report_to: None | str | list[str] = "none"
     run_name: str | None = None
     disable_tqdm: bool | None = None
     resume_from_checkpoint: str | None = None
     restore_callback_states_from_checkpoint: bool = False
-    deepspeed: str | dict | None = None
+    deepspeed: dict | str | None = None  # transformers' order: HfArgumentParser types it str
     use_cache: bool = False  # set as model.config.use_cache (a cache hides packed documents)
     padding_free: bool = False  # TRL's name: FlatteningCollator when no collator is given
     mesh: dict | None = None
@@ -192,6 +187,7 @@ class TrainingArguments:
                 self.eval_steps = self.logging_steps  # transformers' rule
             positive("eval_steps", self.eval_steps)
         self.report_to = self._reporters(self.report_to)
+        self.check_process_fields()
         if isinstance(self.label_names, str):
             self.label_names = [self.label_names]
         self._check_best_model()

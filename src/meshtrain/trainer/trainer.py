@@ -28,7 +28,7 @@ from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.models.packed_batches import check_packed_batch
 from meshtrain.trainer import checkpoints as ckpt
 from meshtrain.trainer import evaluation as ev
-from meshtrain.trainer import setup
+from meshtrain.trainer import results, setup
 from meshtrain.trainer.arguments import TrainingArguments
 from meshtrain.trainer.callbacks import (
     CallbackHandler,
@@ -383,14 +383,34 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             return None
         return float(share) * total / self.topology.dp_size / local
 
+    # -- results: transformers' example-script calls (``trainer.results``) ----------------
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` as transformers' formatted table (rank 0)."""
+        results.log_metrics(split, metrics, self.is_world_process_zero())
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """``<split>_results.json`` (and ``all_results.json``) in ``output_dir`` (rank 0)."""
+        results.save_metrics(
+            self.args.output_dir, split, metrics, self.is_world_process_zero(), combined
+        )
+
+    def create_model_card(self, **card: Any) -> None:
+        """``README.md`` in ``output_dir``, transformers' model card (rank 0)."""
+        results.create_model_card(self, **card)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        """Refused by name: meshtrain does not upload (``results.refuse_push``)."""
+        results.refuse_push("Trainer.push_to_hub")
+
     # -- logging --------------------------------------------------------------------------
     def _say(self, text: str) -> None:
         if getattr(self, "topology", None) is None or self.topology.rank == 0:
             print(text, flush=True)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add ``logs`` (with epoch and step) to ``state.log_history``; calls ``on_log``."""
-        logs = dict(logs)
+        """Add ``logs`` (with epoch and step) to ``state.log_history``; calls ``on_log``.
+        The epoch goes into ``logs`` itself, as in transformers: the metrics dict that
+        ``train()`` / ``evaluate()`` return then carries it (``train_results.json``)."""
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})

@@ -301,7 +301,7 @@ class TrainingLoop:
             **({"total_flos": st.total_flos} if "flops" in self.engine.log.last else {}),
             "train_loss": train_loss,
         }
-        self.log(dict(metrics))
+        self.log(metrics)  # adds the epoch to the metrics returned, as transformers' does
         self.control = self._event("on_train_end")
         logger = next(
             (c for c in self.callback_handler.callbacks if isinstance(c, RunLogCallback)), None

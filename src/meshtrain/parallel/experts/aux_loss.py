@@ -1,4 +1,7 @@
-"""The router's load-balancing loss over every replica's tokens, as one process computes it.
+"""The router's load-balancing loss over every replica's tokens, as one process computes it
+(``loss.global_aux_loss``, Megatron's ``global_aux_loss``; by default each rank keeps the
+loss of its own micro-batch, as DDP and DeepSpeed do, and this module only combines the
+sequence shards of one replica under sequence parallelism).
 
 transformers' ``load_balancing_loss_func`` (Switch Transformer, eqs. 4-6), over the router
 logits of all layers, ``T`` rows in all (padding excluded by the attention mask)::
@@ -133,7 +136,7 @@ def balance_loss(
 
 
 def reduce_aux_loss_over(
-    model: torch.nn.Module, group: Group, sequence: Group | None = None
+    model: torch.nn.Module, group: Group | None, sequence: Group | None = None
 ) -> bool:
     """Reduce ``model``'s router auxiliary loss over ``group`` (the replicas) and
     ``sequence`` (the tp group under sequence parallelism, else None): meshtrain's
@@ -149,7 +152,7 @@ def reduce_aux_loss_over(
 
 
 def install_global_aux_loss(
-    model: torch.nn.Module, group: Group, sequence: Group | None = None
+    model: torch.nn.Module, group: Group | None, sequence: Group | None = None
 ) -> bool:
     """Make a transformers MoE causal LM's ``loss`` use :func:`load_balancing_loss` over
     ``group`` (the replicas, dp x cp) and ``sequence`` (see :func:`load_balancing_loss`;

@@ -133,8 +133,10 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
             model, p * v, method=pc.partition_method, cut_points=pc.cut_points, sequence_parallel=sp
         )
         stages = {k: s for k, s in enumerate(every) if k % p == topology.pp_rank}
-        # MoE: the router's auxiliary loss over every stage's layers (``router_aux``)
-        attach_router_aux(stages.values(), model, topology.replica_group)
+        # MoE: the router's auxiliary loss over every stage's layers (``router_aux``), over
+        # every replica's tokens only with loss.global_aux_loss (``compose``'s rule)
+        replicas = topology.replica_group if config.loss.global_aux_loss else None
+        attach_router_aux(stages.values(), model, replicas)
         tied = tied_groups(every, topology)
         free_unused(model, list(stages.values()))  # other ranks' blocks: storage released
     runtime = PipelineRuntime(
