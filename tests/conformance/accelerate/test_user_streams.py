@@ -4,11 +4,13 @@ processes (``streams.py`` runs the same code against both libraries).
 Tolerances: loader orders, the user generator's state and the global RNG digests are
 compared exactly (they are integers). Parameters after 3 epochs of AdamW with dropout: on
 one process bitwise (the same batches, masks and fp32 operations in the same order); at 2
-processes 1e-6 absolute (measured 0.0 here). At 2 processes
-the two libraries average the gradients in different sums (DDP's bucket divides before
-its all-reduce, meshtrain's flat buffer after), a rounding of about 2^-24 relative per
-gradient, which AdamW's normalised update carries at most lr x (a few ulps) per step:
-15 steps x 1e-2 x 1e-6 is far under 1e-6; the bound is the issue's.
+processes (measured 0.0 here) the two libraries average the gradients in different sums
+(DDP's bucket divides before its all-reduce, meshtrain's flat buffer after), a rounding
+of about 2^-24 relative per gradient, which AdamW's normalised update carries into the
+weights: the model normwise and each tensor within ``trajectory(1e-2, 15)`` /
+``per_tensor`` (``tests/tolerance.py``; not elementwise: a gradient that cancels to ~eps
+flips its update). ``no_sync``'s local and synced gradients (one evaluation each, the
+synced ones averaged in another order): ``gradient()`` per tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from tests.conformance.accelerate.streams import run
 from tests.harness import run_ranks
+from tests.tolerance import check_weights, gradient, relative, trajectory
 
 IMPLS = ("accelerate", "meshtrain")
 
@@ -50,12 +53,12 @@ def test_training_with_own_generator_matches_accelerate(results, gas):
     ):
         assert ours["train", gas]["prepare drew nothing"]
         assert ours["train", gas]["rng end"] == peer["train", gas]["rng end"], rank
-        for k, want in peer["train", gas]["params"].items():
-            got = ours["train", gas]["params"][k]
-            if results["world"] == 1:
-                assert torch.equal(got, want), f"gas {gas} {k}"
-            diff = (got - want).abs().max().item()
-            assert diff <= 1e-6, f"rank {rank} gas {gas} {k}: {diff}"
+        want, got = peer["train", gas]["params"], ours["train", gas]["params"]
+        assert sorted(got) == sorted(want)
+        if results["world"] == 1:
+            for k in want:
+                assert torch.equal(got[k], want[k]), f"gas {gas} {k}"
+        check_weights(f"rank {rank} gas {gas}", got, want, trajectory(1e-2, 15))
 
 
 def test_model_no_sync_keeps_gradients_local(results):
@@ -64,4 +67,4 @@ def test_model_no_sync_keeps_gradients_local(results):
     ):
         for key in ("local", "synced"):
             for p, q in zip(peer["no_sync"][key], ours["no_sync"][key], strict=True):
-                assert torch.allclose(p, q, rtol=0, atol=1e-6), f"rank {rank} {key}"
+                assert relative(q, p) <= gradient(), f"rank {rank} {key}"
