@@ -64,7 +64,9 @@ def _rows(out: Path) -> list[dict]:
 
 
 def final_loss(out: Path, step: int) -> float:
-    return [r["loss"] for r in _rows(out) if r["step"] == step][-1]
+    """The training loss logged at ``step`` (the held-out evaluation's row, which the job
+    also writes at its last step, carries ``eval_loss`` instead)."""
+    return [r["loss"] for r in _rows(out) if r["step"] == step and "loss" in r][-1]
 
 
 def reference(root: Path, steps: int) -> float:
