@@ -32,7 +32,13 @@ def run_ranks(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    threads = int(os.environ.get(RANK_THREADS_ENV, "1"))
     return run_on_ranks(
-        fn, world_size, args, kwargs, timeout=timeout, env=env, threads_per_rank=threads
+        fn, world_size, args, kwargs, timeout=timeout, env=env, threads_per_rank=rank_threads()
     )
+
+
+def rank_threads() -> int:
+    """The intra-op threads of each rank: what a one-process reference must use too when it
+    is compared with the ranks bit for bit (a GEMM split over threads blocks its sums
+    differently)."""
+    return int(os.environ.get(RANK_THREADS_ENV, "1"))

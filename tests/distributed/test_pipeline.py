@@ -89,12 +89,10 @@ def call(model, mb):
 
 
 def reference(kind: str, n_layers: int):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank: the same matmul blocking, the same rounding
-    try:
-        return _reference(kind, n_layers)
-    finally:
-        torch.set_num_threads(threads)
+    """One process in a group of its own, with each rank's intra-op threads (the same
+    matmul blocking); this process never runs a multi-threaded OpenMP region before it
+    forks the ranks."""
+    return run_ranks(_reference, 1, kind, n_layers)[0]
 
 
 def _reference(kind: str, n_layers: int):

@@ -40,12 +40,10 @@ def batches(step: int, m: int = MICRO):
 
 
 def reference():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank: the same matmul blocking, the same rounding
-    try:
-        return _reference()
-    finally:
-        torch.set_num_threads(threads)
+    """One process in a group of its own: it runs with each rank's intra-op threads (the
+    same matmul blocking, so step 0's gradients can be compared bit for bit), and this
+    process never runs a multi-threaded OpenMP region before it forks the ranks."""
+    return run_ranks(_reference, 1)[0]
 
 
 def _reference():
