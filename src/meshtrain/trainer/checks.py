@@ -45,13 +45,29 @@ def check_names(kwargs: dict[str, Any], names: list[str]) -> None:
             raise ConfigError(f"TrainingArguments: unknown argument {key!r}; {hint}")
 
 
+def flag_kind(annotation: Any) -> str | None:
+    """The flag kind of a dataclass field's annotation: "bool", "bool | None" or None. The
+    annotations
+    are strings (from __future__ import annotations) until transformers' HfArgumentParser
+    resolves them: it writes the real types back into the fields of the class it parses."""
+    if isinstance(annotation, str):
+        return annotation if annotation in ("bool", "bool | None") else None
+    if annotation is bool:
+        return "bool"
+    import typing
+
+    if set(typing.get_args(annotation)) == {bool, type(None)}:
+        return "bool | None"
+    return None
+
+
 def check_bools(args: Any) -> None:
     """A flag must be True or False: the string "false" is truthy and would turn it on."""
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
-        # the annotations are strings (from __future__ import annotations)
-        if f.type in ("bool", "bool | None") and not isinstance(value, bool):
-            if value is None and f.type == "bool | None":
+        kind = flag_kind(f.type)
+        if kind is not None and not isinstance(value, bool):
+            if value is None and kind == "bool | None":
                 continue
             raise ConfigError(
                 f"TrainingArguments.{f.name}: {value!r} is not allowed; use True or False"
