@@ -46,10 +46,11 @@ def check_names(kwargs: dict[str, Any], names: list[str]) -> None:
 
 
 def flag_kind(annotation: Any) -> str | None:
-    """The flag kind of a dataclass field's annotation: "bool", "bool | None" or None. The
-    annotations
-    are strings (from __future__ import annotations) until transformers' HfArgumentParser
-    resolves them: it writes the real types back into the fields of the class it parses."""
+    """The flag kind of a dataclass field's annotation: "bool", "bool | None" or None.
+
+    The annotations are strings (from __future__ import annotations) until transformers'
+    HfArgumentParser resolves them: it writes the real types back into the fields of the
+    class it parses."""
     if isinstance(annotation, str):
         return annotation if annotation in ("bool", "bool | None") else None
     if annotation is bool:
