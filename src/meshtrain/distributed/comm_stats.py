@@ -63,6 +63,17 @@ class CommStats:
                 if (op is None or o == op) and (group is None or g == group)
             )
 
+    def sent_by_group(self) -> dict[str, float]:
+        """Bytes this rank sent so far by group name: ``wire_bytes`` without what it
+        received (``recv``) and without control traffic (barriers, the hang doctor's
+        exchanges). What a full-duplex link's time depends on."""
+        out: dict[str, float] = defaultdict(float)
+        with self._lock:
+            for (o, g), v in self._wire.items():
+                if o not in ("control", "recv"):
+                    out[g] += v
+        return dict(out)
+
     def wire_bytes(self) -> float:
         """Bytes a ring implementation sends per rank: recorded x (n-1)/n for collectives."""
         with self._lock:

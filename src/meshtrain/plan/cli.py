@@ -44,7 +44,7 @@ def _planner(args, facts, hw, precision, optimizer):
     batch = args.global_batch or 4 * args.gpus
     return Planner(
         facts, hw, gpus=args.gpus, seq=seq, global_batch=batch, limit=limit,
-        precision=precision, optimizer=optimizer,
+        precision=precision, optimizer=optimizer, packed=args.packed, padding=args.padding,
     )  # fmt: skip
 
 
@@ -126,7 +126,7 @@ def _explain(args, facts, hw, precision) -> int:
     precision = config.precision
     optimizer = config.optimizer.type if config.optimizer else args.optimizer
     planner = _planner(args, facts, hw, precision, optimizer)
-    layout = Layout.from_config(config, args.gpus)
+    layout = Layout.from_config(config, args.gpus).but(packed=args.packed)
     why = planner.refusal(layout)
     if why is not None:
         raise ConfigError(f"--config {args.config}: meshtrain refuses this layout: {why}")
@@ -172,6 +172,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="AdamW", help="optimizer type (default AdamW)")
     p.add_argument("--top", type=int, default=12, help="rows of the table (default 12)")
     p.add_argument("--out", metavar="FILE", help="write the winner's config here")
+    p.add_argument(
+        "--packed", action="store_true",
+        help="the rows are packed (several documents each, docs/packing.md): count their masks",
+    )  # fmt: skip
+    p.add_argument(
+        "--padding", type=float, default=None, metavar="F",
+        help="the padded share of unpacked rows (PackedDataset.stats() tells): search packed "
+        "and padded rows, counting data tokens only",
+    )  # fmt: skip
     p.add_argument(
         "--config",
         metavar="FILE",

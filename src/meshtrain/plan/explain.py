@@ -32,6 +32,12 @@ def breakdown(pred: Prediction) -> str:
         lines.append(f"  {k:<12}{v / GiB:9.3f} GiB")
     if m.states.host:
         lines.append(f"  {'host':<12}{m.states.host / GiB:9.3f} GiB (offloaded, CPU memory)")
+    h = pred.host
+    lines.append(
+        f"host RAM while loading: {h.peak / GiB:.2f} GiB per rank at its {h.phase} "
+        f"(build {h.build / GiB:.2f}, wrap {h.wrap / GiB:.2f}, settled {h.settled / GiB:.2f}), "
+        f"{h.per_node / GiB:.2f} GiB for the {h.ranks_per_node} rank(s) of a node"
+    )
     t = pred.time
     lines.append(
         f"step {t.total:.3g} s, {pred.tokens_per_s:,.0f} tokens/s per device, MFU "

@@ -56,6 +56,9 @@ SOURCE = "NVIDIA data sheet (see meshtrain.plan.hardware)"
 # CUDA context, NCCL's channel buffers and the caching allocator's reserve: an assumed
 # figure (the torch CUDA context alone is ~0.5 GiB on Hopper), replaced by --calibrate
 GPU_OVERHEAD_BYTES = 2 * GiB
+# Host RAM the CUDA runtime keeps per process beside the code (plan.host_memory): an
+# assumed 1 GiB, not measured (no GPU on the machine this was written on); CPU ranks: none.
+GPU_HOST_OVERHEAD_BYTES = GiB
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Hardware:
     host_link: float  # host <-> device (offload)
     efficiency: float = 0.5  # fraction of peak a step's matmuls reach
     overhead_bytes: int = GPU_OVERHEAD_BYTES  # the framework's own memory per device
+    host_overhead_bytes: int = GPU_HOST_OVERHEAD_BYTES  # the device runtime's host RAM
     micro_step_s: float = 0.0  # fixed seconds per micro-step (Python, launches)
     step_s: float = 0.0  # fixed seconds per optimizer step
     gpus_per_node: int = 8
@@ -124,6 +128,7 @@ class Hardware:
             host_link=10e9,
             efficiency=0.6,
             overhead_bytes=0,
+            host_overhead_bytes=0,
             micro_step_s=0.01,
             step_s=0.01,
             gpus_per_node=os.cpu_count() or 1,

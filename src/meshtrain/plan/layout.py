@@ -2,7 +2,7 @@
 
 A ``Layout`` is the planner's unit: mesh sizes (pp x dp x cp x tp, ep carved out of
 dp x cp), the ZeRO stage and offload, sequence parallelism, the pipeline schedule, the
-context-parallel method, the micro-batch and activation checkpointing. ``config`` writes
+context-parallel method, the micro-batch, activation checkpointing and packed rows. ``config`` writes
 it in meshtrain's config keys (DeepSpeed's where they exist), the dict
 ``meshtrain.initialize(config=...)`` and ``meshtrain train --config`` take as is, so the
 layout the planner scored is the layout that runs.
@@ -35,6 +35,7 @@ class Layout:
     micro_batch: int = 1
     grad_accum: int = 1  # = micro-batches per step under a pipeline
     checkpointing: bool = False
+    packed: bool = False  # rows of several documents, kept apart by masks (docs/packing.md)
 
     @property
     def world(self) -> int:
@@ -67,6 +68,8 @@ class Layout:
         parts.append(f"mb{self.micro_batch}x{self.grad_accum}")
         if self.checkpointing:
             parts.append("ac")
+        if self.packed:
+            parts.append("packed")
         return " ".join(parts)
 
     def config(self, precision: str = "bf16", optimizer: str = "AdamW") -> dict[str, Any]:
@@ -104,6 +107,8 @@ class Layout:
             out["context_parallel"] = {"method": self.cp_method}
         if self.checkpointing:
             out["activation_checkpointing"] = {"enabled": True}
+        # packed rows are the batches' shape (position_ids restarting per document), not an
+        # engine key: meshtrain train's data.packing or a packing collator makes them
         return out
 
     @classmethod

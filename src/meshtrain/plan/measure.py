@@ -33,6 +33,7 @@ from typing import Any
 __all__ = ["build_model", "measure", "measure_rank"]
 
 _M_MMAP_THRESHOLD = -3
+PACKED_DOCUMENTS = 4  # documents per row of a packed layout's batches
 
 
 def _status(field: str) -> int:
@@ -96,16 +97,26 @@ def measure_rank(
     model = build_model(model_cfg)
     engine, *_ = meshtrain.initialize(model=model, config=config)
     load_peak = _status("VmHWM") - rss_base  # building the model and initialize, host RAM
+    if steps == 0:  # the load alone (plan.host_memory's table)
+        return {"load_peak": load_peak, "rss_base": rss_base}
     g = torch.Generator().manual_seed(engine.topology.dp_rank)
 
     def batches():
         out = []
         for _ in range(x.grad_accum):
             ids = torch.randint(0, model_cfg["vocab_size"], (x.micro_batch, seq), generator=g)
-            out.append({"input_ids": ids, "labels": ids})
+            batch = {"input_ids": ids, "labels": ids}
+            if x.packed:  # PACKED_DOCUMENTS documents a row: positions restart at each
+                doc = -(-seq // PACKED_DOCUMENTS)
+                pos = torch.arange(seq) % doc
+                batch["position_ids"] = pos.expand(x.micro_batch, seq).contiguous()
+                batch["labels"] = ids.masked_fill(pos.expand_as(ids) == 0, -100)
+            out.append(batch)
         return iter(out)
 
     engine.train_batch(batches())  # warm-up: optimizer states allocated
+    stats = engine.topology.stats
+    wire0 = stats.sent_by_group()
     base = _reset_peak()
     times, cpu = [], []
     for _ in range(steps):
@@ -116,6 +127,7 @@ def measure_rank(
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     growth = _status("VmHWM") - base
+    wire = {g: (v - wire0.get(g, 0.0)) / steps for g, v in stats.sent_by_group().items()}
     report = engine.memory_report()
     m = report.measured
     return {
@@ -126,6 +138,7 @@ def measure_rank(
         "formula_states": None if report.formula is None else report.formula.total,
         "rss_base": rss_base,
         "load_peak": load_peak,
+        "wire": {g: v for g, v in wire.items() if v},
     }
 
 
@@ -140,7 +153,9 @@ def measure(
 ) -> dict[str, Any]:
     """Run ``layout`` on ``layout.world`` CPU ranks; the slowest rank's median step
     seconds (wall, ``step_s``, and CPU, ``cpu_s``), the largest rank's peak tensor bytes
-    and model states."""
+    and model states, and every rank's host-RAM peak while loading (``load_peak``: the
+    growth of ``VmHWM`` from before the model is built to after ``initialize``).
+    ``steps=0``: only the load, returning ``{"load_peak"}``."""
     import statistics
 
     from meshtrain.launch.processes import run_on_ranks
@@ -156,6 +171,8 @@ def measure(
         timeout=timeout,
         start_method="spawn",
     )
+    if steps == 0:
+        return {"load_peak": max(r["load_peak"] for r in ranks)}
     per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
     cpu_step = [max(r["cpu"][i] for r in ranks) for i in range(steps)]
     peak = max(r["states"] + r["growth"] for r in ranks)
@@ -168,4 +185,6 @@ def measure(
         "formula_states": max((r["formula_states"] or 0) for r in ranks),
         "rss_base": max(r["rss_base"] for r in ranks),
         "load_peak": max(r["load_peak"] for r in ranks),
+        # bytes sent per step in each group, the largest rank's (the time model's wire)
+        "wire": {g: max(r["wire"].get(g, 0.0) for r in ranks) for g in ranks[0]["wire"]},
     }

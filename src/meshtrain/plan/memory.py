@@ -22,6 +22,7 @@ outputs, row-parallel inputs), the norms only under sequence parallelism, and th
 instead of the dense MLP, the router's fp32 logits ``4 E``, and for each of its ``k``
 routed copies of a token the dispatched input ``w h``, the expert's gate, up, silu and
 product ``4 w f_e`` and its output ``w h`` (derived the same way, not yet measured).
+Packed rows (several documents a row) add their attention masks (``packed_masks``).
 Activation checkpointing keeps each block's input ``w h`` (``/ tp`` under sequence
 parallelism), and the peak adds the larger of the loss's two fp32 ``[b, s, V / tp]``
 gradients (``peak_activation_bytes``, the start of the backward) and one block's full
@@ -223,6 +224,23 @@ def per_token_block(facts: ModelFacts, layout: Layout, width: int) -> float:
     return norms / (t if layout.sequence_parallel else 1) + (attention + mlp + small) / t
 
 
+def packed_masks(facts: ModelFacts, layout: Layout, seq: int, width: int) -> tuple[int, int]:
+    """A packed row's attention masks, bytes per sequence: (kept by each block, kept once
+    per forward). meshtrain's Decoder builds the ``[L, L]`` document mask in every block and
+    SDPA keeps it for the backward converted to the queries' dtype (``width L^2`` a block;
+    measured: +34.1 MB on 4 blocks at b 2, L 1,024 fp32, predicted 33.6); transformers
+    builds one boolean mask per forward (``L^2``; measured +0.4 MB there). Not split by tp
+    (every head shares it). Under context parallelism every family attends through
+    meshtrain's seam: ring attention makes each block pair's mask on the fly and again in
+    the backward (none kept); all-to-all gathers the whole sequence for its heads and keeps
+    the whole ``[L, L]`` mask in every block, as the Decoder does."""
+    if not layout.packed or (layout.cp > 1 and layout.cp_method == "ring"):
+        return 0, 0
+    if facts.family == "decoder" or layout.cp > 1:
+        return width * seq * seq, 0
+    return 0, seq * seq
+
+
 def activation_peak(
     facts: ModelFacts, layout: Layout, check: LayoutCheck, seq: int, precision: str
 ) -> int:
@@ -239,9 +257,12 @@ def activation_peak(
         head_tok += 4 * facts.head_dim  # the gathered rotary tables
     loss = (s - 1) * (4 * vocab + 8)
     grads = 2 * 4 * s * vocab  # the loss's gradients at the start of the backward
-    recompute = block * s * b if layout.checkpointing else 0
+    mask_block, mask_once = packed_masks(facts, layout, seq, w)
+    kept_mask = 0 if layout.checkpointing else mask_block
+    recompute = (block * s + mask_block) * b if layout.checkpointing else 0
     if layout.pp == 1:
         kept = b * (s * (facts.layers * kept_block + head_tok) + loss)
+        kept += b * (facts.layers * kept_mask + mask_once)
         return round(kept + max(b * grads, recompute))
     stages = check.split(layout.pp * layout.virtual_stages)
     best = 0.0
@@ -254,6 +275,7 @@ def activation_peak(
             last = getattr(st, "is_last", False)
             per_stage[k] = round(
                 b * (s * n_blocks * kept_block + (s * head_tok + loss if last else 0))
+                + b * (n_blocks * kept_mask + mask_once)
             )
         p, mb, v = layout.pp, layout.grad_accum, layout.virtual_stages
         if check.walks(p, mb, v):

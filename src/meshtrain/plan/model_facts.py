@@ -85,6 +85,7 @@ class ModelFacts:
     expert_ffn: int = 0
     max_seq: int | None = None
     tied: bool = False
+    largest: int = 0  # elements of the largest parameter (its initialisation's temporaries)
 
     @property
     def head_dim(self) -> int:
@@ -109,6 +110,7 @@ class ModelFacts:
         cfg = getattr(model, "config", None)
         (dense, dense_frozen), (expert, expert_frozen) = split_expert_params(model)
         total = dense + dense_frozen + expert + expert_frozen
+        largest = max((p.numel() for p in model.parameters()), default=0)
         if hasattr(cfg, "dim") and hasattr(cfg, "n_layers"):  # meshtrain's Decoder
             moe = cfg.moe
             return cls(
@@ -127,6 +129,7 @@ class ModelFacts:
                 expert_ffn=(moe.expert_ffn_dim or cfg.ffn_dim) if moe else 0,
                 max_seq=cfg.max_seq_len,
                 tied=cfg.tie_embeddings,
+                largest=largest,
             )
         if cfg is None or not hasattr(cfg, "num_hidden_layers"):
             raise ConfigError(
@@ -154,4 +157,5 @@ class ModelFacts:
             expert_ffn=g("moe_intermediate_size", "intermediate_size") if expert else 0,
             max_seq=g("max_position_embeddings", default=None),
             tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            largest=largest,
         )

@@ -5,7 +5,9 @@
 dividing ``dp x cp`` and the expert count, ZeRO stage 0-3 with the offloads each stage
 takes, sequence parallelism, the four pipeline schedules (interleaved with two chunks per
 rank), both context-parallel methods, micro-batches of 1, 2, 4, ... dividing the batch
-per replica, and activation checkpointing on and off. Each structure (everything but the
+per replica, activation checkpointing on and off, and packed rows: with ``padding`` (the
+padded share of unpacked rows) each layout packed and not, the packed one paying its masks'
+memory and the padded one counting only its data tokens. Each structure (everything but the
 micro-batch and checkpointing, which no check refuses) goes once through
 ``validity.LayoutCheck``: what it refuses is dropped and counted. ``ranked`` predicts the
 rest (``memory.predict_memory``, ``step_time.predict_time``) and sorts the ones that fit
@@ -18,8 +20,9 @@ from collections import Counter
 
 from meshtrain.errors import ConfigError
 from meshtrain.plan.hardware import Hardware
+from meshtrain.plan.host_memory import predict_host_load
 from meshtrain.plan.layout import Layout
-from meshtrain.plan.memory import predict_memory, rank_params
+from meshtrain.plan.memory import predict_memory, rank_params, zero3_units
 from meshtrain.plan.model_facts import ModelFacts
 from meshtrain.plan.prediction import Prediction
 from meshtrain.plan.step_time import predict_time, step_flops_per_token
@@ -50,11 +53,25 @@ class Planner:
         precision: str = "bf16",
         optimizer: str = "AdamW",
         micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+        packed: bool = False,
+        padding: float | None = None,
     ) -> None:
         if gpus < 1:
             raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
         if seq < 1 or global_batch < 1:
             raise ConfigError("--seq and --global-batch: must be >= 1")
+        if padding is not None and not 0.0 <= padding < 1.0:
+            raise ConfigError(
+                f"--padding: the share of padded slots in unpacked rows, 0 <= F < 1, got {padding}"
+            )
+        if packed and padding is not None:
+            raise ConfigError(
+                "--packed and --padding: give one (--packed: the rows are packed; --padding F: "
+                "search packed and padded rows, F the padded share of unpacked rows)"
+            )
+        # packed rows: every layout with them, or (padding given) each layout both ways
+        self.packings = (False, True) if padding is not None else (packed,)
+        self.padding = padding or 0.0
         self.facts, self.hw, self.gpus, self.seq = facts, hw, gpus, seq
         self.global_batch, self.limit = global_batch, limit
         self.precision, self.optimizer = precision, optimizer
@@ -114,13 +131,14 @@ class Planner:
             for mb in self.micro_batches:
                 if per_replica % mb:
                     continue
-                layout = base.but(micro_batch=mb, grad_accum=per_replica // mb)
-                why = self.refusal(layout)
-                if why is not None:
-                    self.refused[why] += 1
-                    continue
-                yield layout
-                yield layout.but(checkpointing=True)
+                for packed in self.packings:
+                    layout = base.but(micro_batch=mb, grad_accum=per_replica // mb, packed=packed)
+                    why = self.refusal(layout)
+                    if why is not None:
+                        self.refused[why] += 1
+                        continue
+                    yield layout
+                    yield layout.but(checkpointing=True)
 
     def refusal(self, layout: Layout) -> str | None:
         """``LayoutCheck.refusal``, once per structure: the micro-batch, the accumulation
@@ -146,12 +164,24 @@ class Planner:
             trainable = round(
                 max(r[0] for r in rank_params(self.facts, layout, self.check)) * share
             )
+        units = None
+        if layout.stage == 3:  # (kept whole, in units): the gathers move only the units
+            key = ("zero3", layout.tp)
+            if key not in self._states:
+                self._states[key] = zero3_units(self.facts, layout.tp)[0]
+            whole = self._states[key]
+            units = (whole, max(0, trainable - whole))
         time = predict_time(
-            self.facts, layout, self.check, self.hw, trainable_per_rank=trainable, **common
-        )
+            self.facts, layout, self.check, self.hw, trainable_per_rank=trainable,
+            zero3_units=units, **common,
+        )  # fmt: skip
+        host = predict_host_load(
+            self.facts, layout, self.check, self.hw, precision=self.precision,
+            optimizer=self.optimizer, cache=self._states,
+        )  # fmt: skip
         return Prediction(
             layout, memory, time, self.seq, step_flops_per_token(self.facts, self.seq),
-            self.hw.peak_flops, self.limit,
+            self.hw.peak_flops, self.limit, host, 0.0 if layout.packed else self.padding,
         )  # fmt: skip
 
     def _local_trainable(self, layout: Layout) -> int:
@@ -171,5 +201,5 @@ class Planner:
     def ranked(self) -> list[Prediction]:
         """Every accepted layout predicted: those that fit first, then by step time."""
         preds = [self.predict(x) for x in self.layouts()]
-        preds.sort(key=lambda p: (not p.fits, p.time.total, p.memory.total))
+        preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s, p.memory.total))
         return preds

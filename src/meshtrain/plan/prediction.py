@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtrain.plan.host_memory import HostLoad
 from meshtrain.plan.layout import Layout
 from meshtrain.plan.memory import MemoryBreakdown
 from meshtrain.plan.step_time import StepTime
@@ -22,6 +23,8 @@ class Prediction:
     flops_per_token: float
     peak_flops: float
     limit: int
+    host: HostLoad  # host RAM per rank while loading (plan.host_memory)
+    padding: float = 0.0  # the share of the rows' slots that is padding (no packed rows)
 
     @property
     def fits(self) -> bool:
@@ -29,8 +32,9 @@ class Prediction:
 
     @property
     def tokens_per_s(self) -> float:
-        """Tokens per second per device."""
-        return self.layout.global_batch * self.seq / self.time.total / self.layout.world
+        """Tokens of data (padding not counted) per second per device."""
+        slots = self.layout.global_batch * self.seq / self.time.total / self.layout.world
+        return slots * (1.0 - self.padding)
 
     @property
     def mfu(self) -> float:

@@ -4,7 +4,7 @@ machine's CPU ranks, and beside published GPU runs.
 ``python -m meshtrain.plan.proof measure OUT.json`` runs every layout of ``MEASURED`` on
 1, 2 or 4 CPU ranks (``measure.measure``), with the load average beside each, and writes
 measured and predicted memory and step time; ``python -m meshtrain.plan.proof published``
-prints the published-run table (no measurement). ``measure`` calibrates first
+prints the published-run table (no measurement; ``plan.published``). ``measure`` calibrates first
 (``meshtrain plan --calibrate``'s runs, stored as it stores them), so the constants and the
 table see the same load.
 """
@@ -16,8 +16,9 @@ import statistics
 import sys
 
 from meshtrain.plan.layout import Layout
+from meshtrain.plan.published import predict_published
 
-__all__ = ["MEASURED", "PUBLISHED", "predict_published", "spearman"]
+__all__ = ["LOADED", "MEASURED", "PACKED", "run_load", "run_packed", "spearman"]
 
 DECODER = dict(vocab_size=4224, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=256)
 LLAMA = dict(hf="llama", vocab_size=2048, hidden_size=256, intermediate_size=688,
@@ -55,6 +56,100 @@ MEASURED: tuple[tuple[str, dict, Layout], ...] = (
     ("mixtral", MIXTRAL, L(dp=1, micro_batch=2)),
     ("mixtral", MIXTRAL, L(dp=2, ep=2, stage=1, micro_batch=2)),
 )
+
+
+# Host RAM while loading (plan.host_memory): models of 150-240 MB, so that the tensors and not
+# the interpreter decide the peak (the training table's models are ~20 MB).
+BIG_DECODER = dict(DECODER, dim=1024, n_layers=8)
+BIG_LLAMA = dict(LLAMA, vocab_size=8192, hidden_size=768, intermediate_size=2048,
+                 num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4)  # fmt: skip
+BIG_MIXTRAL = dict(MIXTRAL, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                   num_local_experts=8, num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+LOADED: tuple[tuple[str, dict, Layout], ...] = (
+    ("decoder", BIG_DECODER, L(dp=1, micro_batch=2)),
+    ("decoder", BIG_DECODER, L(dp=2, stage=1, micro_batch=2)),
+    ("decoder", BIG_DECODER, L(dp=2, stage=3, micro_batch=2)),
+    ("decoder", BIG_DECODER, L(dp=4, stage=3, micro_batch=1)),
+    ("decoder", BIG_DECODER, L(dp=1, tp=2, micro_batch=2)),
+    ("decoder", BIG_DECODER, L(dp=1, pp=2, micro_batch=1, grad_accum=2)),
+    ("decoder", BIG_DECODER, L(dp=2, tp=2, stage=1, micro_batch=1)),
+    ("decoder", BIG_DECODER, L(dp=1, cp=2, micro_batch=2)),
+    ("llama", BIG_LLAMA, L(dp=1, micro_batch=2)),
+    ("llama", BIG_LLAMA, L(dp=2, stage=3, micro_batch=2)),
+    ("llama", BIG_LLAMA, L(dp=1, tp=2, micro_batch=2)),
+    ("mixtral", BIG_MIXTRAL, L(dp=1, micro_batch=2)),
+    ("mixtral", BIG_MIXTRAL, L(dp=2, ep=2, stage=1, micro_batch=2)),
+    ("mixtral", BIG_MIXTRAL, L(dp=2, stage=3, micro_batch=2)),
+)
+
+
+# Packed rows (plan.memory.packed_masks) at sequence 1,024, where the masks are large enough
+# to see (at 256 they are ~1% of the peak).
+PACKED_SEQ = 1024
+PACKED: tuple[tuple[str, dict, Layout], ...] = (
+    ("decoder", dict(DECODER, max_seq_len=PACKED_SEQ), L(dp=1, micro_batch=2)),
+    ("decoder", dict(DECODER, max_seq_len=PACKED_SEQ), L(dp=1, micro_batch=2, packed=True)),
+    ("decoder", dict(DECODER, max_seq_len=PACKED_SEQ),
+     L(dp=1, micro_batch=2, packed=True, checkpointing=True)),
+    ("decoder", dict(DECODER, max_seq_len=PACKED_SEQ), L(dp=2, stage=1, micro_batch=2, packed=True)),
+    ("decoder", dict(DECODER, max_seq_len=PACKED_SEQ), L(dp=1, tp=2, micro_batch=2, packed=True)),
+    ("decoder", dict(DECODER, max_seq_len=PACKED_SEQ),
+     L(dp=1, cp=2, cp_method="all_to_all", micro_batch=2, packed=True)),
+    ("decoder", dict(DECODER, max_seq_len=PACKED_SEQ), L(dp=1, cp=2, micro_batch=2, packed=True)),
+    ("llama", dict(LLAMA, max_position_embeddings=PACKED_SEQ), L(dp=1, micro_batch=2, packed=True)),
+)  # fmt: skip
+
+
+def run_packed(out: str) -> list[dict]:
+    """Peak tensor memory of packed rows (``PACKED``), measured beside the prediction."""
+    from dataclasses import replace
+
+    from meshtrain.plan.calibrate import load_average, planner_for
+    from meshtrain.plan.hardware import Hardware
+    from meshtrain.plan.measure import measure
+
+    hw = replace(Hardware.cpu(), overhead_bytes=0)
+    rows = []
+    for name, cfg, layout in PACKED:
+        load = load_average()
+        got = measure(cfg, layout, seq=PACKED_SEQ, steps=2)["peak_tensor_bytes"]
+        planner = planner_for(cfg, hw, layout.world, PACKED_SEQ, layout.global_batch)
+        pred = planner.predict(layout).memory.tensors
+        rows.append({"model": name, "layout": layout.label(), "world": layout.world,
+                     "load": load, "measured": got, "predicted": pred,
+                     "error": pred / got - 1})  # fmt: skip
+        print(f"{name:<8} {layout.label():<34} {got / 2**20:7.2f} MiB measured, "
+              f"{pred / 2**20:7.2f} predicted {pred / got - 1:+.1%}  load {load}", flush=True)  # fmt: skip
+    with open(out, "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
+    return rows
+
+
+def run_load(out: str) -> list[dict]:
+    """Host RAM per rank while loading, measured (``measure`` with ``steps=0``) beside
+    ``plan.host_memory``'s prediction, for every row of ``LOADED``."""
+    from meshtrain.plan.calibrate import load_average, planner_for
+    from meshtrain.plan.hardware import Hardware
+    from meshtrain.plan.measure import measure
+
+    hw = Hardware.cpu()
+    rows = []
+    for name, cfg, layout in LOADED:
+        load = load_average()
+        got = measure(cfg, layout, seq=SEQ, steps=0)["load_peak"]
+        host = planner_for(cfg, hw, layout.world, SEQ, layout.global_batch).predict(layout).host
+        rows.append({"model": name, "layout": layout.label(), "world": layout.world,
+                     "load": load, "measured": got, "predicted": host.peak,
+                     "phase": host.phase, "error": host.peak / got - 1})  # fmt: skip
+        print(
+            f"{name:<8} {layout.label():<28} {got / 2**20:7.1f} MiB measured, "
+            f"{host.peak / 2**20:7.1f} predicted ({host.phase}) {host.peak / got - 1:+.1%}  "
+            f"load {load}",
+            flush=True,
+        )
+    with open(out, "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
+    return rows
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -150,82 +245,6 @@ def run_measured(out: str, steps: int = 3) -> None:
         json.dump(
             {"calibration": cal.__dict__ | {"samples": cal.samples}, "rows": rows}, f, indent=1
         )
-
-
-# -- published runs ------------------------------------------------------------------------
-LLAMA3_8B = (
-    "decoder:dim=4096,n_layers=32,n_heads=32,ffn_dim=14336,vocab_size=128256,max_seq_len=8192"
-)
-# GQA (8 kv heads) is not a field of the reference decoder: its attention keeps 32 kv heads,
-# which changes the parameters by 1% and the activations a little
-LLAMA31_405B = ("decoder:dim=16384,n_layers=126,n_heads=128,ffn_dim=53248,vocab_size=128256,"
-                "max_seq_len=8192")  # fmt: skip
-DEEPSEEK_V3 = {  # MLA is modelled as plain multi-head attention; 3 dense layers as MoE
-    "vocab_size": 129280, "dim": 7168, "n_layers": 61, "n_heads": 128, "ffn_dim": 18432,
-    "max_seq_len": 4096,
-    "moe": {"n_experts": 256, "top_k": 8, "n_shared_experts": 1, "expert_ffn_dim": 2048,
-            "routing": "sigmoid_topk"},
-}  # fmt: skip
-
-PUBLISHED = (
-    # name, model, gpus, nodes, seq, global batch, layout, published tokens/s per GPU, source
-    ("Llama-3-8B, 8 x H100, torchtitan (FSDP, AC)", LLAMA3_8B, 8, 1, 8192, 8,
-     L(dp=8, stage=3, micro_batch=1, grad_accum=1, checkpointing=True), 6667,
-     "torchtitan README / TorchTitan paper, bf16"),
-    ("Llama-3.1-405B, 512 x H100, torchtitan (FSDP 8, TP 8, PP 8)", LLAMA31_405B, 512, 64, 8192,
-     256, L(dp=8, tp=8, pp=8, stage=1, sequence_parallel=True, schedule="interleaved_1f1b",
-            virtual_stages=2, micro_batch=1, grad_accum=32, checkpointing=True), 128,
-     "TorchTitan paper (3D, bf16); meshtrain runs ZeRO-1 instead of FSDP under a pipeline"),
-    ("Llama-3.1-405B, 1,024 x H100, Megatron (TP 8, PP 16)", LLAMA31_405B, 1024, 128, 8192,
-     1024, L(dp=8, tp=8, pp=16, stage=1, sequence_parallel=True, schedule="interleaved_1f1b",
-             virtual_stages=2, micro_batch=1, grad_accum=128, checkpointing=True), None,
-     "no figure in issue 43; predicted only"),
-    ("DeepSeek-V3, 1,024 x H100, Megatron (PP 16, EP 64)", DEEPSEEK_V3, 1024, 128, 4096, 8192,
-     L(dp=64, pp=16, ep=64, stage=1, micro_batch=1, grad_accum=128, checkpointing=True), 1297,
-     "Megatron-Core DeepSeek-V3 recipe as quoted in issue 43; layout assumed (see docs)"),
-)  # fmt: skip
-
-
-def predict_published(rows=PUBLISHED, *, search: bool = False, echo=print) -> list[dict]:
-    """Each published layout's predicted tokens/s per GPU beside the published figure;
-    with ``search`` also the planner's own top 3 on the same devices."""
-    from meshtrain.plan.hardware import Hardware
-    from meshtrain.plan.model_facts import ModelFacts, load_model
-    from meshtrain.plan.planner import Planner
-
-    out = []
-    for name, spec, gpus, nodes, seq, batch, layout, published, source in rows:
-        if isinstance(spec, dict):
-            import torch
-
-            from meshtrain.models import Decoder, DecoderConfig
-
-            with torch.device("meta"):
-                model = Decoder(DecoderConfig(**spec))
-        else:
-            model = load_model(spec)
-        facts = ModelFacts.of(model)
-        hw = Hardware.named("H100", gpus_per_node=gpus // nodes)
-        planner = Planner(facts, hw, gpus=gpus, seq=seq, global_batch=batch, limit=hw.memory_bytes)
-        why = planner.refusal(layout)
-        pred = planner.predict(layout)
-        row = {
-            "run": name, "layout": layout.label(), "refused": why,
-            "predicted": pred.tokens_per_s, "published": published,
-            "memory_gib": pred.memory.total / 2**30, "fits": pred.fits, "mfu": pred.mfu,
-            "bottleneck": pred.bottleneck, "source": source,
-        }  # fmt: skip
-        if search:
-            top = [p for p in planner.ranked() if p.fits][:3]
-            row["top3"] = [(p.layout.label(), p.tokens_per_s) for p in top]
-        out.append(row)
-        err = "" if not published else f" ({100 * (pred.tokens_per_s / published - 1):+.0f}%)"
-        echo(f"{name}: {layout.label()}: predicted {pred.tokens_per_s:,.0f} tok/s/GPU, published "
-             f"{published or '-'}{err}, {row['memory_gib']:.1f} GiB, MFU {100 * pred.mfu:.1f}%, "
-             f"{pred.bottleneck}" + (f", REFUSED: {why}" if why else ""))  # fmt: skip
-        if search:
-            echo(f"  planner's top 3: {row['top3']}")
-    return out
 
 
 def tables(path: str, calibration_labels: set[str] | None = None) -> str:
@@ -341,6 +360,10 @@ def _spec(cfg: dict) -> str:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["measure"]:
         run_measured(sys.argv[2] if len(sys.argv) > 2 else "plan_measured.json")
+    elif sys.argv[1:2] == ["packed"]:
+        run_packed(sys.argv[2] if len(sys.argv) > 2 else "plan_packed.json")
+    elif sys.argv[1:2] == ["load"]:
+        run_load(sys.argv[2] if len(sys.argv) > 2 else "plan_load.json")
     elif sys.argv[1:2] == ["user-check"]:
         user_check()
     elif sys.argv[1:2] == ["repredict"]:
@@ -348,8 +371,9 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["tables"]:
         print(tables(sys.argv[2]))
     elif sys.argv[1:2] == ["published"]:
-        predict_published(search="--search" in sys.argv)
+        predict_published(search="--search" in sys.argv)  # plan.published
     else:
         raise SystemExit(
-            "usage: python -m meshtrain.plan.proof measure OUT.json | published [--search]"
+            "usage: python -m meshtrain.plan.proof measure OUT.json | load OUT.json | packed OUT.json | "
+            "published [--search] | tables OUT.json | repredict OUT.json | user-check"
         )

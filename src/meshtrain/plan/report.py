@@ -15,16 +15,18 @@ def _gib(n: float) -> str:
 
 
 def ranked_table(preds: list[Prediction], top: int = 12) -> str:
-    """The first ``top`` rows (fits, memory GiB, step s, tokens/s per device, MFU, bottleneck)."""
-    head = ["#", "layout", "fits", "mem GiB", "step s", "tok/s/dev", "MFU", "bottleneck"]
+    """The first ``top`` rows (fits, memory GiB, host RAM per rank while loading, step s,
+    tokens/s per device, MFU, bottleneck)."""
+    head = ["#", "layout", "fits", "mem GiB", "load GiB", "step s", "tok/s/dev", "MFU",
+            "bottleneck"]  # fmt: skip
     rows = []
     for i, p in enumerate(preds[:top], 1):
         rows.append([
             str(i), p.layout.label(), "yes" if p.fits else "no", _gib(p.memory.total),
-            f"{p.time.total:.3g}", f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%", p.bottleneck,
+            _gib(p.host.peak), f"{p.time.total:.3g}", f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%", p.bottleneck,
         ])  # fmt: skip
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    left = {1, 2, 7}
+    left = {1, 2, 8}
 
     def fmt(r: list[str]) -> str:
         return "  ".join(
@@ -53,8 +55,15 @@ def why_line(preds: list[Prediction]) -> str:
     if len(fitting) > 1:
         nxt = fitting[1]
         k, a, b = _biggest_gap(win, nxt)
-        gain = nxt.time.total / win.time.total - 1
-        if gain > 1e-9:
+        gain = win.tokens_per_s / nxt.tokens_per_s - 1
+        if win.padding != nxt.padding:  # the same layout but its rows: padding decides
+            packed, padded = (win, nxt) if win.layout.packed else (nxt, win)
+            parts.append(
+                f"{100 * gain:.1f}% more data tokens/s than {nxt.layout.label()} "
+                f"({100 * padded.padding:.0f}% of unpacked rows are padding; packed rows "
+                f"add {_gib(packed.memory.total - padded.memory.total)} GiB of masks)"
+            )
+        elif gain > 1e-9:
             parts.append(
                 f"{100 * gain:.1f}% faster than {nxt.layout.label()} (its {k} takes "
                 f"{b:.3g} s a step, the winner's {a:.3g} s)"
@@ -64,11 +73,11 @@ def why_line(preds: list[Prediction]) -> str:
                 f"as fast as {nxt.layout.label()} and {_gib(nxt.memory.total - win.memory.total)} "
                 "GiB lighter or equal (ties go to less memory)"
             )
-    faster = [p for p in preds if not p.fits and p.time.total < win.time.total]
+    faster = [p for p in preds if not p.fits and p.tokens_per_s > win.tokens_per_s]
     if faster:
-        f = min(faster, key=lambda p: p.time.total)
+        f = max(faster, key=lambda p: p.tokens_per_s)
         parts.append(
-            f"{f.layout.label()} would be {100 * (win.time.total / f.time.total - 1):.1f}% "
+            f"{f.layout.label()} would be {100 * (f.tokens_per_s / win.tokens_per_s - 1):.1f}% "
             f"faster but needs {_gib(f.memory.total)} GiB > the {_gib(f.limit)} GiB limit"
         )
     return "; ".join(parts)

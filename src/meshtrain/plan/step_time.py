@@ -7,7 +7,8 @@ with activation checkpointing (the forward runs twice), divided over ``tp x pp``
 ``cp`` chunks of the sequence, at ``Hardware.peak_flops x efficiency``. CPU ranks that
 outnumber the cores share them (``Hardware.slowdown``).
 
-**Communication**, bytes per step from the accounting ``distributed.comm`` records and
+**Communication**, bytes each rank sends per step (a link is full duplex: what it receives
+arrives meanwhile), from the accounting ``distributed.comm`` records and
 ``parallel.zero.plan`` states (an all-reduce of ``b`` bytes moves ``2 b (n-1)/n`` per rank,
 a reduce-scatter or all-gather of a full buffer ``b`` moves ``b (n-1)/n``), over the link
 the group spans (``bw_intra`` when its ranks fit on one node, else ``bw_inter``; the mesh
@@ -18,17 +19,19 @@ group        bytes per step (one rank)                            overlap (as th
 ===========  ===================================================  ========================
 dp (ZeRO)    stage 0: all-reduce ``2 s_g Psi``; 1: ``s_g Psi``     gradient buckets overlap
              + ``s Psi``; 2: ``m s_g Psi + s Psi``; 3:             each backward (2/3 of a
-             ``m (2 s Psi + s_g Psi)``, over ``dp cp`` (experts    micro-step); the param
-             over ``dp cp / ep``)                                  all-gather after the step
+             ``m (2 s Psi_u + s_g Psi)`` (``Psi_u`` in units;     micro-step); the param
+             the kept-whole parameters' gradients all-reduced),    all-gather after the step
+             over ``dp cp`` (experts over ``dp cp / ep``)
                                                                    does not; stage 3's
                                                                    gathers are prefetched
 tp           4 all-reduces of ``w b s h`` per block and            none (on the critical
-             micro-batch (6 with checkpointing)                    path)
+             micro-batch (6 with checkpointing), 2 more for the    path)
+             embedding and the head, 3 fp32 ``[b, s-1]`` (loss)
 cp ring      ``(cp - 1)`` key/value blocks ``2 w b s kv`` forward, with attention (each
              twice that backward                                   block's compute)
 cp a2a       8 all-to-alls of ``w b s h`` per block                 none
-pp           an activation and a gradient ``w b s h`` per          none
-             micro-batch
+pp           an activation or a gradient ``w b s h`` per           none
+             micro-batch (a middle stage: both)
 ep           4 all-to-alls of ``w b s k h`` per MoE block          none
 ===========  ===================================================  ========================
 
@@ -107,9 +110,12 @@ def predict_time(
     precision: str,
     optimizer: str,
     trainable_per_rank: int,
+    zero3_units: tuple[int, int] | None = None,
 ) -> StepTime:
     """The step time of ``layout`` (module docstring). ``trainable_per_rank``: the largest
-    rank's trainable parameters before ZeRO (its ``Psi_r``, from the memory model)."""
+    rank's trainable parameters before ZeRO (its ``Psi_r``, from the memory model);
+    ``zero3_units``: at stage 3, (elements kept whole, elements in units) of that rank
+    (``plan.memory.zero3_units``)."""
     w = 4 if precision == "fp32" else 2
     b, m, t, cp = layout.micro_batch, layout.grad_accum, layout.tp, layout.cp
     s = seq // cp
@@ -150,11 +156,11 @@ def predict_time(
         elif z == 2:
             reduce_b, gather_b, per_mb = _ring(grad_w * n_params, n), _ring(w * n_params, n), True
         else:
-            reduce_b, gather_b, per_mb = (
-                _ring(grad_w * n_params, n),
-                _ring(2 * w * n_params, n),
-                True,
-            )
+            # parameters kept whole are not gathered, and their gradients are all-reduced
+            whole, in_units = zero3_units if zero3_units and name == "dp" else (0, n_params)
+            whole = min(whole, n_params)
+            reduce_b = _ring(grad_w * (n_params - whole), n) + _ring(2 * grad_w * whole, n)
+            gather_b, per_mb = _ring(2 * w * in_units, n), True
         backward = 2 / 3 * t_mb
         if z == 3:  # gathers prefetched under the forward and backward of each micro-step
             exposed = m * (max(0.0, (reduce_b + gather_b) / bw - t_mb))
@@ -169,7 +175,11 @@ def predict_time(
     if t > 1:
         calls = 6 if layout.checkpointing else 4
         per = _ring(2 * w * b * s * facts.hidden, t)
-        wire["tp"] = m * blocks_r * calls * per
+        # the vocab-parallel embedding's output and the head's input gradient (all-reduced
+        # [b, s, h]) and the loss's three fp32 [b, s - 1] all-reduces: on the first and
+        # the last stage, both on one rank without a pipeline
+        ends = (2 if layout.pp == 1 else 1) * per + 3 * _ring(2 * 4 * b * (s - 1), t)
+        wire["tp"] = m * (blocks_r * calls * per + ends)
         comm["tp"] = wire["tp"] / _link(hw, t)
     if cp > 1:
         bw = _link(hw, cp * t)
@@ -185,7 +195,8 @@ def predict_time(
             comm["cp"] = wire["cp"] / bw
     if layout.pp > 1:
         act = w * b * s * facts.hidden / (t if layout.sequence_parallel else 1)
-        wire["pp"] = 2 * m * act
+        # sent: the first stage its activations, the last its gradients, a middle one both
+        wire["pp"] = (2 if layout.pp > 2 else 1) * m * act
         comm["pp"] = wire["pp"] / _link(hw, layout.world)
     if layout.ep > 1:
         per = 4 * _ring(w * b * s * facts.top_k * facts.hidden, layout.ep)

@@ -15,6 +15,8 @@ model with a stand-in topology that has the sizes and no process groups:
   (``parallel.tensor.plans.plan_for``) that supports sequence parallelism when asked;
 * the pipeline split (``split_model``: at most one stage per block) and the schedule's
   action lists (``build_schedule``);
+* packed rows: ``models.packed_batches.check_packed_batch`` (the engine's check of every
+  packed batch: the family keeps documents apart, the attention gets the mask);
 * the data the layout needs: the sequence a multiple of ``2 cp`` (the chunks context
   parallelism cuts) and of ``tp`` under sequence parallelism (the engine refuses others at
   the first batch).
@@ -121,7 +123,7 @@ class LayoutCheck:
         # the checks that walk the model read only whether each dimension is split (and
         # the stage and sequence parallelism): once per such shape, not per layout
         shape = (layout.pp > 1, layout.tp > 1, layout.cp > 1, layout.ep > 1,
-                 layout.sequence_parallel, layout.stage)  # fmt: skip
+                 layout.sequence_parallel, layout.stage, layout.packed)  # fmt: skip
         if shape not in self._model_checks:
             try:
                 self._model_check(layout, config)
@@ -169,6 +171,12 @@ class LayoutCheck:
         )  # fmt: skip
         model = self.facts.model
         check_layout(model, topology)
+        if layout.packed:  # the engine's check of every packed batch, on a packed stand-in
+            import torch
+
+            from meshtrain.models.packed_batches import check_packed_batch
+
+            check_packed_batch(model, {"position_ids": torch.tensor([[0, 1, 0, 1]])})
         if layout.ep > 1 and not self._expert_counts():
             raise ConfigError("mesh.expert_parallel_size: the model has no MoE layer")
         if layout.pp > 1:
