@@ -41,6 +41,7 @@ from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError, TopologyError
 from meshtrain.parallel.pipeline.grads import global_grad_norm, sum_tied_shards
 from meshtrain.parallel.pipeline.runtime import PipelineRuntime
+from meshtrain.parallel.pipeline.schedules import V_SHAPED, stage_rank
 
 __all__ = [
     "check_pipeline",
@@ -117,6 +118,23 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
     pc = config.pipeline
     p, v = topology.pp_size, int(pc.virtual_stages)
     routed = any(isinstance(m, RoutedExperts) for m in model.modules())
+    if pc.schedule in V_SHAPED and v != 2:
+        raise ConfigError(
+            f"pipeline.schedule: {pc.schedule} holds two stages per rank in a V (rank r "
+            f"runs stages r and 2p-1-r), got pipeline.virtual_stages {v}; set it to 2"
+        )
+    gas = config.gradient_accumulation_steps
+    if pc.schedule == "dualpipev" and isinstance(gas, int) and gas < 2 * p:
+        raise ConfigError(
+            f"pipeline.schedule: dualpipev needs at least 2 x pp = {2 * p} micro-batches per "
+            f"step, got gradient_accumulation_steps {gas}; raise it or use zbv"
+        )
+    if isinstance(model, PipelineModule) and pc.schedule in V_SHAPED:
+        raise ConfigError(
+            f"pipeline.schedule: {pc.schedule} with a meshtrain.pipe.PipelineModule is not "
+            "implemented (a PipelineModule places its stages looped, s % p, not in a V); "
+            "use interleaved_1f1b or zb_h1, or let meshtrain split the model"
+        )
     if isinstance(model, PipelineModule):
         if model.num_stages != p * v:
             raise ConfigError(
@@ -132,12 +150,14 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
         every = split_model(
             model, p * v, method=pc.partition_method, cut_points=pc.cut_points, sequence_parallel=sp
         )
-        stages = {k: s for k, s in enumerate(every) if k % p == topology.pp_rank}
+        place = pc.schedule  # looped (s % p) or, for zbv / dualpipev, a V
+        mine = [k for k in range(p * v) if stage_rank(place, k, p) == topology.pp_rank]
+        stages = {k: every[k] for k in mine}
         # MoE: the router's auxiliary loss over every stage's layers (``router_aux``), over
         # every replica's tokens only with loss.global_aux_loss (``compose``'s rule)
         replicas = topology.replica_group if config.loss.global_aux_loss else None
         attach_router_aux(stages.values(), model, replicas)
-        tied = tied_groups(every, topology)
+        tied = tied_groups(every, topology, lambda k: stage_rank(place, k, p))
         free_unused(model, list(stages.values()))  # other ranks' blocks: storage released
     runtime = PipelineRuntime(
         stages, topology.pp_group, p * v, pc.schedule, tied, device=topology.device

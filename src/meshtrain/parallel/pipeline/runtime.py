@@ -45,10 +45,12 @@ from meshtrain.parallel.pipeline.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
+    SPLIT_BACKWARD,
     B,
     F,
     W,
     build_schedule,
+    stage_rank,
 )
 
 # Op costs the receives are placed by (``schedules``: a receive sits before the first
@@ -58,14 +60,14 @@ from meshtrain.parallel.pipeline.schedules import (
 # costs made interleaved 1F1B block on receives it did not need yet (bubble 0.200
 # instead of 0.111 at p 2, m 4, benchmarks/bench_pipeline_bubble.py). The placement stays
 # deadlock-free whatever the real costs.
-RUN_COSTS = {False: {F: 1, B: 2}, True: {F: 1, B: 1, W: 1}}  # key: backward split (ZB-H1)
+RUN_COSTS = {False: {F: 1, B: 2}, True: {F: 1, B: 1, W: 1}}  # key: backward split (ZB, ZBV)
 
 
 class PipelineRuntime:
     """Runs a step of micro-batches through this rank's stages.
 
     ``stages``: ``{stage index: module}`` for the stages this rank holds (stage ``s`` on
-    pp rank ``s % p``); a module is called ``module(x, batch)`` with ``x`` the previous
+    pp rank ``s % p``, or in a V for zbv / dualpipev: ``schedules.stage_rank``); a module is called ``module(x, batch)`` with ``x`` the previous
     stage's activation (None on stage 0) and returns the activation, or the loss on the
     last stage. ``tied``: ``(parameter, group)`` pairs whose gradients are summed over
     ``group`` after the backward (a weight used by stages on several ranks).
@@ -82,19 +84,22 @@ class PipelineRuntime:
     ) -> None:
         self.stages, self.group, self.num_stages = dict(stages), group, num_stages
         self.p = group.size
-        if num_stages % self.p or any(s % self.p != group.rank for s in self.stages):
+        self.schedule = schedule
+        misplaced = any(stage_rank(schedule, s, self.p) != group.rank for s in self.stages)
+        if num_stages % self.p or misplaced:
+            rule = "in a V (r and 2p-1-r)" if schedule in ("zbv", "dualpipev") else "s % p"
             raise ConfigError(
                 f"pp rank {group.rank} of {self.p} holds stages {sorted(self.stages)} of "
-                f"{num_stages}; stage s must sit on rank s % {self.p}"
+                f"{num_stages}; under pipeline.schedule {schedule!r} stages sit {rule}"
             )
         self.v = num_stages // self.p
-        self.schedule = schedule
+        self.split = schedule in SPLIT_BACKWARD  # B is the input gradient, W the weights
         self.tied = list(tied)
         self.device = torch.device(device)
         self._cache: dict[tuple, Any] = {}
         self._after_backward: Callable[[list[nn.Parameter]], None] | None = None
         self._midway = False  # a step raised before its end (its receives stay posted)
-        self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # ZB-H1: B -> W
+        self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # split: B -> W
         # activation shapes per channel across steps, and the guessed receives (``p2p``)
         self.shapes = ShapeMemory()
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
@@ -104,14 +109,14 @@ class PipelineRuntime:
     def _actions(self, name: str, m: int):
         key = (name, m)
         if key not in self._cache:
-            costs = RUN_COSTS[name == "zb_h1"]
+            costs = RUN_COSTS[name in SPLIT_BACKWARD]
             self._cache[key] = build_schedule(name, self.p, m, self.v, costs).actions[
                 self.group.rank
             ]
         return self._cache[key]
 
     def _peer(self, stage: int) -> int:
-        return stage % self.p
+        return stage_rank(self.schedule, stage, self.p)
 
     # ---- steps -----------------------------------------------------------------------
     def train_step(
@@ -193,7 +198,7 @@ class PipelineRuntime:
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output / loss
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # grad of the stage's output
         losses: dict[int, torch.Tensor] = {}  # mb -> its loss (last stage)
-        links = StepLinks(self.group, actions, outputs, self.device, self.shapes)
+        links = StepLinks(self.group, actions, outputs, self.device, self.shapes, self._peer)
         for i, a in enumerate(actions):
             key = (a.stage, a.mb)
             if a.kind in COMPUTE:
@@ -217,7 +222,7 @@ class PipelineRuntime:
                     inputs.pop(key, None)
                     outputs[key] = y.detach()
                 if a.stage < last and self._peer(a.stage + 1) == self.group.rank:
-                    nxt = y.detach().requires_grad_(train)  # only when p == 1
+                    nxt = y.detach().requires_grad_(train)  # p == 1, or the V's bottom
                     inputs[(a.stage + 1, a.mb)] = nxt
             elif a.kind == SEND_F:
                 links.send_activation(outputs[key], a.stage)
@@ -255,23 +260,26 @@ class PipelineRuntime:
                 inputs[key] = links.activation(*key).requires_grad_(train)
             return
         remote = a.stage < self.num_stages - 1 and self._peer(a.stage + 1) != rank
-        zb_first = self.schedule == "zb_h1" and a.stage == 0
+        zb_first = self.split and a.stage == 0
         if remote and key not in out_grads and (a.kind == W or not zb_first):
             out_grads[key] = links.gradient(*key)
 
     def _backward(self, key, inputs, outputs, out_grads, split: bool) -> None:
-        """``B`` (and ``W`` for ZB-H1): ``B`` alone runs the whole backward; under ZB-H1
-        ``B`` computes the input gradient and ``W`` the weight gradients, each walking its
-        own part of the graph once (``zero_bubble``)."""
+        """``B`` (and ``W`` for the split schedules): ``B`` alone runs the whole backward;
+        under ZB-H1, ZBV and DualPipeV ``B`` computes the input gradient and ``W`` the weight
+        gradients, each walking its own part of the graph once (``zero_bubble``)."""
         stage, mb = key
-        zb = self.schedule == "zb_h1"
+        zb = self.split
         y = outputs[key]
         grad = out_grads.get(key)
         x = inputs.get(key)
+        local_prev = stage > 0 and self._peer(stage - 1) == self.group.rank
         if zb and not split:  # input gradient only (nothing to do on stage 0)
             if x is not None:
                 params = self.stages[stage].parameters()
                 self._weight_work[key] = zero_bubble.backward_input(y, grad, x, params)
+            if local_prev:  # the V's bottom: the previous stage's B may run before our W
+                out_grads[(stage - 1, mb)] = inputs.pop(key).grad
             return
         outputs.pop(key)
         out_grads.pop(key, None)
@@ -286,5 +294,5 @@ class PipelineRuntime:
             torch.autograd.backward(y, grad)
         if self._after_backward is not None:
             self._after_backward(written)
-        if stage > 0 and self._peer(stage - 1) == self.group.rank:  # p == 1 hand-over
+        if local_prev and not zb:  # same-rank hand-over (p == 1; split: done by B)
             out_grads[(stage - 1, mb)] = inputs.pop(key).grad
