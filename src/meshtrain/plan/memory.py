@@ -268,9 +268,7 @@ def activation_peak(
                 "zb_h1": min(mb, p),
                 "zbv": min(2 * mb, 2 * p, mb + 1 + r),
                 "dualpipev": 2 * p + 1,
-            }.get(
-                layout.schedule, min(v * mb, (v - 1) * p + 2 * (p - 1 - r) + 1)
-            )
+            }.get(layout.schedule, min(v * mb, (v - 1) * p + 2 * (p - 1 - r) + 1))
             peak = alive * max(per_stage.values())
         last_here = any(getattr(stages[k], "is_last", False) for k in per_stage)
         best = max(best, peak + max(b * grads if last_here else 0, recompute))

@@ -15,8 +15,10 @@ bucket over the stage's dp group (each stage has its own: ranks ``dp * tp`` apar
 the same stage). Under ZeRO 2 every micro-batch's backward on a stage reduce-scatters
 the stage's buckets into the gradient shard and drops ``.grad`` (``m`` reduce-scatters per
 step instead of one, as ZeRO 2 does with gradient accumulation; with ``v`` chunks per rank
-each chunk's backward reduces the rank's whole flat group, so ``v m``). ZeRO 3 is refused
-(``check_pipeline``). Tensor parallelism runs inside each stage (``parallelize``'s step 1
+each chunk's backward reduces the rank's whole flat group, so ``v m``). Under ZeRO 3
+each stage's units are gathered once per run of consecutive actions on it in the rank's
+action list (once per step with one stage per rank) and its gradients reduce-scattered
+once after the schedule (``parallel.zero.pipeline_gather``). Tensor parallelism runs inside each stage (``parallelize``'s step 1
 shards before step 2 cuts; the vocab-parallel loss runs on the last stage). With sequence
 parallelism the activation crossing a stage boundary is each tp rank's ``1/T`` sequence
 shard, ``b x t/T x d`` instead of ``b x t x d`` each way (``SplitStage.forward`` runs a
@@ -75,19 +77,13 @@ class PipelineStages(nn.Module):
 
 def check_pipeline(model: nn.Module, topology, config) -> None:
     """What pipeline parallelism does not combine with, refused before ``parallelize``
-    changes anything: ZeRO stage 3, a ``PipelineModule`` under tensor parallelism, and
+    changes anything: a ``PipelineModule`` under tensor parallelism, and
     sequence parallelism for a model whose layout cannot send sequence shards (GPT-2)."""
     from meshtrain.parallel.pipeline.module import PipelineModule
     from meshtrain.parallel.pipeline.router_aux import check_pipeline_moe
     from meshtrain.parallel.pipeline.split import find_layout
 
     check_pipeline_moe(model, topology)
-    if int(config.zero_optimization.stage) >= 3:
-        raise ConfigError(
-            f"zero_optimization.stage: {config.zero_optimization.stage} with "
-            "mesh.pipeline_parallel_size > 1 is not implemented (each stage would gather "
-            "its units once per micro-batch); use stage 0, 1 or 2"
-        )
     if topology.tp_size == 1:
         return
     if isinstance(model, PipelineModule):
@@ -223,6 +219,7 @@ def run_window(engine, batches: list, weights: list[float] | None = None) -> tor
         args, kwargs = ((), b) if isinstance(b, dict) else (tuple(b), {})
         engine.log.count_batch(args, kwargs)
     zero = engine.zero
+    attach_stage_gathering(engine)
     engine.shorten_window(1)  # the schedule runs the whole window; the next step() ends it
     zero.begin_window()
     # ZeRO 0-1: reduce once, after the schedule; ZeRO 2: after every micro-batch's
@@ -238,6 +235,19 @@ def run_window(engine, batches: list, weights: list[float] | None = None) -> tor
     if zero.every_backward:
         sum_tied_shards(pipe.tied, zero, engine.topology.dp_group)
     return loss
+
+
+def attach_stage_gathering(engine) -> None:
+    """ZeRO-3: the runtime gathers each stage's units per run of its action list
+    (``parallel.zero.pipeline_gather``), built once from the engine's gatherers."""
+    pipe: PipelineRuntime = engine.pipeline
+    gatherer = getattr(engine.zero, "gatherer", None)
+    if pipe.gathering is not None or gatherer is None:
+        return
+    from meshtrain.parallel.zero.pipeline_gather import StageGathering
+
+    found = getattr(gatherer, "gatherers", [gatherer])
+    pipe.gathering = StageGathering(found, pipe.stages)
 
 
 def check_sequence_lengths(engine, batches: list) -> None:
@@ -276,6 +286,7 @@ def eval_batch(engine, data_iter: Iterator | None = None, num_micro_batches: int
     pipe: PipelineRuntime | None = engine.pipeline
     if pipe is not None:
         check_sequence_lengths(engine, batches)
+        attach_stage_gathering(engine)
         return _dp_mean(engine, pipe.eval_step(batches))
     was = engine.module.training
     engine.module.eval()

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +63,24 @@ from meshtrain.parallel.pipeline.schedules import (
 # instead of 0.111 at p 2, m 4, benchmarks/bench_pipeline_bubble.py). The placement stays
 # deadlock-free whatever the real costs.
 RUN_COSTS = {False: {F: 1, B: 2}, True: {F: 1, B: 1, W: 1}}  # key: backward split (ZB, ZBV)
+
+
+@dataclass
+class _Step:
+    """What one step's actions read and write (``PipelineRuntime._run``)."""
+
+    links: StepLinks
+    batches: Sequence[Any]
+    inputs: dict  # (stage, mb) -> stage input
+    outputs: dict  # (stage, mb) -> output / loss
+    out_grads: dict  # (stage, mb) -> gradient of the stage's output
+    losses: dict  # mb -> its loss (last stage)
+    train: bool
+    loss_scale: float
+    weights: Sequence[float] | None
+    kept: dict | None
+    m: int
+    last: int
 
 
 class PipelineRuntime:
@@ -105,6 +125,9 @@ class PipelineRuntime:
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
         # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
         self.trace: list | None = None
+        # ZeRO-3: gathers each stage's units per run of the action list (set by the engine,
+        # ``parallel.zero.pipeline_gather``); None without stage 3
+        self.gathering = None
 
     def _actions(self, name: str, m: int):
         key = (name, m)
@@ -199,44 +222,19 @@ class PipelineRuntime:
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # grad of the stage's output
         losses: dict[int, torch.Tensor] = {}  # mb -> its loss (last stage)
         links = StepLinks(self.group, actions, outputs, self.device, self.shapes, self._peer)
-        for i, a in enumerate(actions):
-            key = (a.stage, a.mb)
-            if a.kind in COMPUTE:
-                links.post_ahead(i)
-                self._fetch(a, links, inputs, out_grads, train)
-            if self.trace is not None:
-                t0, c0 = time.perf_counter(), time.thread_time()
-            if a.kind == F:
-                x = inputs.get(key) if a.stage > 0 else None
-                y = self.stages[a.stage](x, batches[a.mb])
-                if a.stage == last and kept is None:
-                    losses[a.mb] = y.detach().float()
-                    w = 1.0 / m if weights is None else float(weights[a.mb])
-                    y = y * (loss_scale * w)
-                if a.stage == last and kept is not None:  # eval_outputs: nothing goes on
-                    inputs.pop(key, None)
-                    kept[a.mb] = y
-                elif train:
-                    outputs[key] = y
-                else:
-                    inputs.pop(key, None)
-                    outputs[key] = y.detach()
-                if a.stage < last and self._peer(a.stage + 1) == self.group.rank:
-                    nxt = y.detach().requires_grad_(train)  # p == 1, or the V's bottom
-                    inputs[(a.stage + 1, a.mb)] = nxt
-            elif a.kind == SEND_F:
-                links.send_activation(outputs[key], a.stage)
-                if not train:
-                    del outputs[key]
-            elif a.kind in (RECV_F, RECV_B):
-                pass  # posted by post_ahead, waited on by the compute that consumes it
-            elif a.kind in (B, W):
-                self._backward(key, inputs, outputs, out_grads, split=a.kind == W)
-            elif a.kind == SEND_B:
-                links.send_gradient(inputs.pop(key).grad, a.stage)
-            if self.trace is not None and a.kind in (F, B, W):
-                cpu = time.thread_time() - c0
-                self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
+        step = _Step(links, batches, inputs, outputs, out_grads, losses, train, loss_scale,
+                     weights, kept, m, last)  # fmt: skip
+        gathering, computes = self.gathering, 0
+        if gathering is not None:
+            gathering.begin_step([a.stage for a in actions if a.kind in COMPUTE])
+        with gathering.paused() if gathering is not None else nullcontext():
+            for i, a in enumerate(actions):
+                if a.kind in COMPUTE and gathering is not None:
+                    gathering.before(computes)
+                    computes += 1
+                self._act(i, a, step)
+        if gathering is not None:
+            gathering.end_step(keep=train)
         links.finish()
         if kept is not None:
             self._midway = False
@@ -249,6 +247,46 @@ class PipelineRuntime:
         comm.broadcast(loss, src=self._peer(last), group=self.group, label="pp_loss")
         self._midway = False
         return loss
+
+    def _act(self, i: int, a, st: _Step) -> None:
+        """Run action ``i`` of the step's list (``_run``'s loop body) on ``st``."""
+        key = (a.stage, a.mb)
+        if a.kind in COMPUTE:
+            st.links.post_ahead(i)
+            self._fetch(a, st.links, st.inputs, st.out_grads, st.train)
+        if self.trace is not None:
+            t0, c0 = time.perf_counter(), time.thread_time()
+        if a.kind == F:
+            x = st.inputs.get(key) if a.stage > 0 else None
+            y = self.stages[a.stage](x, st.batches[a.mb])
+            if a.stage == st.last and st.kept is None:
+                st.losses[a.mb] = y.detach().float()
+                w = 1.0 / st.m if st.weights is None else float(st.weights[a.mb])
+                y = y * (st.loss_scale * w)
+            if a.stage == st.last and st.kept is not None:  # eval_outputs: nothing goes on
+                st.inputs.pop(key, None)
+                st.kept[a.mb] = y
+            elif st.train:
+                st.outputs[key] = y
+            else:
+                st.inputs.pop(key, None)
+                st.outputs[key] = y.detach()
+            if a.stage < st.last and self._peer(a.stage + 1) == self.group.rank:
+                nxt = y.detach().requires_grad_(st.train)  # p == 1, or the V's bottom
+                st.inputs[(a.stage + 1, a.mb)] = nxt
+        elif a.kind == SEND_F:
+            st.links.send_activation(st.outputs[key], a.stage)
+            if not st.train:
+                del st.outputs[key]
+        elif a.kind in (RECV_F, RECV_B):
+            pass  # posted by post_ahead, waited on by the compute that consumes it
+        elif a.kind in (B, W):
+            self._backward(key, st.inputs, st.outputs, st.out_grads, split=a.kind == W)
+        elif a.kind == SEND_B:
+            st.links.send_gradient(st.inputs.pop(key).grad, a.stage)
+        if self.trace is not None and a.kind in (F, B, W):
+            cpu = time.thread_time() - c0
+            self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
 
     def _fetch(self, a, links: StepLinks, inputs, out_grads, train: bool) -> None:
         """Wait for the data compute ``a`` consumes from another rank, if any: a forward's

@@ -1,0 +1,97 @@
+"""ZeRO-3 under a pipeline (pp 2 x dp 2) against one process.
+
+Real gloo ranks: a tiny transformers Llama (untied), fp32, 20 AdamW steps of 4
+micro-batches (1F1B), each dp replica taking half the rows of every micro-batch; the
+reference is the same engine in one process over the whole rows with gradient
+accumulation. Asserted:
+
+* losses and the whole model (normwise, gathered to the unsplit model's names with
+  ``engine.module_state_dict()``) within ``tolerance.trajectory(1e-3, 20)`` = 1.3e-5
+  relative: the dp sum of gradients and the stage cut change the order of reductions,
+  and Adam turns that rounding into a parameter difference bounded by the trajectory
+  rule (tests/tolerance.py's row for a trajectory of Adam steps; the issue's 1e-6 is
+  below what that rule allows for 20 steps at lr 1e-3 on other CPUs' kernels);
+* bytes on the dp group per step exactly ``plan.comm_bytes_theory(..., runs=1)``: one
+  stage per rank is one run of the action list, so each unit is gathered once per step
+  and its gradient reduce-scattered once (``parallel.zero.pipeline_gather``), against
+  plain ZeRO-3's three passes per micro-batch;
+* between steps nothing is whole (the gathered bytes are 0) and each stage was gathered
+  once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.harness import run_ranks
+from tests.tolerance import check_trajectory, trajectory
+
+STEPS, MICRO, ROWS, LR = 20, 4, 4, 1e-3
+
+
+def _model():
+    from tests.tiny_models import tiny_llama
+
+    return tiny_llama(seed=3, num_hidden_layers=2, attn_implementation="sdpa")
+
+
+def _data(step: int, part: slice) -> list:
+    g = torch.Generator().manual_seed(500 + step)
+    out = []
+    for i in range(MICRO):
+        ids = torch.randint(0, 64, (ROWS, 4 + 2 * ((i + step) % 3)), generator=g)[part]
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def _engine(pp: int, zero: int):
+    import meshtrain
+
+    torch.set_num_threads(1)
+    dp = torch.distributed.get_world_size() // pp
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // dp,
+        "gradient_accumulation_steps": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "steps_per_print": 100000,
+        "mesh": {"pipeline_parallel_size": pp},
+        "zero_optimization": {"stage": zero, "stage3_param_persistence_threshold": 100},
+    }
+    engine, *_ = meshtrain.initialize(model=_model(), config=config)
+    return engine
+
+
+def _run(pp: int, zero: int) -> dict:
+    engine = _engine(pp, zero)
+    dp, r = engine.topology.dp_size, engine.topology.dp_rank
+    part = slice(r * ROWS // dp, (r + 1) * ROWS // dp)
+    losses, moved, gathered, runs = [], [], [], []
+    for step in range(STEPS):
+        losses.append(engine.train_batch(iter(_data(step, part))).item())
+        if engine.pipeline is not None and engine.pipeline.gathering is not None:
+            by_group = engine.last_step_comm_by_group()
+            name = engine.zero.replicas.name
+            moved.append(sum(n for (op, g), n in by_group.items() if g == name and op != "control"))
+            gathered.append(engine.zero.gatherer.gathered_bytes())
+            runs.append(dict(engine.pipeline.gathering.runs))
+    out = {"losses": losses, "state": engine.module_state_dict()}
+    if moved:
+        out.update(moved=moved, gathered=gathered, runs=runs)
+        out["theory"] = engine.zero.comm_bytes_theory(runs=1)
+        out["stages"] = sorted(int(k) for k in engine.module.stages)
+    return out
+
+
+def test_zero3_under_a_pipeline_matches_one_process():
+    import transformers  # noqa: F401  (imported once here; forked ranks inherit it)
+
+    ref = run_ranks(_run, 1, 1, 0)[0]
+    per_rank = run_ranks(_run, 4, 2, 3, timeout=400)
+    bound = trajectory(LR, STEPS)
+    reference = (ref["losses"], {k: v.float() for k, v in ref["state"].items()})
+    for rank, got in enumerate(per_rank):
+        run = (got["losses"], {k: v.float() for k, v in got["state"].items()})
+        check_trajectory(f"pp 2 x dp 2 ZeRO-3 rank {rank}", run, reference, bound)
+        assert got["moved"] == [got["theory"]] * STEPS, (rank, got["moved"], got["theory"])
+        assert got["gathered"] == [0] * STEPS, (rank, got["gathered"])
+        assert got["runs"] == [dict.fromkeys(got["stages"], 1)] * STEPS, (rank, got["runs"])
