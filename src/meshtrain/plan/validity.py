@@ -50,6 +50,12 @@ class LayoutCheck:
 
     def refusal(self, layout: Layout) -> str | None:
         """Why meshtrain refuses ``layout``, else None."""
+        if layout.pp > 1 and layout.stage >= 3:  # the planner's own limit, not the engine's
+            return (
+                "zero_optimization.stage 3 with mesh.pipeline_parallel_size > 1 is not "
+                "planned: meshtrain runs it, but a stage's parameters stay whole for its run "
+                "of the schedule, which the planner's memory model does not count"
+            )
         try:
             self._check(layout)
         except (MeshtrainError, ValueError) as exc:

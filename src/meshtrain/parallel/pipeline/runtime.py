@@ -138,8 +138,13 @@ class PipelineRuntime:
             ]
         return self._cache[key]
 
-    def _peer(self, stage: int) -> int:
+    def rank_of(self, stage: int) -> int:
+        """The pp rank holding ``stage`` (``s % p``, or the V of zbv / dualpipev: there
+        the last stage is on rank 0)."""
         return stage_rank(self.schedule, stage, self.p)
+
+    def _peer(self, stage: int) -> int:
+        return self.rank_of(stage)
 
     # ---- steps -----------------------------------------------------------------------
     def train_step(

@@ -188,17 +188,18 @@ def comm_bytes_theory(
     stage: int,
     micro_steps: int = 1,
     comm_itemsize: int | None = None,
-    runs: int | None = None,
+    gathers: int | None = None,
 ) -> int:
     """Model-state bytes one optimizer step records under ``stage`` (module docstring).
 
     Gradient reductions move ``comm_itemsize`` bytes per element (the
     ``communication_data_type``; default: the gradients' own), parameter gathers the
-    model dtype's. ``runs``: stage 3 under a pipeline, the times the rank's stages were
-    gathered this step (``pipeline_gather``: once per run of the action list); the
-    gradients are then reduced once after the schedule, whatever ``micro_steps``."""
-    if runs is not None:
-        return _pipelined_stage3_bytes(flat_groups, runs, comm_itemsize)
+    model dtype's. ``gathers``: stage 3 under a pipeline, the times each of the rank's
+    stages was all-gathered this step (``pipeline_gather``: at most once per run of the
+    action list, once per step with one stage per rank); the gradients are then reduced
+    once after the schedule, whatever ``micro_steps``."""
+    if gathers is not None:
+        return _pipelined_stage3_bytes(flat_groups, gathers, comm_itemsize)
     total = 0
     for g in flat_groups:
         grads = g.numel * (comm_itemsize or g.itemsize)
@@ -214,14 +215,14 @@ def comm_bytes_theory(
     return total
 
 
-def _pipelined_stage3_bytes(flat_groups, runs: int, comm_itemsize: int | None) -> int:
-    """Stage 3 under a pipeline, one stage per rank (``runs`` gathers of every sharded
-    unit): ``runs x Psi`` gathered and ``Psi`` reduce-scattered for the sharded groups;
+def _pipelined_stage3_bytes(flat_groups, gathers: int, comm_itemsize: int | None) -> int:
+    """Stage 3 under a pipeline, every sharded unit gathered ``gathers`` times:
+    ``gathers x Psi`` gathered and ``Psi`` reduce-scattered for the sharded groups;
     the persistent (whole) ones reduce-scatter once and gather after the step (stage 2's
     treatment, reduced once because the backward does not synchronise)."""
     total = 0
     for g in flat_groups:
         grads = g.numel * (comm_itemsize or g.itemsize)
         params = g.numel * g.itemsize
-        total += (runs * params + grads) if g.shard_params else (grads + params)
+        total += (gathers * params + grads) if g.shard_params else (grads + params)
     return total

@@ -290,11 +290,11 @@ class ZeroStage:
         """Elements of the frozen parameters sharded under stage 3 (0 below it)."""
         return sum(g.frozen_numel for g in self.frozen_groups)
 
-    def comm_bytes_theory(self, micro_steps: int = 1, runs: int | None = None) -> int:
+    def comm_bytes_theory(self, micro_steps: int = 1, gathers: int | None = None) -> int:
         """Bytes one optimizer step with ``micro_steps`` micro-steps records (plan table);
-        ``runs``: stage 3 under a pipeline, the gathers per unit this step."""
+        ``gathers``: stage 3 under a pipeline, the all-gathers per unit this step."""
         itemsize = None if self.comm_dtype is None else self.comm_dtype.itemsize
-        return comm_bytes_theory(self.flat_groups, self.stage, micro_steps, itemsize, runs)
+        return comm_bytes_theory(self.flat_groups, self.stage, micro_steps, itemsize, gathers)
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes of parameters (device / host; stage 3's frozen shards
