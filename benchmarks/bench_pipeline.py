@@ -15,13 +15,16 @@ Two parts, each rank a real process on gloo with one thread (``run_on_ranks``):
    batch 16 in 4 micro-batches of 4, AdamW, fp32, its layers split in half over pp 2:
    meshtrain (``engine.train_batch`` with the same split) against
    ``torch.distributed.pipelining`` ``ScheduleGPipe`` / ``Schedule1F1B`` on hand-written
-   stage modules. samples/s (rank clocks, first 2 steps untimed, slowest rank) and peak
+   stage modules; zbv / dualpipev cut it into ``2 pp`` stages (a layer each for the
+   PEERS.md decoder at pp 2), rank ``r`` holding stages ``r`` and ``2pp-1-r``, against
+   ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` on the same cut (``--schedules``). samples/s (rank clocks, first 2 steps untimed, slowest rank) and peak
    RSS (VmHWM, largest rank); the peers run interleaved, ``--repeats`` rounds, medians.
    Losses are compared too. ``--adam-fused`` gives meshtrain's AdamW ``fused: true``
    (about 3x faster on CPU, ~1 ulp off torch's AdamW); the default steps each stage's
    flat parameters slice by slice, bit-identical to torch's.
 
     python benchmarks/bench_pipeline.py [--repeats 3] [--steps 20] [--model large]
+    python benchmarks/bench_pipeline.py --parts peers --schedules zbv,dualpipev
 
 Results go to ``benchmarks/results/pipeline-<date>.json``.
 """
@@ -166,7 +169,7 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
     rank = dist.get_rank()
     model = _decoder(model_name)
     n_params = sum(p.numel() for p in model.parameters())  # the whole model's
-    vocab, half = DECODERS[model_name]["vocab_size"], DECODERS[model_name]["n_layers"] // 2
+    vocab = DECODERS[model_name]["vocab_size"]
     times, losses = [], []
     if peer.startswith("meshtrain"):
         config = {
@@ -178,7 +181,11 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
             },
             "steps_per_print": 100000,
             "mesh": {"pipeline_parallel_size": dist.get_world_size()},
-            "pipeline": {"schedule": peer.split("-")[1], "partition_method": "uniform"},
+            "pipeline": {
+                "schedule": peer.split("-")[1],
+                "virtual_stages": 2 if peer.split("-")[1] in ("zbv", "dualpipev") else 1,
+                "partition_method": "uniform",
+            },
         }
         engine, *_ = meshtrain.initialize(model=model, config=config)
         for step in range(steps + 2):
@@ -187,58 +194,65 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
     else:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as tsched
 
-        class First(nn.Module):
-            def __init__(self, m):
+        kind, p = peer.split("-")[1], dist.get_world_size()
+        v_shaped = kind in ("zbv", "dualpipev")
+        n_stages = 2 * p if v_shaped else p
+        per = DECODERS[model_name]["n_layers"] // n_stages
+
+        class Part(nn.Module):
+            """Stage ``k`` of ``n_stages``: the embedding on the first, ``per`` layers, the
+            norm and head on the last (meshtrain's uniform cut of the same model)."""
+
+            def __init__(self, m, k):
                 super().__init__()
-                self.embed, self.layers = m.embed, nn.ModuleList(m.layers[:half])
-                self.register_buffer("cos", m.rope_cos, persistent=False)
-                self.register_buffer("sin", m.rope_sin, persistent=False)
-
-            def forward(self, ids):
-                x, t = self.embed(ids), ids.shape[1]
-                for layer in self.layers:
-                    x = layer(x, self.cos[:t], self.sin[:t])
-                return x
-
-        class Last(nn.Module):
-            def __init__(self, m):
-                super().__init__()
-                self.layers, self.norm, self.lm_head = (
-                    nn.ModuleList(m.layers[half:]),
-                    m.norm,
-                    m.lm_head,
-                )
+                self.first, self.last = k == 0, k == n_stages - 1
+                self.embed = m.embed if self.first else None
+                self.layers = nn.ModuleList(m.layers[k * per : (k + 1) * per])
+                self.norm = m.norm if self.last else None
+                self.lm_head = m.lm_head if self.last else None
                 self.register_buffer("cos", m.rope_cos, persistent=False)
                 self.register_buffer("sin", m.rope_sin, persistent=False)
 
             def forward(self, x):
+                if self.first:
+                    x = self.embed(x)
                 t = x.shape[1]
                 for layer in self.layers:
                     x = layer(x, self.cos[:t], self.sin[:t])
-                return self.lm_head(self.norm(x))
+                return self.lm_head(self.norm(x)) if self.last else x
 
-        mod = First(model) if rank == 0 else Last(model)
+        mine = [rank, n_stages - 1 - rank] if v_shaped else [rank]
+        mods = [Part(model, k) for k in mine]
         del model
-        stage = PipelineStage(mod, rank, dist.get_world_size(), torch.device("cpu"))
-        cls = ScheduleGPipe if peer == "torch-gpipe" else Schedule1F1B
-        sched = cls(stage, n_microbatches=MICRO, loss_fn=causal_lm_loss)
-        opt = torch.optim.AdamW(mod.parameters(), **ADAMW)
+        cpu = torch.device("cpu")
+        stages = [PipelineStage(md, k, n_stages, cpu) for md, k in zip(mods, mine, strict=True)]
+        cls = {
+            "gpipe": tsched.ScheduleGPipe,
+            "1f1b": tsched.Schedule1F1B,
+            "zbv": tsched.ScheduleZBVZeroBubble,
+            "dualpipev": tsched.ScheduleDualPipeV,
+        }[kind]
+        sched = cls(stages if v_shaped else stages[0], n_microbatches=MICRO, loss_fn=causal_lm_loss)
+        opt = torch.optim.AdamW([q for md in mods for q in md.parameters()], **ADAMW)
+        first_rank, last_rank = 0, 0 if v_shaped else p - 1
         for step in range(steps + 2):
             data = _data(step, vocab)
             ids = torch.cat([x for x, _ in data])
             t0 = time.perf_counter()
             opt.zero_grad()
             out = []
-            if rank == 0:
-                sched.step(ids)
+            args = (ids,) if rank == first_rank else ()
+            if rank == last_rank:
+                sched.step(*args, target=ids, losses=out)
             else:
-                sched.step(target=ids, losses=out)
+                sched.step(*args)
             opt.step()
             times.append(time.perf_counter() - t0)
-            loss = torch.stack(out).mean() if out else torch.zeros(())
-            dist.broadcast(loss, src=dist.get_world_size() - 1)
+            loss = torch.stack(out).detach().mean() if out else torch.zeros(())
+            dist.broadcast(loss, src=last_rank)
             losses.append(float(loss))
     return {
         "seconds": sum(times[2:]),
@@ -248,13 +262,15 @@ def _peer_rank(peer: str, steps: int, adam_fused: bool = False, model_name: str 
     }
 
 
-PEERS = ("meshtrain-gpipe", "torch-gpipe", "meshtrain-1f1b", "torch-1f1b")
+KINDS = ("gpipe", "1f1b", "zbv", "dualpipev")
 
 
 def peers(args) -> dict:
-    runs: dict[str, list] = {p: [] for p in PEERS}
+    kinds = [k for k in KINDS if k in args.schedules.split(",")]
+    order = [f"{who}-{k}" for k in kinds for who in ("meshtrain", "torch")]
+    runs: dict[str, list] = {p: [] for p in order}
     for _ in range(args.repeats):
-        for peer in PEERS:
+        for peer in order:
             per_rank = run_on_ranks(
                 _peer_rank, args.pp, (peer, args.steps, args.adam_fused, args.model), timeout=600
             )
@@ -272,7 +288,7 @@ def peers(args) -> dict:
             "samples_per_s": statistics.median(r["samples_per_s"] for r in rs),
             "rss_mib": statistics.median(r["rss_mib"] for r in rs),
         }
-    for kind in ("gpipe", "1f1b"):
+    for kind in kinds:
         ours, theirs = summary[f"meshtrain-{kind}"], summary[f"torch-{kind}"]
         dl = max(
             abs(a - b)
@@ -288,7 +304,7 @@ def peers(args) -> dict:
             "max_loss_diff": dl,
         }
         print(
-            f"{kind:6} meshtrain {ours['samples_per_s']:.1f} samples/s {ours['rss_mib']:.0f} MiB"
+            f"{kind:9} meshtrain {ours['samples_per_s']:.1f} samples/s {ours['rss_mib']:.0f} MiB"
             f" | torch {theirs['samples_per_s']:.1f} samples/s {theirs['rss_mib']:.0f} MiB"
             f" | ratio speed {summary[f'ratio-{kind}']['samples_per_s']:.2f}x"
             f" rss {summary[f'ratio-{kind}']['rss']:.2f}x | max loss diff {dl:.2e}",
@@ -303,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="bubble,peers")
+    ap.add_argument(
+        "--schedules",
+        default=",".join(KINDS),
+        help="the peers part's schedules, against torch's ScheduleGPipe, Schedule1F1B, "
+        "ScheduleZBVZeroBubble, ScheduleDualPipeV (zbv and dualpipev: 2 stages per rank in a V)",
+    )
     add_model_argument(ap)  # the peers' decoder
     ap.add_argument(
         "--adam-fused",

@@ -6,7 +6,7 @@ backward. So every stage costs exactly ``f`` forward and ``b + w`` backward what
 runs on the machine (sleeping needs no core: the figures hold on a loaded 2-core
 machine, unlike compute timings, see ``bench_pipeline.py``). With ``v`` chunks per rank
 each chunk sleeps ``1/v`` of that, so every rank does the same work at every ``v``.
-ZB-H1: ``B`` (input gradient) walks the outer node (``b``), ``W`` starts from what ``B``
+ZB-H1, zbv and dualpipev: ``B`` (input gradient) walks the outer node (``b``), ``W`` starts from what ``B``
 saved and walks towards the weights only (``w``; ``parallel/pipeline/zero_bubble.py``);
 on stage 0 ``B`` is a no-op and ``W`` the whole backward (``b + w``).
 
@@ -49,7 +49,9 @@ import meshtrain
 from meshtrain.launch.processes import run_on_ranks
 
 RESULTS = Path(__file__).parent / "results"
-CASES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
+CASES = (
+    ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2),
+)  # fmt: skip
 
 
 class _Sleep(torch.autograd.Function):
@@ -80,13 +82,34 @@ class SleepLayer(nn.Module):
         return _Sleep.apply(torch.tanh(x @ weight.T), self.f, self.b)
 
 
+class VStage(nn.Module):
+    """One sleep stage as ``PipelineRuntime`` calls it, ``stage(x, (input, target))``: the
+    V-shaped schedules' stages (a ``PipelineModule`` places its stages looped, ``s % p``)."""
+
+    def __init__(self, layer: nn.Module, last: bool) -> None:
+        super().__init__()
+        self.layer, self.last = layer, last
+
+    def forward(self, x, batch):
+        y = self.layer(batch[0] if x is None else x)
+        return (y - batch[1]).pow(2).mean() if self.last else y
+
+
 def sleep_pipeline(topo, schedule: str, v: int, unit: float, d: int = 16):
     """This rank's ``PipelineModule`` of ``p v`` equal sleep stages (each chunk sleeps
-    ``unit / v``) and the ``PipelineRuntime`` that runs ``schedule`` over them."""
+    ``unit / v``; for zbv / dualpipev a ``ModuleDict`` of ``VStage``s in a V) and the
+    ``PipelineRuntime`` that runs ``schedule`` over them."""
     from meshtrain.parallel.pipeline.runtime import PipelineRuntime
+    from meshtrain.parallel.pipeline.schedules import V_SHAPED, rank_stages
     from meshtrain.pipe import LayerSpec, PipelineModule
 
     p, c = topo.pp_size, unit / v
+    if schedule in V_SHAPED:
+        torch.manual_seed(0)
+        mine = rank_stages(schedule, topo.pp_rank, p, v)
+        stages = {k: VStage(SleepLayer(d, c, c, c), k == p * v - 1) for k in mine}
+        pm = nn.ModuleDict({str(k): st for k, st in stages.items()})
+        return pm, PipelineRuntime(stages, topo.pp_group, p * v, schedule)
     pm = PipelineModule(
         [LayerSpec(SleepLayer, d, c, c, c) for _ in range(p * v)],
         topology=topo,
@@ -109,6 +132,8 @@ def _rank(unit: float, ms: tuple[int, ...], steps: int, cases, d: int = 16, rows
         pm, rt = sleep_pipeline(topo, schedule, v, unit, d)
         g = torch.Generator().manual_seed(0)
         for m in ms:
+            if schedule == "dualpipev" and m < 2 * topo.pp_size:
+                continue  # refused (build_schedule): dualpipev needs m >= 2p
             batches = [(torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g))] * m
             windows = []  # per step: (start, end, busy seconds) of this rank
             for step in range(steps + 1):  # the first step is a warm-up
@@ -143,16 +168,16 @@ def step_idle(per_rank: list[list[tuple[float, float, float]]]) -> tuple[float, 
 def replayed_idle(schedule: str, p: int, m: int, v: int) -> float:
     """Idle fraction of ``schedule``'s per-rank orders replayed as soon as possible with the
     sleep model's costs (one unit = ``f`` = ``b`` = ``w``): ``F`` 1, ``B`` 2 (``b + w``);
-    ZB-H1 ``B`` 1 and ``W`` 1, but on stage 0 ``B`` 0 (a no-op) and ``W`` 2."""
-    from meshtrain.parallel.pipeline.schedules import _ORDERS, _deps
+    ZB-H1, zbv, dualpipev ``B`` 1 and ``W`` 1, but on stage 0 ``B`` 0 (a no-op) and ``W`` 2."""
+    from meshtrain.parallel.pipeline.schedules import SPLIT_BACKWARD, _deps, compute_order
 
     def cost(a) -> int:
-        if schedule != "zb_h1":
+        if schedule not in SPLIT_BACKWARD:
             return {"F": 1, "B": 2}[a.kind]
         first = a.stage == 0
         return {"F": 1, "B": 0 if first else 1, "W": 2 if first else 1}[a.kind]
 
-    orders = [_ORDERS[schedule](p, v, m, r) for r in range(p)]
+    orders = [compute_order(schedule, p, v, m, r) for r in range(p)]
     start, free, pos = {}, [0] * p, [0] * p
     while any(pos[r] < len(orders[r]) for r in range(p)):
         for r, order in enumerate(orders):
@@ -173,11 +198,14 @@ def run(args) -> list[dict]:
     rows = []
     cases = [(s, v) for s, v in CASES if s in args.schedules]
     for p in args.pp:
+        ms = [m for m in args.m if m >= 2 * p]  # what dualpipev takes
+        if "dualpipev" in args.schedules and ms != list(args.m):
+            print(f"dualpipev p={p}: m={sorted(set(args.m) - set(ms))} skipped (needs m >= 2p)")
         per_rank = run_on_ranks(
             _rank, p, (args.unit_ms / 1000, tuple(args.m), args.steps, cases), timeout=1800
         )
         for schedule, v in cases:
-            for m in args.m:
+            for m in args.m if schedule != "dualpipev" else ms:
                 measured, own = step_idle([r[(schedule, m)] for r in per_rank])
                 formula = float(expected_idle_fraction(schedule, p, m, v))
                 replayed = replayed_idle(schedule, p, m, v)

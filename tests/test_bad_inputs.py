@@ -259,8 +259,8 @@ CASES: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
      r"mesh\.tensor_parallel_size 3 = 3; pick sizes whose product divides 4 \(divisors: 1, 2, "
      r"4\), or launch a multiple of 3 processes"),
     ("config pipeline schedule typo", _cfg({"pipeline": {"schedule": "1f1f"}}), ConfigError,
-     r'^pipeline\.schedule: "1f1f" is not allowed; use "gpipe", "1f1b", "interleaved_1f1b" or '
-     r'"zb_h1"'),
+     r'^pipeline\.schedule: "1f1f" is not allowed; use "gpipe", "1f1b", "interleaved_1f1b", '
+     r'"zb_h1", "zbv" or "dualpipev"'),
     ("config virtual stages with gpipe (issue 18)", _cfg({"pipeline": {"schedule": "gpipe",
      "virtual_stages": 2}}), ConfigError, r'^pipeline\.virtual_stages: 2 needs pipeline\.schedule'
      r' "interleaved_1f1b" \(gpipe runs one stage per rank\); set the schedule to '

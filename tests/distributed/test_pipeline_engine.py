@@ -65,8 +65,6 @@ def _train(pp: int, schedule: str, virtual: int, dp: int = 1, zero: int = 0):
         params = {n: p for s in engine.module.stages.values() for n, p in s.names.items()}
         with pytest.raises(meshtrain.errors.ConfigError, match="train_batch"):
             engine(_data(0)[0])
-        with pytest.raises(meshtrain.errors.ConfigError, match="stage: 3"):
-            meshtrain.initialize(model=model, config={**config, "zero_optimization": {"stage": 3}})
     return losses, norms, {n: p.detach().clone() for n, p in params.items()}
 
 

@@ -281,10 +281,12 @@ class ContextParallelConfig(Section):
 class PipelineConfig(Section):
     """``pipeline`` (meshtrain): how pipeline stages run when mesh.pipeline_parallel_size > 1; micro-batches per step = gradient_accumulation_steps."""
 
-    schedule: canonical_choice(("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")) = "1f1b"
-    """Order of forwards and backwards: gpipe, 1f1b, interleaved_1f1b (virtual_stages per rank) or zb_h1 (zero-bubble, backward split into input and weight gradients)."""
+    schedule: canonical_choice(
+        ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
+    ) = "1f1b"
+    """Order of forwards and backwards: gpipe, 1f1b, interleaved_1f1b (virtual_stages per rank), zb_h1 (zero-bubble, backward split into input and weight gradients), or the V-shaped zero-bubble zbv and dualpipev (virtual_stages 2: rank r holds stages r and 2p-1-r; dualpipev needs gradient_accumulation_steps >= 2 x pipeline_parallel_size)."""
     virtual_stages: PosInt = 1
-    """Model chunks per pipeline rank (interleaved_1f1b only); the model is cut into pipeline_parallel_size x virtual_stages stages."""
+    """Model chunks per pipeline rank (interleaved_1f1b any, zbv and dualpipev exactly 2); the model is cut into pipeline_parallel_size x virtual_stages stages."""
     partition_method: Str = "parameters"
     """How the blocks are balanced over stages: "parameters" (parameter count), "uniform" (block count); meshtrain.pipe.PipelineModule also takes "type:REGEX"."""
     cut_points: list[int] | None = None
@@ -293,7 +295,17 @@ class PipelineConfig(Section):
     @model_validator(mode="after")
     def _coherent(self) -> PipelineConfig:
         # caught here, at load, rather than on every rank after the model is split
-        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+        if self.schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
+            raise ConfigError(
+                f"pipeline.virtual_stages: {self.virtual_stages} with pipeline.schedule "
+                f'"{self.schedule}": it holds two stages per rank in a V (rank r runs stages '
+                "r and 2p-1-r); set pipeline.virtual_stages to 2"
+            )
+        if self.virtual_stages > 1 and self.schedule not in (
+            "interleaved_1f1b",
+            "zbv",
+            "dualpipev",
+        ):
             raise ConfigError(
                 f"pipeline.virtual_stages: {self.virtual_stages} needs pipeline.schedule "
                 f'"interleaved_1f1b" ({self.schedule} runs one stage per rank); set the '

@@ -360,11 +360,11 @@ class Engine(EngineQueries):
         """The full model state dict (every parameter whole: gathered under ZeRO-3,
         unsharded and unpadded under tensor parallelism, every stage's under pipeline
         parallelism, in the unsplit model's names). Every rank must call it."""
-        if self.pipeline is not None:
-            from meshtrain.checkpoint.model_names import full_state_dict as whole_model
+        with self.gathered_parameters():  # ZeRO-3 (under pp: this rank's stages)
+            if self.pipeline is not None:
+                from meshtrain.checkpoint.model_names import full_state_dict as whole_model
 
-            return whole_model(self)
-        with self.gathered_parameters():
+                return whole_model(self)
             if self.topology.tp_size > 1:
                 from meshtrain.parallel.tensor.sharding import full_state_dict
 

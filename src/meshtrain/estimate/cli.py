@@ -265,7 +265,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pipe.add_argument(
         "--schedule",
         default="1f1b",
-        choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"),
+        choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"),
         help="pipeline schedule (default 1f1b)",
     )
     pipe.add_argument(

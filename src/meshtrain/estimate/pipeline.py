@@ -3,7 +3,8 @@ rank's model states and its activation memory under the chosen schedule.
 
 **Model states.** The model is cut exactly as the engine cuts it (``split_model`` on the
 meta device: no memory, same ``partition_method`` / ``cut_points``, ``pp x v`` stages,
-stage ``k`` on pp rank ``k % pp``); pp rank ``r`` holds the distinct parameters of its
+stage ``k`` on pp rank ``k % pp``, or in a V for zbv / dualpipev: ranks ``r`` holds
+stages ``r`` and ``2 pp - 1 - r``); pp rank ``r`` holds the distinct parameters of its
 stages, ``Psi_r``, and its model states are ``model_states_bytes(Psi_r, dp, stage, ...)``
 (ZeRO partitions over the dp ranks holding the same stage). A tied weight (input
 embedding = LM head) counts on every rank holding it: each keeps a copy.
@@ -23,7 +24,8 @@ and one block's full activations while it is recomputed. The peak over a step is
 walking this rank's action list (``schedules.build_schedule``) and adding each stage's
 bytes per alive micro-batch; in micro-batches that is GPipe ``m``, 1F1B ``min(m, p - r)``
 on rank ``r``, interleaved ``(v - 1) k + 2 (p - 1 - r) + 1`` chunk activations (``k``
-micro-batches per round), ZB-H1 ``min(m, p)``. Not included: the activations in flight
+micro-batches per round), ZB-H1 ``min(m, p)``, zbv ``min(2 m, 2 p, m + 1 + r)`` and
+dualpipev ``2 p + 1`` chunk activations (a chunk: half a 1F1B stage's blocks). Not included: the activations in flight
 (one send and one receive buffer per neighbour), temporary buffers, fragmentation.
 """
 
@@ -92,9 +94,9 @@ def peak_activations(
 ) -> tuple[int, int]:
     """(peak alive (chunk) micro-batches, peak bytes) of ``rank`` walking its action list;
     ``per_stage``: bytes one micro-batch keeps on each of its stages."""
-    from meshtrain.parallel.pipeline.schedules import B, F, W, build_schedule
+    from meshtrain.parallel.pipeline.schedules import F, build_schedule, frees_activations
 
-    free = W if schedule == "zb_h1" else B
+    free = frees_activations(schedule)
     alive: dict[int, int] = {k: 0 for k in per_stage}
     peak_n = peak_b = 0
     for a in build_schedule(schedule, p, m, v).actions[rank]:
@@ -131,12 +133,14 @@ def pipeline_memory(
     _positive_int("micro_batch_size", micro_batch_size)
     if seq_len is not None:
         _positive_int("seq_len", seq_len)
-    v = virtual_stages if schedule == "interleaved_1f1b" else 1
+    from meshtrain.parallel.pipeline.schedules import V_SHAPED, stage_rank
+
+    v = virtual_stages if schedule == "interleaved_1f1b" else 2 if schedule in V_SHAPED else 1
     stages = split_model(model, pp * v, method=partition_method, cut_points=cut_points)
     dims = TransformerDims.of(model)
     out = []
     for r in range(pp):
-        mine = {k: st for k, st in enumerate(stages) if k % pp == r}
+        mine = {k: st for k, st in enumerate(stages) if stage_rank(schedule, k, pp) == r}
         params = {id(p): p for st in mine.values() for p in st.names.values()}
         trainable = sum(p.numel() for p in params.values() if p.requires_grad)
         frozen = sum(p.numel() for p in params.values() if not p.requires_grad)

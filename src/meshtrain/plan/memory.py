@@ -100,7 +100,7 @@ def rank_params(
     """Per pp rank: (trainable, frozen, blocks) of its stages (the whole model at pp 1)."""
     if layout.pp == 1:
         return [(-1, -1, facts.layers)]
-    return check.rank_params(layout.pp, layout.virtual_stages)
+    return check.rank_params(layout.pp, layout.virtual_stages, layout.schedule)
 
 
 def model_states(
@@ -264,12 +264,14 @@ def activation_peak(
         kept = b * (s * (facts.layers * kept_block + head_tok) + loss)
         kept += b * (facts.layers * kept_mask + mask_once)
         return round(kept + max(b * grads, recompute))
+    from meshtrain.parallel.pipeline.schedules import stage_rank
+
     stages = check.split(layout.pp * layout.virtual_stages)
     best = 0.0
     for r in range(layout.pp):
         per_stage = {}
         for k, st in enumerate(stages):
-            if k % layout.pp != r:
+            if stage_rank(layout.schedule, k, layout.pp) != r:
                 continue
             n_blocks = len(getattr(st, "block_ids", ()))
             last = getattr(st, "is_last", False)
@@ -282,9 +284,13 @@ def activation_peak(
             sched = check.schedule(layout.schedule, p, mb, v)
             peak = alive_peak(sched.actions[r], per_stage, layout.schedule)
         else:  # the closed forms of estimate.pipeline's docstring, in (chunk) micro-batches
-            alive = {"gpipe": mb, "1f1b": min(mb, p - r), "zb_h1": min(mb, p)}.get(
-                layout.schedule, min(v * mb, (v - 1) * p + 2 * (p - 1 - r) + 1)
-            )
+            alive = {
+                "gpipe": mb,
+                "1f1b": min(mb, p - r),
+                "zb_h1": min(mb, p),
+                "zbv": min(2 * mb, 2 * p, mb + 1 + r),
+                "dualpipev": 2 * p + 1,
+            }.get(layout.schedule, min(v * mb, (v - 1) * p + 2 * (p - 1 - r) + 1))
             peak = alive * max(per_stage.values())
         last_here = any(getattr(stages[k], "is_last", False) for k in per_stage)
         best = max(best, peak + max(b * grads if last_here else 0, recompute))
@@ -293,12 +299,12 @@ def activation_peak(
 
 def alive_peak(actions, per_stage: dict[int, int], schedule: str) -> int:
     """The most activation bytes alive on one rank walking its action list: a forward
-    adds its stage's bytes, the backward that frees them (``W`` for zb_h1) takes them
+    adds its stage's bytes, the backward that frees them (``W`` for zb_h1, zbv, dualpipev) takes them
     away (``estimate.pipeline.peak_activations``' walk, over the planner's cached
     schedule instead of a new one per call)."""
-    from meshtrain.parallel.pipeline.schedules import B, F, W
+    from meshtrain.parallel.pipeline.schedules import F, frees_activations
 
-    free = W if schedule == "zb_h1" else B
+    free = frees_activations(schedule)
     alive = dict.fromkeys(per_stage, 0)
     peak = 0
     for a in actions:

@@ -3,11 +3,11 @@
 ``Planner(facts, hw, gpus=N, ...)`` enumerates (``layouts``) every factorisation
 ``pp x dp x cp x tp = N`` (tp within a node, cp up to 16, pp up to the block count), ep
 dividing ``dp x cp`` and the expert count, ZeRO stage 0-3 with the offloads each stage
-takes, sequence parallelism, the four pipeline schedules (interleaved with two chunks per
-rank), both context-parallel methods, micro-batches of 1, 2, 4, ... dividing the batch
-per replica, activation checkpointing on and off, and packed rows: with ``padding`` (the
-padded share of unpacked rows) each layout packed and not, the packed one paying its masks'
-memory and the padded one counting only its data tokens. Each structure (everything but the
+takes, sequence parallelism, the six pipeline schedules (interleaved, zbv and dualpipev
+with two chunks per rank), both context-parallel methods, micro-batches of 1, 2, 4, ...
+dividing the batch per replica, activation checkpointing on and off, and packed rows: with
+``padding`` (the padded share of unpacked rows) each layout packed and not, the packed one
+paying its masks' memory and the padded one counting only its data tokens. Each structure (everything but the
 micro-batch and checkpointing, which no check refuses) goes once through
 ``validity.LayoutCheck``: what it refuses is dropped and counted. ``ranked`` predicts the
 rest (``memory.predict_memory``, ``step_time.predict_time``) and sorts the ones that fit
@@ -30,7 +30,9 @@ from meshtrain.plan.validity import LayoutCheck
 
 __all__ = ["Planner"]
 
-SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("interleaved_1f1b", 2))
+SCHEDULES = (
+    ("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2),
+)  # fmt: skip
 MAX_CP = 16
 
 
@@ -134,6 +136,13 @@ class Planner:
                 for packed in self.packings:
                     layout = base.but(micro_batch=mb, grad_accum=per_replica // mb, packed=packed)
                     why = self.refusal(layout)
+                    if (
+                        why is None
+                        and layout.schedule == "dualpipev"
+                        and layout.grad_accum < 2 * layout.pp
+                    ):
+                        # the one refusal that depends on the accumulation (build_schedule's)
+                        why = "pipeline.schedule dualpipev needs gradient_accumulation_steps >= 2 x pp"
                     if why is not None:
                         self.refused[why] += 1
                         continue

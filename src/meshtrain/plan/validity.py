@@ -52,6 +52,12 @@ class LayoutCheck:
 
     def refusal(self, layout: Layout) -> str | None:
         """Why meshtrain refuses ``layout``, else None."""
+        if layout.pp > 1 and layout.stage >= 3:  # the planner's own limit, not the engine's
+            return (
+                "zero_optimization.stage 3 with mesh.pipeline_parallel_size > 1 is not "
+                "planned: meshtrain runs it, but a stage's parameters stay whole for its run "
+                "of the schedule, which the planner's memory model does not count"
+            )
         try:
             self._check(layout)
         except (MeshtrainError, ValueError) as exc:
@@ -66,15 +72,21 @@ class LayoutCheck:
             self._splits[stages] = split_model(self.facts.model, stages)
         return self._splits[stages]
 
-    def rank_params(self, pp: int, v: int = 1) -> list[tuple[int, int, int]]:
+    def rank_params(
+        self, pp: int, v: int = 1, schedule: str = "1f1b"
+    ) -> list[tuple[int, int, int]]:
         """Per pp rank: (trainable, frozen, blocks) of its stages, the model cut into
-        ``pp x v`` stages as the engine cuts it (stage ``k`` on rank ``k % pp``)."""
-        key = (pp, v)
+        ``pp x v`` stages as the engine cuts it (stage ``k`` on rank ``k % pp``, or in a
+        V for zbv / dualpipev: ``schedules.stage_rank``)."""
+        from meshtrain.parallel.pipeline.schedules import V_SHAPED, stage_rank
+
+        place = schedule if schedule in V_SHAPED else "1f1b"
+        key = (pp, v, place)
         if key not in self._ranks:
             stages = self.split(pp * v)
             out = []
             for r in range(pp):
-                mine = [st for k, st in enumerate(stages) if k % pp == r]
+                mine = [st for k, st in enumerate(stages) if stage_rank(place, k, pp) == r]
                 params = {id(p): p for st in mine for p in st.names.values()}
                 trainable = sum(p.numel() for p in params.values() if p.requires_grad)
                 frozen = sum(p.numel() for p in params.values() if not p.requires_grad)
@@ -100,12 +112,13 @@ class LayoutCheck:
         return float(expected_idle_fraction(name, p, m, v))
 
     def schedule(self, name: str, p: int, m: int, v: int):
-        """``build_schedule`` with a backward twice a forward (zb_h1: B and W one each)."""
-        from meshtrain.parallel.pipeline.schedules import B, F, W, build_schedule
+        """``build_schedule`` with a backward twice a forward (zb_h1, zbv, dualpipev: B and W
+        one each)."""
+        from meshtrain.parallel.pipeline.schedules import SPLIT_BACKWARD, B, F, W, build_schedule
 
         key = (name, p, m, v)
         if key not in self._schedules:
-            costs = {F: 1, B: 1, W: 1} if name == "zb_h1" else {F: 1, B: 2}
+            costs = {F: 1, B: 1, W: 1} if name in SPLIT_BACKWARD else {F: 1, B: 2}
             self._schedules[key] = build_schedule(name, p, m, v, costs)
         return self._schedules[key]
 

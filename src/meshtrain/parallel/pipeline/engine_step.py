@@ -15,8 +15,10 @@ bucket over the stage's dp group (each stage has its own: ranks ``dp * tp`` apar
 the same stage). Under ZeRO 2 every micro-batch's backward on a stage reduce-scatters
 the stage's buckets into the gradient shard and drops ``.grad`` (``m`` reduce-scatters per
 step instead of one, as ZeRO 2 does with gradient accumulation; with ``v`` chunks per rank
-each chunk's backward reduces the rank's whole flat group, so ``v m``). ZeRO 3 is refused
-(``check_pipeline``). Tensor parallelism runs inside each stage (``parallelize``'s step 1
+each chunk's backward reduces the rank's whole flat group, so ``v m``). Under ZeRO 3
+each stage's units are gathered once per run of consecutive actions on it in the rank's
+action list (once per step with one stage per rank) and its gradients reduce-scattered
+once after the schedule (``parallel.zero.pipeline_gather``). Tensor parallelism runs inside each stage (``parallelize``'s step 1
 shards before step 2 cuts; the vocab-parallel loss runs on the last stage). With sequence
 parallelism the activation crossing a stage boundary is each tp rank's ``1/T`` sequence
 shard, ``b x t/T x d`` instead of ``b x t x d`` each way (``SplitStage.forward`` runs a
@@ -41,6 +43,7 @@ from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError, TopologyError
 from meshtrain.parallel.pipeline.grads import global_grad_norm, sum_tied_shards
 from meshtrain.parallel.pipeline.runtime import PipelineRuntime
+from meshtrain.parallel.pipeline.schedules import V_SHAPED, stage_rank
 
 __all__ = [
     "check_pipeline",
@@ -74,19 +77,13 @@ class PipelineStages(nn.Module):
 
 def check_pipeline(model: nn.Module, topology, config) -> None:
     """What pipeline parallelism does not combine with, refused before ``parallelize``
-    changes anything: ZeRO stage 3, a ``PipelineModule`` under tensor parallelism, and
+    changes anything: a ``PipelineModule`` under tensor parallelism, and
     sequence parallelism for a model whose layout cannot send sequence shards (GPT-2)."""
     from meshtrain.parallel.pipeline.module import PipelineModule
     from meshtrain.parallel.pipeline.router_aux import check_pipeline_moe
     from meshtrain.parallel.pipeline.split import find_layout
 
     check_pipeline_moe(model, topology)
-    if int(config.zero_optimization.stage) >= 3:
-        raise ConfigError(
-            f"zero_optimization.stage: {config.zero_optimization.stage} with "
-            "mesh.pipeline_parallel_size > 1 is not implemented (each stage would gather "
-            "its units once per micro-batch); use stage 0, 1 or 2"
-        )
     if topology.tp_size == 1:
         return
     if isinstance(model, PipelineModule):
@@ -117,6 +114,23 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
     pc = config.pipeline
     p, v = topology.pp_size, int(pc.virtual_stages)
     routed = any(isinstance(m, RoutedExperts) for m in model.modules())
+    if pc.schedule in V_SHAPED and v != 2:
+        raise ConfigError(
+            f"pipeline.schedule: {pc.schedule} holds two stages per rank in a V (rank r "
+            f"runs stages r and 2p-1-r), got pipeline.virtual_stages {v}; set it to 2"
+        )
+    gas = config.gradient_accumulation_steps
+    if pc.schedule == "dualpipev" and isinstance(gas, int) and gas < 2 * p:
+        raise ConfigError(
+            f"pipeline.schedule: dualpipev needs at least 2 x pp = {2 * p} micro-batches per "
+            f"step, got gradient_accumulation_steps {gas}; raise it or use zbv"
+        )
+    if isinstance(model, PipelineModule) and pc.schedule in V_SHAPED:
+        raise ConfigError(
+            f"pipeline.schedule: {pc.schedule} with a meshtrain.pipe.PipelineModule is not "
+            "implemented (a PipelineModule places its stages looped, s % p, not in a V); "
+            "use interleaved_1f1b or zb_h1, or let meshtrain split the model"
+        )
     if isinstance(model, PipelineModule):
         if model.num_stages != p * v:
             raise ConfigError(
@@ -132,12 +146,14 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
         every = split_model(
             model, p * v, method=pc.partition_method, cut_points=pc.cut_points, sequence_parallel=sp
         )
-        stages = {k: s for k, s in enumerate(every) if k % p == topology.pp_rank}
+        place = pc.schedule  # looped (s % p) or, for zbv / dualpipev, a V
+        mine = [k for k in range(p * v) if stage_rank(place, k, p) == topology.pp_rank]
+        stages = {k: every[k] for k in mine}
         # MoE: the router's auxiliary loss over every stage's layers (``router_aux``), over
         # every replica's tokens only with loss.global_aux_loss (``compose``'s rule)
         replicas = topology.replica_group if config.loss.global_aux_loss else None
         attach_router_aux(stages.values(), model, replicas)
-        tied = tied_groups(every, topology)
+        tied = tied_groups(every, topology, lambda k: stage_rank(place, k, p))
         free_unused(model, list(stages.values()))  # other ranks' blocks: storage released
     runtime = PipelineRuntime(
         stages, topology.pp_group, p * v, pc.schedule, tied, device=topology.device
@@ -203,6 +219,7 @@ def run_window(engine, batches: list, weights: list[float] | None = None) -> tor
         args, kwargs = ((), b) if isinstance(b, dict) else (tuple(b), {})
         engine.log.count_batch(args, kwargs)
     zero = engine.zero
+    attach_stage_gathering(engine)
     engine.shorten_window(1)  # the schedule runs the whole window; the next step() ends it
     zero.begin_window()
     # ZeRO 0-1: reduce once, after the schedule; ZeRO 2: after every micro-batch's
@@ -218,6 +235,19 @@ def run_window(engine, batches: list, weights: list[float] | None = None) -> tor
     if zero.every_backward:
         sum_tied_shards(pipe.tied, zero, engine.topology.dp_group)
     return loss
+
+
+def attach_stage_gathering(engine) -> None:
+    """ZeRO-3: the runtime gathers each stage's units per run of its action list
+    (``parallel.zero.pipeline_gather``), built once from the engine's gatherers."""
+    pipe: PipelineRuntime = engine.pipeline
+    gatherer = getattr(engine.zero, "gatherer", None)
+    if pipe.gathering is not None or gatherer is None:
+        return
+    from meshtrain.parallel.zero.pipeline_gather import StageGathering
+
+    found = getattr(gatherer, "gatherers", [gatherer])
+    pipe.gathering = StageGathering(found, pipe.stages)
 
 
 def check_sequence_lengths(engine, batches: list) -> None:
@@ -256,6 +286,7 @@ def eval_batch(engine, data_iter: Iterator | None = None, num_micro_batches: int
     pipe: PipelineRuntime | None = engine.pipeline
     if pipe is not None:
         check_sequence_lengths(engine, batches)
+        attach_stage_gathering(engine)
         return _dp_mean(engine, pipe.eval_step(batches))
     was = engine.module.training
     engine.module.eval()

@@ -54,8 +54,10 @@ stage costs) it stands before a compute that does not need it, and waiting there
 the ranks: any lateness of the sender stalls the receiver (measured: 6-11 ms per such
 wait at 100 ms units, the bulk of interleaved 1F1B's excess bubble at p 2, see
 docs/pipeline.md). The list still gives the order receives are *posted* in, per kind
-(all of a rank's activations come from one peer, all its gradients from the other, sent
-in that order), and a compute only waits for its own input, sent by a compute that
+(looped placement: all of a rank's activations come from one peer, all its gradients
+from the other, sent in that order; in the V of zbv / dualpipev a rank gets each kind
+from both neighbours, one channel per receiving stage, and posting in list order still
+only waits on data sent earlier in simulated time), and a compute only waits for its own input, sent by a compute that
 precedes it in simulated time: the schedule's argument that the step cannot deadlock
 (``schedules``) holds unchanged. Sends are non-blocking; the step waits on them at its
 end, which also keeps the sent tensors alive until then.
@@ -135,8 +137,11 @@ class StepLinks:
         outputs: dict,
         device: torch.device,
         shapes: ShapeMemory,
+        rank_of=None,
     ) -> None:
         self.group, self.p, self.device, self.outputs = group, group.size, device, outputs
+        # the pp rank of a stage: ``stage % p`` unless the schedule places them in a V
+        self.rank_of = rank_of or (lambda stage: stage % self.p)
         self.shapes = shapes
         self.actions = actions
         self.sends: list = []
@@ -262,7 +267,7 @@ class StepLinks:
             self.guessed[i] = (buf, self._irecv(buf, stage - 1, _tag(stage, ACTIVATION)))
 
     def _peer(self, stage: int) -> int:
-        return stage % self.p
+        return self.rank_of(stage)
 
     def _isend(self, t: torch.Tensor, stage: int, tag: int) -> None:
         self.sends += comm.batch_p2p(

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,10 +47,12 @@ from meshtrain.parallel.pipeline.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
+    SPLIT_BACKWARD,
     B,
     F,
     W,
     build_schedule,
+    stage_rank,
 )
 
 # Op costs the receives are placed by (``schedules``: a receive sits before the first
@@ -58,14 +62,32 @@ from meshtrain.parallel.pipeline.schedules import (
 # costs made interleaved 1F1B block on receives it did not need yet (bubble 0.200
 # instead of 0.111 at p 2, m 4, benchmarks/bench_pipeline_bubble.py). The placement stays
 # deadlock-free whatever the real costs.
-RUN_COSTS = {False: {F: 1, B: 2}, True: {F: 1, B: 1, W: 1}}  # key: backward split (ZB-H1)
+RUN_COSTS = {False: {F: 1, B: 2}, True: {F: 1, B: 1, W: 1}}  # key: backward split (ZB, ZBV)
+
+
+@dataclass
+class _Step:
+    """What one step's actions read and write (``PipelineRuntime._run``)."""
+
+    links: StepLinks
+    batches: Sequence[Any]
+    inputs: dict  # (stage, mb) -> stage input
+    outputs: dict  # (stage, mb) -> output / loss
+    out_grads: dict  # (stage, mb) -> gradient of the stage's output
+    losses: dict  # mb -> its loss (last stage)
+    train: bool
+    loss_scale: float
+    weights: Sequence[float] | None
+    kept: dict | None
+    m: int
+    last: int
 
 
 class PipelineRuntime:
     """Runs a step of micro-batches through this rank's stages.
 
     ``stages``: ``{stage index: module}`` for the stages this rank holds (stage ``s`` on
-    pp rank ``s % p``); a module is called ``module(x, batch)`` with ``x`` the previous
+    pp rank ``s % p``, or in a V for zbv / dualpipev: ``schedules.stage_rank``); a module is called ``module(x, batch)`` with ``x`` the previous
     stage's activation (None on stage 0) and returns the activation, or the loss on the
     last stage. ``tied``: ``(parameter, group)`` pairs whose gradients are summed over
     ``group`` after the backward (a weight used by stages on several ranks).
@@ -82,36 +104,47 @@ class PipelineRuntime:
     ) -> None:
         self.stages, self.group, self.num_stages = dict(stages), group, num_stages
         self.p = group.size
-        if num_stages % self.p or any(s % self.p != group.rank for s in self.stages):
+        self.schedule = schedule
+        misplaced = any(stage_rank(schedule, s, self.p) != group.rank for s in self.stages)
+        if num_stages % self.p or misplaced:
+            rule = "in a V (r and 2p-1-r)" if schedule in ("zbv", "dualpipev") else "s % p"
             raise ConfigError(
                 f"pp rank {group.rank} of {self.p} holds stages {sorted(self.stages)} of "
-                f"{num_stages}; stage s must sit on rank s % {self.p}"
+                f"{num_stages}; under pipeline.schedule {schedule!r} stages sit {rule}"
             )
         self.v = num_stages // self.p
-        self.schedule = schedule
+        self.split = schedule in SPLIT_BACKWARD  # B is the input gradient, W the weights
         self.tied = list(tied)
         self.device = torch.device(device)
         self._cache: dict[tuple, Any] = {}
         self._after_backward: Callable[[list[nn.Parameter]], None] | None = None
         self._midway = False  # a step raised before its end (its receives stay posted)
-        self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # ZB-H1: B -> W
+        self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # split: B -> W
         # activation shapes per channel across steps, and the guessed receives (``p2p``)
         self.shapes = ShapeMemory()
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
         # compute action (perf_counter / thread_time): benchmarks/bench_pipeline.py's bubble
         self.trace: list | None = None
+        # ZeRO-3: gathers each stage's units per run of the action list (set by the engine,
+        # ``parallel.zero.pipeline_gather``); None without stage 3
+        self.gathering = None
 
     def _actions(self, name: str, m: int):
         key = (name, m)
         if key not in self._cache:
-            costs = RUN_COSTS[name == "zb_h1"]
+            costs = RUN_COSTS[name in SPLIT_BACKWARD]
             self._cache[key] = build_schedule(name, self.p, m, self.v, costs).actions[
                 self.group.rank
             ]
         return self._cache[key]
 
+    def rank_of(self, stage: int) -> int:
+        """The pp rank holding ``stage`` (``s % p``, or the V of zbv / dualpipev: there
+        the last stage is on rank 0)."""
+        return stage_rank(self.schedule, stage, self.p)
+
     def _peer(self, stage: int) -> int:
-        return stage % self.p
+        return self.rank_of(stage)
 
     # ---- steps -----------------------------------------------------------------------
     def train_step(
@@ -193,45 +226,20 @@ class PipelineRuntime:
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output / loss
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # grad of the stage's output
         losses: dict[int, torch.Tensor] = {}  # mb -> its loss (last stage)
-        links = StepLinks(self.group, actions, outputs, self.device, self.shapes)
-        for i, a in enumerate(actions):
-            key = (a.stage, a.mb)
-            if a.kind in COMPUTE:
-                links.post_ahead(i)
-                self._fetch(a, links, inputs, out_grads, train)
-            if self.trace is not None:
-                t0, c0 = time.perf_counter(), time.thread_time()
-            if a.kind == F:
-                x = inputs.get(key) if a.stage > 0 else None
-                y = self.stages[a.stage](x, batches[a.mb])
-                if a.stage == last and kept is None:
-                    losses[a.mb] = y.detach().float()
-                    w = 1.0 / m if weights is None else float(weights[a.mb])
-                    y = y * (loss_scale * w)
-                if a.stage == last and kept is not None:  # eval_outputs: nothing goes on
-                    inputs.pop(key, None)
-                    kept[a.mb] = y
-                elif train:
-                    outputs[key] = y
-                else:
-                    inputs.pop(key, None)
-                    outputs[key] = y.detach()
-                if a.stage < last and self._peer(a.stage + 1) == self.group.rank:
-                    nxt = y.detach().requires_grad_(train)  # only when p == 1
-                    inputs[(a.stage + 1, a.mb)] = nxt
-            elif a.kind == SEND_F:
-                links.send_activation(outputs[key], a.stage)
-                if not train:
-                    del outputs[key]
-            elif a.kind in (RECV_F, RECV_B):
-                pass  # posted by post_ahead, waited on by the compute that consumes it
-            elif a.kind in (B, W):
-                self._backward(key, inputs, outputs, out_grads, split=a.kind == W)
-            elif a.kind == SEND_B:
-                links.send_gradient(inputs.pop(key).grad, a.stage)
-            if self.trace is not None and a.kind in (F, B, W):
-                cpu = time.thread_time() - c0
-                self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
+        links = StepLinks(self.group, actions, outputs, self.device, self.shapes, self._peer)
+        step = _Step(links, batches, inputs, outputs, out_grads, losses, train, loss_scale,
+                     weights, kept, m, last)  # fmt: skip
+        gathering, computes = self.gathering, 0
+        if gathering is not None:
+            gathering.begin_step([a.stage for a in actions if a.kind in COMPUTE])
+        with gathering.paused() if gathering is not None else nullcontext():
+            for i, a in enumerate(actions):
+                if a.kind in COMPUTE and gathering is not None:
+                    gathering.before(computes)
+                    computes += 1
+                self._act(i, a, step)
+        if gathering is not None:
+            gathering.end_step(keep=train)
         links.finish()
         if kept is not None:
             self._midway = False
@@ -245,6 +253,46 @@ class PipelineRuntime:
         self._midway = False
         return loss
 
+    def _act(self, i: int, a, st: _Step) -> None:
+        """Run action ``i`` of the step's list (``_run``'s loop body) on ``st``."""
+        key = (a.stage, a.mb)
+        if a.kind in COMPUTE:
+            st.links.post_ahead(i)
+            self._fetch(a, st.links, st.inputs, st.out_grads, st.train)
+        if self.trace is not None:
+            t0, c0 = time.perf_counter(), time.thread_time()
+        if a.kind == F:
+            x = st.inputs.get(key) if a.stage > 0 else None
+            y = self.stages[a.stage](x, st.batches[a.mb])
+            if a.stage == st.last and st.kept is None:
+                st.losses[a.mb] = y.detach().float()
+                w = 1.0 / st.m if st.weights is None else float(st.weights[a.mb])
+                y = y * (st.loss_scale * w)
+            if a.stage == st.last and st.kept is not None:  # eval_outputs: nothing goes on
+                st.inputs.pop(key, None)
+                st.kept[a.mb] = y
+            elif st.train:
+                st.outputs[key] = y
+            else:
+                st.inputs.pop(key, None)
+                st.outputs[key] = y.detach()
+            if a.stage < st.last and self._peer(a.stage + 1) == self.group.rank:
+                nxt = y.detach().requires_grad_(st.train)  # p == 1, or the V's bottom
+                st.inputs[(a.stage + 1, a.mb)] = nxt
+        elif a.kind == SEND_F:
+            st.links.send_activation(st.outputs[key], a.stage)
+            if not st.train:
+                del st.outputs[key]
+        elif a.kind in (RECV_F, RECV_B):
+            pass  # posted by post_ahead, waited on by the compute that consumes it
+        elif a.kind in (B, W):
+            self._backward(key, st.inputs, st.outputs, st.out_grads, split=a.kind == W)
+        elif a.kind == SEND_B:
+            st.links.send_gradient(st.inputs.pop(key).grad, a.stage)
+        if self.trace is not None and a.kind in (F, B, W):
+            cpu = time.thread_time() - c0
+            self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
+
     def _fetch(self, a, links: StepLinks, inputs, out_grads, train: bool) -> None:
         """Wait for the data compute ``a`` consumes from another rank, if any: a forward's
         input; a backward's output gradient (B's, except ZB-H1's B on stage 0, a no-op
@@ -255,23 +303,26 @@ class PipelineRuntime:
                 inputs[key] = links.activation(*key).requires_grad_(train)
             return
         remote = a.stage < self.num_stages - 1 and self._peer(a.stage + 1) != rank
-        zb_first = self.schedule == "zb_h1" and a.stage == 0
+        zb_first = self.split and a.stage == 0
         if remote and key not in out_grads and (a.kind == W or not zb_first):
             out_grads[key] = links.gradient(*key)
 
     def _backward(self, key, inputs, outputs, out_grads, split: bool) -> None:
-        """``B`` (and ``W`` for ZB-H1): ``B`` alone runs the whole backward; under ZB-H1
-        ``B`` computes the input gradient and ``W`` the weight gradients, each walking its
-        own part of the graph once (``zero_bubble``)."""
+        """``B`` (and ``W`` for the split schedules): ``B`` alone runs the whole backward;
+        under ZB-H1, ZBV and DualPipeV ``B`` computes the input gradient and ``W`` the weight
+        gradients, each walking its own part of the graph once (``zero_bubble``)."""
         stage, mb = key
-        zb = self.schedule == "zb_h1"
+        zb = self.split
         y = outputs[key]
         grad = out_grads.get(key)
         x = inputs.get(key)
+        local_prev = stage > 0 and self._peer(stage - 1) == self.group.rank
         if zb and not split:  # input gradient only (nothing to do on stage 0)
             if x is not None:
                 params = self.stages[stage].parameters()
                 self._weight_work[key] = zero_bubble.backward_input(y, grad, x, params)
+            if local_prev:  # the V's bottom: the previous stage's B may run before our W
+                out_grads[(stage - 1, mb)] = inputs.pop(key).grad
             return
         outputs.pop(key)
         out_grads.pop(key, None)
@@ -286,5 +337,5 @@ class PipelineRuntime:
             torch.autograd.backward(y, grad)
         if self._after_backward is not None:
             self._after_backward(written)
-        if stage > 0 and self._peer(stage - 1) == self.group.rank:  # p == 1 hand-over
+        if local_prev and not zb:  # same-rank hand-over (p == 1; split: done by B)
             out_grads[(stage - 1, mb)] = inputs.pop(key).grad

@@ -1,7 +1,11 @@
 """Pipeline schedules as data: one list of actions per rank, computed before the step.
 
 A model cut into ``S = p * v`` stages runs on ``p`` ranks; stage ``s`` lives on rank
-``s % p`` (``v`` virtual stages per rank, looped placement as in Megatron-LM). A step
+``s % p`` (``v`` virtual stages per rank, looped placement as in Megatron-LM), except
+under the V-shaped schedules (zbv, dualpipev: ``v = 2``), where rank ``r`` holds stages
+``r`` and ``2 p - 1 - r`` (``stage_rank``): the activations walk down the ranks and back
+up, the last stage sits beside the first on rank 0, and stages ``p - 1`` and ``p`` hand
+over in memory on rank ``p - 1``. A step
 runs ``m`` micro-batches. Each rank executes its own list of ``Action(stage, kind, mb)``:
 
 * ``F`` forward, ``B`` backward (with ``W`` split out: ``B`` is the input gradient only
@@ -37,13 +41,24 @@ full stage; unit op costs make it exact, ``validate.idle_fraction`` checks that)
   t_W``): the bubble is ``(p - 1)(t_F + t_B - t_W)`` of ``3 m`` units of work, i.e.
   ``(p - 1) / (3 m + p - 1)`` for ``m >= p``; with ``m < p`` the step lasts
   ``2 p + 2 m - 1`` and the bubble is ``(2 p - m - 1) / (2 p + 2 m - 1)``.
+* ZBV (torch's ``ScheduleZBVZeroBubble``, Qi et al. 2024 section 6) and DualPipeV
+  (torch's ``ScheduleDualPipeV``, DeepSeek's DualPipe folded into a V; it needs
+  ``m >= 2 p``): two chunks per rank, each ``F``, ``B`` and ``W`` one unit, so ``6 m``
+  units of work per rank. The step lasts ``6 m + p - 1`` once the pipeline fills (the
+  ``p - 1`` units of the first forward's walk down the V that no ``W`` can cover) and
+  ``4 (p + m) - 2`` before it does (zbv with ``m < 3p/2``), so the bubble is
+  ``(T - 6 m) / T`` with ``T = max(6 m + p - 1, 4 (p + m) - 2)``: ``(p - 1) / (6 m + p
+  - 1)`` filled, half interleaved 1F1B's at ``v = 2`` (where ``B`` costs ``2 F`` the fill
+  is ``(p - 1)(t_F + t_B) / 2``; here ``W`` fills it).
 
 Peak micro-batches whose activations are alive on stage ``s`` (forward done, backward
 -- ``W`` for ZB-H1 -- not yet finished): GPipe ``m``; 1F1B ``min(m, p - s)`` (stage 0
 holds the most); ZB-H1 ``min(m, p)`` on every stage (the held-back ``W``'s keep inputs
 alive: the same peak as 1F1B's stage 0); interleaved: at most ``(v - 1) k + 2 (p - 1 - r)
 + 1`` chunk activations on rank ``r`` (``k`` micro-batches per round) over its ``v``
-stages.
+stages. Per rank, in chunk activations (a chunk is half a 1F1B stage): zbv ``min(2 m, 2 p,
+m + 1 + r)``, never more than 1F1B's stage-0 peak (``min(m, p)`` stages' worth) and
+equal to it on every rank once ``m >= 2 p - 1``; dualpipev ``2 p + 1``, half a stage more than 1F1B's stage 0.
 """
 
 from __future__ import annotations
@@ -52,23 +67,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline.actions import (  # noqa: F401  (re-exported)
+    COMPUTE,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    W,
+)
+from meshtrain.parallel.pipeline.v_shape import (  # noqa: F401  (re-exported)
+    V_SHAPED,
+    order_dualpipev,
+    order_zbv,
+    rank_stages,
+    stage_rank,
+)
 
-F, B, W = "F", "B", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE = (F, B, W)
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "forward")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "forward")
+# backward split into B (input gradient) and W (weight gradients): W frees a micro-batch
+SPLIT_BACKWARD = ("zb_h1", "zbv", "dualpipev")
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One thing a rank does: ``kind`` of micro-batch ``mb`` on (virtual) stage ``stage``."""
-
-    stage: int
-    kind: str
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.mb}@s{self.stage}"
+def frees_activations(name: str) -> str:
+    """The compute kind after which a micro-batch's activations on a stage are dropped."""
+    return W if name in SPLIT_BACKWARD else B
 
 
 @dataclass(frozen=True)
@@ -88,10 +113,10 @@ class Schedule:
         return self.p * self.v
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.p
+        return stage_rank(self.name, stage, self.p)
 
     def stages_of(self, rank: int) -> list[int]:
-        return [rank + c * self.p for c in range(self.v)]
+        return rank_stages(self.name, rank, self.p, self.v)
 
     @property
     def makespan(self) -> int:
@@ -162,8 +187,15 @@ _ORDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
     "1f1b": _order_1f1b,
     "interleaved_1f1b": _order_interleaved,
     "zb_h1": _order_zb_h1,
+    "zbv": order_zbv,
+    "dualpipev": order_dualpipev,
     "forward": _order_forward,
 }
+
+
+def compute_order(name: str, p: int, v: int, m: int, rank: int) -> list[Action]:
+    """The compute actions of ``rank`` in the order schedule ``name`` runs them."""
+    return _ORDERS[name](p, v, m, rank)
 
 
 # ---- simulation ----------------------------------------------------------------------
@@ -207,13 +239,13 @@ def _simulate(orders: list[list[Action]], costs: dict[str, int], last: int) -> d
 # ---- comm placement ------------------------------------------------------------------
 
 
-def _with_comm(p: int, v: int, start: dict[Action, int], costs: dict[str, int]):
+def _with_comm(name: str, p: int, v: int, start: dict[Action, int], costs: dict[str, int]):
     """Insert sends after their compute and receives in global arrival order."""
     last = p * v - 1
     keyed: list[list[tuple[tuple, Action]]] = [[] for _ in range(p)]
     starts_by_rank: list[list[int]] = [[] for _ in range(p)]
     for a, t in start.items():
-        r = a.stage % p
+        r = stage_rank(name, a.stage, p)
         keyed[r].append(((t, 2, 0), a))
         starts_by_rank[r].append(t)
     for lst in starts_by_rank:
@@ -223,13 +255,13 @@ def _with_comm(p: int, v: int, start: dict[Action, int], costs: dict[str, int]):
         return next(t for t in starts_by_rank[rank] if t >= arrival)
 
     for a, t in start.items():
-        end, r = t + costs[a.kind], a.stage % p
-        if a.kind == F and a.stage < last and (a.stage + 1) % p != r:
-            dst = (a.stage + 1) % p
+        end, r = t + costs[a.kind], stage_rank(name, a.stage, p)
+        if a.kind == F and a.stage < last and stage_rank(name, a.stage + 1, p) != r:
+            dst = stage_rank(name, a.stage + 1, p)
             keyed[r].append(((end, 0, 0), Action(a.stage, SEND_F, a.mb)))
             keyed[dst].append(((place(dst, end), 1, end), Action(a.stage + 1, RECV_F, a.mb)))
-        if a.kind == B and a.stage > 0 and (a.stage - 1) % p != r:
-            dst = (a.stage - 1) % p
+        if a.kind == B and a.stage > 0 and stage_rank(name, a.stage - 1, p) != r:
+            dst = stage_rank(name, a.stage - 1, p)
             keyed[r].append(((end, 0, 0), Action(a.stage, SEND_B, a.mb)))
             keyed[dst].append(((place(dst, end), 1, end), Action(a.stage - 1, RECV_B, a.mb)))
     return tuple(tuple(a for _, a in sorted(lst)) for lst in keyed)
@@ -240,8 +272,8 @@ def build_schedule(
 ) -> Schedule:
     """Every rank's action list for schedule ``name`` (one of ``SCHEDULES``).
 
-    ``p`` ranks, ``m`` micro-batches, ``v`` stages per rank (only ``interleaved_1f1b`` and
-    ``forward`` take ``v > 1``). ``costs`` (per kind, default 1 each) only shape the
+    ``p`` ranks, ``m`` micro-batches, ``v`` stages per rank (``interleaved_1f1b`` and
+    ``forward`` take any ``v``, ``zbv`` and ``dualpipev`` exactly 2, the rest 1). ``costs`` (per kind, default 1 each) only shape the
     simulated timeline that orders the communication.
     """
     if name not in SCHEDULES:
@@ -249,7 +281,17 @@ def build_schedule(
     for label, val in (("pipeline size p", p), ("micro-batches m", m), ("stages per rank v", v)):
         if not isinstance(val, int) or val < 1:
             raise ConfigError(f"{label}={val!r} must be a positive integer")
-    if v > 1 and name not in ("interleaved_1f1b", "forward"):
+    if name in V_SHAPED and v != 2:
+        raise ConfigError(
+            f"pipeline.schedule={name!r} holds two stages per rank in a V (rank r runs "
+            f"stages r and 2p-1-r), got virtual_stages={v}; set pipeline.virtual_stages to 2"
+        )
+    if name == "dualpipev" and m < 2 * p:
+        raise ConfigError(
+            f"pipeline.schedule='dualpipev' needs at least 2 x pp = {2 * p} micro-batches "
+            f"(gradient_accumulation_steps), got {m}; raise it or use zbv"
+        )
+    if v > 1 and name not in ("interleaved_1f1b", "forward", *V_SHAPED):
         raise ConfigError(
             f"pipeline.schedule={name!r} runs one stage per rank, got "
             f"virtual_stages={v}; use interleaved_1f1b or set virtual_stages to 1"
@@ -257,7 +299,7 @@ def build_schedule(
     costs = {F: 1, B: 1, W: 1, **(costs or {})}
     orders = [_ORDERS[name](p, v, m, r) for r in range(p)]
     start = _simulate(orders, costs, p * v - 1)
-    return Schedule(name, p, v, m, _with_comm(p, v, start, costs), start, costs)
+    return Schedule(name, p, v, m, _with_comm(name, p, v, start, costs), start, costs)
 
 
 def format_schedule(schedule: Schedule) -> str:
@@ -267,7 +309,7 @@ def format_schedule(schedule: Schedule) -> str:
     for a, t in schedule.start.items():
         label = f"{a.kind}{a.mb}" + (f".{a.stage // schedule.p}" if schedule.v > 1 else "")
         for dt in range(schedule.costs[a.kind]):
-            grid[a.stage % schedule.p][t + dt] = label if dt == 0 else "-"
+            grid[schedule.rank_of(a.stage)][t + dt] = label if dt == 0 else "-"
     width = max(len(c) for row in grid for c in row)
     head = f"{schedule.name}: p={schedule.p} m={schedule.m} v={schedule.v}"
     lines = [head, "time    " + " ".join(f"{t:<{width}}" for t in range(cols))]

@@ -10,25 +10,33 @@ from collections.abc import Sequence
 from torch import nn
 
 
-def tied_parameters(stages: Sequence[nn.Module], p: int) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> the ranks (stage ``k`` on rank ``k % p``) of every parameter that
-    stages on more than one rank hold. ``stages`` are all stages, with ``names`` dicts."""
+def tied_parameters(
+    stages: Sequence[nn.Module], p: int, rank_of=None
+) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> the ranks (stage ``k`` on rank ``rank_of(k)``, default ``k % p``)
+    of every parameter that stages on more than one rank hold. ``stages`` are all stages,
+    with ``names`` dicts."""
+    rank_of = rank_of or (lambda k: k % p)
     holders: dict[str, set[int]] = {}
     for k, stage in enumerate(stages):
         for name in stage.names:
-            holders.setdefault(name, set()).add(k % p)
+            holders.setdefault(name, set()).add(rank_of(k))
     return {n: tuple(sorted(r)) for n, r in holders.items() if len(r) > 1}
 
 
-def tied_groups(stages: Sequence[nn.Module], topology) -> list[tuple[nn.Parameter, object]]:
+def tied_groups(
+    stages: Sequence[nn.Module], topology, rank_of=None
+) -> list[tuple[nn.Parameter, object]]:
     """``(parameter, comm.Group)`` for every tied parameter of a split model this rank
-    holds (see ``make_tied_groups``); ``stages`` are all stages, with ``names`` dicts."""
+    holds (see ``make_tied_groups``); ``stages`` are all stages, with ``names`` dicts;
+    ``rank_of(k)`` the pp rank of stage ``k`` (default ``k % pp``; a V for zbv)."""
     p = topology.pp_size
+    rank_of = rank_of or (lambda k: k % p)
     mine: dict[str, nn.Parameter] = {}
     for k, stage in enumerate(stages):
-        if k % p == topology.pp_rank:
+        if rank_of(k) == topology.pp_rank:
             mine.update(stage.names)
-    return make_tied_groups(tied_parameters(stages, p), mine, topology)
+    return make_tied_groups(tied_parameters(stages, p, rank_of), mine, topology)
 
 
 def make_tied_groups(holders: dict, mine: dict, topology) -> list[tuple[nn.Parameter, object]]:

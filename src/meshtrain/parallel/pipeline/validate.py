@@ -3,7 +3,7 @@
 ``validate(schedule)`` raises ``InvalidSchedule`` naming the rank and action when:
 
 * a compute action is missing, repeated, or on the wrong rank (stage ``s`` is on rank
-  ``s % p``); a training schedule runs ``F`` then ``B`` (then ``W``) of every micro-batch
+  ``schedule.rank_of(s)``: ``s % p``, or the V of zbv / dualpipev); a training schedule runs ``F`` then ``B`` (then ``W``) of every micro-batch
   on every stage, a forward-only one only ``F``;
 * a stage runs ahead of its input: ``F(s, i)`` before the activation of ``(s - 1, i)`` is
   received (or computed, on the same rank), ``B(s, i)`` before the gradient of ``(s + 1,
@@ -31,11 +31,13 @@ from meshtrain.parallel.pipeline.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
+    SPLIT_BACKWARD,
     Action,
     B,
     F,
     Schedule,
     W,
+    frees_activations,
 )
 
 
@@ -46,7 +48,7 @@ class InvalidSchedule(ConfigError):
 def _kinds(schedule: Schedule) -> tuple[str, ...]:
     if schedule.name == "forward":
         return (F,)
-    return (F, B, W) if schedule.name == "zb_h1" else (F, B)
+    return (F, B, W) if schedule.name in SPLIT_BACKWARD else (F, B)
 
 
 def validate(schedule: Schedule) -> None:
@@ -65,8 +67,8 @@ def validate(schedule: Schedule) -> None:
                     f"{schedule.name} p={p} m={schedule.m}: rank {rank} action {pos} {a}: {why}"
                 )
 
-            if a.stage % p != rank:
-                raise fail(f"stage {a.stage} belongs to rank {a.stage % p}")
+            if schedule.rank_of(a.stage) != rank:
+                raise fail(f"stage {a.stage} belongs to rank {schedule.rank_of(a.stage)}")
             if a in done:
                 raise fail("repeated")
             s, i = a.stage, a.mb
@@ -75,14 +77,15 @@ def validate(schedule: Schedule) -> None:
                     raise fail(f"{schedule.name} has no {a.kind} actions")
                 seen[a] = rank
             if a.kind == F and s > 0:
-                need = Action(s - 1, F, i) if (s - 1) % p == rank else Action(s, RECV_F, i)
+                local = schedule.rank_of(s - 1) == rank
+                need = Action(s - 1, F, i) if local else Action(s, RECV_F, i)
                 if need not in done:
                     raise fail(f"runs ahead of its input ({need} has not happened)")
             if a.kind == B:
                 if Action(s, F, i) not in done:
                     raise fail("backward before its forward")
                 if s < last:
-                    local = (s + 1) % p == rank
+                    local = schedule.rank_of(s + 1) == rank
                     need = Action(s + 1, B, i) if local else Action(s, RECV_B, i)
                     if need not in done:
                         raise fail(f"runs ahead of its output gradient ({need} has not happened)")
@@ -93,15 +96,15 @@ def validate(schedule: Schedule) -> None:
                 if produced not in done:
                     raise fail(f"sends before {produced}")
                 dst_stage = s + 1 if a.kind == SEND_F else s - 1
-                if not 0 <= dst_stage <= last or dst_stage % p == rank:
+                if not 0 <= dst_stage <= last or schedule.rank_of(dst_stage) == rank:
                     raise fail(f"no peer rank for stage {dst_stage}")
-                sends[(rank, dst_stage % p)].append((a.kind, s, i))
+                sends[(rank, schedule.rank_of(dst_stage))].append((a.kind, s, i))
             if a.kind in (RECV_F, RECV_B):
                 src_stage = s - 1 if a.kind == RECV_F else s + 1
-                if not 0 <= src_stage <= last or src_stage % p == rank:
+                if not 0 <= src_stage <= last or schedule.rank_of(src_stage) == rank:
                     raise fail(f"no peer rank for stage {src_stage}")
                 send_kind = SEND_F if a.kind == RECV_F else SEND_B
-                recvs[(src_stage % p, rank)].append((send_kind, src_stage, i))
+                recvs[(schedule.rank_of(src_stage), rank)].append((send_kind, src_stage, i))
             done.add(a)
     expected = {
         Action(s, k, i)
@@ -196,6 +199,12 @@ def expected_idle_fraction(name: str, p: int, m: int, v: int = 1) -> Fraction:
         if m >= p:
             return Fraction(p - 1, 3 * m + p - 1)
         return Fraction(2 * p - m - 1, 2 * p + 2 * m - 1)
+    if name in ("zbv", "dualpipev"):
+        # 6 m unit ops per rank (F, B, W of two chunks); the step lasts the longer of the
+        # filled pipeline's 6 m + p - 1 and the unfilled one's 4 (p + m) - 2 (zbv with
+        # m < 3p/2: micro-batch 0 walks the V down and up before the W's catch up)
+        makespan = max(6 * m + p - 1, 4 * (p + m) - 2)
+        return Fraction(makespan - 6 * m, makespan)
     raise ConfigError(f"no bubble formula for schedule {name!r}")
 
 
@@ -203,7 +212,7 @@ def peak_alive(schedule: Schedule, per: str = "stage") -> dict[int, int]:
     """The most micro-batches with forward done and backward (``W`` for ZB-H1) not yet
     done, over the action lists: by stage (``per="stage"``) or, adding a rank's stages at
     each moment, by rank (``per="rank"``)."""
-    free_kind = W if schedule.name == "zb_h1" else B
+    free_kind = frees_activations(schedule.name)
     peak: dict[int, int] = defaultdict(int)
     for rank, actions in enumerate(schedule.actions):
         alive: dict[int, int] = defaultdict(int)
@@ -222,7 +231,14 @@ def peak_alive(schedule: Schedule, per: str = "stage") -> dict[int, int]:
 
 
 def expected_peak_alive(name: str, p: int, m: int, stage: int) -> int:
-    """GPipe ``m``; 1F1B ``min(m, p - s)``; ZB-H1 ``min(m, p)`` (schedules' docstring)."""
+    """GPipe ``m``; 1F1B ``min(m, p - s)``; ZB-H1 ``min(m, p)`` (schedules' docstring).
+    For zbv / dualpipev ``stage`` is the rank and the count is in chunk activations over
+    its two stages (``peak_alive(per="rank")``): zbv ``min(2 m, 2 p, m + 1 + r)``,
+    dualpipev ``2 p + 1``; a chunk holds half a 1F1B stage's layers."""
+    if name == "zbv":
+        return min(2 * m, 2 * p, m + 1 + stage)
+    if name == "dualpipev":
+        return 2 * p + 1
     if name == "gpipe":
         return m
     if name == "1f1b":

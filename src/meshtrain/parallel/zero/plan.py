@@ -184,13 +184,22 @@ def build_plan(
 
 
 def comm_bytes_theory(
-    flat_groups: list[FlatGroup], stage: int, micro_steps: int = 1, comm_itemsize: int | None = None
+    flat_groups: list[FlatGroup],
+    stage: int,
+    micro_steps: int = 1,
+    comm_itemsize: int | None = None,
+    gathers: int | None = None,
 ) -> int:
     """Model-state bytes one optimizer step records under ``stage`` (module docstring).
 
     Gradient reductions move ``comm_itemsize`` bytes per element (the
     ``communication_data_type``; default: the gradients' own), parameter gathers the
-    model dtype's."""
+    model dtype's. ``gathers``: stage 3 under a pipeline, the times each of the rank's
+    stages was all-gathered this step (``pipeline_gather``: at most once per run of the
+    action list, once per step with one stage per rank); the gradients are then reduced
+    once after the schedule, whatever ``micro_steps``."""
+    if gathers is not None:
+        return _pipelined_stage3_bytes(flat_groups, gathers, comm_itemsize)
     total = 0
     for g in flat_groups:
         grads = g.numel * (comm_itemsize or g.itemsize)
@@ -203,4 +212,17 @@ def comm_bytes_theory(
             total += (2 * params + grads) * micro_steps
         else:  # stage 2, and stage 3's persistent parameters
             total += grads * micro_steps + params
+    return total
+
+
+def _pipelined_stage3_bytes(flat_groups, gathers: int, comm_itemsize: int | None) -> int:
+    """Stage 3 under a pipeline, every sharded unit gathered ``gathers`` times:
+    ``gathers x Psi`` gathered and ``Psi`` reduce-scattered for the sharded groups;
+    the persistent (whole) ones reduce-scatter once and gather after the step (stage 2's
+    treatment, reduced once because the backward does not synchronise)."""
+    total = 0
+    for g in flat_groups:
+        grads = g.numel * (comm_itemsize or g.itemsize)
+        params = g.numel * g.itemsize
+        total += (gathers * params + grads) if g.shard_params else (grads + params)
     return total

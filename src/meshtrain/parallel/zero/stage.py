@@ -83,7 +83,10 @@ class ZeroStage:
         self.flat_groups = plan.flat_groups
         self.gatherer = plan.gatherer
         self.frozen_groups = plan.frozen_groups  # stage 3: frozen parameters' shards
-        self.every_backward = self.stage >= 2
+        # stage 3 under a pipeline keeps a stage whole over its run of the action list, so
+        # its gradients accumulate in .grad and are reduced once after the schedule
+        # (``pipeline_gather``), like stages 0-1; stage 2 (and 3 alone) every backward
+        self.every_backward = self.stage == 2 or (self.stage == 3 and topology.pp_size == 1)
         self._window_reduced = False  # stages 0-1: before_step already finished the reduction
         self._reduced_once = False  # gradient storage starts unwritten (FlatGroup._init_grads)
         dp = average_over or replicas.size
@@ -287,10 +290,11 @@ class ZeroStage:
         """Elements of the frozen parameters sharded under stage 3 (0 below it)."""
         return sum(g.frozen_numel for g in self.frozen_groups)
 
-    def comm_bytes_theory(self, micro_steps: int = 1) -> int:
-        """Bytes one optimizer step with ``micro_steps`` micro-steps records (plan table)."""
+    def comm_bytes_theory(self, micro_steps: int = 1, gathers: int | None = None) -> int:
+        """Bytes one optimizer step with ``micro_steps`` micro-steps records (plan table);
+        ``gathers``: stage 3 under a pipeline, the all-gathers per unit this step."""
         itemsize = None if self.comm_dtype is None else self.comm_dtype.itemsize
-        return comm_bytes_theory(self.flat_groups, self.stage, micro_steps, itemsize)
+        return comm_bytes_theory(self.flat_groups, self.stage, micro_steps, itemsize, gathers)
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes of parameters (device / host; stage 3's frozen shards

@@ -240,6 +240,10 @@ class ParamGatherer:
         for g, b in unit.buckets:
             self._start_bucket(g, b)  # the rest (a live bucket is skipped)
 
+    def start(self, unit: Unit) -> None:
+        """Launch ``unit``'s all-gathers without waiting (a prefetch; ``gather`` waits)."""
+        self._start(unit)
+
     def gather(self, unit: Unit) -> None:
         self._start(unit)
         for g, b in unit.buckets:
