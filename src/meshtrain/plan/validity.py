@@ -118,9 +118,9 @@ class LayoutCheck:
         config = Config.from_dict(written)
         config.resolve_batch_sizes(layout.dp)  # what the engine resolves on its mesh
         MeshLayout.for_world(layout.world, pp=layout.pp, tp=layout.tp, cp=layout.cp, ep=layout.ep)
-        # the checks that walk the model read only whether each dimension is split (and
-        # the stage and sequence parallelism): once per such shape, not per layout
-        shape = (layout.pp > 1, layout.tp > 1, layout.cp > 1, layout.ep > 1,
+        # the checks that walk the model read the sizes (their messages name them), the
+        # stage and sequence parallelism, not the batch: once per such shape, not per layout
+        shape = (layout.pp, layout.tp, layout.cp, layout.ep, layout.dp,
                  layout.sequence_parallel, layout.stage)  # fmt: skip
         if shape not in self._model_checks:
             try:
