@@ -61,8 +61,15 @@ def layouts() -> list:
             for sp in (False, True) if tp > 1 else (False,):
                 out.append(
                     Layout(
-                        pp=pp, dp=dp, tp=tp, cp=cp, ep=ep, stage=stage, sequence_parallel=sp,
-                        micro_batch=ROWS // dp, grad_accum=MICRO,
+                        pp=pp,
+                        dp=dp,
+                        tp=tp,
+                        cp=cp,
+                        ep=ep,
+                        stage=stage,
+                        sequence_parallel=sp,
+                        micro_batch=ROWS // dp,
+                        grad_accum=MICRO,
                     )  # fmt: skip
                 )
     return out

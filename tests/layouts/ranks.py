@@ -38,7 +38,7 @@ def micro_batches(step: int, dp: int, replica: int | None) -> list[dict]:
     return out
 
 
-def config(name: str, layout) -> dict:
+def config(name: str, layout, extra: dict | None = None) -> dict:
     """The meshtrain config of ``layout`` (``Layout.config``, fp32) with the test's
     optimizer; MoE: the auxiliary loss over every replica's tokens, as one process
     computes it on the whole micro-batch (``loss.global_aux_loss``, docs/moe.md)."""
@@ -47,6 +47,7 @@ def config(name: str, layout) -> dict:
     out["steps_per_print"] = 10_000
     if name == "mixtral":
         out["loss"] = {"global_aux_loss": True}
+    out.update(extra or {})
     return out
 
 
@@ -109,13 +110,14 @@ def whole_model(engine) -> dict:
     return merged
 
 
-def train(name: str, layout, steps: int) -> tuple[list[float], dict]:
-    """``steps`` of ``layout`` on this group: (per-step losses, whole model)."""
+def train(name: str, layout, steps: int, extra: dict | None = None) -> tuple[list[float], dict]:
+    """``steps`` of ``layout`` on this group: (per-step losses, whole model); ``extra``:
+    config sections to replace."""
     import meshtrain
 
     model = build(name)
     engine, *_ = meshtrain.initialize(
-        model=model, model_parameters=model.parameters(), config=config(name, layout)
+        model=model, model_parameters=model.parameters(), config=config(name, layout, extra)
     )
     dp, replica = engine.topology.dp_size, engine.topology.dp_rank
     losses = [
@@ -124,7 +126,7 @@ def train(name: str, layout, steps: int) -> tuple[list[float], dict]:
     return losses, whole_model(engine)
 
 
-def refused(name: str, layout) -> str:
+def refused(name: str, layout, extra: dict | None = None) -> str:
     """``meshtrain.initialize`` of ``layout`` on real ranks: the first line of the
     ConfigError it raises (AssertionError when it builds)."""
     import meshtrain
@@ -133,7 +135,7 @@ def refused(name: str, layout) -> str:
     model = build(name)
     try:
         meshtrain.initialize(
-            model=model, model_parameters=model.parameters(), config=config(name, layout)
+            model=model, model_parameters=model.parameters(), config=config(name, layout, extra)
         )
     except ConfigError as exc:
         return str(exc).splitlines()[0]
@@ -141,7 +143,8 @@ def refused(name: str, layout) -> str:
 
 
 def group(jobs: list[tuple], steps: int) -> list:
-    """Run ``jobs`` (``("train" | "refuse", model name, Layout)``) on this group in order;
+    """Run ``jobs`` (``("train" | "refuse", model name, Layout[, config sections])``) on
+    this group in order;
     rank 0 returns their results and the references (``{model: reference}``), the others
     None. Each layout is a fresh engine on the same ranks."""
     import torch
@@ -149,10 +152,11 @@ def group(jobs: list[tuple], steps: int) -> list:
 
     torch.set_num_threads(1)
     results = []
-    for kind, name, layout in jobs:
-        results.append(train(name, layout, steps) if kind == "train" else refused(name, layout))
+    for kind, name, layout, *extra in jobs:
+        run = train if kind == "train" else refused
+        results.append(run(name, layout, *([steps] if kind == "train" else []), *extra))
     if dist.get_rank() != 0:
         return None
-    names = dict.fromkeys(name for kind, name, _ in jobs if kind == "train")
+    names = dict.fromkeys(job[1] for job in jobs if job[0] == "train")
     refs = {name: reference(name, steps) for name in names}
     return [results, refs]
