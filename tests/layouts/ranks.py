@@ -110,14 +110,31 @@ def whole_model(engine) -> dict:
     return merged
 
 
-def train(name: str, layout, steps: int, extra: dict | None = None) -> tuple[list[float], dict]:
+def mesh(layout, meshes: dict):
+    """The ``Topology`` of ``layout``'s sizes, one per distinct mesh in a group: every
+    ``initialize`` would otherwise make new process groups, and gloo keeps each group's
+    threads until the process ends (hundreds per rank over a long group)."""
+    from meshtrain.distributed.topology import Topology
+
+    key = (layout.pp, layout.tp, layout.cp, layout.ep)
+    if key not in meshes:
+        meshes[key] = Topology(pp=layout.pp, tp=layout.tp, cp=layout.cp, ep=layout.ep)
+    return meshes[key]
+
+
+def train(
+    name: str, layout, meshes: dict, steps: int, extra: dict | None = None
+) -> tuple[list[float], dict]:
     """``steps`` of ``layout`` on this group: (per-step losses, whole model); ``extra``:
     config sections to replace."""
     import meshtrain
 
     model = build(name)
     engine, *_ = meshtrain.initialize(
-        model=model, model_parameters=model.parameters(), config=config(name, layout, extra)
+        model=model,
+        model_parameters=model.parameters(),
+        config=config(name, layout, extra),
+        topology=mesh(layout, meshes),
     )
     dp, replica = engine.topology.dp_size, engine.topology.dp_rank
     losses = [
@@ -126,7 +143,7 @@ def train(name: str, layout, steps: int, extra: dict | None = None) -> tuple[lis
     return losses, whole_model(engine)
 
 
-def refused(name: str, layout, extra: dict | None = None) -> str:
+def refused(name: str, layout, meshes: dict, extra: dict | None = None) -> str:
     """``meshtrain.initialize`` of ``layout`` on real ranks: the first line of the
     ConfigError it raises (AssertionError when it builds)."""
     import meshtrain
@@ -135,7 +152,10 @@ def refused(name: str, layout, extra: dict | None = None) -> str:
     model = build(name)
     try:
         meshtrain.initialize(
-            model=model, model_parameters=model.parameters(), config=config(name, layout, extra)
+            model=model,
+            model_parameters=model.parameters(),
+            config=config(name, layout, extra),
+            topology=mesh(layout, meshes),
         )
     except ConfigError as exc:
         return str(exc).splitlines()[0]
@@ -146,15 +166,18 @@ def group(jobs: list[tuple], steps: int) -> list:
     """Run ``jobs`` (``("train" | "refuse", model name, Layout[, config sections])``) on
     this group in order;
     rank 0 returns their results and the references (``{model: reference}``), the others
-    None. Each layout is a fresh engine on the same ranks."""
+    None. Each layout is a fresh engine on the same ranks (on the mesh's one ``Topology``,
+    given to ``initialize`` as ``topology=``)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    results = []
+    results, meshes = [], {}
     for kind, name, layout, *extra in jobs:
-        run = train if kind == "train" else refused
-        results.append(run(name, layout, *([steps] if kind == "train" else []), *extra))
+        if kind == "train":
+            results.append(train(name, layout, meshes, steps, *extra))
+        else:
+            results.append(refused(name, layout, meshes, *extra))
     if dist.get_rank() != 0:
         return None
     names = dict.fromkeys(job[1] for job in jobs if job[0] == "train")
