@@ -116,6 +116,7 @@ def test_sampled_layouts_train_and_refusals_raise(tables):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # Mixtral at 8 ranks: 167 layouts in one group, ~7 min quiet
 @pytest.mark.skipif(not LONG, reason="longer job: set MESHTRAIN_LONG_JOBS=1 (tests/layouts)")
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", MODELS)
