@@ -272,8 +272,11 @@ def _skew_checks(ep: int) -> dict:
 
 def _refusals() -> list[str]:
     """MoE layouts that are not built, each refused by ``parallelize`` before it changes
-    the model: ep 2 with 3 experts per layer, cp 2 with a MoE Decoder. (tp 2 with a MoE
-    model is built: ``test_moe_tensor_parallel.py``.)"""
+    the model: ep 2 with 3 experts per layer, pp 2 x cp 2 with a MoE Decoder (the check
+    ``parallelize`` runs first, on a stand-in topology: 4 ranks). (tp 2 and cp 2 with a
+    MoE model are built: ``test_moe_tensor_parallel.py``, ``tests/layouts``.)"""
+    from types import SimpleNamespace
+
     from meshtrain.config import load_config
     from meshtrain.distributed.topology import Topology
     from meshtrain.errors import ConfigError
@@ -281,14 +284,17 @@ def _refusals() -> list[str]:
 
     messages = []
     config = load_config({"train_micro_batch_size_per_gpu": 1})
-    for kw, model in (
-        (dict(ep=2), tiny_causal_lm("mixtral", num_local_experts=3)),
-        (dict(cp=2), tiny_decoder()),
-    ):
-        try:
-            parallelize(model, Topology(**kw), config)
-        except ConfigError as exc:
-            messages.append(str(exc))
+    from meshtrain.parallel.experts.shard import check_layout
+
+    try:
+        parallelize(tiny_causal_lm("mixtral", num_local_experts=3), Topology(ep=2), config)
+    except ConfigError as exc:
+        messages.append(str(exc))
+    four = SimpleNamespace(pp_size=2, cp_size=2, tp_size=1, dp_size=1, ep_size=1)
+    try:
+        check_layout(tiny_decoder(), four)
+    except ConfigError as exc:
+        messages.append(str(exc))
     return messages
 
 
@@ -301,7 +307,9 @@ def test_skewed_routing_no_hang_ep2():
     results = run_ranks(_skew_checks, 2, 2)
     for rank, res in enumerate(results):
         split, cp = res.pop("refused")
-        assert cp.startswith("mesh.context_parallel_size: 2 with a mixture-of-experts"), cp
+        assert cp.startswith(
+            "mesh.context_parallel_size: 2 with pipeline_parallel_size 2 and a mixture-of-experts"
+        ), cp
         assert split.startswith("mesh.expert_parallel_size: 2 does not divide the 3 experts"), split
         for key, c in res.items():
             if key[1] == "grouped_vs_loop":

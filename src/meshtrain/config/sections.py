@@ -266,7 +266,7 @@ class MeshConfig(Section):
     tensor_parallel_size: PosInt = 1
     """Tensor-parallel ranks (tp) sharing each layer; data-parallel size = world size / (pp * cp * tp)."""
     context_parallel_size: PosInt = 1
-    """Context-parallel ranks (cp) holding different chunks of each sequence (2C chunks, rank i holds chunks i and 2C-1-i); attention spans them by context_parallel.method. meshtrain's Decoder and transformers Llama, Qwen2, Mistral and GPT-2; docs/context_parallel.md."""
+    """Context-parallel ranks (cp) holding different chunks of each sequence (2C chunks, rank i holds chunks i and 2C-1-i); attention spans them by context_parallel.method. meshtrain's Decoder and transformers Llama, Qwen2, Mistral, GPT-2 and Mixtral; docs/context_parallel.md."""
     expert_parallel_size: PosInt = 1
     """Expert-parallel ranks (ep), carved out of dp x cp: each holds 1/ep of every MoE layer's experts and tokens reach them by all-to-all (docs/moe.md). Needs a model with MoE layers meshtrain knows (transformers Mixtral, Qwen2-MoE, Qwen3-MoE, or the Decoder's model.moe) whose expert count it divides."""
 

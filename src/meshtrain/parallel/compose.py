@@ -154,8 +154,12 @@ def parallelize(
     # loss.global_aux_loss over every replica's tokens, as one process on the whole batch
     # computes it (it is not linear in the batch; see parallel.experts.aux_loss). Under
     # sequence parallelism a replica's tokens are spread over its tp ranks, so their sums
-    # are always combined. (Under a pipeline the stages do it: ``router_aux``.)
+    # are always combined, and so under context parallelism are a replica's cp chunks
+    # (its cp ranks hold one replica's rows). (Under a pipeline the stages do it:
+    # ``router_aux``.)
     replicas = topology.replica_group if config.loss.global_aux_loss else None
+    if replicas is None and topology.cp_size > 1:
+        replicas = topology.cp_group
     replicas = replicas if replicas is not None and replicas.size > 1 else None
     if (replicas is not None or shards is not None) and topology.pp_size == 1:
         from meshtrain.parallel.experts.aux_loss import reduce_aux_loss_over

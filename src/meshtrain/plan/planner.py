@@ -150,9 +150,18 @@ class Planner:
                     yield layout.but(checkpointing=True)
 
     def refusal(self, layout: Layout) -> str | None:
-        """``LayoutCheck.refusal``, once per structure: the micro-batch, the accumulation
+        """``LayoutCheck.refusal`` (the engine's), once per structure, and the one layout
+        meshtrain runs that the planner does not model (ZeRO-3 under a pipeline, never
+        enumerated either): the micro-batch, the accumulation
         and checkpointing refuse nothing by themselves; the schedule's action lists for
         this micro-batch count are built (and checked) when the time model asks."""
+        if layout.pp > 1 and layout.stage >= 3:  # the planner's own limit, not the engine's
+            return (
+                "zero_optimization.stage 3 with mesh.pipeline_parallel_size > 1 is not "
+                "planned: meshtrain runs it, but a stage's parameters stay whole for its run "
+                "of the schedule, which the planner's memory model does not count; plan "
+                "stage 1 or 2 under the pipeline"
+            )
         key = layout.but(micro_batch=1, grad_accum=1, checkpointing=False)
         if key not in self._refusals:
             self._refusals[key] = self.check.refusal(key)

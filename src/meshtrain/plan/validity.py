@@ -52,12 +52,6 @@ class LayoutCheck:
 
     def refusal(self, layout: Layout) -> str | None:
         """Why meshtrain refuses ``layout``, else None."""
-        if layout.pp > 1 and layout.stage >= 3:  # the planner's own limit, not the engine's
-            return (
-                "zero_optimization.stage 3 with mesh.pipeline_parallel_size > 1 is not "
-                "planned: meshtrain runs it, but a stage's parameters stay whole for its run "
-                "of the schedule, which the planner's memory model does not count"
-            )
         try:
             self._check(layout)
         except (MeshtrainError, ValueError) as exc:
@@ -133,9 +127,9 @@ class LayoutCheck:
         config = Config.from_dict(written)
         config.resolve_batch_sizes(layout.dp)  # what the engine resolves on its mesh
         MeshLayout.for_world(layout.world, pp=layout.pp, tp=layout.tp, cp=layout.cp, ep=layout.ep)
-        # the checks that walk the model read only whether each dimension is split (and
-        # the stage and sequence parallelism): once per such shape, not per layout
-        shape = (layout.pp > 1, layout.tp > 1, layout.cp > 1, layout.ep > 1,
+        # the checks that walk the model read the sizes (their messages name them), the
+        # stage, sequence parallelism and packed rows, not the batch: once per such shape
+        shape = (layout.pp, layout.tp, layout.cp, layout.ep, layout.dp,
                  layout.sequence_parallel, layout.stage, layout.packed)  # fmt: skip
         if shape not in self._model_checks:
             try:

@@ -4,7 +4,7 @@ What it changes (no parameter: a checkpoint is the same at any C):
 
 * meshtrain's ``Decoder``: each ``Attention.context`` is set to one ``ContextParallel``
   (the seam in ``models/attention.py`` calls ``context.attend``);
-* transformers Llama, Qwen2, Mistral and GPT-2 (``FAMILIES``): each attention layer gets
+* transformers Llama, Qwen2, Mistral, GPT-2 and Mixtral (``FAMILIES``): each attention layer gets
   the context as ``meshtrain_context`` and the model's attention implementation becomes
   ``transformers_attention.ATTN_NAME``, registered in transformers' ``AttentionInterface``;
 * both: ``inputs.SequenceSharder``'s hooks cut each batch to this rank's chunks and give
@@ -20,6 +20,11 @@ backbone gets the same pre-hook; called from the hooked root it finds the batch 
 cut (``inputs.CUT``) and passes it on. Each cp rank of a stage sends to the same cp rank
 of the next stage.
 
+A mixture-of-experts model (the Decoder with ``model.moe``, Mixtral): the router's
+auxiliary loss is over the replica's whole rows, its counts summed over the cp ranks
+(``parallelize`` hands ``parallel.experts.aux_loss`` the cp group, or dp x cp with
+``loss.global_aux_loss``); rows with padding are refused for it (``inputs.py``).
+
 Refused by name: any other model, and chunked loss (``loss.chunked``: its head sees only
 this rank's tokens and its count would be local).
 """
@@ -33,7 +38,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.parallel.context.context import ContextParallel
 from meshtrain.parallel.context.inputs import SequenceSharder
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "mixtral")
 
 
 def check_context_parallel(model: nn.Module, topology: Topology, config) -> str:
@@ -79,7 +84,10 @@ def apply_context_parallel(model: nn.Module, topology: Topology, config) -> Cont
         for m in layers:
             setattr(m, hf.CONTEXT_ATTR, context)
         model.set_attn_implementation(hf.ATTN_NAME)
-    sharder = SequenceSharder(model, topology.cp_group, family)
+    from meshtrain.parallel.experts.shard import expert_modules
+
+    routes = bool(expert_modules(model))
+    sharder = SequenceSharder(model, topology.cp_group, family, routes)
     model.register_forward_pre_hook(sharder.pre, with_kwargs=True)
     model.register_forward_hook(sharder.post, with_kwargs=True)
     if family == "transformers" and topology.pp_size > 1:
@@ -89,7 +97,7 @@ def apply_context_parallel(model: nn.Module, topology: Topology, config) -> Cont
 
         body = model.get_submodule(find_layout(model).body)
         body.register_forward_pre_hook(
-            SequenceSharder(body, topology.cp_group, family).pre, with_kwargs=True
+            SequenceSharder(body, topology.cp_group, family, routes).pre, with_kwargs=True
         )
     return context
 

@@ -14,6 +14,8 @@ sampler deals over dp only); the pre-hook keeps this rank's chunks (``layout.py`
 3. A length that 2C does not divide is **padded** at the end to the next multiple:
    ``input_ids`` with 0, labels with -100 (never counted), positions continuing, the
    last document extended. Causal attention keeps real tokens from seeing the pads.
+   Refused for a mixture-of-experts model, as is a mask with zeros: its routers would
+   count the pads in the auxiliary loss.
 4. ``attention_mask``: all ones or right padding (each row's ones a prefix) is dropped
    (causality already keeps real tokens from the pads; their labels must be -100, as
    every meshtrain collator makes them); left padding is refused by name.
@@ -58,8 +60,13 @@ class SequenceSharder:
     (``meshtrain_document_ids=`` down to the registered attention, ``use_cache=False``).
     """
 
-    def __init__(self, model: torch.nn.Module, group: Group, family: str) -> None:
+    def __init__(
+        self, model: torch.nn.Module, group: Group, family: str, routes: bool = False
+    ) -> None:
         self.group, self.family = group, family
+        # a MoE model's routers count every token they see in the auxiliary loss, pads too
+        # (the mask is dropped here): rows with padding are refused for it (``pre``)
+        self.routes = routes
         self.signature = inspect.signature(model.forward)
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict:
@@ -93,7 +100,8 @@ class SequenceSharder:
             )
         c, rank = self.group.size, self.group.rank
         b, length = ids.shape
-        _check_mask(a.pop("attention_mask", None))
+        mask = a.pop("attention_mask", None)
+        _check_mask(mask)
         labels, shift = a.pop("labels", None), a.pop("shift_labels", None)
         if shift is None and labels is not None:
             shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
@@ -104,6 +112,14 @@ class SequenceSharder:
         if docs is None:
             docs = documents_from_positions(pos)
         pad = (-length) % (2 * c)
+        if self.routes and (pad or (mask is not None and not bool(mask.bool().all()))):
+            raise ConfigError(
+                f"context parallelism of a mixture-of-experts model: rows with padding "
+                f"(length {length}, a multiple of 2 x cp = {2 * c} needed, and no 0 in "
+                "attention_mask) would send pad tokens through the routers and into the "
+                "auxiliary loss; pack the rows (position_ids restarting at 0) to a multiple "
+                f"of {2 * c} tokens"
+            )
         if pad:
             ids = F.pad(ids, (0, pad), value=0)
             pos = torch.cat((pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)), 1)

@@ -63,25 +63,45 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def check_layout(model: nn.Module, topology: Topology) -> None:
     """Refuse, by name and before anything changes, the layouts a model with MoE layers
-    cannot run yet: context parallelism (its loss hook rescales the model's loss by each
-    rank's token share, the auxiliary loss included; untested). Tensor parallelism runs
-    them (``parallel.tensor.moe_blocks``), pipeline parallelism too (checked by
-    ``pipeline.router_aux``, which refuses pp x tp of a MoE model)."""
-    sizes = [
-        ("context_parallel_size", topology.cp_size),
-    ]
-    over = [(k, n) for k, n in sizes if n > 1]
-    if not over:
+    cannot run yet: context parallelism under a pipeline (the stages carry the router sums
+    of one replica's whole rows, ``pipeline.router_aux``; a cp rank's sequence chunk is not
+    wired there). Context parallelism alone runs them (the auxiliary loss's sums combined
+    over the cp ranks, ``parallel.experts.aux_loss``), tensor parallelism too
+    (``parallel.tensor.moe_blocks``), pipeline parallelism too (checked by
+    ``pipeline.router_aux``, which refuses pp x tp of a MoE model). And expert
+    parallelism of a model without MoE layers, or with an expert count ep does not divide,
+    here rather than at step 3, so nothing (tp's sharding) has changed the model yet."""
+    if getattr(topology, "ep_size", 1) > 1:
+        check_expert_counts(expert_modules(model), topology.ep_size)
+    if topology.cp_size == 1 or topology.pp_size == 1:
         return
     layers = expert_modules(model)
     if not layers:
         return
-    key, size = over[0]
     raise ConfigError(
-        f"mesh.{key}: {size} with a mixture-of-experts model ({layers[0][0]} and "
-        f"{len(layers) - 1} more): {key.split('_')[0]} parallelism of MoE layers is not built "
-        f"yet; set mesh.{key} to 1 (expert_parallel_size and ZeRO shard MoE models)"
+        f"mesh.context_parallel_size: {topology.cp_size} with pipeline_parallel_size "
+        f"{topology.pp_size} and a mixture-of-experts model ({layers[0][0]} and "
+        f"{len(layers) - 1} more) is not built: the pipeline's router sums are per replica's "
+        "whole rows; set mesh.context_parallel_size 1 or pipeline_parallel_size 1 (cp alone "
+        "and pp alone train MoE models)"
     )
+
+
+def check_expert_counts(layers: list[tuple[str, nn.Module]], ep: int) -> None:
+    """ConfigError unless ``layers`` (``expert_modules``) is not empty and ep divides every
+    layer's expert count."""
+    if not layers:
+        raise ConfigError(
+            f"mesh.expert_parallel_size: {ep} but the model has no mixture-of-experts "
+            f"layer meshtrain knows ({', '.join(FAMILIES)}, or a Decoder with model.moe); "
+            "set expert_parallel_size 1"
+        )
+    for name, module in layers:
+        if module.num_experts % ep:
+            raise ConfigError(
+                f"mesh.expert_parallel_size: {ep} does not divide the {module.num_experts} "
+                f"experts of {name}; pick an ep that divides the expert count"
+            )
 
 
 def apply_expert_parallel(model: nn.Module, topology: Topology) -> dict[int, nn.Parameter]:
@@ -90,20 +110,10 @@ def apply_expert_parallel(model: nn.Module, topology: Topology) -> dict[int, nn.
     model has no experts module or ep does not divide an expert count."""
     group = topology.group("ep")
     layers = expert_modules(model)
-    if not layers:
-        raise ConfigError(
-            f"mesh.expert_parallel_size: {group.size} but the model has no mixture-of-experts "
-            f"layer meshtrain knows ({', '.join(FAMILIES)}, or a Decoder with model.moe); "
-            "set expert_parallel_size 1"
-        )
+    check_expert_counts(layers, group.size)
     replaced: dict[int, nn.Parameter] = {}
     for name, module in layers:
         total = module.num_experts
-        if total % group.size:
-            raise ConfigError(
-                f"mesh.expert_parallel_size: {group.size} does not divide the {total} experts "
-                f"of {name}; pick an ep that divides the expert count"
-            )
         if module.gate_up_proj.shape[0] != total:
             raise ConfigError(
                 f"{name}: already sharded ({module.gate_up_proj.shape[0]} of {total})"
@@ -146,6 +156,7 @@ __all__ = [
     "FAMILIES",
     "SLICE_ATTR",
     "apply_expert_parallel",
+    "check_expert_counts",
     "check_layout",
     "expert_modules",
     "remap_parameters",

@@ -28,6 +28,15 @@ sums forward with its activation, and autograd carries ``d loss / d S`` back:
   exactly the one-process gradient, through its own stage's backward, without any
   collective beyond the pipeline's p2p and the replicas' all-reduce.
 
+Tensor parallelism: without sequence parallelism every tp rank of a stage routes the
+same tokens, so its sums are the replica's and each tp rank computes the same ``aux``
+(the routers are replicated and get the same gradient on each). With sequence
+parallelism each tp rank's routers see its ``1/T`` shard of the sequence and send their
+own partial sums to the same tp rank of the next stage; the last stage sums ``C`` and
+``R`` over tp too and returns the value of the whole sequence with the gradient of its
+own shard's term (``balance_loss``'s ``sequence``), the MoE blocks' gradient hooks summing
+the routers' gradients over tp (``parallel.tensor.moe_blocks``), as without a pipeline.
+
 Micro-batches: the loss is per micro-batch (as each ``forward`` of one process with
 gradient accumulation computes it); the step's loss is the mean over micro-batches.
 
@@ -86,10 +95,12 @@ def model_aux(model: nn.Module) -> dict | None:
 
 def check_pipeline_moe(model: nn.Module, topology) -> None:
     """Refuse, by name, the MoE models a pipeline cannot cut yet: experts of a family
-    meshtrain does not know (their router and auxiliary loss are not found), a
+    meshtrain does not know (their router and auxiliary loss are not found), and a
     ``meshtrain.pipe.PipelineModule`` with MoE layers (its stages run the user's
-    ``loss_fn``, which no auxiliary term reaches), and tensor parallelism of a pipelined
-    MoE model (the router sums of a tp rank's sequence shard are untested)."""
+    ``loss_fn``, which no auxiliary term reaches). Tensor parallelism of a pipelined MoE
+    model runs: without sequence parallelism every tp rank routes the same tokens (its
+    sums are the replica's); with it each rank's sums are of its sequence shard, combined
+    over tp on the last stage (module docstring)."""
     from meshtrain.parallel.experts.routed import RoutedExperts
     from meshtrain.parallel.experts.shard import FAMILIES, _holds_experts
     from meshtrain.parallel.pipeline.module import PipelineModule
@@ -97,12 +108,6 @@ def check_pipeline_moe(model: nn.Module, topology) -> None:
     pp = topology.pp_size
     for name, module in model.named_modules():
         known = isinstance(module, RoutedExperts) or type(module).__name__ in FAMILIES
-        if known and topology.tp_size > 1:
-            raise ConfigError(
-                f"mesh.tensor_parallel_size: {topology.tp_size} with "
-                f"pipeline_parallel_size {pp} and a mixture-of-experts model ({name}) is "
-                "not built; set tensor_parallel_size 1 or pipeline_parallel_size 1"
-            )
         if known and isinstance(model, PipelineModule):
             raise ConfigError(
                 f"mesh.pipeline_parallel_size: {pp} with a meshtrain.pipe.PipelineModule "
@@ -146,8 +151,10 @@ class StageRouterAux:
         replicas: Group | None,
         is_first: bool,
         is_last: bool,
+        sequence: Group | None = None,
     ) -> None:
         self.spec, self.replicas = spec, replicas
+        self.sequence = sequence  # the tp group under sequence parallelism, else None
         self.is_first, self.is_last = is_first, is_last
         self.num_experts = spec["num_experts"]
         self._logits: list[torch.Tensor] = []
@@ -192,6 +199,9 @@ class StageRouterAux:
         if not logits:
             return start
         spec = self.spec
+        if self.sequence is not None and attention_mask is not None:
+            # the routers saw this rank's sequence shard: its tokens of the mask
+            attention_mask = attention_mask.chunk(self.sequence.size, dim=1)[self.sequence.rank]
         return router_sums(
             logits, spec["num_experts"], spec["top_k"], attention_mask, spec["routing"], start
         )
@@ -218,7 +228,7 @@ class StageRouterAux:
     def aux(self, start, attention_mask) -> torch.Tensor:
         """The whole model's auxiliary loss of this micro-batch (last stage)."""
         counts, prob_sum, rows = self._sums(start, attention_mask)
-        return balance_loss(counts, prob_sum, rows, self.num_experts, self.replicas)
+        return balance_loss(counts, prob_sum, rows, self.num_experts, self.replicas, self.sequence)
 
     def discard(self) -> None:
         """Forget the kept logits (a last stage called without labels: no loss)."""
@@ -238,10 +248,14 @@ def attach_router_aux(stages, model: nn.Module, replicas: Group | None) -> bool:
     if spec is None:
         return False
     replicas = replicas if replicas is not None and replicas.size > 1 else None
+    # under sequence parallelism each tp rank's routers see its shard of the sequence:
+    # the sums are combined over tp on the last stage (``balance_loss``'s ``sequence``)
+    tp = getattr(model, "meshtrain_tp", None) or {}
+    sequence = tp["group"] if tp.get("sequence_parallel") and tp["group"].size > 1 else None
     for stage in stages:
         blocks = stage.model.get_submodule(stage.blocks_path)
         stage.router_aux = StageRouterAux(
-            stage_routers(blocks), spec, replicas, stage.is_first, stage.is_last
+            stage_routers(blocks), spec, replicas, stage.is_first, stage.is_last, sequence
         )
         if spec["kind"] == "decoder":
             stage.model.aux_in_forward = False  # the stage's copy; the model keeps its own

@@ -168,8 +168,8 @@ def apply_tensor_parallel(
     _repoint_aliases(model, shared, changes)
     _set_loss(model, plan, group, sizes, changes)
     _full_logits_in_generate(model, plan, sequence_parallel, changes)
-    info = {"plan": plan.name, "size": t, "sequence_parallel": sequence_parallel}
-    changes.set_attr(model, "meshtrain_tp", info)
+    info = {"plan": plan.name, "size": t, "sequence_parallel": sequence_parallel, "group": group}
+    changes.set_attr(model, "meshtrain_tp", info)  # group: for pipeline.router_aux's sums
     # parameters a caller collected before (an optimizer's groups) -> their shards
     changes.set_attr(model, "meshtrain_tp_replaced", shared)
     changes.set_attr(model, "meshtrain_tp_changes", changes)
