@@ -146,3 +146,17 @@ def test_table_shows_the_v():
     # rank 0 warms up chunk 0 three times, then runs micro-batch 0 of chunk 1 (stage 3)
     assert lines[2].split()[2:6] == ["F0.0", "F1.0", "F2.0", "F0.1"]
     assert lines[3].split()[2] == "."  # rank 1 waits one unit for stage 0's output
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_evaluation_forward_follows_the_v(p):
+    """Evaluation under zbv / dualpipev runs ``forward_v``: every micro-batch through the
+    V's stages on the V's ranks (the last stage on rank 0), checked like any schedule."""
+    s = build_schedule("forward_v", p, 5, 2)
+    validate(s)
+    assert {a.kind for r in range(p) for a in compute_order("forward_v", p, 2, 5, r)} == {F}
+    for r in range(p):
+        assert [a.stage for a in compute_order("forward_v", p, 2, 5, r)][::5] == rank_stages(
+            "zbv", r, p, 2
+        )
+    assert stage_rank("forward_v", 2 * p - 1, p) == 0

@@ -344,6 +344,9 @@ def _run(
     if more:  # pp: interleaved virtual stages for the GPT-2
         interleaved = {"pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2}}
         out["gpt2"] = _gpt2(tmp, mesh, {**(deepspeed or {}), **interleaved} if mesh else None)
+        if mesh:  # the V of zbv: the last stage, whose outputs evaluate() gathers, is on rank 0
+            zbv = {"pipeline": {"schedule": "zbv", "virtual_stages": 2}}
+            out["gpt2_zbv"] = _gpt2(f"{tmp}/zbv", mesh, {**(deepspeed or {}), **zbv})
         out["qwen2"] = _qwen2_classifier(tmp, mesh, deepspeed)
     if resume:
         out["refused"] = _refusals(tmp)
@@ -465,6 +468,7 @@ def test_pipeline_trainer_equals_one_process(tmp_path):
     assert ref["gpt2"]["checkpointed"] == 4  # every GPT-2 block checkpointed
     for r in pp2:
         _same_gpt2(r["gpt2"], ref["gpt2"])
+        _same_gpt2(r["gpt2_zbv"], ref["gpt2"])
         _same_classifier("qwen2", r["qwen2"], ref["qwen2"])
         # interleaved: both of the rank's stages have their blocks checkpointed
         assert r["gpt2"]["checkpointed"] == r["gpt2"]["local_blocks"] == 2

@@ -222,7 +222,7 @@ def _from_last_stage(mine: list | None, pipe, device: torch.device) -> list:
     group = pipe.group
     if group.size == 1:
         return mine
-    src = (pipe.num_stages - 1) % group.size
+    src = pipe.rank_of(pipe.num_stages - 1)  # rank 0 under the V schedules
     tensors: list[torch.Tensor] = []
     header = [_pack(mine, tensors) if mine is not None else None]
     dist.broadcast_object_list(header, src=group.global_rank(src), group=group.pg)

@@ -54,6 +54,7 @@ from meshtrain.parallel.pipeline.schedules import (
     build_schedule,
     stage_rank,
 )
+from meshtrain.parallel.pipeline.v_shape import V_SHAPED
 
 # Op costs the receives are placed by (``schedules``: a receive sits before the first
 # compute that starts after the data's simulated arrival). A backward costs about two
@@ -138,6 +139,11 @@ class PipelineRuntime:
             ]
         return self._cache[key]
 
+    @property
+    def _forward(self) -> str:
+        """Evaluation's forward-only schedule on this pipeline's placement."""
+        return "forward_v" if self.schedule in V_SHAPED else "forward"
+
     def rank_of(self, stage: int) -> int:
         """The pp rank holding ``stage`` (``s % p``, or the V of zbv / dualpipev: there
         the last stage is on rank 0)."""
@@ -191,7 +197,7 @@ class PipelineRuntime:
         """Forward of every micro-batch (any shapes); returns the mean loss on every rank."""
         for st in self.stages.values():
             st.eval()
-        return self._run(self._actions("forward", len(batches)), batches, False, 1.0)
+        return self._run(self._actions(self._forward, len(batches)), batches, False, 1.0)
 
     @torch.no_grad()
     def eval_outputs(self, batches: Sequence[Any]) -> list[Any] | None:
@@ -205,7 +211,7 @@ class PipelineRuntime:
         if last is not None:
             last.whole_outputs = True
         try:
-            self._run(self._actions("forward", len(batches)), batches, False, 1.0, kept=kept)
+            self._run(self._actions(self._forward, len(batches)), batches, False, 1.0, kept=kept)
         finally:
             if last is not None:
                 last.whole_outputs = False

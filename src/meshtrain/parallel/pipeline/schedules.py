@@ -87,6 +87,7 @@ from meshtrain.parallel.pipeline.v_shape import (  # noqa: F401  (re-exported)
 )
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "forward")
+FORWARD_ONLY = ("forward", "forward_v")  # evaluation's schedules, looped and V-shaped
 # backward split into B (input gradient) and W (weight gradients): W frees a micro-batch
 SPLIT_BACKWARD = ("zb_h1", "zbv", "dualpipev")
 
@@ -137,6 +138,11 @@ def _order_gpipe(p: int, v: int, m: int, r: int) -> list[Action]:
 
 def _order_forward(p: int, v: int, m: int, r: int) -> list[Action]:
     return [Action(r + c * p, F, i) for c in range(v) for i in range(m)]
+
+
+def _order_forward_v(p: int, v: int, m: int, r: int) -> list[Action]:
+    # down the V (stage r) for every micro-batch, then back up (stage 2p-1-r)
+    return [Action(s, F, i) for s in rank_stages("forward_v", r, p, v) for i in range(m)]
 
 
 def _order_1f1b(p: int, v: int, m: int, r: int) -> list[Action]:
@@ -190,6 +196,7 @@ _ORDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
     "zbv": order_zbv,
     "dualpipev": order_dualpipev,
     "forward": _order_forward,
+    "forward_v": _order_forward_v,
 }
 
 
@@ -276,7 +283,7 @@ def build_schedule(
     ``forward`` take any ``v``, ``zbv`` and ``dualpipev`` exactly 2, the rest 1). ``costs`` (per kind, default 1 each) only shape the
     simulated timeline that orders the communication.
     """
-    if name not in SCHEDULES:
+    if name not in _ORDERS:
         raise ConfigError(f"pipeline.schedule={name!r} is unknown; use one of {SCHEDULES}")
     for label, val in (("pipeline size p", p), ("micro-batches m", m), ("stages per rank v", v)):
         if not isinstance(val, int) or val < 1:
@@ -291,7 +298,7 @@ def build_schedule(
             f"pipeline.schedule='dualpipev' needs at least 2 x pp = {2 * p} micro-batches "
             f"(gradient_accumulation_steps), got {m}; raise it or use zbv"
         )
-    if v > 1 and name not in ("interleaved_1f1b", "forward", *V_SHAPED):
+    if v > 1 and name not in ("interleaved_1f1b", *FORWARD_ONLY, *V_SHAPED):
         raise ConfigError(
             f"pipeline.schedule={name!r} runs one stage per rank, got "
             f"virtual_stages={v}; use interleaved_1f1b or set virtual_stages to 1"

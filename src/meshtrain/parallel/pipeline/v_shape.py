@@ -19,7 +19,9 @@ from __future__ import annotations
 from meshtrain.parallel.pipeline.actions import Action, B, F, W
 
 # two stages per rank in a V: rank r holds stage r and stage 2p - 1 - r (torch's "v" style)
-V_SHAPED = ("zbv", "dualpipev")
+# forward_v: evaluation's forward-only pass over the V placement (the runtime picks it
+# for a zbv / dualpipev pipeline; ``forward`` is the looped placement's)
+V_SHAPED = ("zbv", "dualpipev", "forward_v")
 
 
 def stage_rank(name: str, stage: int, p: int) -> int:

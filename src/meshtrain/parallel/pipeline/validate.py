@@ -27,6 +27,7 @@ from fractions import Fraction
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.pipeline.schedules import (
     COMPUTE,
+    FORWARD_ONLY,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -46,7 +47,7 @@ class InvalidSchedule(ConfigError):
 
 
 def _kinds(schedule: Schedule) -> tuple[str, ...]:
-    if schedule.name == "forward":
+    if schedule.name in FORWARD_ONLY:
         return (F,)
     return (F, B, W) if schedule.name in SPLIT_BACKWARD else (F, B)
 
