@@ -47,6 +47,10 @@ def main() -> None:
     out = Path(a.out)
     ckpt = out / "checkpoints"
     rank = dist.get_rank()
+    import os
+
+    seen = {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "MESHTRAIN_TEST_MARK")}
+    print(f"rank {rank}: group {os.environ.get('GROUP_RANK')} env {seen}", flush=True)
     if latest_tag(ckpt) is not None:
         engine.load_checkpoint(ckpt)
         print(f"rank {rank}: resumed at step {engine.global_steps}", flush=True)
