@@ -24,7 +24,9 @@ MASTER_PORT = 29500  # every cluster has its own network: the default port is fr
 
 def cluster_module():
     """``tools/cluster.py`` as a module (tools/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("meshtrain_cluster", REPO / "tools" / "cluster.py")
+    spec = importlib.util.spec_from_file_location(
+        "meshtrain_cluster", REPO / "tools" / "cluster.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("meshtrain_cluster", module)
     spec.loader.exec_module(module)
@@ -55,8 +57,18 @@ def start_nodes(cluster, out: Path, nproc: int = 1, launch=(), job=(), nodes=Non
             *launch, str(JOB), str(out), *job,
         ]  # fmt: skip
         procs.append(
-            (i, cluster.popen(i, argv, env=node_env(cluster, i), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=REPO))  # fmt: skip
+            (
+                i,
+                cluster.popen(
+                    i,
+                    argv,
+                    env=node_env(cluster, i),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    cwd=REPO,
+                ),
+            )  # fmt: skip
         )
     return procs
 
@@ -85,8 +97,10 @@ def wait_for_step(out: Path, step: int, procs, deadline_s: float = 240) -> None:
         except (OSError, ValueError):
             pass
         if any(p.poll() is not None for _, p in procs):
-            raise AssertionError("a node exited before the fault: " + "".join(
-                (p.communicate()[0] or "") for _, p in procs if p.poll() is not None))
+            raise AssertionError(
+                "a node exited before the fault: "
+                + "".join((p.communicate()[0] or "") for _, p in procs if p.poll() is not None)
+            )
         time.sleep(0.1)
     raise AssertionError(f"the job never reached step {step}")
 

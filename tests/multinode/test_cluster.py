@@ -14,7 +14,14 @@ import time
 import pytest
 
 from tests.multinode import (
-    JOB, MASTER_PORT, REPO, collect, final_state, node_env, same_state, start_nodes,
+    JOB,
+    MASTER_PORT,
+    REPO,
+    collect,
+    final_state,
+    node_env,
+    same_state,
+    start_nodes,
 )  # fmt: skip
 from tests.multinode.conftest import LONG
 
@@ -83,7 +90,7 @@ def test_three_nodes_both_ways_equal_one_node(make_cluster, reference):
     _no_processes_left(cluster)
 
 
-@pytest.mark.parametrize("how", ["interrupt", "launcher killed"])
+@pytest.mark.parametrize("how", [pytest.param("interrupt", marks=LONG), "launcher killed"])
 def test_hostfile_launcher_stopped_leaves_no_rank_on_any_node(make_cluster, how):
     """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) or SIGKILL
     to the launcher mid-run: every node's agent and ranks are gone shortly after."""

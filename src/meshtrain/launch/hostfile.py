@@ -231,9 +231,7 @@ def node_commands(
         # hostfile's own name for it when that is not a loopback name)
         first = hosts[0].rpartition("@")[2]
         loopback = first in ("localhost", "::1") or first.startswith("127.")
-        master_addr = (
-            "127.0.0.1" if all_local else (socket.gethostname() if loopback else first)
-        )
+        master_addr = "127.0.0.1" if all_local else (socket.gethostname() if loopback else first)
     port = master_port or DEFAULT_MASTER_PORT
     remote_env = exported_env(environ)
     commands = []
