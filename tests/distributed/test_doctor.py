@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.distributed.doctor import diagnose
+from meshtrain.distributed.doctor import Evidence, diagnose
 from tests.launch import REPO, run_launch
 
 WORKER = REPO / "tests" / "distributed" / "doctor_worker.py"
@@ -120,13 +120,32 @@ def test_verdicts_without_processes():
         "rank 1 never entered all_reduce #14 on the dp group (last seen at model.py:7 in fwd)"
     ]
     assert rep.culprit == 1
-    # no report from a killed rank: the launcher's words are used
+    # no report from a killed rank: the launcher's words are used, and no claim that it
+    # "never entered" (without its record nothing says whether it did: issue 47)
     rep = diagnose({0: records[0]}, 2, {1: "was killed by SIGKILL"})
-    assert (
-        "rank 1 never entered all_reduce #14 on the dp group (no report: was killed by SIGKILL)"
-        in rep.verdicts
-    )
+    assert rep.verdicts == [
+        "rank 1 was killed by SIGKILL while rank 0 waited in all_reduce #14 on the dp group"
+    ]
     assert "published nothing" in rep.table()
+    # no report and no launcher's word (another node): what its heartbeat said, and only that
+    evidence = Evidence(
+        beats={1: {"node_rank": 1, "address": "10.9.0.2", "time": 999.0, "attempt": 0,
+                   "groups": [{"group": "dp", "ranks": [0, 1], "entered": 14, "done": 13}]}},
+        store_answered=True, node_rank=0,
+    )  # fmt: skip
+    rep = diagnose({0: {**records[0], "time": 1002.5}}, 2, {}, evidence)
+    assert rep.culprit == 1 and rep.verdicts == [
+        "rank 1 (node 1, 10.9.0.2) stopped answering: no record of it reached node 0; last "
+        "heard 3.5 s before the failure, when it had entered #14 too; rank 0 waited in "
+        "all_reduce #14 on the dp group"
+    ]
+    # the store's node lost: said first
+    lost = Evidence(store=("10.9.0.1", 29500), store_answered=False, node_rank=1)
+    rep = diagnose({0: records[0]}, 2, {}, lost)
+    assert rep.verdicts[0] == (
+        "the master node 10.9.0.1 stopped answering node 1: its rendezvous store "
+        "(10.9.0.1:29500) cannot be reached, so nothing is known of rank 1"
+    )
     # three groups in flight but agreeing: nobody is blamed
     rep = diagnose({0: _rec(0, "exit", 5), 1: _rec(1, "exit", 5)}, 2)
     assert rep.verdicts == [] and rep.culprit is None and "no rank looks stuck" in rep.table()

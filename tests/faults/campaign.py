@@ -171,7 +171,13 @@ def _doctor_case(mode: str, trials: int) -> list[dict]:
             "verdict": verdict[:90],
         }
         if mode == "stop":
-            row["ok"] = report["culprit"] == 1 and "rank 1 never entered all_reduce #14" in verdict
+            # a stopped rank publishes nothing: the verdict names it and what rank 0
+            # waited in, without claiming it "never entered" (issue 47)
+            row["ok"] = (
+                report["culprit"] == 1
+                and verdict.startswith("rank 1 stopped")
+                and ("waited in all_reduce #14" in verdict)
+            )
         else:
             first_is_rank1 = first >= 0 and "[rank1]" in err[max(0, first - 10) : first]
             row["ok"] = (

@@ -112,8 +112,10 @@ def test_node_commands_over_ssh_are_exact():
     assert [(c.host, c.node_rank) for c in commands] == [("worker-0", 0), ("worker-1", 1)]
     ssh, host, remote = commands[1].argv[:-2], commands[1].argv[-2], commands[1].argv[-1]
     assert ssh == ["ssh", "-o", "BatchMode=yes", "-p", "2222"] and host == "worker-1"
+    # the agent runs under its tether (stops it when the launcher's channel ends)
     launch = [
-        *"/venv/bin/python -u -m meshtrain launch --nproc_per_node 2 --nnodes 2 --node_rank 1"
+        *"/venv/bin/python -u -m meshtrain.launch.tether --"
+        " /venv/bin/python -u -m meshtrain launch --nproc_per_node 2 --nnodes 2 --node_rank 1"
         " --master_addr worker-0 --master_port 29600 --max_restarts 2 -- train.py --lr 1e-4".split(),
         "--x y",
     ]

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.distributed.rank_records import read_store
+from meshtrain.distributed.silence import Evidence, silent_verdict, store_lost_verdict
 
 _PACKAGE_DIRS = (
     os.sep + os.path.join("meshtrain", "distributed") + os.sep,
@@ -133,6 +134,46 @@ def _newest_attempt(records: dict[int, dict]) -> dict[int, dict]:
     return {k: v for k, v in records.items() if v.get("attempt", 0) == newest}
 
 
+def read_evidence(
+    folder: str | os.PathLike, world_size: int = 0, deadline_s: float = 5.0
+) -> tuple[dict[int, dict], dict[int, int], int, Evidence]:
+    """:func:`read_job` plus the :class:`Evidence` (heartbeats, the store's answer)."""
+    from meshtrain.distributed.heartbeat import link_down, read_peers
+
+    records, hellos = _read_folder(folder)
+    world = max(
+        [world_size, *(int(x.get("world_size", 0)) for x in [*records.values(), *hellos.values()])]
+    )
+    evidence = Evidence(link_down=link_down())
+    nodes = [h.get("node_rank") for h in hellos.values() if h.get("node_rank") is not None]
+    evidence.node_rank = nodes[0] if nodes else None
+    addresses = [tuple(h["store"]) for h in hellos.values() if h.get("store")]
+    if addresses and world:
+        evidence.store = addresses[0]
+        found = _read_remote_store(addresses[0], world, deadline_s)
+        evidence.store_answered = found is not None
+        remote, evidence.beats = found or ({}, {})
+        for rank, rec in remote.items():
+            mine = records.get(rank)
+            if mine is None or rec.get("time", 0) > mine.get("time", 0):
+                records[rank] = rec
+    for rank, beat in read_peers(str(folder)).items():
+        # the first beats, kept on this node: where each rank is, not when it was last heard
+        evidence.beats.setdefault(rank, {**beat, "kept": True})
+    for rank, rec in list(records.items()):
+        beat = evidence.beats.get(rank)
+        if rec.get("reason") == "stalled" and beat and not beat.get("kept"):
+            # a stall report (a slow import, a long first step) that the rank outlived:
+            # its later heartbeat shows collectives past it, so it says nothing of now
+            past = max((g["entered"] for g in rec.get("groups", [])), default=0)
+            now = max((g["entered"] for g in beat.get("groups", [])), default=0)
+            if beat.get("time", 0) > rec.get("time", 0) and now > past:
+                del records[rank]
+    world = max([world, *(int(r.get("world_size", 0)) for r in records.values())])
+    pids = {r: int(h["pid"]) for r, h in hellos.items()}
+    return _newest_attempt(records), pids, world, evidence
+
+
 def read_job(
     folder: str | os.PathLike, world_size: int = 0, deadline_s: float = 5.0
 ) -> tuple[dict[int, dict], dict[int, int], int]:
@@ -144,33 +185,38 @@ def read_job(
     rank the newer of the two wins (a folder-only record: one written after the store's
     deadline). The store is read on a helper thread within ``deadline_s``.
     """
-    records, hellos = _read_folder(folder)
-    world = max(
-        [world_size, *(int(x.get("world_size", 0)) for x in [*records.values(), *hellos.values()])]
-    )
-    addresses = [tuple(h["store"]) for h in hellos.values() if h.get("store")]
-    if addresses and world:
-        for rank, rec in _read_remote_store(addresses[0], world, deadline_s).items():
-            mine = records.get(rank)
-            if mine is None or rec.get("time", 0) > mine.get("time", 0):
-                records[rank] = rec
-    world = max([world, *(int(r.get("world_size", 0)) for r in records.values())])
-    pids = {r: int(h["pid"]) for r, h in hellos.items()}
-    return _newest_attempt(records), pids, world
+    records, pids, world, _evidence = read_evidence(folder, world_size, deadline_s)
+    return records, pids, world
 
 
-def _read_remote_store(address: tuple, world: int, deadline_s: float) -> dict[int, dict]:
-    """``read_store`` on a fresh client of the TCP store at ``address`` (host, port)."""
+def _read_remote_store(
+    address: tuple, world: int, deadline_s: float
+) -> tuple[dict[int, dict], dict[int, dict]] | None:
+    """``(records, heartbeats)`` from a fresh client of the TCP store at ``address``
+    (host, port); None when it does not answer.
+
+    A plain socket is tried first, with the deadline: a store client's constructor
+    retries for its whole timeout in C++, and a thread left inside it when this process
+    exits aborts the process ("terminate called without an active exception")."""
+    import socket
     import threading
     from datetime import timedelta
 
+    from meshtrain.distributed.rank_records import read_beats
+
+    host, port = address
+    try:
+        socket.create_connection((host, int(port)), timeout=min(deadline_s, 3.0)).close()
+    except OSError:
+        return None
     found: dict[int, dict] = {}
+    beats: dict[int, dict] = {}
+    answered = threading.Event()
 
     def read() -> None:
         try:
             from torch.distributed import TCPStore
 
-            host, port = address
             client = TCPStore(
                 host,
                 int(port),
@@ -179,13 +225,15 @@ def _read_remote_store(address: tuple, world: int, deadline_s: float) -> dict[in
                 wait_for_workers=False,
             )
             found.update(read_store(client, world))
+            beats.update(read_beats(client, world))
+            answered.set()
         except Exception:  # noqa: BLE001 - store gone: the folder is what there is
             pass
 
     t = threading.Thread(target=read, name="meshtrain-doctor-read", daemon=True)
     t.start()
     t.join(deadline_s + 1.0)
-    return dict(found)
+    return (dict(found), dict(beats)) if answered.is_set() else None
 
 
 def _entry_text(e: Mapping) -> str:
@@ -221,13 +269,16 @@ def diagnose(
     records: Mapping[int, dict],
     world_size: int,
     exits: Mapping[int, str] | None = None,
+    evidence: Evidence | None = None,
 ) -> Report:
     """Build the table and verdicts from per-rank records (see module docstring).
 
     ``exits`` maps a rank to what the launcher saw happen to it ("exited with code 3",
-    "was killed by SIGKILL", "stopped (SIGSTOP)", ...).
+    "was killed by SIGKILL", "stopped (SIGSTOP)", ...). ``evidence`` (heartbeats, whether
+    the store answered) lets a rank with no record be named by node and address.
     """
     exits = dict(exits or {})
+    evidence = evidence or Evidence()
     verdicts: list[tuple[int | None, str]] = []
 
     # every (group, ranks) -> {rank: last seq entered}, and the entries by number
@@ -280,18 +331,26 @@ def diagnose(
         top = max(seqs.values())
         leader = next(r for r, s in sorted(seqs.items()) if s == top)
         op = by_seq.get((gname, granks, top), {}).get(leader, {}).get("op", "collective")
+        waiters = [r for r, s in sorted(seqs.items()) if s >= top]
         for member in granks:
             if member in seqs and seqs[member] >= top:
                 continue
             rec = records.get(member)
             if rec is None:
-                why = exits.get(member, "it published no report")
-                where = f"no report: {why}"
-            else:
-                where = f"last seen at {_last_seen(rec)}"
+                # no record: nothing says whether it entered (never claim it did not)
+                verdicts.append(
+                    (member, silent_verdict(member, waiters, f"{op} #{top} on the {gname} group",
+                                     records, exits, evidence, (gname, list(granks), top)))
+                )  # fmt: skip
+                continue
+            where = f"last seen at {_last_seen(rec)}"
             verdicts.append(
                 (member, f"rank {member} never entered {op} #{top} on the {gname} group ({where})")
             )
+    if evidence.store_answered is False and any(r not in records for r in range(world_size)):
+        # this node lost the store's node: that is the first thing to say
+        silent = [r for r in range(world_size) if r not in records]
+        verdicts.insert(0, (silent[0], store_lost_verdict(evidence, silent)))
 
     rows = []
     for rank in range(world_size):

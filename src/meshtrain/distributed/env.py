@@ -238,9 +238,9 @@ def _shutdown_at_exit() -> None:
 
 
 def _exit_barrier_seconds() -> float:
-    from meshtrain.distributed.ledger import _pg_timeout_seconds
+    from meshtrain.distributed.store_io import pg_timeout_seconds
 
-    timeout = _pg_timeout_seconds()
+    timeout = pg_timeout_seconds()
     return EXIT_BARRIER_SECONDS if timeout is None else min(EXIT_BARRIER_SECONDS, timeout / 2)
 
 

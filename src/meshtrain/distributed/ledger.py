@@ -47,11 +47,20 @@ import weakref
 from collections import deque
 from typing import Any
 
-from meshtrain.distributed.rank_records import read_store, record_key
+from meshtrain.distributed.heartbeat import Heartbeat, store_answers
+from meshtrain.distributed.heartbeat import node_address as _node_address
+from meshtrain.distributed.rank_records import DOCTOR_DIR_ENV, read_store, record_key
+from meshtrain.distributed.silence import explain_failure
+from meshtrain.distributed.store_io import (
+    pg_timeout_seconds,
+    root_store,
+    store_address,
+    store_set,
+    write_atomic,
+)  # fmt: skip
 
 CAPACITY = 64
 STALL_FRACTION = 0.75  # of the collective timeout, before the watchdog reports a stall
-DOCTOR_DIR_ENV = "MESHTRAIN_DOCTOR_DIR"
 RUN_DIR_ENV = "MESHTRAIN_RUN_DIR"
 
 
@@ -71,15 +80,20 @@ class Ledger:
         self._stack: str | None = None
         self._error: str | None = None
         self._published_reason: str | None = None
+        self._failed_in: tuple | None = None  # (group, ranks, seq, op) of a failed collective
+        self._address: str | None = None
+        self._beats: Any = None  # the Heartbeat, while the group lives
         import torch.distributed as dist
 
         active = self.enabled and dist.is_available() and dist.is_initialized()
         if active and dist.get_world_size() > 1:
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            self._timeout = _pg_timeout_seconds()
+            self._timeout = pg_timeout_seconds()
+            self._address = _node_address()
             self._hello()
             if watch is None or watch:
                 _start_watchdog(self)
+                self._beats = Heartbeat(self).start()
             _install_hooks(self)
         else:
             self._rank, self._world, self._timeout = 0, 1, None
@@ -118,6 +132,8 @@ class Ledger:
     def failed(self, group: Any, seq: int, exc: BaseException) -> None:
         """A collective raised: publish (store and file) before the error propagates."""
         self._error = f"{type(exc).__name__}: {exc}".strip()
+        op = next((e[2] for e in reversed(self.entries) if e[0] is group and e[1] == seq), "?")
+        self._failed_in = (group.name, list(group.ranks), seq, op)
         self.publish("error")
 
     def track(self, work: Any, group: Any, seq: int) -> Any:
@@ -159,6 +175,7 @@ class Ledger:
             "attempt": _attempt(),
             "node_rank": _env_int("GROUP_RANK"),
             "local_rank": _env_int("LOCAL_RANK"),
+            "address": self._address,
             "time": now,
             "reason": reason,
             "error": self._error,
@@ -180,10 +197,40 @@ class Ledger:
         text = json.dumps(rec)
         folder = os.environ.get(DOCTOR_DIR_ENV)
         if folder:
-            _write_atomic(os.path.join(folder, f"rank{self._rank}.json"), text)
+            write_atomic(os.path.join(folder, f"rank{self._rank}.json"), text)
         if store:
-            _store_set(record_key(self._rank), text)
+            store_set(record_key(self._rank), text)
         return rec
+
+    def summary(self) -> dict[str, Any]:
+        """What this rank's heartbeat says (:mod:`meshtrain.distributed.heartbeat`): who
+        and where it is, and per group the last collective entered and completed."""
+        for _ in range(100):  # autograd threads may add a group while we copy
+            try:
+                seqs, dones = dict(self._seq), dict(self._done)
+                break
+            except RuntimeError:
+                continue
+        else:
+            seqs, dones = {}, {}
+        return {
+            "rank": self._rank,
+            "world_size": self._world,
+            "node_rank": _env_int("GROUP_RANK"),
+            "local_rank": _env_int("LOCAL_RANK"),
+            "address": self._address,
+            "host": socket.gethostname(),
+            "attempt": _attempt(),
+            "time": time.time(),
+            "timeout_s": self._timeout,
+            "groups": [
+                {"group": g.name, "ranks": list(g.ranks), "entered": s, "done": dones.get(g, 0)}
+                for g, s in seqs.items()
+            ],
+        }
+
+    def store_address(self) -> tuple[str, int] | None:
+        return None if (a := store_address()) is None else (a[0], int(a[1]))
 
     def capture_stack(self) -> None:
         """Keep the main thread's Python stack (for a stall report)."""
@@ -202,9 +249,11 @@ class Ledger:
                 "host": socket.gethostname(),
                 "world_size": self._world,
                 "attempt": _attempt(),
-                "store": _store_address(),
+                "store": store_address(),
+                "node_rank": _env_int("GROUP_RANK"),
+                "address": self._address,
             }
-            _write_atomic(os.path.join(folder, f"hello{self._rank}.json"), json.dumps(hello))
+            write_atomic(os.path.join(folder, f"hello{self._rank}.json"), json.dumps(hello))
 
 
 class _Tracked:
@@ -235,50 +284,6 @@ def _attempt() -> int:
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name, "")
     return int(value) if value.isdigit() else None
-
-
-def _pg_timeout_seconds() -> float | None:
-    """The default process group's collective timeout, in seconds (None if unknown)."""
-    import torch
-    import torch.distributed as dist
-
-    try:
-        pg = dist.distributed_c10d._get_default_group()
-        for device in ("cpu", "cuda"):
-            try:
-                return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
-            except Exception:  # noqa: BLE001 - backend without that device
-                continue
-    except Exception:  # noqa: BLE001 - private API moved: no watchdog rather than a crash
-        return None
-    return None
-
-
-def _store_set(key: str, value: str, deadline_s: float = 3.0) -> None:
-    """``store.set`` on a helper thread: a store whose host died must not block us."""
-
-    def put() -> None:
-        try:
-            _root_store().set(key, value)
-        except Exception:  # noqa: BLE001 - the report is best effort
-            pass
-
-    try:
-        t = threading.Thread(target=put, name="meshtrain-doctor-publish", daemon=True)
-        t.start()
-    except RuntimeError:  # no new threads this late in interpreter shutdown
-        return
-    t.join(deadline_s)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    try:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def _start_watchdog(ledger: Ledger) -> None:
@@ -314,10 +319,12 @@ def _peer_first(ledger: Ledger) -> dict | None:
     """The first record of a peer that raised outside a collective or left the job (an
     exit record), from the store, if any: why this rank's collective failed."""
     found: list[dict] = []
+    if not store_answers(ledger.store_address()):
+        return None  # its node is unreachable: a read would block in C++ for minutes
 
     def look() -> None:
         attempt = _attempt()
-        for rank, rec in read_store(_root_store(), ledger._world).items():
+        for rank, rec in read_store(root_store(), ledger._world).items():
             # the agent's store outlives a restart: an earlier attempt's record is stale
             if rank != ledger._rank and rec.get("reason") in ("exception", "exit"):
                 if rec.get("attempt", 0) == attempt:
@@ -327,26 +334,6 @@ def _peer_first(ledger: Ledger) -> dict | None:
     t.start()
     t.join(3.0)
     return min(found, key=lambda r: r.get("time", 0)) if found else None
-
-
-def _root_store():
-    """The default group's store below its prefixes (torch's ``default_pg/``, meshtrain's
-    per-attempt one): keys there can be read by a plain client of the same address."""
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
-
-
-def _store_address() -> list | None:
-    """``[host, port]`` of the root store when it is a TCP store (else None)."""
-    try:
-        store = _root_store()
-        return [store.host, int(store.port)]
-    except Exception:  # noqa: BLE001 - a HashStore/FileStore: the folder is all there is
-        return None
 
 
 def _install_hooks(ledger: Ledger) -> None:
@@ -365,7 +352,26 @@ def _install_hooks(ledger: Ledger) -> None:
             return previous(exc_type, exc, tb)
         first = _peer_first(led)
         if first is None:
-            return previous(exc_type, exc, tb)
+            said = led._failed_in and explain_failure(
+                led._failed_in, led._error, led._timeout, led._rank, led._world,
+                led._address, led._beats,
+            )  # fmt: skip
+            if led._beats is not None:
+                led._beats.stop()
+            if said is None:
+                return previous(exc_type, exc, tb)
+            # the peer went silent (a cut link, a dead node): this line says who and
+            # where; the backend's traceback ("Timed out waiting 6000ms for recv") says
+            # nothing more, so it goes to this rank's record, not above the verdict
+            led._stack = "".join(traceback.format_exception(exc_type, exc, tb))
+            led.publish("error", store=False)
+            sys.stderr.write(f"[rank{led._rank}]: meshtrain: {said}\n")
+            sys.stderr.flush()
+            if led._beats is not None and not led._beats.stop():
+                # a heartbeat stuck in a store call would abort the process at exit
+                # ("terminate called without an active exception"): leave with our code
+                os._exit(1)
+            return None
         # a collective failed because a peer raised or left first: its traceback (already
         # printed by that rank) or the doctor's table says why; ours would only bury it
         if first["reason"] == "exception":
@@ -388,5 +394,7 @@ def _install_hooks(ledger: Ledger) -> None:
         led = ref()
         if led is not None and led._published_reason not in ("exception", "error"):
             led.publish("exit")
+        if led is not None and led._beats is not None:
+            led._beats.stop()  # no store call may be in flight when the process ends
 
     atexit.register(at_exit)

@@ -12,6 +12,8 @@ import json
 from typing import Any
 
 STORE_PREFIX = "meshtrain/doctor/"
+DOCTOR_DIR_ENV = "MESHTRAIN_DOCTOR_DIR"  # this node's doctor folder (set by the launchers)
+PEERS_FILE = "peers.json"  # every rank's first heartbeat, kept on each node (heartbeat.py)
 
 
 def record_key(rank: int) -> str:
@@ -34,3 +36,22 @@ def read_store(store: Any, world_size: int, wait_s: float = 0.0) -> dict[int, di
         except Exception:  # noqa: BLE001 - a rank that never published
             continue
     return records
+
+
+def beat_key(rank: int) -> str:
+    """The store key of ``rank``'s heartbeat: its node, address and collective counters,
+    rewritten every few seconds while the network allows (``ledger.py``)."""
+    return f"{STORE_PREFIX}beat{rank}"
+
+
+def read_beats(store: Any, world_size: int) -> dict[int, dict]:
+    """The heartbeats in a rendezvous store (``meshtrain/doctor/beat<R>``)."""
+    beats: dict[int, dict] = {}
+    for rank in range(world_size):
+        key = beat_key(rank)
+        try:
+            if store.check([key]):
+                beats[rank] = json.loads(store.get(key))
+        except Exception:  # noqa: BLE001 - a rank that never beat
+            continue
+    return beats

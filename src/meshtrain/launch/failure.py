@@ -46,10 +46,10 @@ def report_failure(exc, doctor_dir: str, stopped: Mapping[int, str]) -> tuple[in
     ``exc`` is torch's ``ChildFailedError``. Returns the job's exit code and whether the
     doctor folder holds the written report (then the caller keeps the folder).
     """
-    from meshtrain.distributed.doctor import diagnose, read_job
+    from meshtrain.distributed.doctor import diagnose, read_evidence
 
     rank, failure = exc.get_first_failure()
-    records, pids, world = read_job(doctor_dir)
+    records, pids, world, evidence = read_evidence(doctor_dir)
     local = set(pids) | set(exc.failures)
     exits = {r: how(f) for r, f in exc.failures.items()}
     for r, rec in records.items():
@@ -57,7 +57,7 @@ def report_failure(exc, doctor_dir: str, stopped: Mapping[int, str]) -> tuple[in
             exits[r] = "exited with code 0"  # the agent counts it as a success
     exits.update(stopped)
     world = max([world, *(r + 1 for r in exc.failures)])
-    report = diagnose(records, world, exits) if records else None
+    report = diagnose(records, world, exits, evidence) if records else None
     code = exit_code(failure.exitcode)
     blame = f"rank {rank} (local rank {failure.local_rank}) {how(failure)}"
     culprit = None if report is None else report.culprit
@@ -70,6 +70,8 @@ def report_failure(exc, doctor_dir: str, stopped: Mapping[int, str]) -> tuple[in
         else:
             rank, failure = culprit, None
             blame = _describe(culprit, records.get(culprit), exits.get(culprit), culprit in local)
+            if culprit not in records and report.verdicts:
+                blame = report.verdicts[0]  # no record to describe: what is known of it
     others = ", ".join(f"rank {r} ({how(f)})" for r, f in sorted(exc.failures.items()) if r != rank)
     print(
         f"meshtrain launch: {exc.name} failed: {blame}"

@@ -10,8 +10,11 @@ first node as master (static rendezvous, like DeepSpeed's launcher), waits for a
 returns the first failing node's exit code: once one node fails the others are stopped, so
 their codes only echo that first failure. Nodes that are this machine run as plain
 subprocesses; the others over ``ssh`` (key-based: ``BatchMode`` makes a password prompt an
-error instead of a hang). The runner is a parameter so tests can inspect the exact command
-lines without ssh.
+error instead of a hang). Every node's agent runs under :mod:`meshtrain.launch.tether`,
+whose stdin is a pipe from this launcher (through ssh for a remote node): when the pipe
+ends -- the launcher stops the job, is interrupted, or dies, or the ssh session drops --
+the tether stops the agent and kills what is left of its ranks, so no node keeps orphans.
+The runner is a parameter so tests can inspect the exact command lines without ssh.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.files.text import decode
 from meshtrain.launch.failure import exit_code
 from meshtrain.launch.launcher import LaunchSpec, spec_flags
+from meshtrain.launch.tether import descendants
 
 # environment forwarded to remote nodes (ssh does not carry the caller's environment)
 EXPORT_PREFIXES = (
@@ -138,11 +142,29 @@ def filter_hosts(
 
 
 def is_local(host: str) -> bool:
-    """Whether ``host`` names this machine (so it needs no ssh)."""
+    """Whether ``host`` names this machine (so it needs no ssh): a loopback name, this
+    machine's host name, or an address of one of its interfaces (a hostfile that lists
+    nodes by address names this node by its own address)."""
     if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
         return True
     names = {socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn()}
-    return host in names
+    return host in names or _is_own_address(host.rpartition("@")[2])
+
+
+def _is_own_address(host: str) -> bool:
+    # binding succeeds only to an address this machine (this network namespace) holds;
+    # names are not resolved here: a slow DNS must not delay the launch
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        socket.inet_pton(family, host.strip("[]"))
+    except OSError:
+        return False
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((host.strip("[]"), 0))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -153,6 +175,7 @@ class NodeCommand:
     node_rank: int
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # for local nodes; ssh inlines it
+    remote: bool = False  # started over ssh
 
 
 class Process(Protocol):
@@ -204,11 +227,11 @@ def node_commands(
     python = python or sys.executable
     all_local = all(is_local(h) for h in hosts)
     if master_addr is None:
-        # remote nodes cannot reach "localhost": name this machine instead
-        first = hosts[0]
-        master_addr = (
-            "127.0.0.1" if all_local else (socket.gethostname() if is_local(first) else first)
-        )
+        # remote nodes cannot reach "localhost": name this machine instead (by the
+        # hostfile's own name for it when that is not a loopback name)
+        first = hosts[0].rpartition("@")[2]
+        loopback = first in ("localhost", "::1") or first.startswith("127.")
+        master_addr = "127.0.0.1" if all_local else (socket.gethostname() if loopback else first)
     port = master_port or DEFAULT_MASTER_PORT
     remote_env = exported_env(environ)
     commands = []
@@ -218,7 +241,10 @@ def node_commands(
             nproc_per_node=str(len(slots)), nnodes=str(len(hosts)), node_rank=rank,
             master_addr=master_addr, master_port=port, standalone=False,
         )  # fmt: skip
-        argv = [python, "-u", "-m", "meshtrain", "launch", *spec_flags(node), "--",
+        # every agent runs tethered to this launcher: when it stops or dies, so does the
+        # node's agent and its ranks (meshtrain.launch.tether)
+        argv = [python, "-u", "-m", "meshtrain.launch.tether", "--",
+                python, "-u", "-m", "meshtrain", "launch", *spec_flags(node), "--",
                 spec.script, *spec.script_args]  # fmt: skip
         env = {}
         if slots != list(range(len(slots))):  # a subset of the GPUs was chosen
@@ -230,13 +256,17 @@ def node_commands(
         env_prefix = f"env {' '.join(assignments)} " if assignments else ""
         remote = f"cd {shlex.quote(cwd)} && exec {env_prefix}{shlex.join(argv)}"
         ssh = ["ssh", "-o", "BatchMode=yes", *(["-p", str(ssh_port)] if ssh_port else [])]
-        commands.append(NodeCommand(host, rank, [*ssh, host, remote]))
+        commands.append(NodeCommand(host, rank, [*ssh, host, remote], remote=True))
     return commands
 
 
 def popen_runner(command: NodeCommand) -> subprocess.Popen:
-    """Start one node's command here (``ssh`` itself for remote nodes)."""
-    return subprocess.Popen(command.argv, env={**os.environ, **command.env})
+    """Start one node's command here (``ssh`` itself for remote nodes).
+
+    Its stdin is a pipe this process holds and never writes: the node's tether stops the
+    agent when the pipe ends (closed by :func:`run_nodes`, or by the kernel when this
+    process dies; through ssh for a remote node)."""
+    return subprocess.Popen(command.argv, env={**os.environ, **command.env}, stdin=subprocess.PIPE)
 
 
 def run_nodes(
@@ -248,8 +278,9 @@ def run_nodes(
     an exit barrier for the failed node, up to 5 minutes, deaf to SIGTERM while blocked
     in it (its workers are gone by then), so a node still running ``grace_s`` after
     SIGTERM is killed. An agent with live workers handles SIGTERM at once and stops them.
-    For ssh nodes only the local ssh client is stopped; the remote agent notices its
-    peers are gone when its collectives or rendezvous fail.
+    Each node is stopped through its tether (:mod:`meshtrain.launch.tether`): closing its
+    channel makes the tether there -- over ssh for a remote node -- stop the agent and
+    kill whatever of it and its ranks is left after the tether's grace.
     """
     procs = [(cmd, runner(cmd)) for cmd in commands]
     first_failure: tuple[NodeCommand, int] | None = None
@@ -280,14 +311,29 @@ def run_nodes(
 
 
 def _stop(procs: list[Process], grace_s: float) -> None:
-    # SIGTERM lets each agent stop its workers; SIGKILL only if it does not in time
+    # closing a node's channel tells its tether (remote ones through ssh) to stop the
+    # agent and its ranks there; SIGTERM for a process without one; SIGKILL only when a
+    # node has not ended in time (its tether still kills its ranks when ssh goes)
     for proc in procs:
-        if proc.poll() is None:
+        channel = getattr(proc, "stdin", None)
+        if channel is not None and not channel.closed:
+            try:
+                channel.close()
+            except OSError:
+                pass
+        elif proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
+            # a local node's agent and ranks below its tether go too (for an ssh node
+            # this is the client alone: its remote tether sees the session end)
+            for pid in descendants(proc.pid) if hasattr(proc, "pid") else ():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             proc.kill()
             proc.wait()
