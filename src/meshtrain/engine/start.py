@@ -11,7 +11,8 @@ build the Engine.
     meshtrain train                                a Trainer client
 
 ``join_mesh`` joins the default process group with the config's ``distributed.backend``
-and ``distributed.timeout_minutes`` (a no-op when the group exists: the first join of a
+and ``distributed.timeout_minutes`` (``first_step_timeout_minutes`` until the first step
+ends; a no-op when the group exists: the first join of a
 process wins) and builds the ``Topology`` its ``mesh`` section describes. ``start_engine``
 joins unless it is handed that Topology, resolves the config's "auto" values and batch
 sizes for the data-parallel size, warns once (rank 0) about every key that is accepted
@@ -50,7 +51,9 @@ def join_mesh(config: Config | Mapping[str, Any]) -> Topology:
         config = load_config({k: config[k] for k in _JOIN_SECTIONS if k in config})
     d, mesh = config.distributed, config.mesh
     init_distributed(
-        timeout_minutes=d.timeout_minutes, backend=None if d.backend == "auto" else d.backend
+        timeout_minutes=d.timeout_minutes,
+        backend=None if d.backend == "auto" else d.backend,
+        first_step_timeout_minutes=d.first_step_timeout_minutes,
     )
     return Topology(
         pp=mesh.pipeline_parallel_size,
