@@ -85,6 +85,8 @@ def start_engine(
     if topology is None:
         topology = join_mesh(config)
     cfg = config.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
+    if topology.layout.world_size > 1:  # a node with another config or install: refused here
+        _refuse_other_jobs(cfg, topology)
     if topology.rank == 0:
         warn_ignored(cfg, log)
     loader = training_data if isinstance(training_data, ResumableDataLoader) else None
@@ -98,6 +100,18 @@ def start_engine(
         )
     return Engine(
         model, cfg, topology, model_parameters, optimizer, lr_scheduler, loader, tp_plan=tp_plan
+    )
+
+
+def _refuse_other_jobs(cfg: Config, topology: Topology) -> None:
+    import torch.distributed as dist
+
+    from meshtrain import __version__
+    from meshtrain.engine.agreement import check_same_job
+
+    store = dist.distributed_c10d._get_default_store()
+    check_same_job(
+        cfg.model_dump(mode="json"), __version__, topology.rank, topology.layout.world_size, store
     )
 
 
