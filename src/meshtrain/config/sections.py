@@ -357,8 +357,22 @@ class DistributedConfig(Section):
 
     timeout_minutes: PosFloat = 5.0
     """Collective timeout in minutes: a dead or stuck peer becomes an error after this long instead of a hang."""
+    first_step_timeout_minutes: PosFloat | None = None
+    """meshtrain: the collective timeout until the first optimizer step has finished (compile, warm-up, a node still loading), at least timeout_minutes; after it, timeout_minutes. None: timeout_minutes throughout."""
     backend: canonical_choice(("auto", "gloo", "nccl")) = "auto"
     """torch.distributed backend: "auto" picks nccl on CUDA devices and gloo otherwise."""
+
+    @model_validator(mode="after")
+    def _first_step_not_shorter(self) -> DistributedConfig:
+        # a shorter first-step bound would kill the slow step it exists to let through
+        first = self.first_step_timeout_minutes
+        if first is not None and first < self.timeout_minutes:
+            raise ConfigError(
+                f"distributed.first_step_timeout_minutes: {first:g} is shorter than "
+                f"distributed.timeout_minutes ({self.timeout_minutes:g}); set it to at least "
+                "that, or leave it unset"
+            )
+        return self
 
 
 __all__ = [

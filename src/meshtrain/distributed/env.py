@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshtrain.distributed.timeouts import creation_timeout_minutes
 from meshtrain.errors import DistributedError
 
 DEFAULT_TIMEOUT_MINUTES = 5.0
@@ -137,11 +138,13 @@ def init_distributed(
     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
     backend: str | None = None,
     environ: Mapping[str, str] | None = None,
+    first_step_timeout_minutes: float | None = None,
 ) -> DistEnv:
     """Initialise the default process group once; later calls return the same ``DistEnv``.
 
     ``timeout_minutes`` bounds every collective so a dead or stuck peer raises instead of
-    hanging for torch's default 30 minutes. With no launcher environment this is a world of
+    hanging for torch's default 30 minutes; with ``first_step_timeout_minutes`` the group
+    starts with that longer bound until the first step ends (:mod:`.timeouts`). With no launcher environment this is a world of
     size 1 on an in-memory store (no ``MASTER_ADDR`` needed).
     """
     env = read_env(environ)
@@ -153,7 +156,8 @@ def init_distributed(
             )
         return env
     backend = backend or env.backend
-    timeout = timedelta(minutes=timeout_minutes)
+    minutes = creation_timeout_minutes(timeout_minutes, first_step_timeout_minutes)
+    timeout = timedelta(minutes=minutes)
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     if env.world_size == 1 and env.master_addr is None:

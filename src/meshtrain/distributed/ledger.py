@@ -232,6 +232,10 @@ class Ledger:
     def store_address(self) -> tuple[str, int] | None:
         return None if (a := store_address()) is None else (a[0], int(a[1]))
 
+    def set_timeout(self, seconds: float) -> None:
+        """The groups' collective timeout changed (:func:`timeouts.settle_timeout`)."""
+        self._timeout = seconds
+
     def capture_stack(self) -> None:
         """Keep the main thread's Python stack (for a stall report)."""
         frame = sys._current_frames().get(threading.main_thread().ident)
@@ -293,8 +297,7 @@ def _start_watchdog(ledger: Ledger) -> None:
     """
     if not ledger._timeout:
         return
-    limit = ledger._timeout * STALL_FRACTION
-    poll = max(0.05, min(1.0, limit / 10))
+    poll = max(0.05, min(1.0, ledger._timeout * STALL_FRACTION / 10))
     ref = weakref.ref(ledger)
 
     def watch() -> None:
@@ -306,7 +309,9 @@ def _start_watchdog(ledger: Ledger) -> None:
                 return
             last = led.last_activity
             exiting = led._published_reason == "exit"  # its exit record must stay
-            if not exiting and time.monotonic() - last > limit and reported_at != last:
+            # the limit is read each time: settle_timeout shortens it after the first step
+            late = time.monotonic() - last > led._timeout * STALL_FRACTION
+            if not exiting and late and reported_at != last:
                 reported_at = last
                 led.capture_stack()
                 led.publish("stalled")

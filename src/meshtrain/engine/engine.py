@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from meshtrain.distributed import comm
+from meshtrain.distributed.timeouts import settle_timeout
 from meshtrain.distributed.topology import Topology
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.engine.queries import EngineQueries
@@ -77,6 +78,7 @@ class Engine(EngineQueries):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._step_applied = False
+        self._settled = False  # whether the steady collective timeout is in force
         self._global_grad_norm: float | None = None
         # what this window's reduced gradients were divided by in place (visible_grads)
         self.grads_divided_by = 1.0
@@ -259,6 +261,9 @@ class Engine(EngineQueries):
             return False
         with self.log.timed("step"):
             self._optimizer_step()
+        if not self._settled:  # distributed.first_step_timeout_minutes ends here
+            self._settled = True
+            settle_timeout(self.config.distributed, self.topology.stats.ledger)
         now = self.topology.stats.snapshot()
         self._step_comm = comm.CommStats.diff(now, self._comm_mark)
         self._comm_mark = now

@@ -11,7 +11,8 @@ build the Engine.
     meshtrain train                                a Trainer client
 
 ``join_mesh`` joins the default process group with the config's ``distributed.backend``
-and ``distributed.timeout_minutes`` (a no-op when the group exists: the first join of a
+and ``distributed.timeout_minutes`` (``first_step_timeout_minutes`` until the first step
+ends; a no-op when the group exists: the first join of a
 process wins) and builds the ``Topology`` its ``mesh`` section describes. ``start_engine``
 joins unless it is handed that Topology, resolves the config's "auto" values and batch
 sizes for the data-parallel size, warns once (rank 0) about every key that is accepted
@@ -50,7 +51,9 @@ def join_mesh(config: Config | Mapping[str, Any]) -> Topology:
         config = load_config({k: config[k] for k in _JOIN_SECTIONS if k in config})
     d, mesh = config.distributed, config.mesh
     init_distributed(
-        timeout_minutes=d.timeout_minutes, backend=None if d.backend == "auto" else d.backend
+        timeout_minutes=d.timeout_minutes,
+        backend=None if d.backend == "auto" else d.backend,
+        first_step_timeout_minutes=d.first_step_timeout_minutes,
     )
     return Topology(
         pp=mesh.pipeline_parallel_size,
@@ -82,6 +85,8 @@ def start_engine(
     if topology is None:
         topology = join_mesh(config)
     cfg = config.resolve_auto_defaults().resolve_batch_sizes(topology.dp_size)
+    if topology.layout.world_size > 1:  # a node with another config or install: refused here
+        _refuse_other_jobs(cfg, topology)
     if topology.rank == 0:
         warn_ignored(cfg, log)
     loader = training_data if isinstance(training_data, ResumableDataLoader) else None
@@ -95,6 +100,18 @@ def start_engine(
         )
     return Engine(
         model, cfg, topology, model_parameters, optimizer, lr_scheduler, loader, tp_plan=tp_plan
+    )
+
+
+def _refuse_other_jobs(cfg: Config, topology: Topology) -> None:
+    import torch.distributed as dist
+
+    from meshtrain import __version__
+    from meshtrain.engine.agreement import check_same_job
+
+    store = dist.distributed_c10d._get_default_store()
+    check_same_job(
+        cfg.model_dump(mode="json"), __version__, topology.rank, topology.layout.world_size, store
     )
 
 
