@@ -113,7 +113,7 @@ KNOWN_TANGLES: list[frozenset[str]] = []
 # until someone looks again and splits it or updates the entry.
 LONG_MODULES: dict[str, tuple[int, str]] = {
     "meshtrain.engine.engine": (
-        497,
+        501,
         "the Engine: one training step and its DeepSpeed-facing members; checkpoint, "
         "async-save and pre-emption members only delegate to checkpoint/ and preemption.py, "
         "and what p.grad holds (DeepSpeed's, the Accelerator's) is visible_grads.py's, "
@@ -121,7 +121,9 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "the activation estimate are attached to the step log like MFU; between_steps "
         "keeps an evaluation out of the step's own measurement, whose marks live here "
         "(+8 lines, issue 49); the first step ends the first-step collective timeout "
-        "(+5 lines, issue 47)",
+        "(+5 lines, issue 47); reassigned parameters (LocalSGD's param.data) are taken "
+        "back by parallel/zero/rebound.py, called before forward, step and save (+4 lines, "
+        "issue 50)",
     ),
     "meshtrain.distributed.ledger": (
         405,

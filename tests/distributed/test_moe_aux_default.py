@@ -2,16 +2,17 @@
 balancing (``loss.global_aux_loss``, Megatron's name) as the option.
 
 Default: tiny transformers Mixtral and Qwen2-MoE (aux loss on, coefficient 0.02) trained 4
-AdamW steps by meshtrain at dp 2 under ZeRO 0, 1 and 3, and at ep 2 x dp 2 (world 4) under
-ZeRO 1, each rank on its own rows, against torch DDP on the same ranks and rows (each rank
+AdamW steps by meshtrain at dp 2 and at ep 2 x dp 2 (world 4), each under ZeRO 0, 1 and 3,
+each rank on its own rows, against torch DDP on the same ranks and rows (each rank
 backpropagates the loss its model returns for its micro-batch, gradients averaged). The
-whole model after 4 steps is within 1e-6 relative: fp32, the same micro-batch losses; the
-only difference is the order of the gradient sums (DDP's buckets vs meshtrain's flat
-buffers, the all-to-all under ep moves rows without rounding them), a few ulps per step.
+whole model after 4 steps is within ``trajectory(lr, 4)`` normwise relative
+(``tests/tolerance.py``, rule 3): fp32, the same micro-batch losses; the only difference is
+the order of the gradient sums (DDP's buckets vs meshtrain's flat buffers, the expert-data
+sums under ep; the all-to-all moves rows without rounding them), a few ulps per step.
 
 Option: the same dp 2 run with ``loss.global_aux_loss: true`` equals one process on the
-whole batch within 1e-6 relative (its aux loss is over the union of the ranks' tokens), and
-differs from DDP by far more than the tolerance: the measured gap is printed by the test's
+whole batch within the same bound (its aux loss is over the union of the ranks' tokens),
+and differs from DDP by far more than the bound: the measured gap is printed by the test's
 assertion message and written in docs/moe.md.
 """
 
@@ -22,8 +23,12 @@ import torch
 from tests.distributed.test_moe import tiny_causal_lm
 from tests.distributed.training import max_rel_diff
 from tests.harness import run_ranks
+from tests.tolerance import check, trajectory
 
-STEPS, ROWS, LR, TOL = 4, 2, 1e-2, 1e-6
+STEPS, ROWS, LR = 4, 2, 1e-2
+# Rule 3 of tests/tolerance.py: a whole model after STEPS AdamW steps at LR whose gradient
+# sums ran in another order (2.5e-5 here).
+TOL = trajectory(LR, STEPS)
 FAMILIES = ("mixtral", "qwen2_moe")
 
 
@@ -107,11 +112,12 @@ def _dp2() -> dict:
 
 
 def _ep2_dp2() -> dict:
-    return {
-        (kind, fam): (_ddp(fam) if kind == "ddp" else _meshtrain(fam, 1, 2, False))
-        for fam in FAMILIES
-        for kind in ("ddp", "default")
-    }
+    out = {}
+    for fam in FAMILIES:
+        out["ddp", fam] = _ddp(fam)
+        for stage in (0, 1, 3):
+            out["default", fam, stage] = _meshtrain(fam, stage, 2, False)
+    return out
 
 
 def test_default_aux_loss_equals_ddp_and_global_is_the_whole_batch():
@@ -119,11 +125,17 @@ def test_default_aux_loss_equals_ddp_and_global_is_the_whole_batch():
     for fam in FAMILIES:
         ddp = ranks[0]["ddp", fam]
         for stage in (0, 1, 3):
-            gap = max_rel_diff(ranks[0]["default", fam, stage], ddp)
-            assert gap <= TOL, f"{fam} ZeRO-{stage} vs DDP: {gap:.2e}"
+            check(
+                f"{fam} ZeRO-{stage} vs DDP",
+                max_rel_diff(ranks[0]["default", fam, stage], ddp),
+                TOL,
+            )
         whole = _one_process(fam, 2)
-        gap = max_rel_diff(ranks[0]["global", fam], whole)
-        assert gap <= TOL, f"{fam} global_aux_loss vs one process: {gap:.2e}"
+        check(
+            f"{fam} global_aux_loss vs one process",
+            max_rel_diff(ranks[0]["global", fam], whole),
+            TOL,
+        )
         apart = max_rel_diff(ranks[0]["global", fam], ddp)
         assert apart > 100 * TOL, f"{fam}: global vs DDP only {apart:.2e} apart"
 
@@ -131,6 +143,7 @@ def test_default_aux_loss_equals_ddp_and_global_is_the_whole_batch():
 def test_default_aux_loss_equals_ddp_at_ep2_dp2():
     ranks = run_ranks(_ep2_dp2, 4, timeout=600)
     for fam in FAMILIES:
-        for rank in range(4):
-            gap = max_rel_diff(ranks[rank]["default", fam], ranks[rank]["ddp", fam])
-            assert gap <= TOL, f"{fam} ep2 x dp2 ZeRO-1 rank {rank} vs DDP: {gap:.2e}"
+        for stage in (0, 1, 3):
+            for rank in range(4):
+                gap = max_rel_diff(ranks[rank]["default", fam, stage], ranks[rank]["ddp", fam])
+                check(f"{fam} ep2 x dp2 ZeRO-{stage} rank {rank} vs DDP", gap, TOL)

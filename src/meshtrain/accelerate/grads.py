@@ -66,6 +66,7 @@ class EngineDriver:
         self.window_open = False  # has this window's first backward run?
         self.touched = False  # did the running backward reach this engine's parameters?
         self.reduced_before = False  # was the window reduced before this backward?
+        self.synced = False  # did a backward of this window synchronise (not no_sync)?
         self.params = [p for g in engine.zero.flat_groups for p in g.params]
         self.param_ids = {id(p) for p in self.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._touch) for p in self.params]
@@ -100,10 +101,34 @@ class EngineDriver:
             )
         engine.log.add_loss(loss.detach())
         zero.after_backward()
+        self.synced = self.synced or sync
         if sync:  # stages 0-1: reduce now and average in place; all: gradients final
             from meshtrain.engine.visible_grads import finish_reduction
 
             finish_reduction(engine)
+
+    def keep_local(self) -> None:
+        """Before ``optimizer.step()``: a window whose backwards all ran inside
+        ``no_sync`` (local SGD: accelerate's ``LocalSGD``, DDP's ``no_sync`` then a step)
+        steps on this rank's own gradients, as DDP does, instead of reducing them at the
+        step. Stage 0 only: at stage 1 each rank steps only its slice of the masters and
+        the others' slices come from their owners, so no rank could step on its own
+        gradient; stages 2-3 reduced every backward already (``no_sync``'s docstring)."""
+        if not self.window_open or self.synced or self.stage >= 2:
+            return
+        zero = self.engine.zero
+        if self.stage == 1:
+            raise ConfigError(
+                "optimizer.step() after backward passes all inside no_sync (local SGD): at "
+                "ZeRO stage 1 a rank steps only its slice of the optimizer state, so it "
+                "cannot step on its own gradient; use ZeRO stage 0, or step after a "
+                "synchronising backward"
+            )
+        zero.keep_local_window()
+        # the local gradient carries loss scale / predivide; the step divides by
+        # scale x grad_divisor / grads_divided_by, so this leaves exactly the scale
+        self.engine.grads_divided_by = zero.grad_divisor * zero.predivide
+        self.engine.grads_ready = True
 
     def after_step(self, scaled: float = 1.0) -> None:
         """Stage 0: ``p.grad`` keeps the step's gradient until ``zero_grad()`` (DDP), in
@@ -111,6 +136,7 @@ class EngineDriver:
         ``GradScaler.step`` leaves it. The step read fp16 gradients through a copy, so
         only those are divided here (fp32 ones carry no scale)."""
         self.window_open = False
+        self.synced = False
         if self.stage != 0:
             return
         for g in self.engine.zero.flat_groups:
@@ -126,6 +152,7 @@ class EngineDriver:
         self.engine.grads_divided_by = 1.0
         self.engine.grads_ready = False
         self.window_open = False
+        self.synced = False
 
     def clip_(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float):
         """Clip this engine's global gradient in place at a synchronising step; return

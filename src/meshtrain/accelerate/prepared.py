@@ -123,6 +123,7 @@ class PreparedOptimizer:
         if not self.accelerator.sync_gradients:
             return
         engine = self._need_engine()
+        self.model.driver.keep_local()  # a window all inside no_sync: DDP's local step
         # the loss scale still in the gradients (fp16, unless clip_grad_norm_ unscaled them)
         scaled = engine.scaler.scale * engine.zero.grad_divisor / engine.grads_divided_by
         engine.step()

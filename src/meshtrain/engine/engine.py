@@ -39,6 +39,7 @@ from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.optim.builders import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.zero.partition import adopt
+from meshtrain.parallel.zero.rebound import adopt_rebound
 from meshtrain.precision import scaler_from_config
 
 log = logging.getLogger("meshtrain")
@@ -145,6 +146,7 @@ class Engine(EngineQueries):
         Tensors are moved to ``engine.device`` and floating ones cast to the model dtype
         on the way (a DeepSpeed script has done both already: a no-op for it)."""
         args, kwargs = self._to_device(args), self._to_device(kwargs)
+        adopt_rebound(self.zero.flat_groups)  # LocalSGD (parallel.zero.rebound)
         self.log.count_batch(*_counted(args, kwargs))
         with self.log.timed("forward"):
             return self.module(*args, **kwargs)
@@ -301,6 +303,7 @@ class Engine(EngineQueries):
         raise preempt(self.global_steps, path, self.preemption.late_by)
 
     def _optimizer_step(self) -> None:
+        adopt_rebound(self.zero.flat_groups)
         self.zero.before_step()
         # the reduced gradients are the loss-scaled sum over dp ranks (pre-divided by f)
         unscale = self.scaler.scale * self.zero.grad_divisor / self.grads_divided_by
@@ -403,6 +406,7 @@ class Engine(EngineQueries):
         (files to add beside the checkpoint)."""
         from meshtrain.checkpoint.engine_io import save
 
+        adopt_rebound(self.zero.flat_groups)
         return save(self, save_dir, tag, {} if client_state is None else client_state, on_commit)
 
     def async_saver(self):

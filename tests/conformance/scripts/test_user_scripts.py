@@ -84,8 +84,6 @@ CASES = {
     ),
 }
 DIFFERS = {
-    "local_sgd": "LocalSGD assigns param.data = reduce(param.data), which detaches the "
-    "parameters from the Engine's flat buffers: losses differ from the first averaging",
     "hf_text_classification": "transformers 5.24 on 2 CPU processes logs train_loss and "
     "eval_loss multiplied by the process count (1.3754 vs meshtrain's 0.6877); the weights "
     "end up to 1e-3 apart (the Trainer's training order is not transformers'); meshtrain "

@@ -196,6 +196,16 @@ class ZeroStage:
         """Stages 0-1: this window's gradients were already reduced (once)."""
         return self._window_reduced
 
+    def keep_local_window(self) -> None:
+        """Stage 0, a window whose backwards all ran inside ``no_sync`` and that the user
+        steps (DDP's ``no_sync`` then ``optimizer.step()``: local SGD): the step uses this
+        rank's own gradients, so nothing is reduced (no bytes move); parameters that got
+        no gradient get zeros, as a reduction would have given them."""
+        for g in self.flat_groups:
+            g.land_missing_grads()
+        self._window_reduced = True
+        self._reduced_once = True
+
     def finish_window_reduction(self) -> None:
         """Stages 0-1, a synchronising backward outside the Engine's step (the
         Accelerator): wait for the overlapped buckets, launch the rest, mark it done."""

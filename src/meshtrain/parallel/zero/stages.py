@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from meshtrain.distributed.topology import Topology
+from meshtrain.errors import ConfigError
 from meshtrain.parallel.experts import is_expert_param
 from meshtrain.parallel.zero.stage import ZeroStage
 
@@ -188,6 +189,15 @@ class ZeroStages:
     def before_step(self) -> None:
         for part in self.parts:
             part.before_step()
+
+    def keep_local_window(self) -> None:
+        # an expert's gradient already sums the tokens of its whole ep group (the
+        # all-to-all), so "this rank's own gradient" has no meaning for it
+        raise ConfigError(
+            "optimizer.step() after backward passes all inside no_sync (local SGD): under "
+            "expert parallelism an expert's gradient holds its ep group's tokens, not this "
+            "rank's; set mesh.expert_parallel_size to 1, or step after a synchronising backward"
+        )
 
     @property
     def synchronising(self) -> bool:
