@@ -45,6 +45,11 @@ Sections, in run order (the order is the priority when time is short):
 * ``trainers``: transformers' Trainer against meshtrain's Trainer on LlamaForCausalLM of
   the same shape (eager, sdpa, bf16, fused AdamW), half the micro-batch, in a subprocess
   (so transformers meets no process group): tokens/s and peak memory.
+* ``plan_calibrate``: ``meshtrain plan --calibrate`` on this GPU (``plan.calibrate``'s
+  GPU runs: a 0.3B decoder, bf16, seq 2048, in fresh processes), then two held-out
+  layouts measured beside the calibrated planner's prediction: step time and peak
+  memory (``torch.cuda.max_memory_allocated``) predicted against measured, with each
+  error and the mean absolute error (issue 43's step-time table on one GPU).
 
 The data is learnable so that 50 steps move the loss: each row is a random block of 64
 tokens repeated along the sequence (a copy task), drawn from a fixed seed per step.
@@ -128,7 +133,7 @@ FULL = Sizes(
     compile_backend="inductor",
     deadline_s=400.0,
     precision_steps=10,
-    estimates=dict(mfu_engine=70, plain_loop=50, mfu_fp8=70, trainers=60),
+    estimates=dict(mfu_engine=70, plain_loop=50, mfu_fp8=70, trainers=60, plan_calibrate=150),
 )
 DRY = Sizes(
     small=dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=176),
@@ -163,6 +168,7 @@ SECTIONS = (
     "plain_loop",
     "mfu_fp8",
     "trainers",
+    "plan_calibrate",
 )
 
 
@@ -1128,6 +1134,57 @@ def s_trainers(ctx: Ctx) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 
+def s_plan_calibrate(ctx: Ctx) -> dict:
+    from meshtrain.plan import calibrate as cal
+    from meshtrain.plan.hardware import GPUS, Hardware
+    from meshtrain.plan.layout import Layout
+    from meshtrain.plan.measure import measure
+
+    torch = ctx.torch
+    held_out = [Layout(dp=1, micro_batch=2, grad_accum=2),
+                Layout(dp=1, micro_batch=2, checkpointing=True)]  # fmt: skip
+    if ctx.cuda:
+        name = next((k for k in GPUS if k in torch.cuda.get_device_name(0).upper()), "H100")
+        model, seq, precision = cal.GPU_MODEL, cal.GPU_SEQ, "bf16"
+        runs = cal.gpu_runs(torch.cuda.device_count())
+        fitted = cal.calibrate(gpu=name, runs=runs, seq=seq, save=False)
+        hw = fitted.apply(Hardware.named(name))
+    else:  # the dry run: the same calibrate / measure / fit code on CPU ranks
+        model, seq, precision = dict(ctx.sizes.small, max_seq_len=64), 64, "fp32"
+        runs = [(model, x) for x in cal.LAYOUTS if x.world == 1]
+        fitted = cal.calibrate(runs=runs, seq=seq, save=False)
+        hw = fitted.apply(Hardware.cpu())
+    rows = []
+    for x in held_out:
+        pred = cal.planner_for(model, hw, 1, seq, x.global_batch, precision).predict(x)
+        got = measure(model, x, seq=seq, steps=3, precision=precision)
+        rows.append({
+            "layout": x.label(),
+            "step_s_predicted": round(pred.time.total, 5),
+            "step_s_measured": round(got["cost_s"], 5),
+            "step_error": round(pred.time.total / got["cost_s"] - 1, 4),
+            "peak_gib_predicted": round(pred.memory.tensors / 2**30, 4),
+            "peak_gib_measured": round(got["peak_tensor_bytes"] / 2**30, 4),
+            "peak_error": round(pred.memory.tensors / got["peak_tensor_bytes"] - 1, 4),
+        })  # fmt: skip
+    fit_rows = [
+        {"layout": r["layout"], "measured_s": round(r["measured"], 5), "world": r["world"]}
+        for r in fitted.samples
+    ]
+    mean = statistics.mean(abs(r["step_error"]) for r in rows)
+    return {
+        "efficiency": round(fitted.efficiency, 4),
+        "micro_step_ms": round(fitted.micro_step_s * 1e3, 3),
+        "step_ms": round(fitted.step_s * 1e3, 3),
+        "overhead_gib": None if fitted.overhead_bytes is None
+        else round(fitted.overhead_bytes / 2**30, 3),
+        "fitted_on": fit_rows,
+        "held_out": rows,
+        "mean_abs_step_error": round(mean, 4),
+        "ok": all(r["step_s_measured"] > 0 for r in rows),
+    }
+
+
 FUNCS = {name: globals()[f"s_{name}"] for name in SECTIONS}
 
 
@@ -1163,6 +1220,7 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
             "plain_loop": ("tokens_per_s", "mfu_vs_measured_peak", "engine_overhead", "eval_loss"),
             "mfu_fp8": ("tokens_per_s", "speedup_vs_bf16", "eval_loss", "loss_rel_diff"),
             "trainers": ("micro_batch", "speed_ratio", "memory_ratio"),
+            "plan_calibrate": ("efficiency", "overhead_gib", "mean_abs_step_error"),
         }[name]  # fmt: skip
         figs = [f"{k} {_fmt(r.get(k))}" for k in keys if k in r]
         if name == "zero_offload":

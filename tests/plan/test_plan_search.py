@@ -95,7 +95,8 @@ def test_model_states_are_the_estimate_formulas():
                                   precision="bf16", optimizer="AdamW", tp=x.tp)  # fmt: skip
         extra = 0
         if x.stage == 3:
-            whole, _ = zero3_units(p.facts)
+            whole, _, experts = zero3_units(p.facts)
+            assert experts == 0  # no experts in the decoder
             extra = 2 * (whole - -(-whole // (x.dp * x.cp)))
             assert whole > 0  # the 256 x 256 projections are under the 100k threshold
         assert got.params == want.params + extra
@@ -216,6 +217,44 @@ def test_calibration_fit_recovers_constants_and_round_trips(tmp_path, monkeypatc
     assert back.efficiency == pytest.approx(eff) and back.machine == Calibration.machine_key()
     hw = back.apply(Hardware.named("H100"))
     assert hw.efficiency == pytest.approx(eff)
+
+
+def test_gpu_calibration_keeps_what_one_gpu_cannot_measure(tmp_path, monkeypatch):
+    """A calibration fitted on one GPU replaces efficiency, fixed costs, the optimizer's
+    bandwidth and the framework's device memory; the links keep the data sheet's (one GPU
+    has no link to fit, one node no inter-node link). It is stored under that device, apart
+    from the CPU ranks' calibration of the same machine."""
+    from meshtrain.plan.calibration import ENV, Calibration
+
+    rows = [{"compute": c, "wire": 0, "slots": k, "measured": c / 0.4 + 0.003 * k + 0.01}
+            for c, k in ((0.1, 1), (0.4, 1), (0.1, 4), (0.2, 2))]  # fmt: skip
+    cal = Calibration.fit(rows, 989.4e12, device="H100", overhead_bytes=3 << 30,
+                          links_fitted=False)  # fmt: skip
+    sheet = Hardware.named("H100")
+    hw = cal.apply(sheet)
+    assert hw.efficiency == pytest.approx(0.4, rel=1e-6)
+    assert hw.micro_step_s == pytest.approx(0.003, rel=1e-6)
+    assert (hw.bw_intra, hw.bw_inter) == (sheet.bw_intra, sheet.bw_inter)
+    assert hw.overhead_bytes == 3 << 30 and hw.memory_bytes == sheet.memory_bytes
+    monkeypatch.setenv(ENV, str(tmp_path / "cal.json"))
+    cal.save()
+    assert Calibration.load(device="H100").efficiency == pytest.approx(0.4, rel=1e-6)
+    assert Calibration.load() is None  # the CPU ranks' entry is another key
+
+
+def test_gpu_calibration_runs_and_refusal():
+    """The runs a GPU calibration measures: one GPU, the single-rank layouts of both
+    models; two or more, the two-rank layouts too (ranks never share a GPU). No GPU: one
+    line naming the flag and what to do."""
+    from meshtrain.errors import ConfigError
+    from meshtrain.plan.calibrate import GPU_MODEL, gpu_runs
+
+    one, two = gpu_runs(1), gpu_runs(2)
+    assert all(x.world == 1 for _, x in one) and len(one) == 5
+    assert {x.world for _, x in two} == {1, 2} and len(two) == 10
+    assert all(cfg is GPU_MODEL for cfg, x in two if x.world == 2)
+    with pytest.raises(ConfigError, match=r"^--calibrate --gpu: this machine has no CUDA"):
+        gpu_runs(0)
 
 
 def test_spearman():

@@ -13,8 +13,16 @@ reads and writes (``step_time``); on CPU ranks
 (gloo through the loopback and shared memory) nothing overlaps reliably, so all bytes
 count. A coefficient the fit makes negative is dropped (set to its floor) and the rest
 refitted. The store is a JSON file, ``~/.cache/meshtrain/plan_calibration.json`` (or
-``MESHTRAIN_PLAN_CALIBRATION``), keyed by machine (host name, CPU model, core count);
-``meshtrain plan --gpu cpu`` reads it.
+``MESHTRAIN_PLAN_CALIBRATION``), keyed by machine and device: host name, CPU model and
+core count for CPU ranks; host name, the GPU's name and count for a GPU
+(``--calibrate --gpu H100``); ``meshtrain plan --gpu cpu`` (or ``--gpu H100`` on that
+machine) reads it.
+
+On a GPU the fit replaces the efficiency, the per-micro-step and per-step costs, the
+memory bandwidth the optimizer step reaches and the framework's own device memory
+(``overhead_bytes``, measured); the link between GPUs only when a multi-GPU layout was
+measured (one GPU has none to fit), and the link between nodes never (calibration runs
+on one node): those keep the data sheet's figures.
 """
 
 from __future__ import annotations
@@ -56,13 +64,21 @@ class Calibration:
     peak_flops: float
     hbm: float = 10e9  # bytes/s the optimizer step reaches
     rss_base: int = 0  # the framework's own resident memory per rank (interpreter, torch)
+    device: str = "cpu"  # "cpu", or the GPU's name in hardware.GPUS
+    overhead_bytes: int | None = None  # a GPU's measured memory beyond the tensors
+    links_fitted: bool = True  # whether a multi-rank layout measured the link
     date: str = ""
     load_avg: str = ""  # `uptime`'s load averages while measuring
     samples: list = field(default_factory=list)
 
     @staticmethod
-    def machine_key() -> str:
-        return f"{socket.gethostname()}|{_cpu_model()}|{os.cpu_count()}"
+    def machine_key(device: str = "cpu") -> str:
+        if device == "cpu":
+            return f"{socket.gethostname()}|{_cpu_model()}|{os.cpu_count()}"
+        import torch
+
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
+        return f"{socket.gethostname()}|{device}|{name}|{torch.cuda.device_count()}"
 
     @staticmethod
     def path() -> Path:
@@ -71,16 +87,19 @@ class Calibration:
         )
 
     def apply(self, hw: Hardware) -> Hardware:
-        """``hw`` with the fitted constants."""
+        """``hw`` with the fitted constants (module docstring: which ones on a GPU)."""
+        gpu = self.device != "cpu"
+        intra = self.bw_intra if self.links_fitted else hw.bw_intra
         return replace(
             hw,
             efficiency=self.efficiency,
-            bw_intra=self.bw_intra,
-            bw_inter=self.bw_intra,
+            bw_intra=intra,
+            bw_inter=hw.bw_inter if gpu else self.bw_intra,
             micro_step_s=self.micro_step_s,
             step_s=self.step_s,
             hbm=self.hbm,
             peak_flops=self.peak_flops,
+            overhead_bytes=hw.overhead_bytes if self.overhead_bytes is None else self.overhead_bytes,
             source=f"calibrated on this machine {self.date} (load {self.load_avg})",
         )
 
@@ -100,18 +119,20 @@ class Calibration:
         return path
 
     @classmethod
-    def load(cls, path: Path | None = None) -> Calibration | None:
-        """This machine's stored calibration, or None."""
+    def load(cls, path: Path | None = None, device: str = "cpu") -> Calibration | None:
+        """This machine's stored calibration of ``device``, or None."""
         path = Path(path or cls.path())
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        entry = data.get(cls.machine_key())
+        entry = data.get(cls.machine_key(device))
         return None if entry is None else cls(**entry)
 
     @classmethod
-    def fit(cls, rows: list[dict], peak_flops: float, **meta) -> Calibration:
+    def fit(
+        cls, rows: list[dict], peak_flops: float, device: str = "cpu", **meta
+    ) -> Calibration:
         """Least squares over ``rows`` of ``{"compute", "wire", "slots", "optimizer",
         "measured"}``
         (module docstring)."""
@@ -137,7 +158,8 @@ class Calibration:
             keep = [i for i in keep if i not in negative]
         inv_eff, inv_bw, slot, inv_hbm, one = (float(c) for c in coef)
         return cls(
-            machine=cls.machine_key(),
+            machine=cls.machine_key(device),
+            device=device,
             efficiency=1.0 / inv_eff if inv_eff > 0 else 1.0,
             bw_intra=1.0 / inv_bw if inv_bw > 0 else 1e12,
             micro_step_s=max(0.0, slot),

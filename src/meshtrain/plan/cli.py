@@ -23,15 +23,35 @@ def _hardware(args):
         raise ConfigError(
             f"--nodes: {args.nodes} must be >= 1 and divide --gpus {args.gpus} (devices per node)"
         )
-    hw = Hardware.named(args.gpu, gpus_per_node=args.gpus // args.nodes)
-    if hw.name == "cpu":
-        from dataclasses import replace
+    from dataclasses import replace
 
-        cal = Calibration.load()
-        if cal is not None:
-            hw = cal.apply(hw)
-        hw = replace(hw, gpus_per_node=args.gpus // args.nodes)
+    hw = Hardware.named(args.gpu, gpus_per_node=args.gpus // args.nodes)
+    # this machine's calibration of that device, where one was stored (--calibrate)
+    cal = Calibration.load(device=hw.name)
+    if cal is not None:
+        hw = replace(cal.apply(hw), gpus_per_node=args.gpus // args.nodes)
     return hw.with_links(args.bw_intra, args.bw_inter)
+
+
+def _calibration_device(gpu: str | None) -> str | None:
+    """What ``--calibrate`` measures: None for CPU ranks, else the GPU's name. Without
+    ``--gpu``: this machine's GPUs when CUDA is present (named from the device)."""
+    if gpu is not None:
+        return None if gpu.lower() == "cpu" else gpu
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from meshtrain.plan.hardware import GPUS
+
+    name = torch.cuda.get_device_name(0)
+    known = [k for k in GPUS if k in name.upper()]
+    if not known:
+        raise ConfigError(
+            f"--gpu: this machine's GPU {name!r} has no data-sheet entry; name the nearest "
+            f"of {', '.join(GPUS)} with --gpu, or give --gpu cpu"
+        )
+    return known[0]
 
 
 def _planner(args, facts, hw, precision, optimizer):
@@ -63,8 +83,11 @@ def _main(args: argparse.Namespace) -> int:
     if args.calibrate:
         from meshtrain.plan.calibrate import calibrate
 
-        print("calibrating on this machine's CPU ranks (a few steps of each layout):")
-        cal = calibrate()
+        gpu = _calibration_device(args.gpu)
+        where = "CPU ranks" if gpu is None else f"{gpu} GPUs"
+        print(f"calibrating on this machine's {where} (a few steps of each layout):")
+        cal = calibrate(gpu=gpu)
+        args.gpu = args.gpu or gpu  # plan for the device just calibrated
         print(
             f"fitted: efficiency {cal.efficiency:.3f} of {cal.peak_flops / 1e9:.1f} GFLOP/s, "
             f"bandwidth {cal.bw_intra / 1e9:.3f} GB/s, {cal.micro_step_s * 1e3:.1f} ms per "
@@ -72,6 +95,7 @@ def _main(args: argparse.Namespace) -> int:
         )
         if args.model is None:
             return 0
+    args.gpu = args.gpu or "H100"
     if args.model is None:
         raise ConfigError("--model: give the model to plan (hf:PATH, decoder:SPEC or a .json)")
     if args.gpus is None:
@@ -153,7 +177,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus", type=int, metavar="N", help="devices in all")
     p.add_argument(
-        "--gpu", default="H100", help=f"device kind: {', '.join(GPUS)} or cpu (default H100)"
+        "--gpu", default=None,
+        help=f"device kind: {', '.join(GPUS)} or cpu (default H100; with --calibrate: "
+        "this machine's GPUs if it has any, else its CPU ranks)",
     )
     p.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")

@@ -22,6 +22,14 @@ buckets, temporaries). Peak tensor memory = the model states the engine holds
 the heap and are not seen; for the sizes measured they are well under 1% of the peak.
 The interpreter, torch and meshtrain themselves (``rss_base``: the RSS before the model is
 built) are the framework's overhead, reported apart.
+
+**On a GPU** (a rank's device is CUDA: ``distributed.env`` gives each rank its
+``LOCAL_RANK``'s GPU and NCCL): the step is timed in wall seconds between two
+``torch.cuda.synchronize()`` (CPU seconds there are only the launches), peak tensor
+memory is ``torch.cuda.max_memory_allocated()`` over the timed steps (the allocator's
+own statistic: states included), and the framework's overhead is what the device holds
+beyond the tensors after the steps (``mem_get_info``'s used bytes minus
+``memory_allocated``: the CUDA context, NCCL's buffers and the allocator's reserve).
 """
 
 from __future__ import annotations
@@ -114,19 +122,32 @@ def measure_rank(
             out.append(batch)
         return iter(out)
 
+    cuda = engine.device.type == "cuda"
     engine.train_batch(batches())  # warm-up: optimizer states allocated
     stats = engine.topology.stats
     wire0 = stats.sent_by_group()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     base = _reset_peak()
     times, cpu = [], []
     for _ in range(steps):
         data = batches()
         dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
         engine.train_batch(data)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     growth = _status("VmHWM") - base
+    device_peak = device_overhead = None
+    if cuda:  # the module docstring's GPU figures
+        device_peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        device_overhead = total - free - torch.cuda.memory_allocated()
     wire = {g: (v - wire0.get(g, 0.0)) / steps for g, v in stats.sent_by_group().items()}
     report = engine.memory_report()
     m = report.measured
@@ -139,6 +160,8 @@ def measure_rank(
         "rss_base": rss_base,
         "load_peak": load_peak,
         "wire": {g: v for g, v in wire.items() if v},
+        "device_peak": device_peak,
+        "device_overhead": device_overhead,
     }
 
 
@@ -175,11 +198,19 @@ def measure(
         return {"load_peak": max(r["load_peak"] for r in ranks)}
     per_step = [max(r["times"][i] for r in ranks) for i in range(steps)]
     cpu_step = [max(r["cpu"][i] for r in ranks) for i in range(steps)]
-    peak = max(r["states"] + r["growth"] for r in ranks)
+    on_gpu = ranks[0]["device_peak"] is not None
+    if on_gpu:  # the allocator's statistic (module docstring)
+        peak = max(r["device_peak"] for r in ranks)
+    else:
+        peak = max(r["states"] + r["growth"] for r in ranks)
     return {
+        "device": "cuda" if on_gpu else "cpu",
         "step_s": statistics.median(per_step),
         "steps_s": per_step,
         "cpu_s": statistics.median(cpu_step),
+        # what a step costs: CPU seconds on CPU ranks, wall seconds on a GPU
+        "cost_s": statistics.median(per_step if on_gpu else cpu_step),
+        "device_overhead": max(r["device_overhead"] or 0 for r in ranks) if on_gpu else None,
         "peak_tensor_bytes": peak,
         "states": max(r["states"] for r in ranks),
         "formula_states": max((r["formula_states"] or 0) for r in ranks),

@@ -137,9 +137,12 @@ def _model_states(
     if layout.pp == 1:
         states = model_states_bytes(facts.model, tp=layout.tp, ep=layout.ep, **common)
         if layout.stage == 3 and not layout.offload_param:
-            whole, _ = zero3_units(facts, layout.tp)
+            # kept whole instead of partitioned: dense over dp x cp, experts over their
+            # replicas (dp x cp / ep)
+            whole, _, experts = zero3_units(facts, layout.tp, layout.ep)
             n = layout.dp * layout.cp
-            extra = _width(precision) * (whole - -(-whole // n))
+            dense, n_e = whole - experts, max(1, n // layout.ep)
+            extra = _width(precision) * (dense - -(-dense // n) + experts - -(-experts // n_e))
             states = ModelStates(states.params + extra, states.grads, states.optimizer, states.host)
         return [states]
     share = 1.0
@@ -169,21 +172,32 @@ def _model_states(
 PERSISTENCE_THRESHOLD = 100_000  # zero_optimization.stage3_param_persistence_threshold's default
 
 
-def zero3_units(facts: ModelFacts, tp: int = 1) -> tuple[int, list[int]]:
+def zero3_units(facts: ModelFacts, tp: int = 1, ep: int = 1) -> tuple[int, list[int], int]:
     """ZeRO-3's view of the model: (trainable elements kept whole on every rank, sharded
-    elements of each gather unit in order). Whole: parameters under
-    ``stage3_param_persistence_threshold`` elements and those outside every unit
-    (``parallel.zero.stage3.assign_units`` over ``parallel.blocks.gather_units``, on the
-    meta model). The threshold is compared with a parameter's full size (``full_numel``);
-    under tp a matrix holds ``1 / tp`` of its elements on a rank (the plan's shard;
-    vectors whole), an approximation of the plan's exact sizes."""
+    elements of each gather unit in order, the part of the kept-whole elements that are
+    experts). Whole: parameters under ``stage3_param_persistence_threshold`` elements and
+    those outside every unit (``parallel.zero.stage3.assign_units`` over
+    ``parallel.blocks.gather_units``, on the meta model). The threshold is compared with
+    a parameter's full size (``full_numel``) as the rank holds it: under ep an expert
+    tensor is this rank's ``1 / ep`` of the experts (the cut makes new parameters, so a
+    slice can fall under the threshold its whole tensor is over); under tp a matrix holds
+    ``1 / tp`` of its elements on a rank (the plan's shard; vectors whole), an
+    approximation of the plan's exact sizes; experts are not split over tp."""
+    from meshtrain.estimate.experts import is_expert_name, is_expert_param
     from meshtrain.parallel.blocks import gather_units
 
     model = facts.model
+    experts = {
+        id(p)
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if ep > 1 and (is_expert_param(p) or is_expert_name(name))
+    }
     seen: set[int] = set()
-    whole, units = 0, []
+    whole, expert_whole, units = 0, 0, []
 
     def local(p) -> int:
+        if id(p) in experts:
+            return p.numel() // ep
         return p.numel() // tp if (tp > 1 and p.dim() >= 2) else p.numel()
 
     for unit in gather_units(model, []):
@@ -192,17 +206,18 @@ def zero3_units(facts: ModelFacts, tp: int = 1) -> tuple[int, list[int]]:
             if id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
-            if p.numel() < PERSISTENCE_THRESHOLD:  # the full size, as assign_units compares
+            full = local(p) if id(p) in experts else p.numel()
+            if full < PERSISTENCE_THRESHOLD:  # the full size, as assign_units compares
                 whole += local(p)
+                expert_whole += local(p) if id(p) in experts else 0
             else:
                 sharded += local(p)
         units.append(sharded)
-    whole += sum(
-        local(p)
-        for p in {id(q): q for q in model.parameters()}.values()
-        if p.requires_grad and id(p) not in seen
-    )
-    return whole, units
+    for p in {id(q): q for q in model.parameters()}.values():
+        if p.requires_grad and id(p) not in seen:
+            whole += local(p)
+            expert_whole += local(p) if id(p) in experts else 0
+    return whole, units, expert_whole
 
 
 def per_token_block(facts: ModelFacts, layout: Layout, width: int) -> float:
@@ -355,11 +370,11 @@ def predict_memory(
     acts = activation_peak(facts, layout, check, seq, precision)
     units = None
     if layout.stage == 3:
-        key = ("zero3_units", layout.tp)
+        key = ("zero3_units", layout.tp, layout.ep)
         if cache is not None and key in cache:
             units = cache[key]
         else:
-            units = zero3_units(facts, layout.tp)[1]
+            units = zero3_units(facts, layout.tp, layout.ep)[1]
             if cache is not None:
                 cache[key] = units
     buf = buffers(facts, layout, states.params, seq, precision, units)

@@ -183,15 +183,15 @@ class Planner:
                 max(r[0] for r in rank_params(self.facts, layout, self.check)) * share
             )
         units = None
-        if layout.stage == 3:  # (kept whole, in units): the gathers move only the units
-            key = ("zero3", layout.tp)
+        if layout.stage == 3:  # kept whole (dense, experts): the gathers move only the units
+            key = ("zero3", layout.tp, layout.ep)
             if key not in self._states:
-                self._states[key] = zero3_units(self.facts, layout.tp)[0]
-            whole = self._states[key]
-            units = (whole, max(0, trainable - whole))
+                whole, _, expert_whole = zero3_units(self.facts, layout.tp, layout.ep)
+                self._states[key] = (whole - expert_whole, expert_whole)
+            units = self._states[key]
         time = predict_time(
             self.facts, layout, self.check, self.hw, trainable_per_rank=trainable,
-            zero3_units=units, **common,
+            zero3_whole=units or (0, 0), experts_per_rank=self._local_experts(layout), **common,
         )  # fmt: skip
         host = predict_host_load(
             self.facts, layout, self.check, self.hw, precision=self.precision,
@@ -215,6 +215,18 @@ class Planner:
         )  # fmt: skip
         self._trainable[key] = s.grads // 4
         return self._trainable[key]
+
+    def _local_experts(self, layout: Layout) -> int:
+        """The largest rank's expert parameters under ep: its ``1/ep`` of the experts of the
+        blocks it holds (experts are not split over tp; a pipeline rank holds the experts
+        of its blocks, every MoE block the same size)."""
+        if layout.ep == 1 or not self.facts.moe:
+            return 0
+        share = 1.0
+        if layout.pp > 1:
+            blocks = max(r[2] for r in rank_params(self.facts, layout, self.check))
+            share = blocks / self.facts.layers
+        return round(self.facts.expert_params * share) // layout.ep
 
     def ranked(self) -> list[Prediction]:
         """Every accepted layout predicted: those that fit first, then by step time."""

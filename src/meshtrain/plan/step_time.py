@@ -110,12 +110,14 @@ def predict_time(
     precision: str,
     optimizer: str,
     trainable_per_rank: int,
-    zero3_units: tuple[int, int] | None = None,
+    zero3_whole: tuple[int, int] = (0, 0),
+    experts_per_rank: int = 0,
 ) -> StepTime:
     """The step time of ``layout`` (module docstring). ``trainable_per_rank``: the largest
     rank's trainable parameters before ZeRO (its ``Psi_r``, from the memory model);
-    ``zero3_units``: at stage 3, (elements kept whole, elements in units) of that rank
-    (``plan.memory.zero3_units``)."""
+    ``zero3_whole``: at stage 3, the elements that rank keeps whole (dense, experts;
+    ``plan.memory.zero3_units``), the rest is gathered by unit; ``experts_per_rank``: the part of ``trainable_per_rank``
+    that is this rank's experts under ep (reduced over the expert replicas, not dp)."""
     w = 4 if precision == "fp32" else 2
     b, m, t, cp = layout.micro_batch, layout.grad_accum, layout.tp, layout.cp
     s = seq // cp
@@ -137,14 +139,15 @@ def predict_time(
     # data parallel / ZeRO over the replicas (dp x cp); experts over edp
     n_rep = layout.dp * cp
     psi = trainable_per_rank
-    expert = 0.0
-    if facts.moe and layout.ep > 1:
-        expert = psi * facts.expert_params / max(1, facts.params)
-        psi -= expert
+    expert = experts_per_rank if facts.moe and layout.ep > 1 else 0
+    psi -= expert
     grad_w = w
     z = layout.stage
-    by_group = {"dp": (psi, n_rep), "edp": (expert, n_rep // layout.ep)}
-    for name, (n_params, n) in by_group.items():
+    by_group = {
+        "dp": (psi, n_rep, zero3_whole[0]),
+        "edp": (expert, n_rep // layout.ep, zero3_whole[1]),
+    }
+    for name, (n_params, n, whole) in by_group.items():
         if n <= 1 or n_params <= 0:
             continue
         span = n * cp * t if name == "dp" else n * t
@@ -157,8 +160,8 @@ def predict_time(
             reduce_b, gather_b, per_mb = _ring(grad_w * n_params, n), _ring(w * n_params, n), True
         else:
             # parameters kept whole are not gathered, and their gradients are all-reduced
-            whole, in_units = zero3_units if zero3_units and name == "dp" else (0, n_params)
             whole = min(whole, n_params)
+            in_units = n_params - whole
             reduce_b = _ring(grad_w * (n_params - whole), n) + _ring(2 * grad_w * whole, n)
             gather_b, per_mb = _ring(2 * w * in_units, n), True
         backward = 2 / 3 * t_mb
