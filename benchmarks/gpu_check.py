@@ -1134,6 +1134,7 @@ def s_trainers(ctx: Ctx) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 
+
 def s_plan_calibrate(ctx: Ctx) -> dict:
     from meshtrain.plan import calibrate as cal
     from meshtrain.plan.hardware import GPUS, Hardware
@@ -1176,7 +1177,8 @@ def s_plan_calibrate(ctx: Ctx) -> dict:
         "efficiency": round(fitted.efficiency, 4),
         "micro_step_ms": round(fitted.micro_step_s * 1e3, 3),
         "step_ms": round(fitted.step_s * 1e3, 3),
-        "overhead_gib": None if fitted.overhead_bytes is None
+        "overhead_gib": None
+        if fitted.overhead_bytes is None
         else round(fitted.overhead_bytes / 2**30, 3),
         "fitted_on": fit_rows,
         "held_out": rows,

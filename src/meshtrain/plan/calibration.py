@@ -99,7 +99,9 @@ class Calibration:
             step_s=self.step_s,
             hbm=self.hbm,
             peak_flops=self.peak_flops,
-            overhead_bytes=hw.overhead_bytes if self.overhead_bytes is None else self.overhead_bytes,
+            overhead_bytes=hw.overhead_bytes
+            if self.overhead_bytes is None
+            else self.overhead_bytes,
             source=f"calibrated on this machine {self.date} (load {self.load_avg})",
         )
 
@@ -130,9 +132,7 @@ class Calibration:
         return None if entry is None else cls(**entry)
 
     @classmethod
-    def fit(
-        cls, rows: list[dict], peak_flops: float, device: str = "cpu", **meta
-    ) -> Calibration:
+    def fit(cls, rows: list[dict], peak_flops: float, device: str = "cpu", **meta) -> Calibration:
         """Least squares over ``rows`` of ``{"compute", "wire", "slots", "optimizer",
         "measured"}``
         (module docstring)."""

@@ -177,7 +177,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus", type=int, metavar="N", help="devices in all")
     p.add_argument(
-        "--gpu", default=None,
+        "--gpu",
+        default=None,
         help=f"device kind: {', '.join(GPUS)} or cpu (default H100; with --calibrate: "
         "this machine's GPUs if it has any, else its CPU ranks)",
     )
