@@ -143,7 +143,6 @@ class SafetensorsSource:
         self._in_file: dict[str, str] = {}
         self._fused: dict[str, list[list[str]]] = {}
         self._fused_from: dict[str, Path] = {}  # a fused tensor's source key: its file
-        self._cache: tuple[str, torch.Tensor] | None = None
         self.aliases: dict[str, str] = {}
         self.meta: dict[str, Any] = {}
         self.world_size = 0  # never the engine's: no RNG states to restore
@@ -160,9 +159,9 @@ class SafetensorsSource:
         (Mixtral's ``.block_sparse_moe.`` is the model's ``.mlp.``), and experts stored one
         tensor per expert that the model holds as one 3-D tensor: ``MergeModulelist(0)``
         stacks the experts, ``Concatenate(1)`` then joins the stacks of several patterns
-        (w1 and w3 into ``gate_up_proj``). A fused tensor is read whole from its sources the
-        first time a slice of it is asked (one fused tensor in memory at a time: at most
-        the largest tensor beside the rank's slice), then sliced. A conversion with other
+        (w1 and w3 into ``gate_up_proj``). A slice of a fused tensor is read from its
+        sources' matching runs (``_fused_into``): the fused tensor is never built, so a
+        rank holds only its slice. A conversion with other
         operations is left alone (``sliced_load`` then refuses the checkpoint by name)."""
         import re
 
@@ -212,20 +211,39 @@ class SafetensorsSource:
             return self._file_of[name], self._in_file.get(name, name)
         return self._fused_from[name], self._in_file.get(name, name)
 
-    def _whole_fused(self, name: str) -> torch.Tensor:
-        """The fused tensor ``name``, read from its per-expert sources (cached: one)."""
-        if self._cache is None or self._cache[0] != name:
-            self._cache = None
-            stacks = []
-            for keys in self._fused[name]:
-                parts = []
-                for k in keys:
-                    file, key = self._file_key(k)
+    def _fused_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Elements ``[start, start + out.numel())`` of the fused tensor ``name`` straight
+        from its per-expert sources, no fused tensor built: element ``e R C + r C + c`` of
+        the fused ``(E, R, C...)`` tensor (``R`` the rows of every pattern in order) is
+        element ``(r - R_before) C + c`` of pattern ``j``'s tensor of expert ``e``, so each
+        (expert, pattern) source covers one contiguous run of the fused elements, and the
+        runs that meet the range are read into ``out`` in place."""
+        flat = out.reshape(-1)
+        end = start + flat.numel()
+        groups = self._fused[name]
+        shapes = []
+        for keys in groups:
+            file, key = self._file_key(keys[0])
+            shapes.append(self._open(file).shape(key))
+        per_expert = sum(_numel(sh) for sh in shapes)
+        for e in range(len(groups[0])):
+            base = e * per_expert
+            for keys, sh in zip(groups, shapes, strict=True):
+                n = _numel(sh)
+                lo, hi = max(start, base), min(end, base + n)
+                if lo < hi:
+                    file, key = self._file_key(keys[e])
                     f = self._open(file)
-                    parts.append(f.read(key, 0, _numel(f.shape(key))).reshape(f.shape(key)))
-                stacks.append(torch.stack(parts))
-            self._cache = (name, torch.cat(stacks, dim=1) if len(stacks) > 1 else stacks[0])
-        return self._cache[1]
+                    piece = flat[lo - start : hi - start]
+                    if f.dtype(key) == flat.dtype:
+                        f.read_into(key, lo - base, piece)
+                    else:
+                        piece.copy_(f.read(key, lo - base, hi - lo))
+                base += n
+
+    def _fused_dtype(self, name: str) -> torch.dtype:
+        file, key = self._file_key(self._fused[name][0][0])
+        return self._open(file).dtype(key)
 
     def keys(self) -> list[str]:
         return [*self._file_of, *self._fused]
@@ -279,9 +297,10 @@ class SafetensorsSource:
             numel = full.numel() - start if numel is None else numel
             return full[start : start + numel].clone()
         if key in self._fused:
-            full = self._whole_fused(key).reshape(-1)
-            numel = full.numel() - start if numel is None else numel
-            return full[start : start + numel].clone()
+            numel = _numel(self.shape(key)) - start if numel is None else numel
+            out = torch.empty(numel, dtype=self._fused_dtype(key))
+            self._fused_into(key, start, out)
+            return out
         file, in_file = self._file_key(key)
         f = self._open(file)
         numel = _numel(f.shape(in_file)) - start if numel is None else numel
@@ -293,8 +312,13 @@ class SafetensorsSource:
         False, reading nothing, otherwise (the loader then reads and converts): no
         buffer and no second copy per read."""
         key = self._name(name)
-        if key is None or key in self._fused or out.device.type != "cpu":
+        if key is None or out.device.type != "cpu" or not out.is_contiguous():
             return False
+        if key in self._fused:
+            if self._fused_dtype(key) != out.dtype:
+                return False
+            self._fused_into(key, start, out)
+            return True
         file, in_file = self._file_key(key)
         f = self._open(file)
         if not out.is_contiguous() or f.dtype(in_file) != out.dtype:
@@ -309,7 +333,6 @@ class SafetensorsSource:
         return self.read(name).reshape(self.shape(key))
 
     def close(self) -> None:
-        self._cache = None
         for f in self._handles.values():
             f.close()
         self._handles.clear()

@@ -84,9 +84,10 @@ def load_average() -> str:
 
 def planner_for(
     model_cfg: dict, hw: Hardware, world: int, seq: int, global_batch: int,
-    precision: str = "fp32",
+    precision: str = "fp32", **options,
 ):  # fmt: skip
-    """A planner of ``model_cfg`` (``measure.build_model``) on ``world`` ranks of ``hw``."""
+    """A planner of ``model_cfg`` (``measure.build_model``) on ``world`` ranks of ``hw``;
+    ``options``: further ``Planner`` keywords."""
     from meshtrain.plan.measure import build_model
     from meshtrain.plan.model_facts import ModelFacts
     from meshtrain.plan.planner import Planner
@@ -94,7 +95,7 @@ def planner_for(
     facts = ModelFacts.of(build_model(model_cfg, meta=True))
     return Planner(
         facts, hw, gpus=world, seq=seq, global_batch=global_batch, limit=hw.memory_bytes,
-        precision=precision, optimizer="AdamW",
+        precision=precision, optimizer="AdamW", **options,
     )  # fmt: skip
 
 

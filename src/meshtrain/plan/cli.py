@@ -65,6 +65,7 @@ def _planner(args, facts, hw, precision, optimizer):
     return Planner(
         facts, hw, gpus=args.gpus, seq=seq, global_batch=batch, limit=limit,
         precision=precision, optimizer=optimizer, packed=args.packed, padding=args.padding,
+        loading=args.loading,
     )  # fmt: skip
 
 
@@ -199,6 +200,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="AdamW", help="optimizer type (default AdamW)")
     p.add_argument("--top", type=int, default=12, help="rows of the table (default 12)")
     p.add_argument("--out", metavar="FILE", help="write the winner's config here")
+    p.add_argument(
+        "--loading",
+        default="whole",
+        choices=("whole", "sliced", "zero-init"),
+        help="how the script loads the model, for host RAM while loading (docs/plan.md): "
+        "whole (built in every process, the default), sliced (meshtrain.from_pretrained("
+        "folder, config=...): each rank reads its slices), zero-init (built under "
+        "meshtrain.zero.Init: ZeRO-3 only)",
+    )
     p.add_argument(
         "--packed", action="store_true",
         help="the rows are packed (several documents each, docs/packing.md): count their masks",

@@ -31,6 +31,26 @@ built, so it sits under every peak); ``initialize`` loads 23 MB of meshtrain's m
 (``INITIALIZE_IMPORT``). ``Hardware.host_overhead_bytes`` adds what the device runtime
 keeps on the host (nothing for CPU ranks).
 
+**Sliced loading** (``meshtrain.from_pretrained(folder, config=...)``, ``sliced=True``): the
+model is built on untouched storage (``no_init_weights``: the kernel backs no page), the
+layout is applied to it without copying values, and each rank then reads only the
+element ranges it keeps, one range at a time. Nothing of the whole model becomes
+resident: *build* is the code alone (transformers' model class, and the ``torch._dynamo``
+it imports), *wrap* is ``F`` (plus the fp32 masters under bf16/fp16) as the slices land
+in it, plus the code; the read range itself is a few MiB (measured 3.6 MiB on a 642 MiB
+Llama at ZeRO-3 on 2 ranks, where every rank held its 321 MiB slice and 280 MiB of code).
+Only the transformers families load this way.
+
+**Under** ``meshtrain.zero.Init`` (ZeRO-3): every module's parameters are partitioned as
+its constructor returns, so the *build* holds the partitions made so far (``F`` at the
+end) plus one parameter whole with what its initialisation holds: its gathered copy and
+the Decoder's two ``randn * std`` temporaries, ``4 x`` the largest parameter (measured:
+183 MiB on 2 ranks and 127 MiB on 4 for a 226 MiB decoder whose largest parameter is
+16.5 MiB; predicted 179 and 122). ``initialize`` then moves the shards into ``F`` one by
+one, so *wrap* is ``F`` plus code (measured 288 and 232 MiB, predicted 283 and 226). A
+transformers model under the context is partitioned only when its outermost constructor
+returns (``deepspeed_zero``'s docstring): its peaks are those of the whole build.
+
 The peak is the largest of the three; the optimizer's states come at the first step and
 belong to the training peak, not here. On a GPU the wrap and later phases happen in device
 memory once the model moves there, so the host peak is the build plus what offload keeps
@@ -49,7 +69,11 @@ from meshtrain.plan.memory import model_states
 from meshtrain.plan.model_facts import ModelFacts
 from meshtrain.plan.validity import LayoutCheck
 
-__all__ = ["HostLoad", "predict_host_load"]
+__all__ = ["LOADINGS", "HostLoad", "predict_host_load"]
+
+# how a script loads its model (docstring): built whole in every process, read sliced by
+# meshtrain.from_pretrained(folder, config=...), or built under meshtrain.zero.Init
+LOADINGS = ("whole", "sliced", "zero-init")
 
 FP32 = 4
 DYNAMO_IMPORT = 155 * 10**6
@@ -95,9 +119,11 @@ def predict_host_load(
     precision: str,
     optimizer: str,
     cache: dict | None = None,
+    loading: str = "whole",
 ) -> HostLoad:
     """The module docstring's three peaks for ``layout`` on ``hw``; ``cache``: the
-    planner's model-states cache (``plan.memory.model_states``)."""
+    planner's model-states cache (``plan.memory.model_states``); ``loading``: how the
+    script loads the model, one of ``LOADINGS`` (module docstring)."""
     code = 0 if facts.family == "decoder" else DYNAMO_IMPORT + TRANSFORMERS_IMPORT
     settled_code = max(code, DYNAMO_IMPORT) + INITIALIZE_IMPORT + hw.host_overhead_bytes
     whole = FP32 * facts.params
@@ -118,5 +144,13 @@ def predict_host_load(
         flat += -(-kept // replicas)  # the fp32 master partition (kept is already fp32)
     if hw.name != "cpu":  # wrap and settle in device memory; the host keeps what offload moves
         offloaded = flat if layout.offload_param else 0
-        return HostLoad(build, offloaded + code, offloaded + settled_code, ranks)
+        first = code if loading == "sliced" else build
+        return HostLoad(first, offloaded + code, offloaded + settled_code, ranks)
+    if loading == "sliced":  # nothing whole is ever resident: the slices land in F
+        return HostLoad(code, flat + code, flat + settled_code, ranks)
+    if loading == "zero-init" and facts.family == "decoder":
+        # the partitions accumulate while one parameter at a time is whole, with its
+        # initialisation's two temporaries and its gathered copy; the shards then move
+        # into F one by one
+        return HostLoad(flat + 4 * FP32 * facts.largest, flat + code, flat + settled_code, ranks)
     return HostLoad(build, max(cut, kept + flat + code), flat + settled_code, ranks)

@@ -83,9 +83,17 @@ def build_model(model_cfg: dict[str, Any], meta: bool = False):
 
 
 def measure_rank(
-    model_cfg: dict[str, Any], layout: dict[str, Any], seq: int, steps: int, precision: str
+    model_cfg: dict[str, Any],
+    layout: dict[str, Any],
+    seq: int,
+    steps: int,
+    precision: str,
+    folder: str | None = None,
+    zero_init: bool = False,
 ) -> dict[str, Any]:
-    """Inside one rank: the figures of the module docstring for this rank."""
+    """Inside one rank: the figures of the module docstring for this rank; ``folder``: a
+    ``save_pretrained`` folder of the model, loaded sliced (``meshtrain.from_pretrained``)
+    instead of built in the process; ``zero_init``: built under ``meshtrain.zero.Init``."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 65536)
     except OSError:  # not glibc: RSS then lags the bytes alive (the figure says so)
@@ -102,8 +110,15 @@ def measure_rank(
     config = x.config(precision)
     config["steps_per_print"] = 10**6
     torch.manual_seed(0)
-    model = build_model(model_cfg)
-    engine, *_ = meshtrain.initialize(model=model, config=config)
+    if folder is None:
+        if zero_init:
+            with meshtrain.zero.Init(config_dict_or_path=config):
+                model = build_model(model_cfg)
+        else:
+            model = build_model(model_cfg)
+        engine, *_ = meshtrain.initialize(model=model, config=config)
+    else:
+        engine, *_ = meshtrain.from_pretrained(folder, config)
     load_peak = _status("VmHWM") - rss_base  # building the model and initialize, host RAM
     if steps == 0:  # the load alone (plan.host_memory's table)
         return {"load_peak": load_peak, "rss_base": rss_base}
@@ -173,12 +188,32 @@ def measure(
     steps: int = 3,
     precision: str = "fp32",
     timeout: float = 600.0,
+    loading: str = "whole",
 ) -> dict[str, Any]:
     """Run ``layout`` on ``layout.world`` CPU ranks; the slowest rank's median step
     seconds (wall, ``step_s``, and CPU, ``cpu_s``), the largest rank's peak tensor bytes
     and model states, and every rank's host-RAM peak while loading (``load_peak``: the
     growth of ``VmHWM`` from before the model is built to after ``initialize``).
-    ``steps=0``: only the load, returning ``{"load_peak"}``."""
+    ``steps=0``: only the load, returning ``{"load_peak"}``. ``loading`` (one of
+    ``host_memory.LOADINGS``): ``sliced``, a transformers model is written once as a
+    sharded ``save_pretrained`` folder (random values, in a temporary folder) and every
+    rank loads its slices of it; ``zero-init``, built under ``meshtrain.zero.Init``."""
+    import tempfile
+
+    if loading == "sliced":
+        with tempfile.TemporaryDirectory(prefix="meshtrain-plan-") as folder:
+            model = build_model(model_cfg)
+            model.config.architectures = [type(model).__name__]
+            model.save_pretrained(folder, max_shard_size="100MB")
+            del model
+            return _measure(model_cfg, layout, seq, steps, precision, timeout, folder, False)
+    zero_init = loading == "zero-init"
+    return _measure(model_cfg, layout, seq, steps, precision, timeout, None, zero_init)
+
+
+def _measure(
+    model_cfg, layout, seq, steps, precision, timeout, folder, zero_init
+) -> dict[str, Any]:
     import statistics
 
     from meshtrain.launch.processes import run_on_ranks
@@ -190,7 +225,7 @@ def measure(
     ranks = run_on_ranks(
         measure_rank,
         layout.world,
-        (model_cfg, layout.as_dict(), seq, steps, precision),
+        (model_cfg, layout.as_dict(), seq, steps, precision, folder, zero_init),
         timeout=timeout,
         start_method="spawn",
     )

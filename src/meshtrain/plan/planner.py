@@ -20,7 +20,7 @@ from collections import Counter
 
 from meshtrain.errors import ConfigError
 from meshtrain.plan.hardware import Hardware
-from meshtrain.plan.host_memory import predict_host_load
+from meshtrain.plan.host_memory import LOADINGS, predict_host_load
 from meshtrain.plan.layout import Layout
 from meshtrain.plan.memory import predict_memory, rank_params, zero3_units
 from meshtrain.plan.model_facts import ModelFacts
@@ -57,6 +57,7 @@ class Planner:
         micro_batches: tuple[int, ...] = (1, 2, 4, 8),
         packed: bool = False,
         padding: float | None = None,
+        loading: str = "whole",
     ) -> None:
         if gpus < 1:
             raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
@@ -71,6 +72,15 @@ class Planner:
                 "--packed and --padding: give one (--packed: the rows are packed; --padding F: "
                 "search packed and padded rows, F the padded share of unpacked rows)"
             )
+        if loading not in LOADINGS:
+            raise ConfigError(f"--loading: {loading!r}; one of {', '.join(LOADINGS)}")
+        if loading == "sliced" and facts.family == "decoder":
+            raise ConfigError(
+                "--loading sliced: only transformers models load sliced "
+                "(meshtrain.from_pretrained(folder, config=...)); build a meshtrain Decoder "
+                "under meshtrain.zero.Init (--loading zero-init) or whole (--loading whole)"
+            )
+        self.loading = loading
         # packed rows: every layout with them, or (padding given) each layout both ways
         self.packings = (False, True) if padding is not None else (packed,)
         self.padding = padding or 0.0
@@ -155,6 +165,12 @@ class Planner:
         enumerated either): the micro-batch, the accumulation
         and checkpointing refuse nothing by themselves; the schedule's action lists for
         this micro-batch count are built (and checked) when the time model asks."""
+        if self.loading == "zero-init" and layout.stage != 3:
+            return (
+                f"zero_optimization.stage {layout.stage} with --loading zero-init: "
+                "meshtrain.zero.Init partitions the parameters as they are built, which is "
+                "ZeRO stage 3; plan another stage with --loading whole"
+            )
         if layout.pp > 1 and layout.stage >= 3:  # the planner's own limit, not the engine's
             return (
                 "zero_optimization.stage 3 with mesh.pipeline_parallel_size > 1 is not "
@@ -195,7 +211,7 @@ class Planner:
         )  # fmt: skip
         host = predict_host_load(
             self.facts, layout, self.check, self.hw, precision=self.precision,
-            optimizer=self.optimizer, cache=self._states,
+            optimizer=self.optimizer, cache=self._states, loading=self.loading,
         )  # fmt: skip
         return Prediction(
             layout, memory, time, self.seq, step_flops_per_token(self.facts, self.seq),

@@ -18,7 +18,16 @@ import sys
 from meshtrain.plan.layout import Layout
 from meshtrain.plan.published import predict_published
 
-__all__ = ["LOADED", "MEASURED", "PACKED", "run_load", "run_packed", "spearman"]
+__all__ = [
+    "LOADED",
+    "MEASURED",
+    "PACKED",
+    "SLICED",
+    "ZERO_INIT",
+    "run_load",
+    "run_packed",
+    "spearman",
+]
 
 DECODER = dict(vocab_size=4224, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=256)
 LLAMA = dict(hf="llama", vocab_size=2048, hidden_size=256, intermediate_size=688,
@@ -81,6 +90,21 @@ LOADED: tuple[tuple[str, dict, Layout], ...] = (
     ("mixtral", BIG_MIXTRAL, L(dp=2, ep=2, stage=1, micro_batch=2)),
     ("mixtral", BIG_MIXTRAL, L(dp=2, stage=3, micro_batch=2)),
 )
+# the same models loaded sliced (meshtrain.from_pretrained(folder, config=...))
+SLICED: tuple[tuple[str, dict, Layout], ...] = (
+    ("llama", BIG_LLAMA, L(dp=1, micro_batch=2)),
+    ("llama", BIG_LLAMA, L(dp=2, stage=3, micro_batch=2)),
+    ("llama", BIG_LLAMA, L(dp=4, stage=3, micro_batch=1)),
+    ("llama", BIG_LLAMA, L(dp=1, tp=2, micro_batch=2)),
+    ("llama", BIG_LLAMA, L(dp=1, pp=2, micro_batch=1, grad_accum=2)),
+    ("mixtral", BIG_MIXTRAL, L(dp=2, ep=2, stage=1, micro_batch=2)),
+    ("mixtral", BIG_MIXTRAL, L(dp=2, stage=3, micro_batch=2)),
+)
+# the reference decoder built under meshtrain.zero.Init (ZeRO-3)
+ZERO_INIT: tuple[tuple[str, dict, Layout], ...] = (
+    ("decoder", BIG_DECODER, L(dp=2, stage=3, micro_batch=2)),
+    ("decoder", BIG_DECODER, L(dp=4, stage=3, micro_batch=1)),
+)
 
 
 # Packed rows (plan.memory.packed_masks) at sequence 1,024, where the masks are large enough
@@ -134,15 +158,19 @@ def run_load(out: str) -> list[dict]:
 
     hw = Hardware.cpu()
     rows = []
-    for name, cfg, layout in LOADED:
+    runs = [(r, "whole") for r in LOADED] + [(r, "sliced") for r in SLICED]
+    runs += [(r, "zero-init") for r in ZERO_INIT]
+    for (name, cfg, layout), loading in runs:
         load = load_average()
-        got = measure(cfg, layout, seq=SEQ, steps=0)["load_peak"]
-        host = planner_for(cfg, hw, layout.world, SEQ, layout.global_batch).predict(layout).host
+        got = measure(cfg, layout, seq=SEQ, steps=0, loading=loading)["load_peak"]
+        planner = planner_for(cfg, hw, layout.world, SEQ, layout.global_batch, loading=loading)
+        host = planner.predict(layout).host
+        name = name if loading == "whole" else f"{name} {loading}"
         rows.append({"model": name, "layout": layout.label(), "world": layout.world,
                      "load": load, "measured": got, "predicted": host.peak,
                      "phase": host.phase, "error": host.peak / got - 1})  # fmt: skip
         print(
-            f"{name:<8} {layout.label():<28} {got / 2**20:7.1f} MiB measured, "
+            f"{name:<15} {layout.label():<28} {got / 2**20:7.1f} MiB measured, "
             f"{host.peak / 2**20:7.1f} predicted ({host.phase}) {host.peak / got - 1:+.1%}  "
             f"load {load}",
             flush=True,
