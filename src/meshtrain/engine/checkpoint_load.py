@@ -19,6 +19,7 @@ from meshtrain.engine.checkpoint_layout import frozen_specs, runs, tp_of
 from meshtrain.engine.model_names import model_names
 from meshtrain.engine.rng_state import set_rng
 from meshtrain.engine.slice_state import load_slice_states
+from meshtrain.interop.peer_checkpoints import open_peer_checkpoint
 from meshtrain.parallel.tensor.sharding import shard_tensor
 
 log = logging.getLogger("meshtrain")
@@ -33,7 +34,18 @@ def load(
     load_module_only: bool = False,
 ) -> tuple[Path | None, dict | None]:
     """``engine.load_checkpoint`` (see the module docstring); ``(None, None)`` when there
-    is nothing to load."""
+    is nothing to load. ``load_dir`` is a folder (meshtrain's format, or a peer's:
+    ``interop.peer_checkpoints``) or an opened source."""
+    if hasattr(load_dir, "check_model"):  # an opened source (from_pretrained's folder)
+        return load_from(
+            engine, load_dir, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+    peer = open_peer_checkpoint(load_dir, tag)
+    if peer is not None:  # closing unmaps the peer's files, as the reader does below
+        with peer:
+            return load_from(
+                engine, peer, load_optimizer_states, load_lr_scheduler_states, load_module_only
+            )
     reason = nothing_to_load(load_dir, tag)
     if reason is not None:
         if engine.topology.rank == 0:
@@ -78,6 +90,8 @@ def load_from(
     canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
     tp = tp_of(engine)
     ep = experts.expert_specs(engine)
+    if hasattr(reader, "use_aliases"):  # a peer's source: it resolves tied names itself
+        reader.use_aliases(names.aliases)
     reader.check_model(names.expected())
     meta = reader.meta
     states = [s for s in reader.states() if s != "param"] if load_optimizer_states else []
@@ -134,7 +148,10 @@ def load_from(
     engine.load_state_dict(
         {
             "global_steps": meta["global_steps"],
-            "micro_steps": meta["micro_steps"],
+            # a peer that keeps no micro-step count (DeepSpeed): whole steps of this run's gas
+            "micro_steps": meta["micro_steps"]
+            if meta.get("micro_steps") is not None
+            else meta["global_steps"] * engine.gas,
             "skipped_steps": meta["skipped_steps"],
             "scaler": rank0["scaler"],
             "scheduler": rank0["scheduler"],

@@ -50,9 +50,7 @@ from typing import Any
 
 import torch
 
-from meshtrain.engine.checkpoint_load import load, load_from
-from meshtrain.engine.initialize import initialize
-from meshtrain.engine.model_names import model_names
+import meshtrain  # initialize from the root: interop sits above the engine, never below
 from meshtrain.errors import CheckpointError
 from meshtrain.interop.safetensors_source import SafetensorsSource
 
@@ -167,16 +165,19 @@ def from_pretrained(
     model.meshtrain_weights_from_files = True
     if initialize_kwargs.get("model_parameters") is None:
         initialize_kwargs["model_parameters"] = model.parameters()
-    out = initialize(model=model, config=config, **initialize_kwargs)
+    out = meshtrain.initialize(model=model, config=config, **initialize_kwargs)
     engine = out[0]
     if source is None:
-        load(engine, path, load_module_only=True)
+        engine.load_checkpoint(path, load_module_only=True)
     else:
         _same_fallback(engine, source.fallback)
-        with source:
-            names = model_names(engine)
-            source.aliases = dict(names.aliases)
-            load_from(engine, source, False, False, True)
+        with source:  # the engine's loader reads this rank's ranges from the folder
+            engine.load_checkpoint(
+                source,
+                load_optimizer_states=False,
+                load_lr_scheduler_states=False,
+                load_module_only=True,
+            )
     for t in engine.module.parameters():  # loaded: the mark no longer holds
         if hasattr(t, VALUES_FOLLOW):
             delattr(t, VALUES_FOLLOW)
