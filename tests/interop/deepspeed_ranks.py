@@ -136,3 +136,41 @@ def meshtrain_module_only(ckpt: str) -> dict:
     )[0]
     return {"global_steps": engine.global_steps - 1, "client_state": client,
             "first_loss": loss[0], "exp_avg_norm_before": norm}  # fmt: skip
+
+
+class RunsCode:
+    """A pickle that would run a shell command when unpickled (what a hostile file does)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def bad_inputs(folders: dict) -> dict:
+    """One rank, ZeRO 1: ``engine.load_checkpoint`` on each bad folder; the messages."""
+    import meshtrain
+    from meshtrain.errors import CheckpointError
+
+    out = {}
+    for what, (kind, folder) in folders.items():
+        torch.manual_seed(0)
+        model = make_model(kind)
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 1},
+            "steps_per_print": 10**6,
+        }
+        engine, *_ = meshtrain.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        try:
+            engine.load_checkpoint(folder)
+            out[what] = None
+        except CheckpointError as exc:
+            out[what] = str(exc)
+    return out

@@ -107,3 +107,47 @@ def test_module_only_keeps_the_fresh_optimizer(written):
     assert got["global_steps"] == 0 and got["client_state"] == R.CLIENT_STATE
     assert got["first_loss"] == ds_losses[0]
     check("module only: no optimizer state", float(got["exp_avg_norm_before"]), 0.0)
+
+
+def test_bad_peer_inputs_are_named(written, tmp_path):
+    """Real bad files, one line each naming the file and the fix: a truncated partition, a
+    pickle that needs code to run (it must not run), a checkpoint of another model, a
+    foreign folder of an unknown kind."""
+    import shutil
+
+    out, _, _ = written(1)
+    tag = "global_step3"
+    truncated = tmp_path / "truncated"
+    shutil.copytree(out / "first", truncated)
+    part = truncated / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    hostile = tmp_path / "hostile"
+    shutil.copytree(out / "first", hostile)
+    states = hostile / tag / "mp_rank_00_model_states.pt"
+    sd = torch.load(states, weights_only=True)
+    marker = tmp_path / "code_ran"
+    sd["note"] = R.RunsCode(str(marker))
+    torch.save(sd, states)
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    torch.save({"w": torch.zeros(2)}, unknown / "weights.ckpt")
+    (unknown / "README.txt").write_text("a run of some other trainer\n")
+    folders = {
+        "truncated": ("decoder", str(truncated)),
+        "hostile": ("decoder", str(hostile)),
+        "other model": ("plain", str(out / "first")),
+        "unknown": ("decoder", str(unknown)),
+    }
+    got = run_ranks(R.bad_inputs, 1, folders)[0]
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: not a torch zip archive" in got["truncated"]
+    assert "copy the DeepSpeed checkpoint again" in got["truncated"]
+    assert "mp_rank_00_model_states.pt: the pickle needs" in got["hostile"], got
+    assert "system" in got["hostile"]  # os.system, pickled as posix.system
+    assert "never does with a checkpoint" in got["hostile"]
+    assert not marker.exists()  # refused before anything ran
+    assert "is of another model" in got["other model"]
+    assert "load it into the model that saved it" in got["other model"]
+    assert "unknown" in got["unknown"] and "weights.ckpt" in got["unknown"]
+    assert "does not know" in got["unknown"]
+    for msg in got.values():
+        assert "\n" not in msg

@@ -16,6 +16,7 @@ loading (each rank its slice, plus the one tensor being cut).
 
 from __future__ import annotations
 
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,8 @@ def load_peer_file(path: str | Path, what: str) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError or others
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "Unsupported global" in str(exc) or "unrecognized function" in str(exc):
+        text = str(exc)
+        if "GLOBAL" in text or "Unsupported global" in text or "unrecognized function" in text:
             name = _global_named(str(exc))
             raise CheckpointError(
                 f"{path}: the pickle needs {name} to be imported and run, which meshtrain "
@@ -82,9 +84,8 @@ def load_peer_file(path: str | Path, what: str) -> Any:
 
 
 def _global_named(message: str) -> str:
-    for line in message.splitlines():
-        if "Unsupported global" in line:
-            return line.split("GLOBAL", 1)[-1].split("was not")[0].strip() or "code"
-        if "unrecognized function" in line:
-            return line.split("unrecognized function", 1)[-1].strip()
-    return "code"
+    """The name torch's restricted unpickler refused (``GLOBAL posix.system ...``)."""
+    found = re.search(r"GLOBAL ([\w.]+)", message) or re.search(
+        r"unrecognized function ([^\s]+)", message
+    )
+    return found.group(1) if found else "code"
