@@ -67,7 +67,9 @@ def deepspeed_writes(out: str, stage: int, bf16: bool = False) -> list[float]:
     return losses
 
 
-def meshtrain_resumes(ckpt: str, stage: int, load_optimizer: bool = True) -> dict:
+def meshtrain_resumes(
+    ckpt: str, stage: int, load_optimizer: bool = True, bf16: bool = False
+) -> dict:
     """meshtrain at this world size and ZeRO ``stage``: resume from DeepSpeed's ``ckpt``
     and train ``STEPS`` steps. Returns what the test compares."""
     import torch.distributed as dist
