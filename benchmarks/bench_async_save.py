@@ -58,7 +58,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
 
     import meshtrain
-    from meshtrain.checkpoint.engine_io import shard_contents
+    from meshtrain.engine.checkpoint_save import shard_contents
     from meshtrain.models import Decoder, DecoderConfig
 
     torch.manual_seed(0)

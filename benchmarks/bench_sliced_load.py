@@ -98,7 +98,7 @@ def _worker(args) -> None:
     # baseline: a tiny model through the same path, so the growth is the model's
     _ = transformers.LlamaForCausalLM
     if args.how != "transformers":
-        import meshtrain.checkpoint.sliced_load  # noqa: F401
+        import meshtrain.interop.from_pretrained  # noqa: F401
 
         tiny = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -146,12 +146,6 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "TrainingArguments: transformers' fields, each checked (value checks live in "
         "checks.py), and their engine config",
     ),
-    "meshtrain.checkpoint.engine_io": (
-        454,
-        "what an engine's checkpoint holds, written and read; the sync and async saves "
-        "share shard_contents(); non-element-wise optimizer states go to slice_state.py, "
-        "where an ep rank's experts sit lives in expert_layout.py",
-    ),
 }
 
 

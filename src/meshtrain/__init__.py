@@ -18,13 +18,12 @@ from meshtrain.errors import (
     TopologyError,
     TrainingError,
 )
-
-__version__ = "0.1.0"
+from meshtrain.version import __version__
 
 # public name -> "module:attribute"
 _LAZY = {
     "initialize": "meshtrain.engine.initialize:initialize",
-    "from_pretrained": "meshtrain.checkpoint.sliced_load:from_pretrained",
+    "from_pretrained": "meshtrain.interop.from_pretrained:from_pretrained",
     "add_config_arguments": "meshtrain.engine.initialize:add_config_arguments",
     "Engine": "meshtrain.engine.engine:Engine",
     "parallelize": "meshtrain.parallel.compose:parallelize",

@@ -18,7 +18,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("train", "meshtrain.jobs.train.main_job"),
     ("estimate", "meshtrain.estimate.cli"),
     ("plan", "meshtrain.plan.cli"),
-    ("consolidate", "meshtrain.checkpoint.consolidate"),
+    ("consolidate", "meshtrain.interop.consolidate_command"),
     ("data", "meshtrain.data.cli"),
     ("serve", "meshtrain.serve.cli"),
 )

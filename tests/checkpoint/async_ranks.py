@@ -93,7 +93,7 @@ def preempt_user_loop(out, signal_at, second_signal):
     }
     eng = make_engine("decoder", 2, 1, cfg)
     if second_signal and dist.get_rank() == 0:
-        from meshtrain.checkpoint import engine_io
+        from meshtrain.engine import checkpoint_save as engine_io
 
         real = engine_io.save_shards
 

@@ -35,8 +35,8 @@ def merge_lora_state_dict(
     gathered state dict."""
     from peft.tuners.lora import LoraLayer
 
-    from meshtrain.checkpoint.dequantize import dequantized_state
-    from meshtrain.checkpoint.merge_lora import merge_lora
+    from meshtrain.interop.dequantize import dequantized_state
+    from meshtrain.interop.merge_lora import merge_lora
 
     # a 4-/8-bit base is dequantized first: never a delta added into packed codes
     state = dequantized_state(module, state)

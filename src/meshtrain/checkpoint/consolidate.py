@@ -1,5 +1,5 @@
 """Consolidated export: one safetensors file (or a save_pretrained folder) of the full model,
-streamed so that memory stays at one chunk, never the model; and ``meshtrain consolidate``.
+streamed so that memory stays at one chunk, never the model (the command line: ``interop/consolidate_command.py``).
 
 Why hand-write the safetensors container: ``safetensors.torch.save_file`` takes the
 whole state dict in memory, which is exactly the cost this export exists to avoid (a
@@ -33,7 +33,6 @@ in it, and, when the meta carries ``hf_config``, ``config.json`` too, without al
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
@@ -43,12 +42,13 @@ from typing import Any
 
 import torch
 
-from meshtrain.checkpoint import storage, tensor_files
+from meshtrain.checkpoint import tensor_files
 from meshtrain.checkpoint.manifest import dtype_from_name, dtype_name
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.dtypes import PRECISIONS, SAFETENSORS_CODES
 from meshtrain.errors import CheckpointError
 from meshtrain.files import checksums
+from meshtrain.files.atomic import atomic_file, write_atomic
 from meshtrain.files.writable import check_writable
 
 CHUNK_NUMEL = 1 << 22  # elements per streamed chunk: 16 MiB of fp32
@@ -101,48 +101,40 @@ def _write_streamed(
         raise CheckpointError(
             "consolidate writes little-endian safetensors; run it on a little-endian machine"
         )
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     disable = not sys.stderr.isatty() if progress is None else not progress
-    try:
-        header = _header(plan)
-        record: dict[str, Any] = {
-            "algo": checksums.ALGO,
-            "header": checksums.digest(header),
-            "tensors": {},
-        }
-        with open(tmp, "wb") as f:
-            f.write(header)
-            for key, canon, dtype, shape in tqdm(
-                plan, desc="consolidate", unit="tensor", disable=disable
-            ):
-                expected = torch.Size(shape).numel()
-                written, h = 0, checksums.hasher()
-                for _pos, chunk in reader.iter_chunks(canon, max_numel=CHUNK_NUMEL):
-                    data = chunk.to(dtype).contiguous()
-                    raw = memoryview(data.view(torch.uint8).numpy())
-                    f.write(raw)
-                    h.update(raw)
-                    written += data.numel()
-                    del chunk, data, raw
-                    reader.release()  # unmap what this chunk touched: memory stays one chunk
-                if written != expected:
-                    raise CheckpointError(
-                        f"consolidate: assembled {written} elements of {canon!r} for {key!r}, "
-                        f"expected {expected}"
-                    )
-                record["tensors"][key] = h.hexdigest()
-            f.flush()
-            os.fsync(f.fileno())
-            record["size"] = f.tell()
-        with safe_open(str(tmp), framework="pt") as check:  # header and offsets are valid
+    header = _header(plan)
+    record: dict[str, Any] = {
+        "algo": checksums.ALGO,
+        "header": checksums.digest(header),
+        "tensors": {},
+    }
+    with atomic_file(path, "wb") as f:
+        f.write(header)
+        for key, canon, dtype, shape in tqdm(
+            plan, desc="consolidate", unit="tensor", disable=disable
+        ):
+            expected = torch.Size(shape).numel()
+            written, h = 0, checksums.hasher()
+            for _pos, chunk in reader.iter_chunks(canon, max_numel=CHUNK_NUMEL):
+                data = chunk.to(dtype).contiguous()
+                raw = memoryview(data.view(torch.uint8).numpy())
+                f.write(raw)
+                h.update(raw)
+                written += data.numel()
+                del chunk, data, raw
+                reader.release()  # unmap what this chunk touched: memory stays one chunk
+            if written != expected:
+                raise CheckpointError(
+                    f"consolidate: assembled {written} elements of {canon!r} for {key!r}, "
+                    f"expected {expected}"
+                )
+            record["tensors"][key] = h.hexdigest()
+        f.flush()
+        record["size"] = f.tell()
+        with safe_open(f.name, framework="pt") as check:  # header and offsets are valid
             if len(list(check.keys())) != len(plan):
-                raise CheckpointError(f"consolidate: {tmp} does not list every tensor")
-        os.replace(tmp, path)
-        storage.fsync_dir(path.parent)
-        return record
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+                raise CheckpointError(f"consolidate: {f.name} does not list every tensor")
+    return record
 
 
 def _cast_arg(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -215,7 +207,7 @@ def consolidate(
         if floats:  # the dtype from_pretrained will default to, as save_pretrained records
             for k in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
                 config[k] = dtype_name(floats[0])
-        storage.write_text_atomic(output / "config.json", json.dumps(config, indent=2) + "\n")
+        write_atomic(output / "config.json", json.dumps(config, indent=2) + "\n")
         files["config.json"] = tensor_files.plain_record(output / "config.json")
     tensor_files.write_sidecar(output, files)
     return output
@@ -223,66 +215,3 @@ def consolidate(
 
 def _nbytes(entry: tuple[str, str, torch.dtype, tuple[int, ...]]) -> int:
     return torch.Size(entry[3]).numel() * torch.empty(0, dtype=entry[2]).element_size()
-
-
-def _size(path: Path) -> int:
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-    return path.stat().st_size
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"
-
-
-def _main(args: argparse.Namespace) -> int:
-    try:
-        if args.merge_lora:  # a LoRA checkpoint merged into its base (merge_lora.py)
-            from meshtrain.checkpoint.merge_lora import consolidate_merged
-
-            out = consolidate_merged(args.checkpoint, args.output, args.merge_lora, tag=args.tag)
-        else:
-            out = consolidate(args.checkpoint, args.output, tag=args.tag, dtype=args.dtype)
-    except CheckpointError as exc:
-        print(f"meshtrain consolidate: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"{out} ({_human(_size(out))})")
-    return 0
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``meshtrain consolidate CHECKPOINT_DIR OUTPUT [--tag T] [--dtype D]``."""
-    p = subparsers.add_parser(
-        "consolidate",
-        help="export a sharded checkpoint as one safetensors file or a save_pretrained folder",
-        description="Stream a sharded meshtrain checkpoint into one safetensors file "
-        "(OUTPUT ends in .safetensors) or a folder (model.safetensors, plus config.json "
-        "for transformers models, loadable with from_pretrained). Memory stays at one "
-        "chunk of one tensor, whatever the model size.",
-    )
-    p.add_argument(
-        "checkpoint",
-        metavar="CHECKPOINT_DIR",
-        help="save_dir (uses its 'latest' unless --tag) or one tag directory",
-    )
-    p.add_argument("output", metavar="OUTPUT", help="FILE.safetensors or a folder")
-    p.add_argument("--tag", default=None, metavar="T", help="checkpoint tag in CHECKPOINT_DIR")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=sorted(PRECISIONS),
-        help="cast floating tensors (default: the model dtype in the checkpoint)",
-    )
-    p.add_argument(
-        "--merge-lora",
-        default=None,
-        metavar="ADAPTER_CONFIG",
-        help="merge the checkpoint's LoRA adapter (peft) into the base weights, scaled as "
-        "ADAPTER_CONFIG (adapter_config.json or its folder) says; OUTPUT is a folder",
-    )
-    p.set_defaults(func=_main)
-    return p

@@ -62,6 +62,7 @@ import torch
 
 from meshtrain.dtypes import BY_MANIFEST_NAME
 from meshtrain.errors import CheckpointError
+from meshtrain.version import __version__
 
 FORMAT = "meshtrain-checkpoint"
 FORMAT_VERSION = 2  # see "Versions" above; bump when a reader of the previous one would misread
@@ -268,8 +269,6 @@ def build_manifest(
     tag: str, meta: dict[str, Any], infos: list[dict[str, Any]], created_unix: float
 ) -> dict[str, Any]:
     """The manifest dict from rank 0's meta and each rank's gathered file info."""
-    from meshtrain import __version__
-
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -284,8 +283,6 @@ def build_manifest(
 
 def check_version(version: Any, writer: Any, where: str) -> None:
     """Refuse a ``format_version`` this meshtrain cannot read, naming it and the fix."""
-    from meshtrain import __version__
-
     if (
         isinstance(version, int)
         and not isinstance(version, bool)

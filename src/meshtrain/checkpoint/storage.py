@@ -6,14 +6,13 @@ progress or a crashed one), ``.old-<tag>/`` (a tag being overwritten) and ``.del
 (a tag being deleted by retention) directories.
 
 Durability: a rename is only as durable as its directory entry, so after every rename
-the parent directory is fsynced too (POSIX; a no-op where directories cannot be opened).
+the parent directory is fsynced too (``files.atomic``, which also writes ``latest``).
 Ordering is what makes a crash harmless: ``latest`` is replaced only after the tag's
 directory is complete and durable, and ``os.replace`` swaps it atomically.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -25,6 +24,7 @@ from typing import Any
 
 from meshtrain.checkpoint.manifest import LATEST, MANIFEST, OLD_PREFIX, check_tag
 from meshtrain.errors import CheckpointError
+from meshtrain.files.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +40,6 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: Path) -> None:
-    """Make renames/creations inside ``path`` durable (skipped where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except (PermissionError, IsADirectoryError, OSError):
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in chunks (memory stays at one chunk)."""
     h = hashlib.sha256()
@@ -60,17 +47,6 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file, fsync, ``os.replace``, fsync the dir."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def is_complete(tag_dir: Path) -> bool:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from meshtrain.files import checksums
+from meshtrain.files.atomic import write_atomic
 
 _ST_ITEMSIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -289,11 +290,9 @@ def sidecar_of(path: Path) -> Path:
 
 def write_sidecar(path: Path, files: dict[str, dict[str, Any]]) -> Path:
     """Record ``{file name: record}`` for the export at ``path`` (sealed, atomic)."""
-    from meshtrain.checkpoint import storage
-
     out = sidecar_of(path)
     text = json.dumps({"format": SIDECAR_FORMAT, "version": 1, "files": files}, indent=1)
-    storage.write_text_atomic(out, checksums.seal(text))
+    write_atomic(out, checksums.seal(text))
     return out
 
 

@@ -73,6 +73,7 @@ from meshtrain.distributed.comm import Group
 from meshtrain.dtypes import BY_MANIFEST_NAME
 from meshtrain.errors import CheckpointError
 from meshtrain.files import checksums
+from meshtrain.files.atomic import fsync_dir, write_atomic
 from meshtrain.files.writable import check_writable
 
 PHASES = ("shard_written", "manifest_written", "moved_aside", "renamed", "latest_written")
@@ -230,20 +231,20 @@ def _commit(
         f.write(checksums.seal(dumps(manifest)))  # the manifest carries its own checksum
         f.flush()
         os.fsync(f.fileno())
-    storage.fsync_dir(tmp)
+    fsync_dir(tmp)
     phase("manifest_written")
     final, old = save_dir / tag, None
     if final.exists():
         old = save_dir / f"{OLD_PREFIX}{tag}"
         os.rename(final, old)
-        storage.fsync_dir(save_dir)
+        fsync_dir(save_dir)
         phase("moved_aside")
     os.rename(tmp, final)
-    storage.fsync_dir(save_dir)
+    fsync_dir(save_dir)
     phase("renamed")
     if old is not None:
         shutil.rmtree(old)
-    storage.write_text_atomic(save_dir / LATEST, tag)
+    write_atomic(save_dir / LATEST, tag)
     phase("latest_written")
     if keep_last is not None:
         storage.apply_retention(save_dir, keep_last)

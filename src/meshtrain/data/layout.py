@@ -30,6 +30,7 @@ import numpy as np
 from meshtrain.data.integrity import BlockHasher, array_digest
 from meshtrain.errors import DataError
 from meshtrain.files import checksums
+from meshtrain.files.atomic import write_atomic
 from meshtrain.files.structured import parse_json
 from meshtrain.files.text import decode, read_bytes
 
@@ -165,10 +166,7 @@ class StoreWriter:
             **meta,
             "checksums": sums,
         }
-        tmp = os.path.join(self.out, META + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(checksums.seal(json.dumps(meta, indent=2, sort_keys=True)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.out, META))
+        write_atomic(
+            os.path.join(self.out, META), checksums.seal(json.dumps(meta, indent=2, sort_keys=True))
+        )
         return meta

@@ -27,6 +27,7 @@ cannot be reached, the report still knows which node and address each rank had.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -36,6 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 from meshtrain.distributed.rank_records import DOCTOR_DIR_ENV, PEERS_FILE, beat_key, read_beats
+from meshtrain.files.atomic import write_atomic
 
 CLIENT_TIMEOUT_S = 2.0
 PEERS_AFTER_BEATS = 3  # beats before local rank 0 copies the peers' (all ranks joined)
@@ -151,13 +153,8 @@ def _write_peers(beats: dict[int, dict]) -> None:
     if not folder or not beats:
         return
     path = os.path.join(folder, PEERS_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump({str(r): b for r, b in beats.items()}, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):  # best effort: a doctor's file never stops training
+        write_atomic(path, json.dumps({str(r): b for r, b in beats.items()}))
 
 
 def read_peers(folder: str | None = None) -> dict[int, dict]:

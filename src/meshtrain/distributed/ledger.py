@@ -56,7 +56,7 @@ from meshtrain.distributed.store_io import (
     root_store,
     store_address,
     store_set,
-    write_atomic,
+    write_status,
 )  # fmt: skip
 
 CAPACITY = 64
@@ -197,7 +197,7 @@ class Ledger:
         text = json.dumps(rec)
         folder = os.environ.get(DOCTOR_DIR_ENV)
         if folder:
-            write_atomic(os.path.join(folder, f"rank{self._rank}.json"), text)
+            write_status(os.path.join(folder, f"rank{self._rank}.json"), text)
         if store:
             store_set(record_key(self._rank), text)
         return rec
@@ -257,7 +257,7 @@ class Ledger:
                 "node_rank": _env_int("GROUP_RANK"),
                 "address": self._address,
             }
-            write_atomic(os.path.join(folder, f"hello{self._rank}.json"), json.dumps(hello))
+            write_status(os.path.join(folder, f"hello{self._rank}.json"), json.dumps(hello))
 
 
 class _Tracked:

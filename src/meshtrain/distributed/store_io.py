@@ -7,8 +7,10 @@ atomically (a reader never sees half a record).
 
 from __future__ import annotations
 
-import os
+import contextlib
 import threading
+
+from meshtrain.files.atomic import write_atomic
 
 
 def pg_timeout_seconds() -> float | None:
@@ -45,14 +47,10 @@ def store_set(key: str, value: str, deadline_s: float = 3.0) -> None:
     t.join(deadline_s)
 
 
-def write_atomic(path: str, text: str) -> None:
-    try:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+def write_status(path: str, text: str) -> None:
+    """Replace a status file (best effort: a doctor's file must never stop training)."""
+    with contextlib.suppress(OSError):
+        write_atomic(path, text)
 
 
 def root_store():

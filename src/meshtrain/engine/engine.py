@@ -370,7 +370,7 @@ class Engine(EngineQueries):
         parallelism, in the unsplit model's names). Every rank must call it."""
         with self.gathered_parameters():  # ZeRO-3 (under pp: this rank's stages)
             if self.pipeline is not None:
-                from meshtrain.checkpoint.model_names import full_state_dict as whole_model
+                from meshtrain.engine.model_names import full_state_dict as whole_model
 
                 return whole_model(self)
             if self.topology.tp_size > 1:
@@ -404,7 +404,7 @@ class Engine(EngineQueries):
         memory; the directory exists when the background write commits
         (``wait_for_checkpoint``). ``on_commit(path)``: run on every rank after the commit
         (files to add beside the checkpoint)."""
-        from meshtrain.checkpoint.engine_io import save
+        from meshtrain.engine.checkpoint_save import save
 
         adopt_rebound(self.zero.flat_groups)
         return save(self, save_dir, tag, {} if client_state is None else client_state, on_commit)
@@ -470,7 +470,7 @@ class Engine(EngineQueries):
         ``(load_path, client_state)``, or ``(None, None)`` with a logged warning when there
         is nothing to load (no such directory, an empty one, or no such tag), as DeepSpeed
         does."""
-        from meshtrain.checkpoint.engine_io import load
+        from meshtrain.engine.checkpoint_load import load
 
         return load(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from meshtrain.files.atomic import atomic_file
+
 PREEMPTED_EXIT_CODE = 75
 SIGNALS = ("SIGTERM", "SIGUSR1")
 _NEVER = 2**31 - 1  # above any step boundary count
@@ -133,12 +135,10 @@ def write_note(step: int, path: Path | str | None, late_by: int | None = None) -
     target = os.environ.get(NOTE_ENV)
     if not target or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return
-    tmp = f"{target}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(target) as f:
         json.dump(
             {"step": step, "path": None if path is None else str(path), "late_by": late_by}, f
         )
-    os.replace(tmp, target)
 
 
 def read_note(target: str | os.PathLike) -> dict | None:

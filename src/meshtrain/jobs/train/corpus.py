@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ import numpy as np
 
 from meshtrain.data.tokenizer import ByteTokenizer, as_tokenizer
 from meshtrain.errors import DataError
+from meshtrain.files.atomic import write_atomic
 from meshtrain.files.structured import load_json
 from meshtrain.files.text import read_text
 
@@ -88,9 +88,7 @@ def write_plain_corpus(source: Path, out: Path) -> int:
             if text:
                 lines.append(text)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, out)
+    write_atomic(out, "\n".join(lines) + "\n")
     return len(lines)
 
 
@@ -138,15 +136,13 @@ class CharTokenizer(ByteTokenizer):
 
     def save(self, path: Path, source: str = "") -> None:
         """Write the vocabulary; ``source`` records what it was built from."""
-        tmp = path.with_name(path.name + ".tmp")
         payload = {
             "format": VOCAB_FORMAT,
             "source": source,
             "specials": list(SPECIALS),
             "chars": "".join(self.chars),
         }
-        tmp.write_text(json.dumps(payload, ensure_ascii=False), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(payload, ensure_ascii=False))
 
     @classmethod
     def load(cls, path: Path, source: str | None = None) -> CharTokenizer | None:
@@ -244,9 +240,7 @@ def _write_if_changed(path: Path, lines: Sequence[str]) -> None:
     text = "\n".join(lines) + "\n"
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, text)
 
 
 def prepare_corpus(

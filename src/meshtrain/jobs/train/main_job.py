@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.files.atomic import write_atomic
 
 _EPILOG = """examples:
   meshtrain train                                   # the default job, 2 CPU processes
@@ -204,9 +205,7 @@ def _prepare(job_dict: dict[str, Any]) -> tuple[dict[str, Any], int, Path]:
     resolved["train"]["nproc"] = nproc
     decoder_config(JobConfig.from_dict(resolved), data.vocab_size)
     config_file = out / "config.json"
-    tmp = config_file.with_name("config.json.tmp")
-    tmp.write_text(json.dumps(resolved, indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, config_file)
+    write_atomic(config_file, json.dumps(resolved, indent=2, ensure_ascii=False))
     return resolved, nproc, config_file
 
 

@@ -13,9 +13,9 @@ matplotlib comes with the ``examples`` extra; without it there is no plot (False
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
+from meshtrain.files.atomic import atomic_path
 from meshtrain.trainer.run_log import read_metrics
 
 
@@ -75,10 +75,9 @@ def plot_run(metrics: str | Path, out: str | Path, title: str, resumed_at: int =
     right.set_yscale("log")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    tmp = Path(out).with_name(Path(out).name + ".tmp.png")
-    fig.savefig(tmp)
+    with atomic_path(out) as tmp:  # the temp keeps the suffix: savefig's format
+        fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, out)
     return True
 
 

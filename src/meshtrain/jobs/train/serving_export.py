@@ -26,12 +26,12 @@ gets a continuation of what was sent.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from meshtrain.files.atomic import atomic_path
 
 EXPORT_DIR = "model"
 CHAT_TEMPLATE = (
@@ -138,8 +138,6 @@ def export_for_serving(model: torch.nn.Module, tokenizer: Any, output_dir: str |
 
     cfg = model.config
     folder = Path(output_dir) / EXPORT_DIR
-    tmp = folder.with_name(EXPORT_DIR + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     llama = LlamaForCausalLM(llama_config(cfg, tokenizer))
     weights = llama_state_dict(model.state_dict(), cfg.n_heads)
     if cfg.tie_embeddings:
@@ -156,14 +154,13 @@ def export_for_serving(model: torch.nn.Module, tokenizer: Any, output_dir: str |
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
     )
-    llama.save_pretrained(tmp)
-    char_tokenizer_fast(tokenizer, cfg.max_seq_len).save_pretrained(tmp)
-    (tmp / "meshtrain_export.json").write_text(
-        json.dumps({"from": "meshtrain train", "decoder": cfg.to_dict()}, default=str),
-        encoding="utf-8",
-    )
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    with atomic_path(folder) as tmp:  # a reader sees the old export or the new, never half
+        llama.save_pretrained(tmp)
+        char_tokenizer_fast(tokenizer, cfg.max_seq_len).save_pretrained(tmp)
+        (tmp / "meshtrain_export.json").write_text(
+            json.dumps({"from": "meshtrain train", "decoder": cfg.to_dict()}, default=str),
+            encoding="utf-8",
+        )
     return folder
 
 

@@ -66,6 +66,10 @@ class _SafetensorsFile:
             raise CheckpointError(f"{self.path}: truncated ({len(data)} of {n} bytes at {offset})")
         return data
 
+    def use_aliases(self, aliases: Mapping[str, str]) -> None:
+        """The engine's tied names (alias -> canonical), for a key saved under either."""
+        self.aliases = dict(aliases)
+
     def keys(self) -> list[str]:
         return list(self.entries)
 

@@ -1,7 +1,7 @@
 """Optimizer states that are not element-wise, saved as the optimizer holds them.
 
 Element-wise states (Adam's moments, Lion's momentum) are written as pieces over each
-parameter's flattened index (``engine_io``), which is why a checkpoint loads at any
+parameter's flattened index (``checkpoint_layout.py``), which is why a checkpoint loads at any
 data-parallel size or ZeRO stage. Two kinds of state cannot be cut that way:
 
 * blockwise 8-bit states (bitsandbytes AdamW8bit, Lion8bit: ``state1``/``state2`` bytes

@@ -23,7 +23,7 @@ machine hold N copies for a moment. Here:
 3. **Apply the layout.** ``meshtrain.initialize`` with the given config: TP plan,
    pipeline split, ZeRO partition, exactly as for a model loaded whole.
 4. **Read this rank's slices.** The engine's checkpoint loader
-   (``engine_io.load(load_module_only=True)``) asks a *source* for the element ranges
+   (``engine.checkpoint_load.load(load_module_only=True)``) asks a *source* for the element ranges
    this rank owns, in the unsplit model's names. :class:`SafetensorsSource` serves them
    from a ``save_pretrained`` folder (``model.safetensors`` or a sharded
    ``model.safetensors.index.json``) or one ``.safetensors`` file (``meshtrain
@@ -50,8 +50,9 @@ from typing import Any
 
 import torch
 
-from meshtrain.checkpoint.safetensors_source import SafetensorsSource
+import meshtrain  # initialize from the root: interop sits above the engine, never below
 from meshtrain.errors import CheckpointError
+from meshtrain.interop.safetensors_source import SafetensorsSource
 
 log = logging.getLogger("meshtrain")
 
@@ -138,9 +139,6 @@ def from_pretrained(
     lr_scheduler``); with ``output_loading_info`` also transformers' loading-info dict
     (``missing_keys``, ``unexpected_keys``, ``mismatched_keys``).
     """
-    import meshtrain
-    from meshtrain.checkpoint import engine_io
-
     path = Path(path)
     hf_config, cls = _hf_config_and_class(path, dict(config_kwargs or {}), model_class)
     model = _build_empty(cls, hf_config)
@@ -170,13 +168,16 @@ def from_pretrained(
     out = meshtrain.initialize(model=model, config=config, **initialize_kwargs)
     engine = out[0]
     if source is None:
-        engine_io.load(engine, path, load_module_only=True)
+        engine.load_checkpoint(path, load_module_only=True)
     else:
         _same_fallback(engine, source.fallback)
-        with source:
-            names = engine_io.model_names(engine)
-            source.aliases = dict(names.aliases)
-            engine_io._load(engine, source, False, False, True)
+        with source:  # the engine's loader reads this rank's ranges from the folder
+            engine.load_checkpoint(
+                source,
+                load_optimizer_states=False,
+                load_lr_scheduler_states=False,
+                load_module_only=True,
+            )
     for t in engine.module.parameters():  # loaded: the mark no longer holds
         if hasattr(t, VALUES_FOLLOW):
             delattr(t, VALUES_FOLLOW)

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from meshtrain.checkpoint.expert_layout import expert_specs
 from meshtrain.checkpoint.manifest import dtype_from_name, dtype_name
+from meshtrain.engine.expert_layout import expert_specs
 from meshtrain.parallel.tensor.sharding import full_shape, specs_by_param
 
 

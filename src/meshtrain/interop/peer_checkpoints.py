@@ -1,0 +1,78 @@
+"""Which framework wrote a checkpoint folder, and the source that reads it.
+
+``engine.load_checkpoint(dir)`` asks here first: a folder another framework wrote is read
+by that framework's source (``deepspeed_source``); meshtrain's own folders (a manifest, or
+a ``latest`` naming a tag with one) and empty or absent ones go on to meshtrain's reader
+(which returns ``(None, None)`` for nothing to load, as DeepSpeed does). A folder that holds
+another kind of checkpoint this reader does not read is refused in one line naming the
+kind and what to do, never taken for "nothing to load" (which would silently start the run
+from scratch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshtrain.checkpoint.manifest import LATEST, MANIFEST
+from meshtrain.errors import CheckpointError
+from meshtrain.interop.deepspeed_source import DeepSpeedSource, deepspeed_tag
+
+# File names and suffixes that mark a checkpoint of some framework.
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".distcp", ".ckpt")
+
+
+def open_peer_checkpoint(load_dir, tag: str | None):
+    """The opened source of a peer's checkpoint in ``load_dir`` (``tag``: the peer's tag,
+    default its ``latest``), or None when it is meshtrain's (or holds nothing)."""
+    path = Path(load_dir)
+    if not path.is_dir():
+        return None
+    folder = deepspeed_tag(path, tag)
+    if folder is not None:
+        return DeepSpeedSource(folder)
+    if tag is None and not (path / MANIFEST).is_file() and not (path / LATEST).is_file():
+        refuse_foreign(path)
+    return None
+
+
+def refuse_foreign(path: Path) -> None:
+    """Raise for a folder holding another kind of checkpoint (or one of an unknown kind)."""
+    if any(p.name == MANIFEST for p in path.glob(f"*/{MANIFEST}")):
+        return  # meshtrain tags without a 'latest': the reader's error names them
+    files = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+    names = {p.name for p in files}
+    inner = [p for p in files if p.is_dir() and not p.name.startswith(".")]
+    trainer = [p.name for p in inner if (p / "trainer_state.json").is_file()]
+    kind = None
+    if (path / "trainer_state.json").is_file() or trainer:
+        kind = (
+            "a transformers Trainer checkpoint (checkpoint-N/ with trainer_state.json), "
+            "not read by engine.load_checkpoint yet; load its weights with "
+            "meshtrain.from_pretrained(folder) and start the optimizer fresh"
+        )
+    elif ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        kind = (
+            "a torch.distributed.checkpoint (DCP) folder, not read yet; convert it with "
+            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save and load the "
+            "weights with meshtrain.from_pretrained"
+        )
+    elif "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
+        kind = (
+            "a transformers model folder (weights, no optimizer state); load it with "
+            "meshtrain.from_pretrained(folder, config=...)"
+        )
+    elif any(n.startswith("random_states_") for n in names) or "optimizer.bin" in names:
+        kind = (
+            "an accelerate save_state folder, not read by meshtrain yet; resume it with "
+            "accelerate, or load its model.safetensors into the model "
+            "(safetensors.torch.load_file) before meshtrain.initialize"
+        )
+    elif any(p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) for p in files):
+        shown = ", ".join(sorted(n for n in names if n.endswith(WEIGHT_SUFFIXES))[:3])
+        kind = (
+            f"a checkpoint of a kind meshtrain does not know ({shown}: no manifest.json, no "
+            "DeepSpeed 'latest' or model-states file); point load_checkpoint at a meshtrain "
+            "save_dir or a DeepSpeed checkpoint folder"
+        )
+    if kind is not None:
+        raise CheckpointError(f"load_checkpoint: {path} holds {kind}")

@@ -1,0 +1,91 @@
+"""Peer checkpoints that are pickles, read without running code from them.
+
+DeepSpeed's and the transformers Trainer's ``.pt`` files are torch zip archives whose
+``data.pkl`` names a few of the peer's own classes beside tensors (DeepSpeed 0.19.8:
+``LossScaler`` / ``DynamicLossScaler``, ``ZeroStageEnum``, ``fragment_address``). A plain
+``torch.load`` would import DeepSpeed and run its constructors, or any code a damaged or
+hostile file names. Here every file goes through ``torch.load(weights_only=True)``, torch's
+restricted unpickler, with only those names mapped to inert records defined below (data
+holders: nothing of the peer is imported, so the peer need not be installed). Any other
+name is refused with the file, the name and the fix.
+
+Files are memory-mapped (``mmap=True``): a rank that reads a slice of a partition touches
+only that slice's pages, which is what keeps reading a peer checkpoint bounded like sliced
+loading (each rank its slice, plus the one tensor being cut).
+"""
+
+from __future__ import annotations
+
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtrain.errors import CheckpointError
+
+
+class LossScalerRecord:
+    """DeepSpeed's ``LossScaler`` / ``DynamicLossScaler`` as data: the attributes its
+    pickle carries (``cur_scale``, ``cur_iter``, ``cur_hysteresis``, ...) and nothing else."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+class ZeroStageRecord(int):
+    """DeepSpeed's ``ZeroStageEnum`` member, as its stage number."""
+
+
+class FragmentRecord:
+    """DeepSpeed's ``fragment_address`` dataclass (``numel``, ``start``), as data."""
+
+
+# The peer's names this reader maps, each to its record (the only names it accepts beyond
+# torch's own tensor-rebuilding ones).
+PEER_RECORDS: tuple[tuple[Any, str], ...] = (
+    (LossScalerRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (LossScalerRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (ZeroStageRecord, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (FragmentRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
+)
+
+
+def load_peer_file(path: str | Path, what: str) -> Any:
+    """``path`` (a torch ``.pt`` of the peer ``what``) through the restricted unpickler,
+    memory-mapped. A truncated or damaged file and a pickle that needs code are each
+    refused in one line naming the file and the fix."""
+    path = Path(path)
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f"{path}: not a torch zip archive (truncated, damaged, or saved with "
+            f"_use_new_zipfile_serialization=False); copy the {what} checkpoint again "
+            "from where it was written"
+        )
+    try:
+        with torch.serialization.safe_globals(list(PEER_RECORDS)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError or others
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = str(exc)
+        if "GLOBAL" in text or "Unsupported global" in text or "unrecognized function" in text:
+            name = _global_named(str(exc))
+            raise CheckpointError(
+                f"{path}: the pickle needs {name} to be imported and run, which meshtrain "
+                "never does with a checkpoint; re-save it holding only tensors and plain "
+                "values, or convert it where it was written and trusted "
+                f"(for DeepSpeed: zero_to_fp32.py, then meshtrain.from_pretrained)"
+            ) from None
+        raise CheckpointError(
+            f"{path}: cannot be read as a {what} checkpoint file ({first[:160]}); it is "
+            "truncated or damaged: copy it again from where it was written"
+        ) from None
+
+
+def _global_named(message: str) -> str:
+    """The name torch's restricted unpickler refused (``GLOBAL posix.system ...``)."""
+    found = re.search(r"GLOBAL ([\w.]+)", message) or re.search(
+        r"unrecognized function ([^\s]+)", message
+    )
+    return found.group(1) if found else "code"
