@@ -1,7 +1,7 @@
 """The job the multi-node tests run on every node (under ``meshtrain launch``).
 
     job.py OUT_DIR [--steps 8] [--save_every 2] [--timeout_s 6] [--step_sleep 0]
-                   [--model decoder]
+                   [--model decoder] [--stage 2]
 
 ZeRO-2 on the tiny decoder, fp32, the parity protocol of tests/distributed/training.py
 (rank r takes its rows of the same global batch), so the final parameters depend only on
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--timeout_s", type=float, default=6.0)
     p.add_argument("--step_sleep", type=float, default=0.0)
     p.add_argument("--model", default="decoder")
+    p.add_argument("--stage", type=int, default=2, help="ZeRO stage (a node may differ)")
     a = p.parse_args()
 
     import torch.distributed as dist
@@ -39,7 +40,7 @@ def main() -> None:
     from tests.distributed.training import make_engine, train_steps
 
     config = {
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": a.stage},
         "distributed": {"timeout_minutes": a.timeout_s / 60},
     }
     engine = make_engine(a.model, 2, 1, config)

@@ -64,3 +64,82 @@ def test_link_down_mid_run_true_verdicts_then_exact_resume(make_cluster, referen
         assert r.code == 0, r.output[-3000:]
     assert "resumed at step" in runs[0].output
     assert same_state(final_state(out), reference(2))
+
+
+def _kill_node(cluster, node: int) -> None:
+    """SIGKILL every process of ``node`` (its launcher, agent and ranks), as a node lost."""
+    import os
+    import signal
+
+    for pid in cluster.pids(node):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@LONG  # about 40 s on a quiet 2-core machine
+def test_a_node_with_another_config_is_refused_before_any_step(make_cluster):
+    """Node 1 starts the same job at ZeRO-1 while node 0 runs ZeRO-2: every rank refuses
+    at start, before any step, naming the rank, its node and the difference."""
+    cluster = make_cluster(2)
+    out = cluster.shared / "run"
+    out.mkdir()
+    procs = start_nodes(cluster, out, nodes=[0], job=["--stage", "2"])
+    procs += start_nodes(cluster, out, nodes=[1], job=["--stage", "1"])
+    runs = collect(procs, time.monotonic(), timeout=180)
+    for r in runs:
+        print(
+            f"--- node {r.node}: exit {r.code} after {r.seconds:.1f} s\n"
+            + "\n".join(_said(r.output))
+        )
+        assert r.code != 0, r.output[-3000:]
+        assert "zero_optimization.stage: 1 here, 2 on rank 0" in r.output or (
+            "zero_optimization.stage: 1 on rank 1" in r.output
+        ), r.output[-3000:]
+        assert "node 1" in r.output, r.output[-3000:]
+    assert not (out / "step").exists()  # no step ran
+
+
+@LONG  # about 1 min: a node killed mid-run, then the verdicts
+def test_node_killed_every_other_node_exits_with_a_verdict(make_cluster):
+    """Node 1's processes are killed (SIGKILL) mid-run without --max_restarts: node 0
+    exits with a verdict naming node 1 and its address, never "never entered"."""
+    cluster = make_cluster(2)
+    out = cluster.shared / "run"
+    out.mkdir()
+    procs = start_nodes(cluster, out, job=["--step_sleep", "0.5"])
+    wait_for_step(out, 3, procs)
+    t0 = time.monotonic()
+    _kill_node(cluster, 1)
+    runs = collect(procs, t0, timeout=180)
+    node0 = runs[0]
+    print(
+        f"--- node 0: exit {node0.code} after {node0.seconds:.1f} s\n"
+        + "\n".join(_said(node0.output))
+    )
+    assert node0.code != 0
+    assert "never entered" not in node0.output, node0.output[-3000:]
+    assert f"node 1, {cluster.address(1)}" in node0.output, node0.output[-3000:]
+
+
+@LONG  # about 1 min: the master node lost mid-run
+def test_master_node_lost_every_other_node_exits_naming_it(make_cluster):
+    """Node 0 (the master: the rendezvous store) is killed mid-run: node 1 exits within
+    the timeout with a verdict naming the master node and its address."""
+    cluster = make_cluster(2)
+    out = cluster.shared / "run"
+    out.mkdir()
+    procs = start_nodes(cluster, out, job=["--step_sleep", "0.5"])
+    wait_for_step(out, 3, procs)
+    t0 = time.monotonic()
+    _kill_node(cluster, 0)
+    runs = collect(procs, t0, timeout=180)
+    node1 = runs[1]
+    print(
+        f"--- node 1: exit {node1.code} after {node1.seconds:.1f} s\n"
+        + "\n".join(_said(node1.output))
+    )
+    assert node1.code != 0
+    assert "never entered" not in node1.output, node1.output[-3000:]
+    assert f"the master node {cluster.address(0)}" in node1.output, node1.output[-3000:]
