@@ -92,8 +92,9 @@ def _reference(name: str) -> tuple[list[float], dict]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _config(pp: int, tp: int, zero: int) -> dict:
+def _config(pp: int, tp: int, zero: int, sp: bool = False) -> dict:
     return {
+        "tensor_parallel": {"sequence_parallel": sp},
         "train_micro_batch_size_per_gpu": ROWS * pp * tp // torch.distributed.get_world_size(),
         "gradient_accumulation_steps": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
@@ -103,8 +104,9 @@ def _config(pp: int, tp: int, zero: int) -> dict:
     }
 
 
-def _train(name: str, topo, zero: int, split: bool = False) -> tuple[list[float], dict, int]:
-    """STEPS steps; (losses, whole model on every rank, tp-sharded parameters here)."""
+def _train(name: str, topo, zero: int, split: bool = False, sp: bool = False) -> tuple:
+    """STEPS steps; (losses, whole model on every rank, tp-sharded parameters here,
+    ``pp_p2p`` bytes per step)."""
     import meshtrain
     from meshtrain.parallel.tensor.sharding import specs_by_param
     from meshtrain.pipe import PipelineModule
@@ -117,17 +119,20 @@ def _train(name: str, topo, zero: int, split: bool = False) -> tuple[list[float]
     else:
         layers, loss_fn = _specs(name)
         model = PipelineModule(layers, topology=topo, loss_fn=loss_fn)
-    config = _config(topo.pp_size, topo.tp_size, zero)
+    config = _config(topo.pp_size, topo.tp_size, zero, sp)
     engine, *_ = meshtrain.initialize(
         model=model, model_parameters=model.parameters(), config=config, topology=topo
     )
     dp, r = topo.dp_size, topo.dp_rank
-    losses = []
+    losses, p2p, stats = [], [], topo.stats
     for step in range(STEPS):
         batches = _batches(name, step, dp, r)
+        before = stats.snapshot()
         losses.append(engine.train_batch(iter(_hf_batches(batches) if split else batches)).item())
+        moved = stats.diff(stats.snapshot(), before)
+        p2p.append(sum(n for (op, _group), n in moved.items() if op == "pp_p2p"))
     sharded = len(specs_by_param(engine.module))
-    return losses, whole_model(engine), sharded
+    return losses, whole_model(engine), sharded, p2p
 
 
 def _ranks(pp: int, tp: int, jobs: list) -> dict | None:
@@ -136,11 +141,11 @@ def _ranks(pp: int, tp: int, jobs: list) -> dict | None:
     torch.set_num_threads(1)
     topo = Topology(pp=pp, tp=tp)
     out = {}
-    for key, name, zero, split in jobs:
-        losses, whole, sharded = _train(name, topo, zero, split)
-        counts = [0] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(counts, sharded)
-        out[key] = (losses, whole, counts)
+    for key, name, zero, split, *sp in jobs:
+        losses, whole, sharded, p2p = _train(name, topo, zero, split, *sp)
+        counts = [(0, [])] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(counts, (sharded, p2p))
+        out[key] = (losses, whole, [c for c, _ in counts], [b for _, b in counts])
     return out if torch.distributed.get_rank() == 0 else None
 
 
@@ -190,7 +195,7 @@ def _without_key_bias(state: dict) -> tuple[dict, dict]:
 
 def _check(got: dict, refs: dict) -> None:
     bound = trajectory(LR, STEPS)
-    for key, (losses, whole, counts) in got.items():
+    for key, (losses, whole, counts, _) in got.items():
         ref_losses, ref_model = refs[key.split(" ")[0]]
         # tensor parallelism acted: every rank holds tp-sharded block parameters
         assert all(c > 0 for c in counts), (key, counts)
@@ -258,3 +263,22 @@ def test_layer_plans_come_from_the_family_plans():
         check_pipeline(
             model, topo, SimpleNamespace(tensor_parallel=SimpleNamespace(sequence_parallel=False))
         )
+
+
+def test_gpt2_sequence_parallel_under_pipeline():
+    """GPT2LMHeadModel split automatically at pp 2 x tp 2 with sequence parallelism (was
+    refused: GPT2Model reshapes to the full length after ``ln_f``, which a stage before
+    the last skips; ``Layout.reshapes_after``), and without it, against one process; the
+    activation crossing the boundary is each tp rank's ``1/T`` sequence shard: per step
+    and rank the SP run's ``pp_p2p`` bytes minus ``2 a / T`` equal the other run's minus
+    ``2 a`` exactly (``a``: one direction's activation bytes, ``MICRO x rows x SEQ x d x
+    4``; the rest is the fixed shape headers)."""
+    refs = {"gpt2_split": run_ranks(_split_reference, 1)[0]}
+    jobs = [("gpt2_split sp", "gpt2", 0, True, True), ("gpt2_split", "gpt2", 0, True, False)]
+    got = run_ranks(_ranks, 4, 2, 2, jobs, timeout=600)[0]
+    _check(got, refs)
+    t, a = 2, MICRO * ROWS * SEQ * 48 * 4  # tiny_gpt2's n_embd is 48
+    for sp, full in zip(got["gpt2_split sp"][3], got["gpt2_split"][3], strict=True):
+        for step in range(STEPS):
+            assert 0 <= full[step] - 2 * a < 2 * a // 10, (full, a)  # headers only
+            assert sp[step] - 2 * a // t == full[step] - 2 * a, (sp[step], full[step], a)

@@ -49,9 +49,14 @@ class Layout:
     output is the hidden states): a task head may do more than its modules, e.g. a
     sequence classifier pools the last non-padding token after ``score``.
     ``sequence_shards``: whether a stage before the last may return a sequence shard under
-    sequence parallelism; False where the model's forward reshapes its output to the full
-    length after the final norm (GPT2Model's ``view(-1, t, d)``, which would fold a
-    ``[b, t/T, d]`` shard into ``b/T`` rows on a stage whose final norm is the identity).
+    sequence parallelism (False refuses the layout under SP with a pipeline).
+    ``reshapes_after``: the module after which the model's forward reshapes its output to
+    the full length (GPT2Model's ``view(-1, t, d)`` after ``ln_f``, which would fold a
+    ``[b, t/T, d]`` shard into ``b/T`` rows, or fail, on a stage whose final norm is the
+    identity). Under sequence parallelism a stage before the last replaces it with a
+    stand-in that keeps the shard and hands the reshape a full-length zero-stride
+    placeholder (no storage); the stage then returns the kept shard, so what crosses the
+    boundary is still ``b x t/T x d``.
     """
 
     blocks: str
@@ -59,6 +64,7 @@ class Layout:
     last: tuple[str, ...] = ()
     body: str | None = None
     sequence_shards: bool = True
+    reshapes_after: str | None = None
 
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -74,7 +80,7 @@ LAYOUTS: tuple[Layout, ...] = (
         {"transformer.wte": "input", "transformer.wpe": "zero", "transformer.drop": "identity"},
         ("transformer.ln_f", "lm_head", "score"),
         body="transformer",
-        sequence_shards=False,
+        reshapes_after="transformer.ln_f",
     ),
     Layout(
         "bert.encoder.layer",
@@ -168,6 +174,23 @@ class _Input(nn.Module):
         return self.value
 
 
+class _KeepShard(nn.Module):
+    """Stands in for the module after which the model reshapes to the full length
+    (``Layout.reshapes_after``) on a stage before the last under sequence parallelism:
+    keeps a sequence shard and returns a full-length placeholder the reshape accepts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0  # the micro-batch's full sequence length, set per forward
+        self.value: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 3 or x.shape[1] == self.length:
+            return x  # the whole sequence already: nothing to keep
+        self.value = x
+        return x.new_zeros(()).expand(x.shape[0], self.length, *x.shape[2:])
+
+
 class _Zero(nn.Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return torch.zeros(())
@@ -236,6 +259,10 @@ class SplitStage(nn.Module):
             replace.update({p: roles[r] for p, r in layout.first.items() if _get(model, p)})
         if not self.is_last:
             replace.update({p: nn.Identity() for p in layout.last if _get(model, p) is not None})
+        self._keep = None  # ``Layout.reshapes_after``'s stand-in, under SP before the last
+        if sequence_parallel and not self.is_last and layout.reshapes_after in replace:
+            self._keep = _KeepShard()
+            replace[layout.reshapes_after] = self._keep
         self.model = _rewire(model, replace)
         # stages before the last run only the backbone: no task head, no pooling (a
         # path, not a module attribute, so the backbone's parameters are not registered
@@ -293,6 +320,8 @@ class SplitStage(nn.Module):
                 swap = first.register_forward_pre_hook(_replace_first_input(x), with_kwargs=True)
         if self.is_last and labels is not None:
             kwargs["labels"] = labels
+        if self._keep is not None:
+            self._keep.length = ids.shape[1]
         try:
             runner = _get(self.model, self.body) if self.body else None
             out = (runner or self.model)(*args, input_ids=ids, **kwargs)
@@ -300,6 +329,8 @@ class SplitStage(nn.Module):
             self._input.value = None
             if swap is not None:
                 swap.remove()
+        if self._keep is not None and self._keep.value is not None:
+            out, self._keep.value = self._keep.value, None  # the shard, not the placeholder
         if aux is not None:
             return self._with_aux(out, aux, sums, labels, kwargs.get("attention_mask"))
         if isinstance(out, torch.Tensor) or (self.is_last and self.whole_outputs):
