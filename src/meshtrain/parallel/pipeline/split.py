@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline.stand_ins import Input, KeepShard, Zero, replace_first_input
 
 
 @dataclass(frozen=True)
@@ -163,39 +164,6 @@ def _bounds_from_cuts(cut_points: Sequence[int], n: int, parts: int) -> list[int
     return bounds
 
 
-class _Input(nn.Module):
-    """Stands in for the embedding on later stages: returns the received activation."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.value: torch.Tensor | None = None
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.value
-
-
-class _KeepShard(nn.Module):
-    """Stands in for the module after which the model reshapes to the full length
-    (``Layout.reshapes_after``) on a stage before the last under sequence parallelism:
-    keeps a sequence shard and returns a full-length placeholder the reshape accepts."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.length = 0  # the micro-batch's full sequence length, set per forward
-        self.value: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 3 or x.shape[1] == self.length:
-            return x  # the whole sequence already: nothing to keep
-        self.value = x
-        return x.new_zeros(()).expand(x.shape[0], self.length, *x.shape[2:])
-
-
-class _Zero(nn.Module):
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return torch.zeros(())
-
-
 def _rewire(root: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
     """A shallow copy of ``root`` with the modules at ``replace``'s paths swapped; every
     module on those paths is copied (own child dict), everything else is shared."""
@@ -211,18 +179,6 @@ def _rewire(root: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
             node = child
         node._modules[leaf] = module
     return new_root
-
-
-def _replace_first_input(x: torch.Tensor):
-    """A forward pre-hook (``with_kwargs``) putting ``x`` in place of a block's first input
-    (positional, or ``hidden_states=``), as the tensor-parallel plans' hooks do."""
-
-    def pre(_mod, args, kwargs):
-        if args:
-            return (x, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": x}
-
-    return pre
 
 
 class SplitStage(nn.Module):
@@ -251,17 +207,17 @@ class SplitStage(nn.Module):
         # a MoE model's router auxiliary loss across stages (``router_aux``), set by
         # ``attach_router_aux``; None for a model without one
         self.router_aux = None
-        self._input = _Input()
+        self._input = Input()
         full = _get(model, layout.blocks)
         replace: dict[str, nn.Module] = {layout.blocks: nn.ModuleList(full[i] for i in blocks)}
         if not self.is_first:
-            roles = {"input": self._input, "zero": _Zero(), "identity": nn.Identity()}
+            roles = {"input": self._input, "zero": Zero(), "identity": nn.Identity()}
             replace.update({p: roles[r] for p, r in layout.first.items() if _get(model, p)})
         if not self.is_last:
             replace.update({p: nn.Identity() for p in layout.last if _get(model, p) is not None})
         self._keep = None  # ``Layout.reshapes_after``'s stand-in, under SP before the last
         if sequence_parallel and not self.is_last and layout.reshapes_after in replace:
-            self._keep = _KeepShard()
+            self._keep = KeepShard()
             replace[layout.reshapes_after] = self._keep
         self.model = _rewire(model, replace)
         # stages before the last run only the backbone: no task head, no pooling (a
@@ -317,7 +273,7 @@ class SplitStage(nn.Module):
                 # activation checkpoint, so a recomputation sees x too)
                 self._input.value = x.new_zeros(()).expand(*ids.shape[:2], *x.shape[2:])
                 first = _get(self.model, self.blocks_path)[0]
-                swap = first.register_forward_pre_hook(_replace_first_input(x), with_kwargs=True)
+                swap = first.register_forward_pre_hook(replace_first_input(x), with_kwargs=True)
         if self.is_last and labels is not None:
             kwargs["labels"] = labels
         if self._keep is not None:
