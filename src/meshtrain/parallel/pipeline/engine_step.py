@@ -157,8 +157,13 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
         stages = {k: every[k] for k in mine}
         # MoE: the router's auxiliary loss over every stage's layers (``router_aux``), over
         # every replica's tokens only with loss.global_aux_loss (``compose``'s rule)
+        # (by default the replica's own rows; under cp those are its cp ranks' chunks, whose
+        # sums are combined over the cp group, as ``compose`` does without a pipeline)
         replicas = topology.replica_group if config.loss.global_aux_loss else None
-        attach_router_aux(stages.values(), model, replicas)
+        if replicas is None and topology.cp_size > 1:
+            replicas = topology.cp_group
+        chunks = topology.cp_group if topology.cp_size > 1 else None
+        attach_router_aux(stages.values(), model, replicas, chunks)
         tied = tied_groups(every, topology, lambda k: stage_rank(place, k, p))
         free_unused(model, list(stages.values()))  # other ranks' blocks: storage released
     runtime = PipelineRuntime(
