@@ -290,9 +290,12 @@ def _refusals() -> list[str]:
         parallelize(tiny_causal_lm("mixtral", num_local_experts=3), Topology(ep=2), config)
     except ConfigError as exc:
         messages.append(str(exc))
+    # MoE under cp x pp is built now (the stages carry each cp chunk's router sums,
+    # tests/layouts/test_moe_layouts.py): check_layout lets it through
     four = SimpleNamespace(pp_size=2, cp_size=2, tp_size=1, dp_size=1, ep_size=1)
     try:
         check_layout(tiny_decoder(), four)
+        messages.append("built")
     except ConfigError as exc:
         messages.append(str(exc))
     return messages
@@ -307,9 +310,7 @@ def test_skewed_routing_no_hang_ep2():
     results = run_ranks(_skew_checks, 2, 2)
     for rank, res in enumerate(results):
         split, cp = res.pop("refused")
-        assert cp.startswith(
-            "mesh.context_parallel_size: 2 with pipeline_parallel_size 2 and a mixture-of-experts"
-        ), cp
+        assert cp == "built", cp
         assert split.startswith("mesh.expert_parallel_size: 2 does not divide the 3 experts"), split
         for key, c in res.items():
             if key[1] == "grouped_vs_loop":

@@ -17,8 +17,10 @@ reference proves the norm is global over stages and tp):
 * without sequence parallelism, 1F1B (the byte baseline; also held to the reference);
 * a micro-batch of odd length: every rank raises TopologyError before the schedule posts
   anything (no rank left waiting), and the parameters are unchanged;
-* GPT-2 with sequence parallelism under the pipeline: refused with a ConfigError (GPT2Model
-  reshapes to the full length after ``ln_f``, which stages before the last skip).
+* a ``meshtrain.pipe.PipelineModule`` with sequence parallelism: refused with a
+  ConfigError (its layer list has no place to split and gather the sequence). (GPT-2
+  with sequence parallelism under a pipeline, refused here before, now trains:
+  ``tests/distributed/test_pipeline_module_tp.py``.)
 
 Tolerances (fp32, ``tests/tolerance.py``), against the same engine in one process: the
 arithmetic is the one-process arithmetic summed in another order (tp partial sums in the
@@ -116,13 +118,15 @@ def _four_ranks() -> tuple:
     runs["sp_interleaved"] = _run(_engine(2, 2, True, "interleaved_1f1b", 2))
     runs["sp_zb_h1"] = _run(_engine(2, 2, True, "zb_h1"))
     runs["no_sp_1f1b"] = _run(_engine(2, 2, False))
-    return runs, odd, _gpt2_refused()
+    return runs, odd, _pipeline_module_sp_refused()
 
 
-def _gpt2_refused() -> str:
+def _pipeline_module_sp_refused() -> str:
     import meshtrain
+    from meshtrain.distributed.topology import Topology
     from meshtrain.errors import ConfigError
-    from tests.tiny_models import tiny_gpt2
+    from meshtrain.pipe import PipelineModule
+    from tests.tiny_models import tiny_pipe_layers
 
     config = {
         "train_micro_batch_size_per_gpu": ROWS,
@@ -130,8 +134,11 @@ def _gpt2_refused() -> str:
         "mesh": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
         "tensor_parallel": {"sequence_parallel": True},
     }
+    topo = Topology(pp=2, tp=2)
+    layers, loss_fn = tiny_pipe_layers()
+    model = PipelineModule(layers, topology=topo, loss_fn=loss_fn)
     with pytest.raises(ConfigError) as err:
-        meshtrain.initialize(model=tiny_gpt2(), config=config)
+        meshtrain.initialize(model=model, config=config, topology=topo)
     return str(err.value)
 
 

@@ -9,7 +9,10 @@ plain PyTorch (``ranks.reference``), on real gloo ranks:
 * pp 2 x tp 2 (4 ranks), without and with sequence parallelism: the stages carry the
   router sums (``pipeline.router_aux``), under sequence parallelism each tp rank's shard's,
   summed over tp on the last stage;
-* pp 2 x dp 2 x tp 2 on 8 ranks, longer job only.
+* pp 2 x dp 2 x tp 2 on 8 ranks, longer job only;
+* pp 2 x cp 2 (4 ranks), without and with ep 2 (ep carved out of the cp ranks), by
+  default and with ``loss.global_aux_loss``: each cp rank's stages carry its chunk's
+  router sums, combined over cp on the last stage (``pipeline.router_aux``).
 
 Bound: per-step losses (relative) and the whole model (normwise) within
 ``trajectory(1e-2, 20)`` = 1.1e-4 (``tests/tolerance.py``): fp32 sums in another order
@@ -54,6 +57,12 @@ def test_mixtral_cp2_ep2_matches_one_process(rows):
 @pytest.mark.slow
 def test_mixtral_pp2_tp2_matches_one_process(rows):
     check_group(_jobs(rows, ["pp2 tp2", "pp2 tp2sp"]), {"mixtral": rows}, STEPS)
+
+
+@pytest.mark.slow
+def test_mixtral_pp2_cp2_matches_one_process(rows):
+    jobs = _jobs(rows, ["pp2 cp2", "pp2 z1 cp2 ep2"]) + _jobs(rows, ["pp2 cp2 ep2"], DEFAULT_AUX)
+    check_group(jobs, {"mixtral": rows}, STEPS)
 
 
 @pytest.mark.slow

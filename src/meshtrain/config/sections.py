@@ -330,7 +330,7 @@ class TensorParallelConfig(Section):
     autotp_size: NonNegInt = 0
     """DeepSpeed's name for the tensor-parallel size: the same setting as mesh.tensor_parallel_size (give either, or both equal); 0 = not set."""
     sequence_parallel: Bool = False
-    """Run norms and dropout between tensor-parallel regions on 1/T of the sequence: each all-reduce becomes a reduce-scatter plus an all-gather (same bytes, 1/T of the activation memory there). The sequence length must be a multiple of the tensor-parallel size. Supported by every built-in plan (meshtrain decoder, Llama/Qwen2/Mistral, GPT-2, BERT); under a pipeline by all but GPT-2 (refused), where each stage sends its 1/T sequence shard."""
+    """Run norms and dropout between tensor-parallel regions on 1/T of the sequence: each all-reduce becomes a reduce-scatter plus an all-gather (same bytes, 1/T of the activation memory there). The sequence length must be a multiple of the tensor-parallel size. Supported by every built-in plan (meshtrain decoder, Llama/Qwen2/Mistral, GPT-2, BERT); under a pipeline by all of them, where each stage sends its 1/T sequence shard (not with a meshtrain.pipe.PipelineModule: refused)."""
     plan: dict[str, Any] | None = None
     """A tensor-parallel plan for a model without a built-in one: {"rows": [[module path, style, units?, blocks?], ...], "sizes": {"heads": "config.n_heads", ...}}; see docs/tensor_parallel.md. null = the built-in plan for the model's class."""
     tp_overlap_comm: Bool = False

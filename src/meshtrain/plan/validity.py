@@ -8,8 +8,9 @@ model with a stand-in topology that has the sizes and no process groups:
 
 * ``parallel.experts.shard.check_layout`` (MoE under cp) and, for ep > 1,
   ``expert_modules`` with each layer's expert count (ep must divide it);
-* ``parallel.pipeline.engine_step.check_pipeline`` (ZeRO-3, tp with a PipelineModule,
-  sequence parallelism of a family that cannot send shards, MoE under pp x tp);
+* ``parallel.pipeline.engine_step.check_pipeline`` (sequence parallelism with a
+  PipelineModule or of a family that cannot send shards, MoE models a pipeline cannot
+  cut);
 * ``parallel.context.apply.check_context_parallel`` (families with cp attention);
 * tensor parallelism: a built-in plan for the model's class
   (``parallel.tensor.plans.plan_for``) that supports sequence parallelism when asked;

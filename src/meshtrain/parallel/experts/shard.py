@@ -62,29 +62,16 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def check_layout(model: nn.Module, topology: Topology) -> None:
-    """Refuse, by name and before anything changes, the layouts a model with MoE layers
-    cannot run yet: context parallelism under a pipeline (the stages carry the router sums
-    of one replica's whole rows, ``pipeline.router_aux``; a cp rank's sequence chunk is not
-    wired there). Context parallelism alone runs them (the auxiliary loss's sums combined
-    over the cp ranks, ``parallel.experts.aux_loss``), tensor parallelism too
-    (``parallel.tensor.moe_blocks``), pipeline parallelism too (checked by
-    ``pipeline.router_aux``, which refuses pp x tp of a MoE model). And expert
-    parallelism of a model without MoE layers, or with an expert count ep does not divide,
-    here rather than at step 3, so nothing (tp's sharding) has changed the model yet."""
+    """Refuse, by name and before anything changes, expert parallelism of a model without
+    MoE layers, or with an expert count ep does not divide, here rather than at step 3,
+    so nothing (tp's sharding) has changed the model yet. Context parallelism runs MoE
+    models (the auxiliary loss's sums combined over the cp ranks,
+    ``parallel.experts.aux_loss``), under a pipeline too (the stages carry each cp rank's
+    chunk's sums, combined over cp on the last stage, ``pipeline.router_aux``), and so do
+    tensor parallelism (``parallel.tensor.moe_blocks``) and pipeline parallelism (checked
+    by ``pipeline.router_aux``)."""
     if getattr(topology, "ep_size", 1) > 1:
         check_expert_counts(expert_modules(model), topology.ep_size)
-    if topology.cp_size == 1 or topology.pp_size == 1:
-        return
-    layers = expert_modules(model)
-    if not layers:
-        return
-    raise ConfigError(
-        f"mesh.context_parallel_size: {topology.cp_size} with pipeline_parallel_size "
-        f"{topology.pp_size} and a mixture-of-experts model ({layers[0][0]} and "
-        f"{len(layers) - 1} more) is not built: the pipeline's router sums are per replica's "
-        "whole rows; set mesh.context_parallel_size 1 or pipeline_parallel_size 1 (cp alone "
-        "and pp alone train MoE models)"
-    )
 
 
 def check_expert_counts(layers: list[tuple[str, nn.Module]], ep: int) -> None:

@@ -77,8 +77,9 @@ class PipelineStages(nn.Module):
 
 def check_pipeline(model: nn.Module, topology, config) -> None:
     """What pipeline parallelism does not combine with, refused before ``parallelize``
-    changes anything: a ``PipelineModule`` under tensor parallelism, and
-    sequence parallelism for a model whose layout cannot send sequence shards (GPT-2)."""
+    changes anything: sequence parallelism with a ``PipelineModule`` (its tensor
+    parallelism is per layer kind, without SP) or for a model whose layout cannot send
+    sequence shards (GPT-2)."""
     from meshtrain.parallel.pipeline.module import PipelineModule
     from meshtrain.parallel.pipeline.router_aux import check_pipeline_moe
     from meshtrain.parallel.pipeline.split import find_layout
@@ -87,11 +88,16 @@ def check_pipeline(model: nn.Module, topology, config) -> None:
     if topology.tp_size == 1:
         return
     if isinstance(model, PipelineModule):
-        raise ConfigError(
-            f"mesh.tensor_parallel_size={topology.tp_size} with a meshtrain.pipe."
-            "PipelineModule is not implemented (its layers have no tensor-parallel plan); "
-            "split a model with a built-in plan automatically, or set tensor_parallel_size 1"
-        )
+        # its plan comes from its layers (``PipelineModule.tensor_parallel_plan``)
+        if config.tensor_parallel.sequence_parallel:
+            raise ConfigError(
+                f"tensor_parallel.sequence_parallel with mesh.tensor_parallel_size="
+                f"{topology.tp_size} and a meshtrain.pipe.PipelineModule is not "
+                "implemented (its layer list has no point where the sequence is split and "
+                "gathered again); set sequence_parallel to false, or let meshtrain split a "
+                "model with a built-in plan"
+            )
+        return
     if config.tensor_parallel.sequence_parallel and not find_layout(model).sequence_shards:
         raise ConfigError(
             f"tensor_parallel.sequence_parallel with mesh.pipeline_parallel_size > 1 is not "
@@ -151,8 +157,13 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
         stages = {k: every[k] for k in mine}
         # MoE: the router's auxiliary loss over every stage's layers (``router_aux``), over
         # every replica's tokens only with loss.global_aux_loss (``compose``'s rule)
+        # (by default the replica's own rows; under cp those are its cp ranks' chunks, whose
+        # sums are combined over the cp group, as ``compose`` does without a pipeline)
         replicas = topology.replica_group if config.loss.global_aux_loss else None
-        attach_router_aux(stages.values(), model, replicas)
+        if replicas is None and topology.cp_size > 1:
+            replicas = topology.cp_group
+        chunks = topology.cp_group if topology.cp_size > 1 else None
+        attach_router_aux(stages.values(), model, replicas, chunks)
         tied = tied_groups(every, topology, lambda k: stage_rank(place, k, p))
         free_unused(model, list(stages.values()))  # other ranks' blocks: storage released
     runtime = PipelineRuntime(

@@ -89,9 +89,15 @@ class _Stage(nn.Module):
                 self.paths.append(f"tied_modules.{key}" if key is not None else f"layers.{i}")
             self._calls.append(fn)
         self.loss_fn = owner.loss_fn
-        self.names = {
-            n: p for n, p in owner.named_parameters() if any(p is q for q in self.parameters())
-        }
+        # not a submodule: the stage is inside its owner, not the other way round
+        object.__setattr__(self, "owner", owner)
+
+    @property
+    def names(self) -> dict[str, nn.Parameter]:
+        """The PipelineModule's name of each of this stage's parameters; read when asked,
+        since tensor parallelism replaces parameters after the stages are built."""
+        mine = {id(p) for p in self.parameters()}
+        return {n: p for n, p in self.owner.named_parameters() if id(p) in mine}
 
     def model_key(self, key: str) -> str:
         """The PipelineModule's state-dict key of this stage's ``key`` (``run.j.w`` ->
@@ -216,6 +222,14 @@ class PipelineModule(nn.Module):
     def _meta_tied(self, key: str):
         with torch.device("meta"):
             return list(self.specs[self._first_index(key)].build().named_parameters())
+
+    def tensor_parallel_plan(self):
+        """The tensor-parallel plan of this rank's layers: each transformer block of a
+        known kind inside a layer is sharded by its family's rows, everything else stays
+        replicated (``parallel.tensor.layer_plans``). Tied layers are not sharded."""
+        from meshtrain.parallel.tensor.layer_plans import layers_plan
+
+        return layers_plan({f"layers.{k}": m for k, m in self.layers.items()})
 
     # ---- running -----------------------------------------------------------------------
     def forward(self, x):

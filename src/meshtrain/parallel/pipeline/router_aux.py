@@ -37,6 +37,15 @@ own partial sums to the same tp rank of the next stage; the last stage sums ``C`
 own shard's term (``balance_loss``'s ``sequence``), the MoE blocks' gradient hooks summing
 the routers' gradients over tp (``parallel.tensor.moe_blocks``), as without a pipeline.
 
+Context parallelism: each cp rank's stages route its chunk of the replica's rows
+(``chunks``: the mask, all ones for a MoE model under cp, is not applied to a chunk) and
+carry that chunk's sums; the last stage all-reduces ``C`` and ``R`` over the cp group (by
+default; over dp x cp with ``loss.global_aux_loss``) and scales its ``S`` by the group
+size, the rule ``parallel.experts.aux_loss`` applies without a pipeline: the cp ranks'
+gradients, averaged over the replica group, are then the one-process gradient. Its value
+is the mean of the cp ranks' terms (one more 4-byte all-reduce over cp, ``control``), as
+the cp sharder averages the model's own loss.
+
 Micro-batches: the loss is per micro-batch (as each ``forward`` of one process with
 gradient accumulation computes it); the step's loss is the mean over micro-batches.
 
@@ -55,6 +64,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.experts.aux_loss import balance_loss, router_sums
@@ -152,8 +162,13 @@ class StageRouterAux:
         is_first: bool,
         is_last: bool,
         sequence: Group | None = None,
+        chunks: Group | None = None,
     ) -> None:
         self.spec, self.replicas = spec, replicas
+        # under context parallelism the routers see this cp rank's chunk of the rows and
+        # the model's sharder has dropped the mask (which it requires to be all ones for a
+        # MoE model): every token the routers saw counts. ``chunks``: the cp group
+        self.chunks = chunks
         self.sequence = sequence  # the tp group under sequence parallelism, else None
         self.is_first, self.is_last = is_first, is_last
         self.num_experts = spec["num_experts"]
@@ -199,6 +214,8 @@ class StageRouterAux:
         if not logits:
             return start
         spec = self.spec
+        if self.chunks is not None:
+            attention_mask = None
         if self.sequence is not None and attention_mask is not None:
             # the routers saw this rank's sequence shard: its tokens of the mask
             attention_mask = attention_mask.chunk(self.sequence.size, dim=1)[self.sequence.rank]
@@ -228,7 +245,15 @@ class StageRouterAux:
     def aux(self, start, attention_mask) -> torch.Tensor:
         """The whole model's auxiliary loss of this micro-batch (last stage)."""
         counts, prob_sum, rows = self._sums(start, attention_mask)
-        return balance_loss(counts, prob_sum, rows, self.num_experts, self.replicas, self.sequence)
+        aux = balance_loss(counts, prob_sum, rows, self.num_experts, self.replicas, self.sequence)
+        if self.chunks is not None:
+            # the value of the replica's rows (the mean of the cp ranks' terms, as the cp
+            # sharder averages the model's own loss over cp), the gradient of this rank's
+            # term: the replica group's gradient average makes it the one-process one
+            total = aux.detach().clone()
+            comm.all_reduce(total, self.chunks, label="control")
+            aux = aux + (total / self.chunks.size - aux.detach())
+        return aux
 
     def discard(self) -> None:
         """Forget the kept logits (a last stage called without labels: no loss)."""
@@ -239,7 +264,9 @@ class StageRouterAux:
             h.remove()
 
 
-def attach_router_aux(stages, model: nn.Module, replicas: Group | None) -> bool:
+def attach_router_aux(
+    stages, model: nn.Module, replicas: Group | None, chunks: Group | None = None
+) -> bool:
     """Give each stage of ``model`` (``split_model``'s ``SplitStage`` list, or this rank's
     ones) a ``StageRouterAux`` when the model's loss has a router auxiliary term; switches
     off the term the model would add from its stage-local layers. False (nothing changes)
@@ -255,7 +282,7 @@ def attach_router_aux(stages, model: nn.Module, replicas: Group | None) -> bool:
     for stage in stages:
         blocks = stage.model.get_submodule(stage.blocks_path)
         stage.router_aux = StageRouterAux(
-            stage_routers(blocks), spec, replicas, stage.is_first, stage.is_last, sequence
+            stage_routers(blocks), spec, replicas, stage.is_first, stage.is_last, sequence, chunks
         )
         if spec["kind"] == "decoder":
             stage.model.aux_in_forward = False  # the stage's copy; the model keeps its own

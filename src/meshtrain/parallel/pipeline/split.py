@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline.stand_ins import Input, KeepShard, Zero, replace_first_input
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,14 @@ class Layout:
     output is the hidden states): a task head may do more than its modules, e.g. a
     sequence classifier pools the last non-padding token after ``score``.
     ``sequence_shards``: whether a stage before the last may return a sequence shard under
-    sequence parallelism; False where the model's forward reshapes its output to the full
-    length after the final norm (GPT2Model's ``view(-1, t, d)``, which would fold a
-    ``[b, t/T, d]`` shard into ``b/T`` rows on a stage whose final norm is the identity).
+    sequence parallelism (False refuses the layout under SP with a pipeline).
+    ``reshapes_after``: the module after which the model's forward reshapes its output to
+    the full length (GPT2Model's ``view(-1, t, d)`` after ``ln_f``, which would fold a
+    ``[b, t/T, d]`` shard into ``b/T`` rows, or fail, on a stage whose final norm is the
+    identity). Under sequence parallelism a stage before the last replaces it with a
+    stand-in that keeps the shard and hands the reshape a full-length zero-stride
+    placeholder (no storage); the stage then returns the kept shard, so what crosses the
+    boundary is still ``b x t/T x d``.
     """
 
     blocks: str
@@ -59,6 +65,7 @@ class Layout:
     last: tuple[str, ...] = ()
     body: str | None = None
     sequence_shards: bool = True
+    reshapes_after: str | None = None
 
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -74,7 +81,7 @@ LAYOUTS: tuple[Layout, ...] = (
         {"transformer.wte": "input", "transformer.wpe": "zero", "transformer.drop": "identity"},
         ("transformer.ln_f", "lm_head", "score"),
         body="transformer",
-        sequence_shards=False,
+        reshapes_after="transformer.ln_f",
     ),
     Layout(
         "bert.encoder.layer",
@@ -157,22 +164,6 @@ def _bounds_from_cuts(cut_points: Sequence[int], n: int, parts: int) -> list[int
     return bounds
 
 
-class _Input(nn.Module):
-    """Stands in for the embedding on later stages: returns the received activation."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.value: torch.Tensor | None = None
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.value
-
-
-class _Zero(nn.Module):
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return torch.zeros(())
-
-
 def _rewire(root: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
     """A shallow copy of ``root`` with the modules at ``replace``'s paths swapped; every
     module on those paths is copied (own child dict), everything else is shared."""
@@ -188,18 +179,6 @@ def _rewire(root: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
             node = child
         node._modules[leaf] = module
     return new_root
-
-
-def _replace_first_input(x: torch.Tensor):
-    """A forward pre-hook (``with_kwargs``) putting ``x`` in place of a block's first input
-    (positional, or ``hidden_states=``), as the tensor-parallel plans' hooks do."""
-
-    def pre(_mod, args, kwargs):
-        if args:
-            return (x, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": x}
-
-    return pre
 
 
 class SplitStage(nn.Module):
@@ -228,14 +207,18 @@ class SplitStage(nn.Module):
         # a MoE model's router auxiliary loss across stages (``router_aux``), set by
         # ``attach_router_aux``; None for a model without one
         self.router_aux = None
-        self._input = _Input()
+        self._input = Input()
         full = _get(model, layout.blocks)
         replace: dict[str, nn.Module] = {layout.blocks: nn.ModuleList(full[i] for i in blocks)}
         if not self.is_first:
-            roles = {"input": self._input, "zero": _Zero(), "identity": nn.Identity()}
+            roles = {"input": self._input, "zero": Zero(), "identity": nn.Identity()}
             replace.update({p: roles[r] for p, r in layout.first.items() if _get(model, p)})
         if not self.is_last:
             replace.update({p: nn.Identity() for p in layout.last if _get(model, p) is not None})
+        self._keep = None  # ``Layout.reshapes_after``'s stand-in, under SP before the last
+        if sequence_parallel and not self.is_last and layout.reshapes_after in replace:
+            self._keep = KeepShard()
+            replace[layout.reshapes_after] = self._keep
         self.model = _rewire(model, replace)
         # stages before the last run only the backbone: no task head, no pooling (a
         # path, not a module attribute, so the backbone's parameters are not registered
@@ -290,9 +273,11 @@ class SplitStage(nn.Module):
                 # activation checkpoint, so a recomputation sees x too)
                 self._input.value = x.new_zeros(()).expand(*ids.shape[:2], *x.shape[2:])
                 first = _get(self.model, self.blocks_path)[0]
-                swap = first.register_forward_pre_hook(_replace_first_input(x), with_kwargs=True)
+                swap = first.register_forward_pre_hook(replace_first_input(x), with_kwargs=True)
         if self.is_last and labels is not None:
             kwargs["labels"] = labels
+        if self._keep is not None:
+            self._keep.length = ids.shape[1]
         try:
             runner = _get(self.model, self.body) if self.body else None
             out = (runner or self.model)(*args, input_ids=ids, **kwargs)
@@ -300,6 +285,8 @@ class SplitStage(nn.Module):
             self._input.value = None
             if swap is not None:
                 swap.remove()
+        if self._keep is not None and self._keep.value is not None:
+            out, self._keep.value = self._keep.value, None  # the shard, not the placeholder
         if aux is not None:
             return self._with_aux(out, aux, sums, labels, kwargs.get("attention_mask"))
         if isinstance(out, torch.Tensor) or (self.is_last and self.whole_outputs):

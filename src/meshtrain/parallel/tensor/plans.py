@@ -319,7 +319,12 @@ PLANS: tuple[TPPlan, ...] = (
 
 
 def plan_for(model: object) -> TPPlan | None:
-    """The built-in plan whose ``classes`` name ``model``'s class, else None."""
+    """The built-in plan whose ``classes`` name ``model``'s class, else the plan a model
+    assembles itself from its layers (``tensor_parallel_plan()``: a PipelineModule's,
+    ``layer_plans``), else None."""
+    own = getattr(model, "tensor_parallel_plan", None)
+    if callable(own):
+        return own()
     name = type(model).__name__
     for plan in PLANS:
         if name in plan.classes:
