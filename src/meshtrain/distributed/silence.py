@@ -14,6 +14,7 @@ Two users: the ledger (a rank's own line when its collective failed,
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -92,6 +93,25 @@ def store_lost_verdict(evidence: Evidence, silent: list[int]) -> str:
     )
 
 
+def _closed_by_peer(what: str, first: str, others: list[int], heard: dict, now: float):
+    """gloo's "Connection closed by peer [ADDRESS]:PORT" while every peer still beat: a
+    process at that address ended (killed, or crashed) before its heartbeat could go
+    stale. Name the ranks that beat from that address, or None when none did."""
+    m = re.search(r"[Cc]onnection closed by peer \[([^\]]+)\]", first)
+    if m is None:
+        return None
+    addr = m.group(1)
+    gone = [r for r in others if heard.get(r, {}).get("address") == addr]
+    if not gone:
+        return None
+    names = ", ".join(
+        f"rank {r} (node {heard[r].get('node_rank')}, {addr}; last heard "
+        f"{now - heard[r]['time']:.1f} s ago)"
+        for r in gone
+    )
+    return f"{what}: {names} closed the connection: its process ended (killed or crashed)"
+
+
 def explain_failure(
     failed: tuple[str, list[int], int, str],
     error: str | None,
@@ -116,8 +136,10 @@ def explain_failure(
     gname, granks, seq, op = failed
     first = (error or "").splitlines()[0] if error else ""
     timed_out = "timed out" in first.lower() or "timeout" in first.lower()
+    closed = re.search(r"[Cc]onnection closed by peer \[([^\]]+)\]", first)
+    brief = f"connection closed by {closed.group(1)}" if closed else first[:120]
     what = f"{op} #{seq} on the {gname} group " + (
-        f"timed out after {timeout_s:g} s" if timed_out and timeout_s else f"failed ({first[:120]})"
+        f"timed out after {timeout_s:g} s" if timed_out and timeout_s else f"failed ({brief})"
     )
     others = [r for r in granks if r != rank]
     node = _node_rank()
@@ -140,7 +162,7 @@ def explain_failure(
     now = time.time()
     silent = [r for r in others if r not in heard or now - heard[r]["time"] > 3 * beats.every]
     if not silent:
-        return None
+        return _closed_by_peer(what, first, others, heard, now)
     parts = []
     for r in silent:
         b = heard.get(r)
