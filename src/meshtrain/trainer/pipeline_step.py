@@ -245,7 +245,7 @@ def _collect_shapes(spec: Any, out: list[torch.Tensor], device: torch.device) ->
             _collect_shapes(v, out, device)
 
 
-RESTORE_TAG = 1 << 16  # apart from the pipeline's own channels (tags 3 s + k, ``p2p``)
+RESTORE_TAG = 1 << 16  # apart from the pipeline's own channels (tags 4 s + k, ``p2p``)
 
 
 def restore_user_model(engine, model: nn.Module) -> None:
