@@ -8,7 +8,8 @@ int64 vector both ends can rebuild the tree from:
 
 * a tensor leaf: ``[0, dtype code, needs grad, ndim, *shape]``;
 * a dict: ``[1, n]`` then per item the key (``len, *code points``) and the value's spec;
-* a tuple ``[2, n, ...]``, a list ``[3, n, ...]``, then the items' specs.
+* a tuple ``[2, n, ...]``, a list ``[3, n, ...]``, then the items' specs;
+* ``None`` (an absent optional value, no tensor): ``[4]``.
 
 A leaf *needs a gradient* when the sending stage's tensor requires one (in training: it
 depends on the stage's parameters or input); only those leaves are received with
@@ -41,7 +42,7 @@ DTYPES = (
     torch.uint8,
     torch.int16,
 )
-_LEAF, _DICT, _TUPLE, _LIST = 0, 1, 2, 3
+_LEAF, _DICT, _TUPLE, _LIST, _NONE = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ def leaves(tree: Any, where: str = "stage output") -> list[torch.Tensor]:
     def walk(node: Any, path: str) -> None:
         if isinstance(node, torch.Tensor):
             out.append(node)
+        elif node is None:
+            return
         elif isinstance(node, dict):
             for k, v in node.items():
                 if not isinstance(k, str):
@@ -96,8 +99,8 @@ def leaves(tree: Any, where: str = "stage output") -> list[torch.Tensor]:
         else:
             raise ConfigError(
                 f"a pipeline {where} holds a {type(node).__name__} at {path or 'the top'}: "
-                "a stage may return a tensor or a dict / tuple / list of tensors; pass "
-                "other values through the batch instead"
+                "a stage may return a tensor or a dict / tuple / list of tensors (and "
+                "None); pass other values through the batch instead"
             )
 
     walk(tree, "")
@@ -124,6 +127,8 @@ def encode(tree: Any) -> tuple:
     def walk(node: Any) -> None:
         if isinstance(node, torch.Tensor):
             out.extend([_LEAF, _dtype_code(node), int(needs_grad(node)), node.dim(), *node.shape])
+        elif node is None:
+            out.append(_NONE)
         elif isinstance(node, dict):
             out.extend([_DICT, len(node)])
             for k, v in node.items():
@@ -151,6 +156,8 @@ def decode(spec: tuple) -> Any:
 
     def walk() -> Any:
         (kind,) = take()
+        if kind == _NONE:
+            return None
         if kind == _LEAF:
             code, grad, ndim = take(3)
             return Leaf(tuple(take(ndim)), DTYPES[code], bool(grad))
@@ -180,6 +187,8 @@ def unflatten(template: Any, values: list) -> Any:
             return [walk(v) for v in node]
         if isinstance(node, tuple):
             return tuple(walk(v) for v in node)
+        if node is None:
+            return None
         return next(it)
 
     return walk(template)
@@ -195,7 +204,7 @@ def spec_leaves(decoded: Any) -> list[Leaf]:
                 walk(v)
         elif isinstance(node, Leaf):
             out.append(node)
-        else:
+        elif node is not None:
             for v in node:
                 walk(v)
 

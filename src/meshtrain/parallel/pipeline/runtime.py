@@ -84,6 +84,7 @@ class _Step:
     kept: dict | None
     m: int
     last: int
+    loss_fn: Callable[[Any, int], torch.Tensor] | None = None
 
 
 class PipelineRuntime:
@@ -161,6 +162,7 @@ class PipelineRuntime:
         loss_scale: float = 1.0,
         after_backward: Callable[[list[nn.Parameter]], None] | None = None,
         weights: Sequence[float] | None = None,
+        loss_fn: Callable[[Any, int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss (every rank),
         or ``sum_i weights[i] * loss_i`` when ``weights`` are given.
@@ -173,6 +175,10 @@ class PipelineRuntime:
         accumulation hooks (ZB-H1), e.g. ``ZeroStage.after_backward`` (ZeRO 2
         reduce-scatters and drops ``.grad`` there; tied weights are then summed by the
         caller, ``grads.sum_tied_shards``).
+        ``loss_fn(outputs, i)``: the loss of micro-batch ``i`` from the last stage's whole
+        outputs (``whole_outputs``: the model's outputs, not its loss), computed on the
+        last stage per micro-batch; the Trainer's ``compute_loss`` goes here. Without it
+        the last stage's module returns the loss itself.
         """
         for st in self.stages.values():
             st.train()
@@ -183,7 +189,7 @@ class PipelineRuntime:
                     f"train_step: {len(weights)} weights for {len(batches)} micro-batches"
                 )
             actions = self._actions(self.schedule, len(batches))
-            loss = self._run(actions, batches, True, loss_scale, weights)
+            loss = self._run(actions, batches, True, loss_scale, weights, loss_fn=loss_fn)
         finally:
             self._after_backward = None
         if after_backward is not None:
@@ -220,7 +226,14 @@ class PipelineRuntime:
         return None if last is None else [kept[i] for i in range(len(batches))]
 
     def _run(
-        self, actions, batches, train: bool, loss_scale: float, weights=None, kept=None
+        self,
+        actions,
+        batches,
+        train: bool,
+        loss_scale: float,
+        weights=None,
+        kept=None,
+        loss_fn=None,
     ) -> torch.Tensor:
         if self._midway:
             raise TrainingError(
@@ -236,7 +249,7 @@ class PipelineRuntime:
         losses: dict[int, torch.Tensor] = {}  # mb -> its loss (last stage)
         links = StepLinks(self.group, actions, outputs, self.device, self.shapes, self._peer)
         step = _Step(links, batches, inputs, outputs, out_grads, losses, train, loss_scale,
-                     weights, kept, m, last)  # fmt: skip
+                     weights, kept, m, last, loss_fn)  # fmt: skip
         gathering, computes = self.gathering, 0
         if gathering is not None:
             gathering.begin_step([a.stage for a in actions if a.kind in COMPUTE])
@@ -271,7 +284,10 @@ class PipelineRuntime:
             t0, c0 = time.perf_counter(), time.thread_time()
         if a.kind == F:
             x = st.inputs.get(key) if a.stage > 0 else None
-            y = self.stages[a.stage](x, st.batches[a.mb])
+            if a.stage == st.last and st.loss_fn is not None and st.kept is None:
+                y = st.loss_fn(_whole(self.stages[a.stage], x, st.batches[a.mb]), a.mb)
+            else:
+                y = self.stages[a.stage](x, st.batches[a.mb])
             if a.stage == st.last and st.kept is None:
                 st.losses[a.mb] = y.detach().float()
                 w = 1.0 / st.m if st.weights is None else float(st.weights[a.mb])
@@ -349,6 +365,18 @@ class PipelineRuntime:
             self._after_backward(written)
         if local_prev and not zb:  # same-rank hand-over (p == 1; split: done by B)
             out_grads[(stage - 1, mb)] = pytree.input_grads(inputs.pop(key))
+
+
+def _whole(stage: nn.Module, x, batch):
+    """The last stage's whole outputs (the model's, not its loss): a stage that returns
+    its loss by default has a ``whole_outputs`` switch (``SplitStage``)."""
+    if not hasattr(stage, "whole_outputs"):
+        return stage(x, batch)
+    stage.whole_outputs = True
+    try:
+        return stage(x, batch)
+    finally:
+        stage.whole_outputs = False
 
 
 def _with_grads(y, grad) -> tuple[list[torch.Tensor], list | None]:
