@@ -20,10 +20,12 @@ after it, before ``on_pre_optimizer_step``.
 Evaluation / prediction: groups of ``EVAL_GROUP * p`` batches run through the forward
 schedule (``PipelineRuntime.eval_outputs``), the last stage returning the model's whole
 outputs; it takes the loss and the logits (``logits_of``, as ``prediction_step``) and
-broadcasts them over the pp group: per group one pickled header (the shapes and dtypes)
-and one broadcast per tensor, i.e. ``4 + rows x logits-per-row x
-itemsize`` bytes per batch sent to each of the ``p - 1`` other ranks (a BERT classifier
-with 3 labels: 4 + 12 x rows bytes; a causal LM: ``rows x seq x vocab x 4``). Every rank
+broadcasts them over the pp group without pickling: per group the results' spec (the
+structure, shapes and dtypes as int64, ``parallel.pipeline.pytree``: its length, 8
+bytes, then ``8 L`` bytes), then one broadcast per tensor, i.e. ``4 + rows x
+logits-per-row x itemsize`` bytes per batch sent to each of the ``p - 1`` other ranks (a
+BERT classifier with 3 labels: 4 + 12 x rows bytes; a causal LM: ``rows x seq x vocab x
+4``). Every rank
 then holds the same per-batch results and ``evaluation.prediction_loop`` gathers rows
 over the data-parallel group as without pp (exact rows on uneven tails).
 
@@ -41,11 +43,16 @@ The received tensors replace the freed ones, so ``model`` runs whole on every ra
 (``pipeline(...)``, ``generate``). Checkpoints are the engine's (sharded by stage,
 resharding).
 
-Refused (``check``): ``compute_loss`` / ``prediction_step`` overrides and
-``compute_loss_func`` (they need the whole model's outputs on one rank; under pp the last
-stage computes the model's own loss), and label names other than ``labels`` (the split
-hands only ``labels`` to the last stage). Tensor x pipeline parallelism is refused by
-``TrainingArguments``.
+The user's loss (``compute_loss`` or ``prediction_step`` overridden, ``compute_loss_func``,
+label names other than ``labels``): the stages get each batch without the label columns
+the model's forward does not take; the last stage returns the model's whole outputs and,
+per micro-batch, the Trainer's ``compute_loss(model, inputs, ...)`` runs there with the
+whole batch as ``inputs`` and ``model`` a ``StageOutputs`` (calling it returns those
+outputs). Its loss is the schedule's loss for that micro-batch: weighted by its label
+items as above, or, with ``compute_loss_func`` (a loss already divided by the window's
+items), by the replica count alone. In evaluation the Trainer's ``prediction_step`` runs
+the same way on the last stage, and its ``(loss, logits, labels)`` is what is broadcast.
+Tensor x pipeline parallelism is refused by ``TrainingArguments``.
 """
 
 from __future__ import annotations
@@ -57,46 +64,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.errors import TrainingError
 from meshtrain.models.kv_cache import CACHE_NAMES
 from meshtrain.trainer.evaluation import logits_of
 from meshtrain.trainer.inputs import move_to_device
+from meshtrain.trainer.stage_outputs import StageOutputs
 
 EVAL_GROUP = 4  # batches per pp rank in one evaluation call: bubble (p-1)/(4p+p-1) <= 0.2
 
-__all__ = ["EVAL_GROUP", "PipelineSteps", "check", "prediction_steps", "restore_user_model"]
+__all__ = ["EVAL_GROUP", "PipelineSteps", "prediction_steps", "restore_user_model", "user_loss"]
 
 
-def check(
-    overridden: list[str], compute_loss_func: Any, label_names: list[str], pp: int, cls_name: str
-) -> None:
-    """Refuse what cannot run under pipeline parallelism (module docstring).
-    ``overridden``: the names of ``compute_loss`` / ``prediction_step`` the Trainer
-    subclass ``cls_name`` overrides."""
-    why = (
-        "under pipeline parallelism the model is split into stages and the last stage "
-        "computes the model's own loss, so no rank holds the whole model's outputs"
+def user_loss(cls: type, base: type, compute_loss_func: Any, label_names: list[str]) -> bool:
+    """Whether the loss or the predictions are the user's, not the model's own: the
+    Trainer subclass ``cls`` overrides ``compute_loss`` / ``prediction_step`` of ``base``,
+    a ``compute_loss_func`` is given, or the labels are not named ``labels``. Under a
+    pipeline they then run per micro-batch on the last stage (module docstring)."""
+    overridden = any(
+        getattr(cls, n) is not getattr(base, n) for n in ("compute_loss", "prediction_step")
     )
-    for name in overridden:
-        raise ConfigError(
-            f"{cls_name}.{name} is overridden, but TrainingArguments.mesh."
-            f"pipeline_parallel_size={pp}: {why}; drop the override and return the loss "
-            "from the model's forward (labels=), or set pipeline_parallel_size to 1 "
-            "and fit the model with tensor_parallel_size or ZeRO (deepspeed=)"
-        )
-    if compute_loss_func is not None:
-        raise ConfigError(
-            f"Trainer(compute_loss_func=...) with TrainingArguments.mesh."
-            f"pipeline_parallel_size={pp}: {why}; let the model compute its loss from "
-            "labels=, or set pipeline_parallel_size to 1"
-        )
-    if list(label_names) != ["labels"]:
-        raise ConfigError(
-            f"TrainingArguments.label_names={label_names!r} with mesh."
-            f"pipeline_parallel_size={pp}: the pipeline hands only a batch's 'labels' to "
-            "the last stage; name the labels 'labels' (the data collators do) or set "
-            "pipeline_parallel_size to 1"
-        )
+    return overridden or compute_loss_func is not None or list(label_names) != ["labels"]
 
 
 class PipelineSteps:
@@ -104,12 +91,47 @@ class PipelineSteps:
     optimizer step's forwards and backwards through the schedule), ``prediction_steps``
     (evaluation through the forward schedule) and ``restore_user_model`` (the end of
     training). It holds the engine, the user's model and the label names, never the
-    Trainer."""
+    Trainer; with the user's loss (module docstring) also the Trainer's
+    ``compute_loss`` caller ``(model, inputs, return_outputs, num_items)``, its
+    ``prediction_step`` and ``loss_is_share()``."""
 
-    def __init__(self, engine, model: nn.Module, label_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine,
+        model: nn.Module,
+        label_names: list[str],
+        compute_loss=None,
+        prediction_step=None,
+        loss_is_share=None,
+        forward_names: tuple[str, ...] | None = None,
+    ) -> None:
         self.engine = engine
         self.model = model
         self.label_names = list(label_names)
+        self.compute_loss, self.prediction_step = compute_loss, prediction_step
+        self.loss_is_share = loss_is_share
+        self.forward_names = forward_names
+
+    def stage_inputs(self, batch: Any) -> Any:
+        """What the stages run on: ``batch`` without the label columns the model's
+        forward does not take (the user's loss reads them from the whole batch)."""
+        if self.compute_loss is None or not isinstance(batch, Mapping):
+            return batch
+        names = self.forward_names
+        if names is None:
+            return batch
+        return {k: v for k, v in batch.items() if k not in self.label_names or k in names}
+
+    def _user_loss(self, batches: list[Any], total_items: float):
+        """The last stage's ``loss_fn(outputs, i)``: the Trainer's ``compute_loss`` on
+        micro-batch ``i`` with ``model`` returning ``outputs``."""
+        num = torch.tensor(total_items, device=self.engine.device)
+
+        def loss_fn(outputs: Any, i: int) -> torch.Tensor:
+            got = self.compute_loss(StageOutputs(self.model, outputs), batches[i], False, num)
+            return got[0] if isinstance(got, tuple | list) else got
+
+        return loss_fn
 
     def train_window(self, batches: list[Any], counts: list[int], total_items: float):
         """Forwards and backwards of ``batches`` (on the engine's device) through the
@@ -121,7 +143,13 @@ class PipelineSteps:
         engine = self.engine
         replicas = engine.topology.dp_size
         weights = [n * replicas / total_items if total_items else 0.0 for n in counts]
-        weighted = run_window(engine, batches, weights)  # sum_i w_i L_i, every rank
+        loss_fn = None
+        if self.compute_loss is not None:
+            loss_fn = self._user_loss(batches, total_items)
+            if self.loss_is_share():  # already S_i / N: only the replicas' mean undone
+                weights = [float(replicas)] * len(batches)
+            batches = [self.stage_inputs(b) for b in batches]
+        weighted = run_window(engine, batches, weights, loss_fn)  # sum_i w_i L_i, every rank
         share = weighted.detach().float().to(engine.device)
         local_items = float(sum(counts))
         local_mean = float(share) * total_items / replicas / local_items if local_items else 0.0
@@ -172,80 +200,64 @@ def prediction_steps(
     batches = iter(loader)
     while group := list(itertools.islice(batches, EVAL_GROUP * topo.pp_size)):
         inputs = [move_to_device(b, engine.device, engine.dtype) for b in group]
-        outs = pipe.eval_outputs(inputs)
+        outs = pipe.eval_outputs([steps.stage_inputs(x) for x in inputs])
         mine = None
-        if outs is not None:  # the last stage
+        if outs is not None and steps.prediction_step is not None:  # the user's, per batch
+            mine = [
+                tuple(
+                    steps.prediction_step(StageOutputs(steps.model, o), x, loss_only, ignore_keys)
+                )
+                for o, x in zip(outs, inputs, strict=True)
+            ]
+        elif outs is not None:  # the last stage
             mine = [
                 _loss_and_logits(steps, o, x, loss_only, ignore_keys)
                 for o, x in zip(outs, inputs, strict=True)
             ]
         results = _from_last_stage(mine, pipe, engine.device)
-        for batch, x, (loss, logits) in zip(group, inputs, results, strict=True):
-            labels = None
-            if _has_labels(steps.label_names, x):
+        for batch, x, got in zip(group, inputs, results, strict=True):
+            loss, logits = got[0], got[1]
+            labels = got[2] if len(got) > 2 else None
+            if len(got) == 2 and _has_labels(steps.label_names, x):
                 found = tuple(x[n] for n in steps.label_names)
                 labels = found[0] if len(found) == 1 else found
             yield batch, loss, logits, labels
 
 
-def _pack(x: Any, tensors: list[torch.Tensor]) -> Any:
-    """A picklable description of ``x`` with its tensors moved to ``tensors``."""
-    if isinstance(x, torch.Tensor):
-        tensors.append(x.detach().contiguous())
-        return ("tensor", tuple(x.shape), x.dtype)
-    if isinstance(x, list | tuple):
-        return (type(x).__name__, [_pack(v, tensors) for v in x])
-    if isinstance(x, Mapping):
-        return ("dict", {k: _pack(v, tensors) for k, v in x.items()})
-    return ("value", x)
-
-
-def _unpack(spec: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    kind, body = spec[0], spec[1]
-    if kind == "tensor":
-        return next(tensors)
-    if kind in ("list", "tuple"):
-        items = [_unpack(v, tensors) for v in body]
-        return items if kind == "list" else tuple(items)
-    if kind == "dict":
-        return {k: _unpack(v, tensors) for k, v in body.items()}
-    return body
-
-
 def _from_last_stage(mine: list | None, pipe, device: torch.device) -> list:
-    """The last stage's ``mine`` on every rank of the pp group: a pickled header, then one
-    broadcast per tensor (module docstring)."""
-    import torch.distributed as dist
-
+    """The last stage's ``mine`` (a list of tensors / None / tuples, dicts of them) on
+    every rank of the pp group: its spec's length and the spec as int64, then one
+    broadcast per tensor (module docstring); nothing is pickled."""
     from meshtrain.distributed import comm
+    from meshtrain.parallel.pipeline import pytree
 
     group = pipe.group
     if group.size == 1:
         return mine
     src = pipe.rank_of(pipe.num_stages - 1)  # rank 0 under the V schedules
-    tensors: list[torch.Tensor] = []
-    header = [_pack(mine, tensors) if mine is not None else None]
-    dist.broadcast_object_list(header, src=group.global_rank(src), group=group.pg)
-    if mine is None:  # allocate what the header describes, in its order
-        _collect_shapes(header[0], tensors, device)
+    if mine is not None:
+        spec = torch.tensor(pytree.encode(mine), dtype=torch.int64, device=device)
+        length = torch.tensor([spec.numel()], dtype=torch.int64, device=device)
+    else:
+        length = torch.empty(1, dtype=torch.int64, device=device)
+    comm.broadcast(length, src=src, group=group, label="pp_eval")
+    if mine is None:
+        spec = torch.empty(int(length), dtype=torch.int64, device=device)
+    comm.broadcast(spec, src=src, group=group, label="pp_eval")
+    tree = pytree.decode(tuple(spec.tolist()))
+    if mine is not None:
+        tensors = [t.detach().contiguous() for t in pytree.leaves(mine, "evaluation result")]
+    else:  # allocate what the spec describes, in its order
+        tensors = [
+            torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
+            for leaf in pytree.spec_leaves(tree)
+        ]
     for t in tensors:
         comm.broadcast(t, src=src, group=group, label="pp_eval")
-    return _unpack(header[0], iter(tensors))
+    return pytree.unflatten(tree, tensors)
 
 
-def _collect_shapes(spec: Any, out: list[torch.Tensor], device: torch.device) -> None:
-    kind, body = spec[0], spec[1]
-    if kind == "tensor":
-        out.append(torch.empty(body, dtype=spec[2], device=device))
-    elif kind in ("list", "tuple"):
-        for v in body:
-            _collect_shapes(v, out, device)
-    elif kind == "dict":
-        for v in body.values():
-            _collect_shapes(v, out, device)
-
-
-RESTORE_TAG = 1 << 16  # apart from the pipeline's own channels (tags 3 s + k, ``p2p``)
+RESTORE_TAG = 1 << 16  # apart from the pipeline's own channels (tags 4 s + k, ``p2p``)
 
 
 def restore_user_model(engine, model: nn.Module) -> None:

@@ -98,10 +98,9 @@ def build_engine(
     lr_scheduler: Any,
     forward_names: tuple[str, ...] | None,
     label_names: list[str],
-    check_pipeline: Callable[[int], None],
 ) -> Built:
     """Process group, mesh, training loader, schedule and engine (the Trainer calls this
-    once). ``check_pipeline(pp)`` refuses what cannot run under pipeline parallelism."""
+    once)."""
     import meshtrain
     from meshtrain.data.loader import ResumableDataLoader
     from meshtrain.distributed.env import read_env
@@ -143,8 +142,6 @@ def build_engine(
     num_parameters = sum(
         p.numel() for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad
     )
-    if topology.pp_size > 1:
-        check_pipeline(topology.pp_size)
     if optimizer is None and config.get("optimizer", {}).get("type") in ("AdamW8bit", "Lion8bit"):
         from meshtrain.optim.optimizers import keep_embeddings_32bit
 

@@ -43,8 +43,7 @@ from meshtrain.trainer.loss import (
     loss_shifts_labels,
     takes_argument,
 )
-from meshtrain.trainer.pipeline_step import PipelineSteps
-from meshtrain.trainer.pipeline_step import check as check_pipeline
+from meshtrain.trainer.pipeline_step import PipelineSteps, user_loss
 from meshtrain.trainer.prediction import Prediction
 from meshtrain.trainer.saving import ModelSaving
 from meshtrain.trainer.state import (
@@ -182,7 +181,6 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             lr_scheduler=self.lr_scheduler,
             forward_names=self._forward_names,
             label_names=self.label_names,
-            check_pipeline=self._check_pipeline,
         )
         self.engine, self.topology = built.engine, built.topology
         self.train_dataset, self.train_dataloader = built.train_dataset, built.train_dataloader
@@ -191,19 +189,16 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         self.state.is_world_process_zero = self.topology.rank == 0
         self.state.is_local_process_zero = self.is_local_process_zero()
         self._gather_vocab = ev.vocab_gatherer(self.engine, self.model)
-        if self.engine.pipeline is not None:
-            self._pipeline = PipelineSteps(self.engine, self.model, self.label_names)
+        if self.engine.pipeline is not None:  # the user's loss, if any, on the last stage
+            mine = user_loss(type(self), Trainer, self.compute_loss_func, self.label_names)
+            self._pipeline = PipelineSteps(
+                self.engine, self.model, self.label_names,
+                compute_loss=self._call_compute_loss if mine else None,
+                prediction_step=self.prediction_step if mine else None,
+                loss_is_share=self._loss_is_share, forward_names=self._forward_names,
+            )  # fmt: skip
         self.optimizer = self.engine.optimizer
         self.lr_scheduler = self.engine.lr_scheduler
-
-    def _check_pipeline(self, pp: int) -> None:
-        cls = type(self)
-        overridden = [
-            n
-            for n in ("compute_loss", "prediction_step")
-            if getattr(cls, n) is not getattr(Trainer, n)
-        ]
-        check_pipeline(overridden, self.compute_loss_func, self.label_names, pp, cls.__name__)
 
     def create_optimizer(self, model: nn.Module | None = None):
         """The optimizer (transformers' contract: build it once from ``args`` unless one

@@ -114,8 +114,9 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
     from meshtrain.parallel.experts.routed import RoutedExperts
     from meshtrain.parallel.pipeline.module import PipelineModule
     from meshtrain.parallel.pipeline.router_aux import attach_router_aux
-    from meshtrain.parallel.pipeline.split import free_unused, split_model
+    from meshtrain.parallel.pipeline.split import free_unused, known_layout, split_model
     from meshtrain.parallel.pipeline.tied import tied_groups
+    from meshtrain.parallel.pipeline.traced import split_traced
 
     pc = config.pipeline
     p, v = topology.pp_size, int(pc.virtual_stages)
@@ -149,9 +150,13 @@ def split_for_engine(model: nn.Module, topology, config) -> tuple[PipelineStages
         # under sequence parallelism a stage's activation may be its tp rank's 1/T
         # sequence shard (Megatron's): ``SplitStage.forward`` runs later stages on it
         sp = topology.tp_size > 1 and bool(config.tensor_parallel.sequence_parallel)
-        every = split_model(
-            model, p * v, method=pc.partition_method, cut_points=pc.cut_points, sequence_parallel=sp
-        )
+        if known_layout(model) is None:  # no block list: cut its traced forward (``traced``)
+            every = split_traced(model, p * v, method=pc.partition_method, cut_points=pc.cut_points)
+        else:
+            every = split_model(
+                model, p * v, method=pc.partition_method, cut_points=pc.cut_points,
+                sequence_parallel=sp,
+            )  # fmt: skip
         place = pc.schedule  # looped (s % p) or, for zbv / dualpipev, a V
         mine = [k for k in range(p * v) if stage_rank(place, k, p) == topology.pp_rank]
         stages = {k: every[k] for k in mine}
@@ -219,11 +224,15 @@ def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
     return _dp_mean(engine, loss)
 
 
-def run_window(engine, batches: list, weights: list[float] | None = None) -> torch.Tensor:
+def run_window(
+    engine, batches: list, weights: list[float] | None = None, loss_fn=None
+) -> torch.Tensor:
     """The schedule's forwards and backwards over the window ``batches`` (on the engine's
     device), gradients reduced as the ZeRO stage says, up to (not including)
     ``engine.step()``; returns this replica's loss on every pp rank: the mean over the
-    micro-batches, or ``sum_i weights[i] * loss_i`` (``PipelineRuntime.train_step``)."""
+    micro-batches, or ``sum_i weights[i] * loss_i`` (``PipelineRuntime.train_step``);
+    ``loss_fn(outputs, i)``: micro-batch ``i``'s loss from the last stage's whole outputs
+    (``train_step``; the Trainer's ``compute_loss``)."""
     pipe: PipelineRuntime = engine.pipeline
     check_sequence_lengths(engine, batches)
     for b in batches:  # samples/s and tokens/s of the step log
@@ -242,6 +251,7 @@ def run_window(engine, batches: list, weights: list[float] | None = None) -> tor
             loss_scale=engine.scaler.scale / zero.predivide,
             after_backward=zero.after_backward if zero.every_backward else None,
             weights=weights,
+            loss_fn=loss_fn,
         )
     if zero.every_backward:
         sum_tied_shards(pipe.tied, zero, engine.topology.dp_group)

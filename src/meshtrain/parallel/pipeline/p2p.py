@@ -8,8 +8,23 @@ What is communicated, per micro-batch and stage boundary, over the ``pp`` group:
 * backward: the activation's gradient, the shape of the activation the receiver sent
   (the receiver allocates it from its own output, so no header).
 
-Channels: a message goes with tag ``3 s + k``, ``s`` the *receiving* stage, ``k`` 0 for a
-header, 1 for an activation, 2 for a gradient. Between two ranks the messages of one tag
+A stage may instead return a pytree of tensors (dict / tuple / list, nested: ``pytree``).
+Then, per micro-batch and boundary:
+
+* forward: the same 80-byte header, ``[-1, L, changed, 0...]``; when ``changed`` (the
+  channel's first tree, or one whose shapes, dtypes, structure or gradient flags differ
+  from the previous message's, e.g. a new sequence length) the tree's spec follows, ``L``
+  int64 (``8 L`` bytes); then every leaf, in leaf order, at its own dtype (integer leaves
+  as they are);
+* backward: the gradients of the leaves that need one (``pytree.needs_grad``), in leaf
+  order; a leaf that needs none (position ids, a mask) costs nothing backward.
+
+So the shapes and dtypes are agreed once per channel and again when they change, and
+``sum over leaves`` of their bytes replaces the one activation's.
+
+Channels: a message goes with tag ``4 s + k``, ``s`` the *receiving* stage, ``k`` 0 for a
+header, 1 for an activation (every leaf of a tree, in order), 2 for a gradient, 3 for a
+tree's spec. Between two ranks the messages of one tag
 match in the order they are posted, and on one channel both sides go in micro-batch
 order, so a receive can be posted long before the schedule reaches it without taking
 another message's data (with one tag for everything, a header posted ahead would match
@@ -71,11 +86,13 @@ import torch
 
 from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline import pytree
 from meshtrain.parallel.pipeline.schedules import COMPUTE, RECV_B, RECV_F, Action
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+_DTYPES = pytree.DTYPES
 _MAX_DIMS = 8
-HEADER, ACTIVATION, GRADIENT = 0, 1, 2
+HEADER, ACTIVATION, GRADIENT, SPEC = 0, 1, 2, 3
+TREE = -1  # header[0] of a pytree message (a bare tensor's is its ndim, >= 0)
 
 
 def header_of(t: torch.Tensor) -> torch.Tensor:
@@ -83,19 +100,50 @@ def header_of(t: torch.Tensor) -> torch.Tensor:
     if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
         raise ConfigError(
             f"a pipeline stage output of shape {tuple(t.shape)} and dtype {t.dtype} cannot be "
-            f"sent: stages must return one tensor of at most {_MAX_DIMS} dims in {_DTYPES}"
+            f"sent: stages must return tensors of at most {_MAX_DIMS} dims in {_DTYPES}"
         )
     pad = [0] * (_MAX_DIMS - t.dim())
     return torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape, *pad], dtype=torch.int64)
 
 
+def tree_header(spec_len: int, changed: bool) -> torch.Tensor:
+    """``[-1, L, changed, 0...]``: a pytree follows, its spec (``L`` int64) with it if
+    ``changed``, else the channel's previous spec holds."""
+    return torch.tensor([TREE, spec_len, int(changed)] + [0] * (_MAX_DIMS - 1), dtype=torch.int64)
+
+
 def _tag(stage: int, kind: int) -> int:
-    return 3 * stage + kind
+    return 4 * stage + kind
 
 
 def _shape_of(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     ndim = int(header[0])
     return tuple(header[2 : 2 + ndim].tolist()), _DTYPES[int(header[1])]
+
+
+def key_of(value) -> tuple:
+    """What ``ShapeMemory`` records for a message: ``(shape, dtype)`` of a bare tensor,
+    ``("tree", spec)`` of a pytree."""
+    if pytree.is_bare(value):
+        return (tuple(value.shape), value.dtype)
+    return ("tree", pytree.encode(value))
+
+
+def _buffers(key: tuple, device) -> list[torch.Tensor]:
+    """Receive buffers of a message recorded as ``key``, in send order."""
+    if key[0] != "tree":
+        return [torch.empty(key[0], dtype=key[1], device=device)]
+    return [
+        torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
+        for leaf in pytree.spec_leaves(pytree.decode(key[1]))
+    ]
+
+
+def _value(key: tuple, bufs: list[torch.Tensor]):
+    """The received message: the tensor, or the tree rebuilt from its leaves."""
+    if key[0] != "tree":
+        return bufs[0]
+    return pytree.unflatten(pytree.decode(key[1]), bufs)
 
 
 class ShapeMemory:
@@ -117,6 +165,11 @@ class ShapeMemory:
 
     def record(self, stage: int, shape: tuple) -> None:
         self._last[stage] = (self._last.get(stage, (None, None))[1], shape)
+
+    def last(self, stage: int) -> tuple | None:
+        """The last message recorded on ``stage``'s channel (a tree header without a spec
+        means this one's spec again)."""
+        return self._last.get(stage, (None, None))[1]
 
 
 class StepLinks:
@@ -157,10 +210,11 @@ class StepLinks:
         self.recv_b = [i for i, a in enumerate(actions) if a.kind == RECV_B]
         self.index = {(a.kind, a.stage, a.mb): i for i, a in enumerate(actions)}
         self.f_next = self.b_next = 0  # the next receive of each list to post
-        self.posted: dict[int, tuple[torch.Tensor, list]] = {}  # action index -> (buf, works)
+        self.posted: dict[int, tuple] = {}  # action index -> (tensor or tree, works)
         self.headers: dict[int, tuple[torch.Tensor, list]] = {}
-        self.guessed: dict[int, tuple[torch.Tensor, list]] = {}  # receives posted on a guess
-        self.dummies: list[tuple[torch.Tensor, list]] = []  # guesses a dummy will fill
+        self.guessed: dict[int, tuple] = {}  # receives posted on a guess: (key, bufs, works)
+        self.dummies: list[tuple] = []  # guesses dummies will fill: (bufs, works)
+        self.specs: dict[tuple[int, int], object] = {}  # (stage, mb) -> a tree's decoded spec
         self.next_on_channel: dict[int, int] = {}  # RECV_F index -> the channel's next one
         first: dict[int, int] = {}
         for i in self.recv_f:
@@ -174,22 +228,38 @@ class StepLinks:
             first[a.stage] = i
 
     # ---- sends -------------------------------------------------------------------------
-    def send_activation(self, t: torch.Tensor, stage: int) -> None:
-        """``t``, the output of ``stage``, to ``stage + 1`` (header and data; first a dummy
-        when the receiver guessed another shape)."""
-        t = t.detach().contiguous()
-        shape, guess = (tuple(t.shape), t.dtype), self.shapes.guess(stage + 1)
-        if guess is not None and guess != shape:
-            dummy = torch.empty(guess[0], dtype=guess[1], device=self.device)
-            self._isend(dummy, stage + 1, _tag(stage + 1, ACTIVATION))
+    def send_activation(self, t, stage: int) -> None:
+        """``t``, the output of ``stage`` (a tensor or a pytree of them), to ``stage + 1``
+        (header, a tree's spec when it changed, the data; first dummies when the receiver
+        guessed another message)."""
+        key, guess = key_of(t), self.shapes.guess(stage + 1)
+        tag = _tag(stage + 1, ACTIVATION)
+        if guess is not None and guess != key:
+            for dummy in _buffers(guess, self.device):  # fill the guessed receives
+                self._isend(dummy, stage + 1, tag)
             self.shapes.dummies += 1
-        self.shapes.record(stage + 1, shape)
-        self._isend(header_of(t), stage + 1, _tag(stage + 1, HEADER))
-        self._isend(t, stage + 1, _tag(stage + 1, ACTIVATION))
+        changed = self.shapes.last(stage + 1) != key
+        self.shapes.record(stage + 1, key)
+        if pytree.is_bare(t):
+            t = t.detach().contiguous()
+            self._isend(header_of(t), stage + 1, _tag(stage + 1, HEADER))
+            self._isend(t, stage + 1, tag)
+            return
+        data = [x.detach().contiguous() for x in pytree.leaves(t)]
+        for x in data:
+            header_of(x)  # refuses a dtype or rank that cannot travel, naming it
+        spec = key[1]
+        self._isend(tree_header(len(spec), changed), stage + 1, _tag(stage + 1, HEADER))
+        if changed:
+            self._isend(torch.tensor(spec, dtype=torch.int64), stage + 1, _tag(stage + 1, SPEC))
+        for x in data:
+            self._isend(x, stage + 1, tag)
 
-    def send_gradient(self, t: torch.Tensor, stage: int) -> None:
-        """``t``, the gradient of ``stage``'s input, to ``stage - 1``."""
-        self._isend(t.detach().contiguous(), stage - 1, _tag(stage - 1, GRADIENT))
+    def send_gradient(self, t, stage: int) -> None:
+        """``t``, the gradient of ``stage``'s input (a tensor, or the list of a tree's
+        gradient leaves: ``pytree.input_grads``), to ``stage - 1``."""
+        for g in [t] if isinstance(t, torch.Tensor) else t:
+            self._isend(g.detach().contiguous(), stage - 1, _tag(stage - 1, GRADIENT))
 
     def finish(self) -> None:
         """Wait for the step's sends (keeping their tensors alive until then) and for the
@@ -205,12 +275,21 @@ class StepLinks:
         can arrive while ``i`` runs), as far as their buffers' shapes are known."""
         self._post(self.next_compute[i], block=False)
 
-    def activation(self, stage: int, mb: int) -> torch.Tensor:
-        """The input of ``stage`` for micro-batch ``mb`` (waits for it)."""
-        return self._take(self.index[(RECV_F, stage, mb)])
+    def activation(self, stage: int, mb: int, train: bool = False):
+        """The input of ``stage`` for micro-batch ``mb`` (waits for it), requiring a
+        gradient when ``train``: a bare tensor always, a tree's leaves where the sender's
+        needed one (its spec says which)."""
+        value = self._take(self.index[(RECV_F, stage, mb)])
+        if pytree.is_bare(value):
+            return value.requires_grad_(train)
+        flags = [leaf.grad for leaf in pytree.spec_leaves(self.specs.pop((stage, mb)))]
+        for t, grad in zip(pytree.leaves(value), flags, strict=True):
+            t.requires_grad_(train and grad)
+        return value
 
-    def gradient(self, stage: int, mb: int) -> torch.Tensor:
-        """The gradient of ``stage``'s output for micro-batch ``mb`` (waits for it)."""
+    def gradient(self, stage: int, mb: int):
+        """The gradient of ``stage``'s output for micro-batch ``mb`` (waits for it): a
+        tensor, or for a tree the list of its gradient leaves' gradients."""
         return self._take(self.index[(RECV_B, stage, mb)])
 
     def _take(self, i: int) -> torch.Tensor:
@@ -231,18 +310,21 @@ class StepLinks:
             _wait(works)
             del self.headers[i]
             a = self.actions[i]
-            shape = _shape_of(h)
+            shape = self._key(h, a.stage)
             guessed = self.guessed.pop(i, None)
-            if guessed is not None and (tuple(guessed[0].shape), guessed[0].dtype) == shape:
-                self.posted[i] = guessed
+            if guessed is not None and guessed[0] == shape:
+                self.posted[i] = (_value(shape, guessed[1]), guessed[2])
                 self.shapes.hits += 1
             else:
-                if guessed is not None:  # the sender sends a dummy for it first
-                    self.dummies.append(guessed)
+                if guessed is not None:  # the sender sends dummies for it first
+                    self.dummies.append((guessed[1], guessed[2]))
                     self.shapes.misses += 1
-                buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
+                bufs = _buffers(shape, self.device)
                 tag = _tag(a.stage, ACTIVATION)
-                self.posted[i] = (buf, self._irecv(buf, a.stage - 1, tag))
+                works = [w for b in bufs for w in self._irecv(b, a.stage - 1, tag)]
+                self.posted[i] = (_value(shape, bufs), works)
+            if shape[0] == "tree":
+                self.specs[(a.stage, a.mb)] = pytree.decode(shape[1])
             self.shapes.record(a.stage, shape)
             if i in self.next_on_channel:
                 self._guess(self.next_on_channel[i])
@@ -253,18 +335,40 @@ class StepLinks:
             out = self.outputs.get((a.stage, a.mb))
             if out is None:  # its forward has not run yet: post when the rank gets there
                 break
-            buf = torch.empty_like(out, memory_format=torch.contiguous_format)
-            self.posted[i] = (buf, self._irecv(buf, a.stage + 1, _tag(a.stage, GRADIENT)))
+            tag = _tag(a.stage, GRADIENT)
+            if pytree.is_bare(out):
+                buf = torch.empty_like(out, memory_format=torch.contiguous_format)
+                self.posted[i] = (buf, self._irecv(buf, a.stage + 1, tag))
+            else:  # the gradients of the tree's leaves that need one, in leaf order
+                bufs = [
+                    torch.empty_like(t, memory_format=torch.contiguous_format)
+                    for t in pytree.grad_leaves(out)
+                ]
+                works = [w for b in bufs for w in self._irecv(b, a.stage + 1, tag)]
+                self.posted[i] = (bufs, works)
             self.b_next += 1
+
+    def _key(self, header: torch.Tensor, stage: int) -> tuple:
+        """What the header of ``stage``'s channel announces (``key_of``'s form); a tree's
+        new spec is received here (sent right behind its header, so already on the way)."""
+        if int(header[0]) != TREE:
+            return _shape_of(header)
+        if not int(header[2]):
+            return self.shapes.last(stage)
+        spec = torch.empty(int(header[1]), dtype=torch.int64)
+        _wait(self._irecv(spec, stage - 1, _tag(stage, SPEC)))
+        return ("tree", tuple(spec.tolist()))
 
     def _guess(self, i: int) -> None:
         """Post the activation receive of RECV_F action ``i`` before its header, with the
-        shape its channel's sender will have sent twice in a row (if it has)."""
+        message its channel's sender will have sent twice in a row (if it has)."""
         stage = self.actions[i].stage
         guess = self.shapes.guess(stage)
         if guess is not None:
-            buf = torch.empty(guess[0], dtype=guess[1], device=self.device)
-            self.guessed[i] = (buf, self._irecv(buf, stage - 1, _tag(stage, ACTIVATION)))
+            bufs = _buffers(guess, self.device)
+            tag = _tag(stage, ACTIVATION)
+            works = [w for b in bufs for w in self._irecv(b, stage - 1, tag)]
+            self.guessed[i] = (guess, bufs, works)
 
     def _peer(self, stage: int) -> int:
         return self.rank_of(stage)

@@ -4,7 +4,9 @@ What is communicated, per micro-batch and stage boundary, over the ``pp`` group 
 channels, and why every receive is posted early: ``p2p``):
 
 * forward: an 80-byte shape header and the activation (``b * t * d`` elements for a
-  transformer); backward: the activation's gradient, no header;
+  transformer); backward: the activation's gradient, no header. A stage may return a
+  pytree of tensors instead (``pytree``): every leaf goes forward, only the gradients of
+  the leaves that need one come back, and the tree's spec travels when it changes;
 * after the last micro-batch: the mean loss broadcast from the last stage (4 bytes), and
   each tied parameter's gradient all-reduced over the ranks holding it (2 x its bytes).
 
@@ -39,7 +41,7 @@ from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError, TrainingError
-from meshtrain.parallel.pipeline import zero_bubble
+from meshtrain.parallel.pipeline import pytree, zero_bubble
 from meshtrain.parallel.pipeline.p2p import ShapeMemory, StepLinks
 from meshtrain.parallel.pipeline.schedules import (
     COMPUTE,
@@ -82,6 +84,7 @@ class _Step:
     kept: dict | None
     m: int
     last: int
+    loss_fn: Callable[[Any, int], torch.Tensor] | None = None
 
 
 class PipelineRuntime:
@@ -159,6 +162,7 @@ class PipelineRuntime:
         loss_scale: float = 1.0,
         after_backward: Callable[[list[nn.Parameter]], None] | None = None,
         weights: Sequence[float] | None = None,
+        loss_fn: Callable[[Any, int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss (every rank),
         or ``sum_i weights[i] * loss_i`` when ``weights`` are given.
@@ -171,6 +175,10 @@ class PipelineRuntime:
         accumulation hooks (ZB-H1), e.g. ``ZeroStage.after_backward`` (ZeRO 2
         reduce-scatters and drops ``.grad`` there; tied weights are then summed by the
         caller, ``grads.sum_tied_shards``).
+        ``loss_fn(outputs, i)``: the loss of micro-batch ``i`` from the last stage's whole
+        outputs (``whole_outputs``: the model's outputs, not its loss), computed on the
+        last stage per micro-batch; the Trainer's ``compute_loss`` goes here. Without it
+        the last stage's module returns the loss itself.
         """
         for st in self.stages.values():
             st.train()
@@ -181,7 +189,7 @@ class PipelineRuntime:
                     f"train_step: {len(weights)} weights for {len(batches)} micro-batches"
                 )
             actions = self._actions(self.schedule, len(batches))
-            loss = self._run(actions, batches, True, loss_scale, weights)
+            loss = self._run(actions, batches, True, loss_scale, weights, loss_fn=loss_fn)
         finally:
             self._after_backward = None
         if after_backward is not None:
@@ -218,7 +226,14 @@ class PipelineRuntime:
         return None if last is None else [kept[i] for i in range(len(batches))]
 
     def _run(
-        self, actions, batches, train: bool, loss_scale: float, weights=None, kept=None
+        self,
+        actions,
+        batches,
+        train: bool,
+        loss_scale: float,
+        weights=None,
+        kept=None,
+        loss_fn=None,
     ) -> torch.Tensor:
         if self._midway:
             raise TrainingError(
@@ -234,7 +249,7 @@ class PipelineRuntime:
         losses: dict[int, torch.Tensor] = {}  # mb -> its loss (last stage)
         links = StepLinks(self.group, actions, outputs, self.device, self.shapes, self._peer)
         step = _Step(links, batches, inputs, outputs, out_grads, losses, train, loss_scale,
-                     weights, kept, m, last)  # fmt: skip
+                     weights, kept, m, last, loss_fn)  # fmt: skip
         gathering, computes = self.gathering, 0
         if gathering is not None:
             gathering.begin_step([a.stage for a in actions if a.kind in COMPUTE])
@@ -269,7 +284,10 @@ class PipelineRuntime:
             t0, c0 = time.perf_counter(), time.thread_time()
         if a.kind == F:
             x = st.inputs.get(key) if a.stage > 0 else None
-            y = self.stages[a.stage](x, st.batches[a.mb])
+            if a.stage == st.last and st.loss_fn is not None and st.kept is None:
+                y = st.loss_fn(_whole(self.stages[a.stage], x, st.batches[a.mb]), a.mb)
+            else:
+                y = self.stages[a.stage](x, st.batches[a.mb])
             if a.stage == st.last and st.kept is None:
                 st.losses[a.mb] = y.detach().float()
                 w = 1.0 / st.m if st.weights is None else float(st.weights[a.mb])
@@ -281,9 +299,9 @@ class PipelineRuntime:
                 st.outputs[key] = y
             else:
                 st.inputs.pop(key, None)
-                st.outputs[key] = y.detach()
+                st.outputs[key] = pytree.detach(y, False)
             if a.stage < st.last and self._peer(a.stage + 1) == self.group.rank:
-                nxt = y.detach().requires_grad_(st.train)  # p == 1, or the V's bottom
+                nxt = pytree.detach(y, st.train)  # p == 1, or the V's bottom
                 st.inputs[(a.stage + 1, a.mb)] = nxt
         elif a.kind == SEND_F:
             st.links.send_activation(st.outputs[key], a.stage)
@@ -294,7 +312,7 @@ class PipelineRuntime:
         elif a.kind in (B, W):
             self._backward(key, st.inputs, st.outputs, st.out_grads, split=a.kind == W)
         elif a.kind == SEND_B:
-            st.links.send_gradient(st.inputs.pop(key).grad, a.stage)
+            st.links.send_gradient(pytree.input_grads(st.inputs.pop(key)), a.stage)
         if self.trace is not None and a.kind in (F, B, W):
             cpu = time.thread_time() - c0
             self.trace.append((a.kind, a.stage, a.mb, t0, time.perf_counter(), cpu))
@@ -306,7 +324,7 @@ class PipelineRuntime:
         key, rank = (a.stage, a.mb), self.group.rank
         if a.kind == F:
             if a.stage > 0 and self._peer(a.stage - 1) != rank:
-                inputs[key] = links.activation(*key).requires_grad_(train)
+                inputs[key] = links.activation(*key, train=train)
             return
         remote = a.stage < self.num_stages - 1 and self._peer(a.stage + 1) != rank
         zb_first = self.split and a.stage == 0
@@ -319,16 +337,18 @@ class PipelineRuntime:
         gradients, each walking its own part of the graph once (``zero_bubble``)."""
         stage, mb = key
         zb = self.split
-        y = outputs[key]
-        grad = out_grads.get(key)
+        # a pytree output's gradient leaves and their gradients (``pytree``); one each for
+        # a tensor, the loss on the last stage (its gradient None)
+        y, grad = _with_grads(outputs[key], out_grads.get(key))
         x = inputs.get(key)
+        xs = pytree.grad_leaves(x) if x is not None else []
         local_prev = stage > 0 and self._peer(stage - 1) == self.group.rank
         if zb and not split:  # input gradient only (nothing to do on stage 0)
-            if x is not None:
+            if xs and y:
                 params = self.stages[stage].parameters()
-                self._weight_work[key] = zero_bubble.backward_input(y, grad, x, params)
+                self._weight_work[key] = zero_bubble.backward_input(y, grad, xs, params)
             if local_prev:  # the V's bottom: the previous stage's B may run before our W
-                out_grads[(stage - 1, mb)] = inputs.pop(key).grad
+                out_grads[(stage - 1, mb)] = pytree.input_grads(inputs.pop(key))
             return
         outputs.pop(key)
         out_grads.pop(key, None)
@@ -336,12 +356,33 @@ class PipelineRuntime:
         written: list[nn.Parameter] = []  # .grad set outside autograd's hooks
         if work is not None:  # weight gradients from what B saved (``zero_bubble``)
             written = zero_bubble.backward_weight(work)
-        elif zb:  # stage 0: the whole backward, towards the parameters
+        elif zb and y:  # stage 0: the whole backward, towards the parameters
             params = [p for p in self.stages[stage].parameters() if p.requires_grad]
             torch.autograd.backward(y, grad, inputs=params)
-        else:
+        elif y:  # (no output leaf needing a gradient: nothing flows back from here)
             torch.autograd.backward(y, grad)
         if self._after_backward is not None:
             self._after_backward(written)
         if local_prev and not zb:  # same-rank hand-over (p == 1; split: done by B)
-            out_grads[(stage - 1, mb)] = inputs.pop(key).grad
+            out_grads[(stage - 1, mb)] = pytree.input_grads(inputs.pop(key))
+
+
+def _whole(stage: nn.Module, x, batch):
+    """The last stage's whole outputs (the model's, not its loss): a stage that returns
+    its loss by default has a ``whole_outputs`` switch (``SplitStage``)."""
+    if not hasattr(stage, "whole_outputs"):
+        return stage(x, batch)
+    stage.whole_outputs = True
+    try:
+        return stage(x, batch)
+    finally:
+        stage.whole_outputs = False
+
+
+def _with_grads(y, grad) -> tuple[list[torch.Tensor], list | None]:
+    """A stage output's tensors that get a gradient, with those gradients (``grad``: a
+    tensor, the list a tree's gradients travel as, or None for the last stage's loss)."""
+    ys = pytree.grad_leaves(y)
+    if grad is None:
+        return ys, None
+    return ys, [grad] if isinstance(grad, torch.Tensor) else list(grad)

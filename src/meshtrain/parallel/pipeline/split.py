@@ -99,14 +99,23 @@ def _get(root: nn.Module, path: str) -> nn.Module | None:
     return mod if isinstance(mod, nn.Module) else None
 
 
-def find_layout(model: nn.Module) -> Layout:
-    """The first known ``Layout`` whose block list and input embedding exist in ``model``."""
+def known_layout(model: nn.Module) -> Layout | None:
+    """The first known ``Layout`` whose block list and input embedding exist in ``model``,
+    or None."""
     for layout in LAYOUTS:
         inputs = [p for p, role in layout.first.items() if role == "input"]
         if isinstance(_get(model, layout.blocks), nn.ModuleList) and all(
             _get(model, p) is not None for p in inputs
         ):
             return layout
+    return None
+
+
+def find_layout(model: nn.Module) -> Layout:
+    """The first known ``Layout`` whose block list and input embedding exist in ``model``."""
+    layout = known_layout(model)
+    if layout is not None:
+        return layout
     raise ConfigError(
         f"cannot split {type(model).__name__} into pipeline stages automatically: no block "
         f"list at any of {[lay.blocks for lay in LAYOUTS]}; pass layout=Layout(blocks=..., "
@@ -152,7 +161,7 @@ def partition(weights: Sequence[float], parts: int, extra_first=0.0, extra_last=
     return [0] + bounds[::-1]
 
 
-def _bounds_from_cuts(cut_points: Sequence[int], n: int, parts: int) -> list[int]:
+def bounds_from_cuts(cut_points: Sequence[int], n: int, parts: int) -> list[int]:
     bounds = [0, *cut_points, n]
     if len(cut_points) != parts - 1 or any(
         a >= b for a, b in zip(bounds, bounds[1:], strict=False)
@@ -337,7 +346,7 @@ def split_model(
         )
     n = len(blocks)
     if cut_points is not None:
-        bounds = _bounds_from_cuts(cut_points, n, num_stages)
+        bounds = bounds_from_cuts(cut_points, n, num_stages)
     elif method == "uniform":
         bounds = partition([1] * n, num_stages)
     elif method == "parameters":

@@ -35,22 +35,24 @@ class WeightWork:
     params: list[nn.Parameter]
     groups: list[dict]
     rest: list[nn.Parameter]
-    output: torch.Tensor
-    grad: torch.Tensor | None
+    output: list[torch.Tensor]
+    grad: list[torch.Tensor] | None
 
 
-def backward_input(y: torch.Tensor, grad, x: torch.Tensor, params) -> WeightWork:
-    """``B``: sets ``x.grad``; returns what ``W`` needs."""
+def backward_input(y: list, grad: list | None, x: list, params) -> WeightWork:
+    """``B``: sets ``.grad`` of every tensor in ``x`` (the stage's inputs that need one:
+    a tensor, or a pytree's gradient leaves), from the outputs ``y`` and their gradients
+    ``grad`` (None: ``y`` is the loss); returns what ``W`` needs."""
     from torch.distributed.pipelining._backward import (
         _get_grad_fn_or_grad_acc,
         stage_backward_input,
     )
 
     params = [p for p in params if p.requires_grad]
-    # torch detaches the output it is given in place; hand it ``y * 1`` (exact) so ``y``
+    # torch detaches the outputs it is given in place; hand it ``y * 1`` (exact) so ``y``
     # keeps its graph for the weights no group covers
-    alias = y * 1.0
-    _, groups = stage_backward_input([alias], None if grad is None else [grad], [x], iter(params))
+    alias = [t * 1.0 for t in y]
+    _, groups = stage_backward_input(alias, grad, list(x), iter(params))
     covered = {node for g in groups for node in g["params"]}
     rest = [p for p in params if _get_grad_fn_or_grad_acc(p) not in covered]
     return WeightWork(params, groups, rest, y, grad)
