@@ -146,3 +146,59 @@ def test_master_node_lost_every_other_node_exits_naming_it(make_cluster):
     assert node1.code != 0
     assert "never entered" not in node1.output, node1.output[-3000:]
     assert f"the master node {cluster.address(0)}" in node1.output, node1.output[-3000:]
+
+
+def _kill_ranks(cluster, node: int) -> int:
+    """SIGKILL the rank processes of ``node`` (the job's interpreters, not its launcher or
+    agent): what a crashed or OOM-killed rank looks like to the agent."""
+    import os
+    import signal
+
+    killed = 0
+    for pid in cluster.pids(node):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"job.py") for a in argv) and b"launch" not in argv:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+@LONG  # about 1-2 min: a rank killed, the agents restart, the job resumes
+def test_rank_killed_with_max_restarts_resumes_to_the_same_parameters(make_cluster, reference):
+    """Node 1's rank is killed (SIGKILL) mid-run under ``--max_restarts 1`` and c10d
+    rendezvous: the agents stop the surviving ranks, every node re-rendezvouses, the job
+    resumes from the last checkpoint in the shared folder and ends with the parameters of
+    an uninterrupted run, bit for bit."""
+    cluster = make_cluster(2)
+    out = cluster.shared / "run"
+    out.mkdir()
+    launch = ["--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_id", "restart-test",
+              "--rdzv_endpoint", f"{cluster.address(0)}:29400"]  # fmt: skip
+    # the namespaces share one host name, which resolves to none of their addresses (as on
+    # clusters whose host names do not resolve): each node says its address (--local_addr)
+    # and node 0 that it hosts the rendezvous store
+    job = ["--step_sleep", "0.5"]
+    procs = []
+    for node in (0, 1):
+        mine = [*launch, "--local_addr", cluster.address(node), "--rdzv_conf",
+                f"is_host={int(node == 0)}"]  # fmt: skip
+        procs += start_nodes(cluster, out, launch=mine, job=job, nodes=[node])
+    wait_for_step(out, 3, procs)
+    t0 = time.monotonic()
+    assert _kill_ranks(cluster, 1) == 1
+    runs = collect(procs, t0, timeout=240)
+    for r in runs:
+        print(
+            f"--- node {r.node}: exit {r.code} after {r.seconds:.1f} s\n"
+            + "\n".join(_said(r.output))
+        )
+        assert r.code == 0, r.output[-3000:]
+    assert "resumed at step" in runs[0].output, runs[0].output[-3000:]
+    assert same_state(final_state(out), reference(2))

@@ -85,6 +85,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--rdzv_endpoint", "--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous address")
     a("--rdzv_id", "--rdzv-id", help="job id shared by all nodes of a c10d rendezvous")
     a("--rdzv_conf", "--rdzv-conf", help="extra rendezvous settings key=value,...")
+    a(
+        "--local_addr", "--local-addr",
+        help="this node's address, where its host name does not resolve to it (torchrun's "
+        "flag): what the other nodes reach a c10d rendezvous hosted here at",
+    )  # fmt: skip
     a("--standalone", action="store_true", help="single node, rendezvous on a free port")
     a(
         "--max_restarts",
@@ -158,6 +163,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
         rdzv_conf=args.rdzv_conf,
+        local_addr=args.local_addr,
         standalone=args.standalone,
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,

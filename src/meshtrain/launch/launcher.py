@@ -76,6 +76,7 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_conf: str | None = None
+    local_addr: str | None = None
     standalone: bool = False
     max_restarts: int = 0
     monitor_interval: float | None = None
@@ -215,7 +216,7 @@ def spec_flags(spec: LaunchSpec) -> list[str]:
     flags: list[str] = []
     for name in (
         "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port",
-        "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts",
+        "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "local_addr", "max_restarts",
         "monitor_interval", "start_method", "log_dir", "redirects", "tee",
     ):  # fmt: skip
         value = getattr(spec, name)
