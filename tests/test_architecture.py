@@ -113,7 +113,7 @@ KNOWN_TANGLES: list[frozenset[str]] = []
 # until someone looks again and splits it or updates the entry.
 LONG_MODULES: dict[str, tuple[int, str]] = {
     "meshtrain.engine.engine": (
-        501,
+        502,
         "the Engine: one training step and its DeepSpeed-facing members; checkpoint, "
         "async-save and pre-emption members only delegate to checkpoint/ and preemption.py, "
         "and what p.grad holds (DeepSpeed's, the Accelerator's) is visible_grads.py's, "
@@ -123,13 +123,15 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "(+8 lines, issue 49); the first step ends the first-step collective timeout "
         "(+5 lines, issue 47); reassigned parameters (LocalSGD's param.data) are taken "
         "back by parallel/zero/rebound.py, called before forward, step and save (+4 lines, "
-        "issue 50)",
+        "issue 50); the step log is handed the heartbeat's stragglers (+1 line, issue 47)",
     ),
     "meshtrain.distributed.ledger": (
-        405,
+        421,
         "the collective ledger: its ring buffer, its records and their publication, and the "
         "watchdog that reads it (heartbeats, silence verdicts and store I/O live in their "
-        "own modules); its timeout can change after the first step (issue 47)",
+        "own modules); its timeout can change after the first step (issue 47); it answers the "
+        "heartbeat's question of which collectives are in flight, whose waits stragglers.py "
+        "judges (+16 lines, issue 47)",
     ),
     "meshtrain.parallel.zero.flat_group": (
         408,

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from meshtrain.errors import CheckpointError
 from meshtrain.interop.merge_lora import read_adapter_config
 from meshtrain.interop.safetensors_source import SafetensorsSource
-from meshtrain.errors import CheckpointError
 from meshtrain.trainer.state import TrainerState
 
 

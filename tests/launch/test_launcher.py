@@ -154,3 +154,38 @@ def test_agent_waits_only_for_workers_that_can_still_leave_on_their_own():
     # nobody exited yet, or everybody did: torch's own monitoring decides
     assert leaving_on_their_own({0: "S", 1: "R"}, raised) == []
     assert leaving_on_their_own({0: "Z", 1: None}, raised) == []
+
+
+def test_agent_exports_the_rendezvous_round_every_node_shares():
+    """The round torch's c10d rendezvous completed is what numbers a start's store keys
+    (``rank_records.attempt``): read from torch's real handler, one node, two rounds; the
+    restart count is the fallback only."""
+    import socket
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from meshtrain.distributed.rank_records import ROUND_ENV, attempt
+    from meshtrain.launch.agent import rendezvous_round
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="round-test",
+        min_nodes=1, max_nodes=1, is_host=True,
+    )  # fmt: skip
+    handler = get_rendezvous_handler(params)
+    try:
+        handler.next_rendezvous()
+        first = rendezvous_round(handler)
+        handler.next_rendezvous()
+        second = rendezvous_round(handler)
+    finally:
+        handler.shutdown()
+    assert (first, second) == (0, 1)
+    assert rendezvous_round(object()) is None  # a static rendezvous has no rounds
+    # node 0 restarted its healthy workers for node 1's new round: its own count says 0
+    assert attempt({ROUND_ENV: "1", "TORCHELASTIC_RESTART_COUNT": "0"}) == 1
+    assert attempt({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    assert attempt({}) == 0

@@ -1,7 +1,7 @@
 """The job the multi-node tests run on every node (under ``meshtrain launch``).
 
-    job.py OUT_DIR [--steps 8] [--save_every 2] [--timeout_s 6] [--step_sleep 0]
-                   [--model decoder] [--stage 2]
+    job.py OUT_DIR [--steps 8] [--save_every 2] [--timeout_s 6] [--first_step_timeout_s S]
+                   [--step_sleep 0] [--model decoder] [--stage 2]
 
 ZeRO-2 on the tiny decoder, fp32, the parity protocol of tests/distributed/training.py
 (rank r takes its rows of the same global batch), so the final parameters depend only on
@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--save_every", type=int, default=2)
     p.add_argument("--timeout_s", type=float, default=6.0)
     p.add_argument("--step_sleep", type=float, default=0.0)
+    p.add_argument("--first_step_timeout_s", type=float, default=None)
     p.add_argument("--model", default="decoder")
     p.add_argument("--stage", type=int, default=2, help="ZeRO stage (a node may differ)")
     a = p.parse_args()
@@ -43,6 +44,8 @@ def main() -> None:
         "zero_optimization": {"stage": a.stage},
         "distributed": {"timeout_minutes": a.timeout_s / 60},
     }
+    if a.first_step_timeout_s is not None:  # start-up, resume and the first step wait longer
+        config["distributed"]["first_step_timeout_minutes"] = a.first_step_timeout_s / 60
     engine = make_engine(a.model, 2, 1, config)
     out = Path(a.out)
     ckpt = out / "checkpoints"

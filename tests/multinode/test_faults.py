@@ -148,12 +148,13 @@ def test_master_node_lost_every_other_node_exits_naming_it(make_cluster):
     assert f"the master node {cluster.address(0)}" in node1.output, node1.output[-3000:]
 
 
-def _kill_ranks(cluster, node: int) -> int:
-    """SIGKILL the rank processes of ``node`` (the job's interpreters, not its launcher or
-    agent): what a crashed or OOM-killed rank looks like to the agent."""
+def _kill_ranks(cluster, node: int, sig: int | None = None) -> int:
+    """SIGKILL (or ``sig``) the rank processes of ``node`` (the job's interpreters, not its
+    launcher or agent): what a crashed or OOM-killed rank looks like to the agent."""
     import os
     import signal
 
+    sig = signal.SIGKILL if sig is None else sig
     killed = 0
     for pid in cluster.pids(node):
         try:
@@ -163,7 +164,7 @@ def _kill_ranks(cluster, node: int) -> int:
             continue
         if any(a.endswith(b"job.py") for a in argv) and b"launch" not in argv:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
                 killed += 1
             except ProcessLookupError:
                 pass
@@ -202,3 +203,98 @@ def test_rank_killed_with_max_restarts_resumes_to_the_same_parameters(make_clust
         assert r.code == 0, r.output[-3000:]
     assert "resumed at step" in runs[0].output, runs[0].output[-3000:]
     assert same_state(final_state(out), reference(2))
+
+
+@LONG  # about 1 min: a node's ranks stopped for some seconds, then continued
+def test_slow_node_is_named_as_the_straggler_and_training_continues(make_cluster, reference):
+    """Node 1's rank is stopped (SIGSTOP) for STOP_S seconds, under the collective timeout,
+    then continued (SIGCONT): node 0's rank names it in the step log with its node, its
+    address and how long it waited, and the run ends with the uninterrupted parameters."""
+    import signal
+
+    stop_s = 6.0
+    cluster = make_cluster(2)
+    out = cluster.shared / "run"
+    out.mkdir()
+    procs = start_nodes(cluster, out, job=["--step_sleep", "0.5", "--timeout_s", "30"])
+    wait_for_step(out, 3, procs)
+    assert _kill_ranks(cluster, 1, signal.SIGSTOP) == 1
+    time.sleep(stop_s)
+    assert _kill_ranks(cluster, 1, signal.SIGCONT) == 1
+    runs = collect(procs, time.monotonic(), timeout=180)
+    for r in runs:
+        print(f"--- node {r.node}: exit {r.code}\n" + "\n".join(_said(r.output)))
+        assert r.code == 0, r.output[-3000:]
+    said = [ln for ln in runs[0].output.splitlines() if "straggler: waited" in ln]
+    assert said, runs[0].output[-3000:]
+    assert f"for rank 1 (node 1, {cluster.address(1)})" in said[0], said
+    assert same_state(final_state(out), reference(2))
+
+
+def _restartable(cluster) -> list[tuple[int, list[str]]]:
+    """Per node, the launch flags of a c10d job with one restart (see the test above)."""
+    launch = ["--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_id", "campaign",
+              "--rdzv_endpoint", f"{cluster.address(0)}:29400"]  # fmt: skip
+    return [
+        (
+            node,
+            [
+                *launch,
+                "--local_addr",
+                cluster.address(node),
+                "--rdzv_conf",
+                f"is_host={int(node == 0)}",
+            ],
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+
+
+@LONG  # about 8 min on a quiet 2-core machine: 10 faulted runs
+def test_campaign_of_faults_at_random_steps(make_cluster, reference):
+    """10 runs, each with a link cut or a rank killed at a random step (seeded): every run
+    either resumes to the uninterrupted run's parameters, bit for bit (a kill under
+    --max_restarts; a link cut once the link is back and the same command runs again), or
+    exits with a true verdict first (the link cut); nothing hangs past the collect
+    timeout, and every resume loads its checkpoint (integrity-checked) from the shared
+    folder."""
+    import random
+
+    rng = random.Random(47)
+    cluster = make_cluster(2)
+    want = reference(2)
+    # a restarted node imports torch and rebuilds its engine while the others wait in the
+    # rendezvous: under load that took over the 6 s steady timeout (a store wait timed out
+    # on the first campaign), which is what distributed.first_step_timeout_minutes is for
+    job = ["--step_sleep", "0.3", "--first_step_timeout_s", "60"]
+    for run in range(10):
+        fault, step = rng.choice(["link", "kill"]), rng.randint(1, 6)
+        out = cluster.shared / f"campaign{run}"
+        out.mkdir()
+        if fault == "kill":
+            procs = []
+            for node, flags in _restartable(cluster):
+                procs += start_nodes(cluster, out, launch=flags, job=job, nodes=[node])
+            wait_for_step(out, step, procs)
+            assert _kill_ranks(cluster, 1) == 1
+            runs = collect(procs, time.monotonic(), timeout=240)
+            for r in runs:
+                if r.code:
+                    print(f"--- campaign run {run}, node {r.node}: exit {r.code}\n{r.output}")
+            assert all(r.code == 0 for r in runs), [r.output[-2000:] for r in runs]
+        else:
+            procs = start_nodes(cluster, out, job=job)
+            wait_for_step(out, step, procs)
+            cluster.link(1, False)
+            runs = collect(procs, time.monotonic(), timeout=180)
+            cluster.link(1, True)
+            for r in runs:
+                assert r.code != 0 and "never entered" not in r.output, r.output[-2000:]
+                assert "[rank" in _first_rank_line(r.output) and "meshtrain: " in (
+                    _first_rank_line(r.output)
+                ), r.output[-2000:]
+            runs = collect(start_nodes(cluster, out, job=job), time.monotonic(), timeout=240)
+            assert all(r.code == 0 for r in runs), [r.output[-2000:] for r in runs]
+        print(f"campaign run {run}: {fault} at step {step}: resumed, "
+              f"{max(r.seconds for r in runs):.1f} s to the end")  # fmt: skip
+        assert same_state(final_state(out), want), (run, fault, step)

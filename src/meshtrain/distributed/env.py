@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshtrain.distributed.rank_records import attempt
 from meshtrain.distributed.timeouts import creation_timeout_minutes
 from meshtrain.errors import DistributedError
 
@@ -194,10 +195,10 @@ def _attempt_store(environ, env: DistEnv, timeout: timedelta):
     prefix it per restart, so after ``--max-restarts`` brings the workers back, a rank can
     read a peer's gloo address left by the previous attempt and fail with "connectFullMesh
     ... Connection refused" (3 of 5 restarted runs here). Prefixing the keys with the
-    restart count makes every attempt start on a clean slate."""
+    attempt (:func:`rank_records.attempt`: the same number on every node) makes every
+    attempt start on a clean slate."""
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(
         env.master_addr,
         int(env.master_port or DEFAULT_MASTER_PORT),
@@ -205,7 +206,7 @@ def _attempt_store(environ, env: DistEnv, timeout: timedelta):
         is_master=False,
         timeout=timeout,
     )
-    return dist.PrefixStore(f"meshtrain/attempt{attempt}", client)
+    return dist.PrefixStore(f"meshtrain/attempt{attempt(environ)}", client)
 
 
 def _host(addr: str) -> str:

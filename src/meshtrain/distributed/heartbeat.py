@@ -34,6 +34,7 @@ import socket
 import threading
 import weakref
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from meshtrain.distributed.rank_records import DOCTOR_DIR_ENV, PEERS_FILE, beat_key, read_beats
@@ -100,6 +101,8 @@ class Heartbeat:
             if led is None:
                 return
             mine = led.summary()
+            stragglers = led.stragglers
+            slow = led.in_flight() if stragglers is not None else []
             del led
             with self._busy:
                 if self._stop.is_set():
@@ -109,6 +112,10 @@ class Heartbeat:
                     beats += 1
                     if beats == PEERS_AFTER_BEATS and mine.get("local_rank") == 0:
                         _write_peers(read_beats(self.client(), mine["world_size"]))
+                    if slow:  # who this rank's slow collectives wait for (stragglers.py)
+                        stragglers.look(
+                            slow, partial(read_beats, self.client(), mine["world_size"])
+                        )
                 except Exception:  # noqa: BLE001 - the network is down: try again later
                     pass
             self._stop.wait(self.every)

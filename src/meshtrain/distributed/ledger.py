@@ -49,7 +49,7 @@ from typing import Any
 
 from meshtrain.distributed.heartbeat import Heartbeat, store_answers
 from meshtrain.distributed.heartbeat import node_address as _node_address
-from meshtrain.distributed.rank_records import DOCTOR_DIR_ENV, read_store, record_key
+from meshtrain.distributed.rank_records import DOCTOR_DIR_ENV, attempt, read_store, record_key
 from meshtrain.distributed.silence import explain_failure
 from meshtrain.distributed.store_io import (
     pg_timeout_seconds,
@@ -58,9 +58,13 @@ from meshtrain.distributed.store_io import (
     store_set,
     write_status,
 )  # fmt: skip
+from meshtrain.distributed.stragglers import Stragglers, threshold
 
 CAPACITY = 64
 STALL_FRACTION = 0.75  # of the collective timeout, before the watchdog reports a stall
+# point-to-point calls are numbered per group too, but a send on one stage and a receive on
+# the next need not share a number: only collectives say who is behind (stragglers.py)
+P2P_OPS = ("send", "recv", "batch_p2p", "isend", "irecv")
 RUN_DIR_ENV = "MESHTRAIN_RUN_DIR"
 
 
@@ -83,6 +87,7 @@ class Ledger:
         self._failed_in: tuple | None = None  # (group, ranks, seq, op) of a failed collective
         self._address: str | None = None
         self._beats: Any = None  # the Heartbeat, while the group lives
+        self.stragglers: Stragglers | None = None  # slow collectives, with a heartbeat
         import torch.distributed as dist
 
         active = self.enabled and dist.is_available() and dist.is_initialized()
@@ -94,6 +99,8 @@ class Ledger:
             if watch is None or watch:
                 _start_watchdog(self)
                 self._beats = Heartbeat(self).start()
+                if self._beats is not None:
+                    self.stragglers = Stragglers(self._rank, threshold(self._beats.every))
             _install_hooks(self)
         else:
             self._rank, self._world, self._timeout = 0, 1, None
@@ -128,6 +135,8 @@ class Ledger:
         if seq > self._done.get(group, 0):
             self._done[group] = seq
         self.last_activity = time.monotonic()
+        if self.stragglers is not None:
+            self.stragglers.completed(group, seq)
 
     def failed(self, group: Any, seq: int, exc: BaseException) -> None:
         """A collective raised: publish (store and file) before the error propagates."""
@@ -140,17 +149,20 @@ class Ledger:
         """Wrap an async work handle so its ``wait()`` marks the entry completed."""
         return _Tracked(work, self, group, seq)
 
+    def _snapshot(self) -> tuple[list, dict, dict]:
+        """Copies of the entries and of each group's entered and completed numbers, taken
+        from another thread (heartbeat, watchdog) while autograd threads may append."""
+        for _ in range(100):
+            try:
+                return list(self.entries), dict(self._seq), dict(self._done)
+            except RuntimeError:  # changed size during the copy
+                continue
+        return [], {}, {}
+
     # publishing ------------------------------------------------------------------------
     def record(self, reason: str) -> dict[str, Any]:
         """This rank's JSON-able report (see :mod:`meshtrain.distributed.doctor`)."""
-        for _ in range(100):  # autograd threads may append while we copy
-            try:
-                entries, seqs, dones = list(self.entries), dict(self._seq), dict(self._done)
-                break
-            except RuntimeError:
-                continue
-        else:
-            entries, seqs, dones = [], {}, {}
+        entries, seqs, dones = self._snapshot()
         now_mono, now = time.monotonic(), time.time()
         rows = [
             {
@@ -172,7 +184,7 @@ class Ledger:
             "world_size": self._world,
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "attempt": _attempt(),
+            "attempt": attempt(),
             "node_rank": _env_int("GROUP_RANK"),
             "local_rank": _env_int("LOCAL_RANK"),
             "address": self._address,
@@ -205,14 +217,7 @@ class Ledger:
     def summary(self) -> dict[str, Any]:
         """What this rank's heartbeat says (:mod:`meshtrain.distributed.heartbeat`): who
         and where it is, and per group the last collective entered and completed."""
-        for _ in range(100):  # autograd threads may add a group while we copy
-            try:
-                seqs, dones = dict(self._seq), dict(self._done)
-                break
-            except RuntimeError:
-                continue
-        else:
-            seqs, dones = {}, {}
+        _, seqs, dones = self._snapshot()
         return {
             "rank": self._rank,
             "world_size": self._world,
@@ -220,7 +225,7 @@ class Ledger:
             "local_rank": _env_int("LOCAL_RANK"),
             "address": self._address,
             "host": socket.gethostname(),
-            "attempt": _attempt(),
+            "attempt": attempt(),
             "time": time.time(),
             "timeout_s": self._timeout,
             "groups": [
@@ -228,6 +233,21 @@ class Ledger:
                 for g, s in seqs.items()
             ],
         }
+
+    def in_flight(self) -> list[tuple[Any, int, str, float]]:
+        """``(group, seq, op, entered at)`` of each group's collective this rank entered
+        and has not completed (the heartbeat thread's question for ``stragglers``)."""
+        entries, seqs, dones = self._snapshot()
+        return [
+            (g, seq, op, t)
+            for (g, seq, op, _s, _d, _f, _l, _fn, t) in entries
+            if seq == seqs.get(g) and seq > dones.get(g, 0) and op not in P2P_OPS
+        ]
+
+    def take_stragglers(self) -> list[dict]:
+        """The slow collectives since the last call and whom they waited for
+        (:mod:`meshtrain.distributed.stragglers`); empty without a heartbeat."""
+        return [] if self.stragglers is None else self.stragglers.take()
 
     def store_address(self) -> tuple[str, int] | None:
         return None if (a := store_address()) is None else (a[0], int(a[1]))
@@ -252,7 +272,7 @@ class Ledger:
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
                 "world_size": self._world,
-                "attempt": _attempt(),
+                "attempt": attempt(),
                 "store": store_address(),
                 "node_rank": _env_int("GROUP_RANK"),
                 "address": self._address,
@@ -279,10 +299,6 @@ class _Tracked:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
-
-
-def _attempt() -> int:
-    return _env_int("TORCHELASTIC_RESTART_COUNT") or 0
 
 
 def _env_int(name: str) -> int | None:
@@ -328,11 +344,11 @@ def _peer_first(ledger: Ledger) -> dict | None:
         return None  # its node is unreachable: a read would block in C++ for minutes
 
     def look() -> None:
-        attempt = _attempt()
+        this = attempt()
         for rank, rec in read_store(root_store(), ledger._world).items():
             # the agent's store outlives a restart: an earlier attempt's record is stale
             if rank != ledger._rank and rec.get("reason") in ("exception", "exit"):
-                if rec.get("attempt", 0) == attempt:
+                if rec.get("attempt", 0) == this:
                     found.append(rec)
 
     t = threading.Thread(target=look, name="meshtrain-doctor-read", daemon=True)

@@ -9,11 +9,33 @@ never import each other.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from typing import Any
 
 STORE_PREFIX = "meshtrain/doctor/"
 DOCTOR_DIR_ENV = "MESHTRAIN_DOCTOR_DIR"  # this node's doctor folder (set by the launchers)
 PEERS_FILE = "peers.json"  # every rank's first heartbeat, kept on each node (heartbeat.py)
+
+
+ROUND_ENV = "MESHTRAIN_RDZV_ROUND"  # set for the workers by meshtrain's agent (launch/agent.py)
+
+
+def attempt(environ: Mapping[str, str] = os.environ) -> int:
+    """This start of the job's workers, numbered the same on every node.
+
+    torch's ``TORCHELASTIC_RESTART_COUNT`` counts only a node's *own* failures: when node
+    1's rank dies, node 1's agent restarts its workers as restart 1 while node 0's agent,
+    which restarts its healthy workers for the new rendezvous round, still says 0 -- and
+    store keys made from it never meet (node 1 waited 60 s for node 0's gloo address
+    under ``attempt1``). meshtrain's agent exports the rendezvous round, which every node
+    shares (``ROUND_ENV``); under another launcher the restart count is all there is.
+    """
+    for name in (ROUND_ENV, "TORCHELASTIC_RESTART_COUNT"):
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def record_key(rank: int) -> str:
@@ -44,10 +66,11 @@ def beat_key(rank: int) -> str:
     return f"{STORE_PREFIX}beat{rank}"
 
 
-def read_beats(store: Any, world_size: int) -> dict[int, dict]:
-    """The heartbeats in a rendezvous store (``meshtrain/doctor/beat<R>``)."""
+def read_beats(store: Any, world_size: int, ranks: list[int] | None = None) -> dict[int, dict]:
+    """The heartbeats in a rendezvous store (``meshtrain/doctor/beat<R>``), of every rank
+    or of ``ranks``."""
     beats: dict[int, dict] = {}
-    for rank in range(world_size):
+    for rank in range(world_size) if ranks is None else ranks:
         key = beat_key(rank)
         try:
             if store.check([key]):

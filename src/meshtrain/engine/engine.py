@@ -278,6 +278,7 @@ class Engine(EngineQueries):
             comm_bytes=self.last_step_comm_bytes()["total"],
             skipped=not self._step_applied,
             moe=moe,
+            stragglers=self.topology.stats.ledger.take_stragglers(),
         )
         if self.checkpoint_saver is not None:
             self.checkpoint_saver.check()  # a failed background save surfaces here

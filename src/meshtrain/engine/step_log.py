@@ -32,6 +32,15 @@ attach_activations``): the formula's bytes per rank for the last micro-batch's r
 this rank's tokens per row (``L/C`` under context parallelism), an estimate, not a
 measurement.
 
+A rank that made the others wait (stopped, swapping, slowed by a neighbour) gets a line
+of its own on the step it happened, whatever ``steps_per_print`` says::
+
+    step 4: straggler: waited 5.6 s in reduce_scatter #33 on the dp group for rank 1
+    (node 1, 10.213.0.2), which had not entered it after 2.0 s
+
+(``meshtrain.distributed.stragglers``; ``stragglers`` in ``last``). Rank 0 logs it; another
+rank logs a wait for rank 0.
+
 Silence or redirect the lines with the standard logging API, e.g.
 ``logging.getLogger("meshtrain").setLevel(logging.WARNING)``.
 """
@@ -45,6 +54,8 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+
+from meshtrain.distributed.stragglers import describe
 
 log = logging.getLogger("meshtrain")
 PHASES = ("forward", "backward", "step")
@@ -165,6 +176,7 @@ class StepLog:
         comm_bytes: int,
         skipped: bool,
         moe: dict[str, int] | None = None,
+        stragglers: list[dict] | None = None,
     ) -> dict[str, Any]:
         """Record the facts of optimizer step ``step`` (1-based); returns ``last``."""
         now = time.perf_counter()
@@ -197,6 +209,12 @@ class StepLog:
         self._losses.clear()
         self._samples = self._tokens = 0
         self._t0 = now
+        if stragglers:
+            self.last["stragglers"] = stragglers
+            for event in stragglers:
+                # rank 0 logs; another rank only a wait for rank 0, which cannot see it
+                if self.is_logging_rank or any(r["rank"] == 0 for r in event["late"]):
+                    log.warning(describe(step, event))
         if self.every and step % self.every == 0 and self.is_logging_rank:
             log.info(self.format(self.last))
         return self.last

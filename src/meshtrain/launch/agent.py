@@ -78,6 +78,16 @@ def leaving_on_their_own(
     )
 
 
+def rendezvous_round(handler) -> int | None:  # noqa: ANN001 - torch's RendezvousHandler
+    """The round of the rendezvous just completed, the same on every node, or None.
+
+    torch's dynamic (c10d, etcd-v2) handler keeps it in its state holder; no public API
+    says it. A static rendezvous has no rounds (None: the restart count is used)."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    number = getattr(state, "round", None)
+    return number if isinstance(number, int) else None
+
+
 def _agent_class(base: type, relay=None) -> type:
     """``base`` (torch's LocalElasticAgent) with the grace of the module doc, and the
     pre-emption rules of :mod:`meshtrain.launch.preemption` (``relay``: its SignalRelay)."""
@@ -85,6 +95,7 @@ def _agent_class(base: type, relay=None) -> type:
 
     from meshtrain.distributed.doctor import read_folder
     from meshtrain.distributed.ledger import DOCTOR_DIR_ENV
+    from meshtrain.distributed.rank_records import ROUND_ENV
     from meshtrain.launch.preemption import preempted_failures
 
     class PatientAgent(base):
@@ -92,6 +103,13 @@ def _agent_class(base: type, relay=None) -> type:
         _first_preempted: float | None = None  # when a worker first exited with 75
 
         def _start_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's API
+            # the workers inherit this process's environment: the round numbers their
+            # store keys alike on every node (rank_records.attempt)
+            number = rendezvous_round(worker_group.spec.rdzv_handler)
+            if number is None:
+                os.environ.pop(ROUND_ENV, None)
+            else:
+                os.environ[ROUND_ENV] = str(number)
             started = super()._start_workers(worker_group)
             if relay is not None:
                 relay.agent = self  # the relay signals these workers
