@@ -1,12 +1,12 @@
 """Which framework wrote a checkpoint folder, and the source that reads it.
 
 ``engine.load_checkpoint(dir)`` asks here first: a folder another framework wrote is read
-by that framework's source (``deepspeed_source``); meshtrain's own folders (a manifest, or
-a ``latest`` naming a tag with one) and empty or absent ones go on to meshtrain's reader
-(which returns ``(None, None)`` for nothing to load, as DeepSpeed does). A folder that holds
-another kind of checkpoint this reader does not read is refused in one line naming the
-kind and what to do, never taken for "nothing to load" (which would silently start the run
-from scratch).
+by that framework's source (``deepspeed_source``, ``dcp_source``); meshtrain's own folders
+(a manifest, or a ``latest`` naming a tag with one) and empty or absent ones go on to
+meshtrain's reader (which returns ``(None, None)`` for nothing to load, as DeepSpeed
+does). A folder that holds another kind of checkpoint this reader does not read is refused
+in one line naming the kind and what to do, never taken for "nothing to load" (which
+would silently start the run from scratch).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from meshtrain.checkpoint.manifest import LATEST, MANIFEST
 from meshtrain.errors import CheckpointError
+from meshtrain.interop.dcp_source import DcpSource, dcp_folder
 from meshtrain.interop.deepspeed_source import DeepSpeedSource, deepspeed_tag
 
 # File names and suffixes that mark a checkpoint of some framework.
@@ -30,6 +31,9 @@ def open_peer_checkpoint(load_dir, tag: str | None):
     folder = deepspeed_tag(path, tag)
     if folder is not None:
         return DeepSpeedSource(folder)
+    folder = dcp_folder(path, tag)
+    if folder is not None:
+        return DcpSource(folder)
     if tag is None and not (path / MANIFEST).is_file() and not (path / LATEST).is_file():
         refuse_foreign(path)
     return None
@@ -50,11 +54,10 @@ def refuse_foreign(path: Path) -> None:
             "not read by engine.load_checkpoint yet; load its weights with "
             "meshtrain.from_pretrained(folder) and start the optimizer fresh"
         )
-    elif ".metadata" in names or any(n.endswith(".distcp") for n in names):
+    elif any(n.endswith(".distcp") for n in names):
         kind = (
-            "a torch.distributed.checkpoint (DCP) folder, not read yet; convert it with "
-            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save and load the "
-            "weights with meshtrain.from_pretrained"
+            "a torch.distributed.checkpoint (DCP) folder without its .metadata (the save "
+            "did not finish, or the file was not copied); copy the whole folder again"
         )
     elif "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
         kind = (
