@@ -199,6 +199,8 @@ class CheckpointConfig(Section):
     """meshtrain: save_checkpoint blocks only while this rank's state is copied to host memory (pinned on CUDA); the files are written and committed in a background thread, a second save waits for the first, and a failed write raises at the next step or save (docs/checkpoints.md)."""
     save_on_preemption: Bool = False
     """meshtrain: catch SIGTERM and SIGUSR1; at the next step boundary every rank saves a checkpoint (into save_dir; the Trainer and `meshtrain train` use their own checkpoint folder) and the process exits with code 75 (docs/checkpoints.md, Pre-emption)."""
+    format: canonical_choice(("meshtrain", "dcp")) = "meshtrain"
+    """meshtrain: what engine.save_checkpoint writes. "meshtrain": its own sharded safetensors format (any layout loads it). "dcp": a torch.distributed.checkpoint folder in torchtitan's keys (model state dict at the top, optimizer.state.<fqn>.exp_avg, ...), each rank writing its own chunks, which torch's dcp.load reads into FSDP2 and meshtrain's load_checkpoint resumes; not with async_save, and keep_last is not applied (docs/checkpoints.md)."""
     save_dir: Str | None = None
     """meshtrain: where the engine's own pre-emption save goes (save_on_preemption in a user loop; the Trainer uses its checkpoint folder)."""
 

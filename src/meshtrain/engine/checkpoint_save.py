@@ -1,7 +1,8 @@
 """``engine.save_checkpoint``: this rank's part of a checkpoint (its pieces of the fp32
 masters and optimizer states, frozen tensors, the rank state and the meta), written by
-``checkpoint.save_shards`` now or by the background saver. Where each element goes:
-``checkpoint_layout.py``."""
+``checkpoint.save_shards`` now or by the background saver, or with ``checkpoint.format:
+dcp`` as a torch.distributed.checkpoint folder (``interop.dcp_writer``, from the same
+pieces). Where each element goes: ``checkpoint_layout.py``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from meshtrain.engine.model_names import model_names
 from meshtrain.engine.rng_state import rng_state
 from meshtrain.engine.slice_state import save_slice_states
 from meshtrain.errors import CheckpointError
+from meshtrain.interop.dcp_writer import save_dcp
 from meshtrain.parallel.tensor.sharding import unshard_tensor
 from meshtrain.parallel.zero.frozen import whole_state_items
 
@@ -42,6 +44,16 @@ def save(
     if saver is not None:
         saver.wait()  # a second save waits for the first (and raises its failure)
     tag, args = shard_contents(engine, tag, client_state)
+    if engine.config.checkpoint.format == "dcp":
+        if engine.config.checkpoint.async_save:
+            raise CheckpointError(
+                "checkpoint.format dcp is written synchronously: checkpoint.async_save is "
+                "not supported with it yet; set async_save false or format meshtrain"
+            )
+        path = save_dcp(save_dir, tag, group_of=param_groups_of(engine), **args)
+        if on_commit is not None:
+            on_commit(path)
+        return path
     if engine.config.checkpoint.async_save:
         engine.async_saver().submit(
             save_shards, save_dir=save_dir, tag=tag, on_commit=on_commit, **args
@@ -163,6 +175,17 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
         meta=meta,
         keep_last=keep or None,
     )
+
+
+def param_groups_of(engine) -> dict[str, int]:
+    """Each trainable parameter's optimizer param group, by its checkpoint name."""
+    canon = model_names(engine).canon
+    return {
+        canon[id(p)]: i
+        for i, flat_groups in enumerate(engine.zero.per_group)
+        for g in flat_groups
+        for p in g.shapes
+    }
 
 
 def agreed_tag(tag: str, world, config) -> str:

@@ -319,9 +319,8 @@ class DcpSource:
         for chunk in entry.chunks:
             off = tuple(int(o) for o in chunk.offsets)
             size = tuple(int(s) for s in chunk.sizes)
-            out[tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))] = (
-                self._load_item(key, off)
-            )
+            box = tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))
+            out[box] = self._load_item(key, off)
         return out
 
     # --- the rest of the reader interface -------------------------------------------
