@@ -87,6 +87,7 @@ def full_state(model) -> dict[str, torch.Tensor] | None:
 def fsdp2_writes(out: str) -> dict:
     """FSDP2: ``SAVE_AT`` steps, DCP saves to ``out/titan`` and ``out/plain``, ``STEPS``
     more. Returns the continued losses and the weights at the save and at the end."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -96,6 +97,8 @@ def fsdp2_writes(out: str) -> dict:
     )
 
     model = fsdp2_model()
+    if dist.get_rank() == 0:  # DCP holds no model config: from_pretrained reads it here
+        model.config.save_pretrained(out)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     fsdp2_train(model, opt, 0, SAVE_AT)
     titan = dict(get_model_state_dict(model))  # torchtitan: the model's keys at the top

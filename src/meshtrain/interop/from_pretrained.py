@@ -28,8 +28,9 @@ machine hold N copies for a moment. Here:
    from a ``save_pretrained`` folder (``model.safetensors`` or a sharded
    ``model.safetensors.index.json``) or one ``.safetensors`` file (``meshtrain
    consolidate``'s export), reading exactly each range's bytes with ``pread`` (no
-   memory map: see :class:`_SafetensorsFile`); a meshtrain checkpoint folder is read by
-   its own ``CheckpointReader``. Values are copied, never recomputed, so the result is bitwise
+   memory map: see :class:`_SafetensorsFile`); a torch DCP folder by :class:`DcpSource`
+   (each rank the chunks its ranges meet); a meshtrain checkpoint folder by its own
+   ``CheckpointReader``. Values are copied, never recomputed, so the result is bitwise
    the tensors transformers would load.
 
 Memory per rank: its partition or shard of every parameter (fp32 masters under ZeRO),
@@ -52,6 +53,7 @@ import torch
 
 import meshtrain  # initialize from the root: interop sits above the engine, never below
 from meshtrain.errors import CheckpointError
+from meshtrain.interop.dcp_source import DcpSource, dcp_folder
 from meshtrain.interop.safetensors_source import SafetensorsSource
 
 log = logging.getLogger("meshtrain")
@@ -63,7 +65,23 @@ def _hf_config_and_class(path: Path, config_kwargs: dict, model_class):
     import transformers
 
     folder = path if path.is_dir() else path.parent
-    if (folder / "manifest.json").is_file() or (folder / "latest").is_file():
+    if dcp_folder(folder, None) is not None:  # DCP keeps no config: beside it, or above
+        near = [
+            f
+            for f in (folder, folder.parent, folder.parent.parent)
+            if (f / "config.json").is_file()
+        ]
+        if not near:
+            raise CheckpointError(
+                f"{folder}: a DCP checkpoint holds no model config; save the model's "
+                "config.json into this folder or the one above it "
+                "(model.config.save_pretrained(folder))"
+            )
+        folder = near[0]
+        hf = transformers.AutoConfig.from_pretrained(folder, **config_kwargs)
+        archs = getattr(hf, "architectures", None) or []
+        cls = model_class or (getattr(transformers, archs[0], None) if archs else None)
+    elif (folder / "manifest.json").is_file() or (folder / "latest").is_file():
         from meshtrain.checkpoint.reader import CheckpointReader
 
         with CheckpointReader(folder) as r:
@@ -129,8 +147,10 @@ def from_pretrained(
     ``path`` (see the module docstring). Every rank calls it.
 
     ``path``: a ``save_pretrained`` folder (sharded index or one file), a ``.safetensors``
-    file beside its ``config.json`` (``meshtrain consolidate``'s export), or a meshtrain
-    checkpoint folder saved from a transformers model (the model weights only).
+    file beside its ``config.json`` (``meshtrain consolidate``'s export), a meshtrain
+    checkpoint folder saved from a transformers model (the model weights only), or a
+    torch DCP folder (FSDP2, torchtitan, ``checkpoint.format: dcp``; the weights only)
+    with the model's ``config.json`` in it or in the folder above.
     ``config``: the engine config, as for ``meshtrain.initialize``; ``model_class``: the
     transformers class (default: ``config.architectures[0]``); ``config_kwargs``:
     overrides of the transformers config. Further keywords go to ``meshtrain.initialize``.
@@ -142,10 +162,17 @@ def from_pretrained(
     path = Path(path)
     hf_config, cls = _hf_config_and_class(path, dict(config_kwargs or {}), model_class)
     model = _build_empty(cls, hf_config)
-    meshtrain_ckpt = path.is_dir() and (
-        (path / "manifest.json").is_file() or (path / "latest").is_file()
+    dcp = dcp_folder(path, None) if path.is_dir() else None
+    meshtrain_ckpt = (
+        dcp is None
+        and path.is_dir()
+        and ((path / "manifest.json").is_file() or (path / "latest").is_file())
     )
-    source = None if meshtrain_ckpt else SafetensorsSource(path)
+    if dcp is not None:  # torch DCP (FSDP2, torchtitan): the model's keys under a prefix
+        source = DcpSource(dcp)
+        source.use_names(model.state_dict())
+    else:
+        source = None if meshtrain_ckpt else SafetensorsSource(path)
     info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
     if source is not None:
         source.convert(getattr(getattr(model, "config", None), "model_type", None))
