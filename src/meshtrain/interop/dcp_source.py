@@ -48,14 +48,9 @@ import torch
 
 from meshtrain.errors import CheckpointError
 from meshtrain.interop.dcp_metadata import METADATA, read_metadata
+from meshtrain.interop.deepspeed_source import HYPER  # torch's hyper-parameter names
 from meshtrain.interop.file_window import FileWindow
 
-# The optimizer hyper-parameters carried into meshtrain's param groups (torch's names); the
-# kernel switches (foreach, fused, capturable) stay the resuming run's own.
-HYPER = frozenset({
-    "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening",
-    "nesterov", "initial_lr",
-})  # fmt: skip
 # Where a torch LR scheduler's ``last_epoch`` (its step() count) may sit.
 SCHEDULER_KEYS = ("lr_scheduler.last_epoch", "scheduler.last_epoch")
 TRAIN_STEP_KEY = "train_state.step"
@@ -304,14 +299,10 @@ class DcpSource:
         return self.read(name, state).reshape(self.shape(name))
 
     def _value(self, key: str) -> Any:
+        """A pickled value, or a whole tensor (small ones: steps, counters), by DCP key."""
         entry = self.entries[key]
-        if type(entry).__name__ == "TensorStorageMetadata":
-            return self.read_full_key(key)
-        return self._load_item(key, None)
-
-    def read_full_key(self, key: str) -> torch.Tensor:
-        """A whole tensor by its DCP key (small ones: steps, counters)."""
-        entry = self.entries[key]
+        if type(entry).__name__ != "TensorStorageMetadata":
+            return self._load_item(key, None)
         shape = tuple(int(d) for d in entry.size)
         if not shape:
             return self._load_item(key, ())
