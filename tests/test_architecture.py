@@ -9,6 +9,8 @@ module-level mutable state.
   constant: UPPER_CASE (or ``__all__``), and no code mutates it after import: not its own
   functions, not another module that imported it (a registry filled from elsewhere), and
   no ``globals()[...]`` writes.
+* ``ruff check`` (with every rule a ``noqa`` comment names, and RUF100 against stale ones)
+  and ``ruff format --check`` pass.
 """
 
 from __future__ import annotations
@@ -298,3 +300,20 @@ def test_the_state_check_sees_a_registry_filled_from_elsewhere() -> None:
     assert _mutations("pkg.owner", owner, owned) == ["pkg.owner:4 mutates pkg.owner.ITEMS"]
     assert _mutations("pkg.user", user, owned) == ["pkg.user:2 mutates pkg.owner.REGISTRY"]
     assert _mutations("pkg.cache", cache, owned) == ["pkg.cache:2 globals()[...] written"]
+
+
+def test_ruff_passes_with_the_rules_the_noqa_comments_name() -> None:
+    """The lint rules in pyproject.toml (those the code's ``noqa`` comments name, and RUF100,
+    which flags a ``noqa`` that suppresses nothing) and the formatter hold on the tree."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[dev]' brings it)")
+    root = Path(__file__).resolve().parents[1]
+    for argv in ([ruff, "check", "src", "tests"], [ruff, "format", "--check", "src", "tests"]):
+        run = subprocess.run(argv, cwd=root, capture_output=True, text=True)
+        assert run.returncode == 0, f"{' '.join(argv[1:])}:\n{run.stdout[-3000:]}{run.stderr}"

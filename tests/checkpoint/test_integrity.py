@@ -5,6 +5,7 @@ consolidated exports and folders meshtrain did not write."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,7 +246,9 @@ def test_verifying_part_of_a_large_key_keeps_no_copy_resident(tmp_path, monkeypa
     del big
 
     def peak() -> int:  # VmHWM: the highest resident memory (anonymous and file pages)
-        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        fields = dict(
+            line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
+        )
         return int(fields["VmHWM"].split()[0]) * 1024
 
     with CheckpointReader(tmp_path, "t") as r:

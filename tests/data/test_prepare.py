@@ -56,7 +56,7 @@ def test_jsonl_workers_and_chunks_do_not_change_the_store(tmp_path):
     ds = TokenDataset(tmp_path / "two")
     assert ds[7]["input_ids"].tolist() == [257, *b"doc 7 \xc3\xa9", EOS] and ds[7]["labels"] == 1
     assert ds[-1]["labels"] == 499 % 3
-    assert json.load(open(tmp_path / "two" / "meta.json"))["dtype"] == "uint16"
+    assert json.loads((tmp_path / "two" / "meta.json").read_text())["dtype"] == "uint16"
 
 
 def test_second_prepare_does_no_tokenizing(tmp_path):
@@ -217,7 +217,7 @@ def test_dtype_follows_vocabulary_size(tmp_path):
     assert token_dtype(65_536) == np.uint16 and token_dtype(65_537) == np.uint32
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": "a"}])
     prepare(src, BigVocab(), tmp_path / "s", workers=1, add_special_tokens=False)
-    assert json.load(open(tmp_path / "s" / "meta.json"))["dtype"] == "uint32"
+    assert json.loads((tmp_path / "s" / "meta.json").read_text())["dtype"] == "uint32"
     assert docs(tmp_path / "s") == [[69_097]]
 
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
-from tests.serve import models  # noqa: E402
+from tests.serve import models
 
 
 @pytest.fixture(scope="session")

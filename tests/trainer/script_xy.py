@@ -6,10 +6,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-import torch.nn.functional as F  # noqa: E402
+import torch.nn.functional as F
 
-from meshtrain import Trainer, TrainingArguments  # noqa: E402
-from tests.trainer.common import BasicNet, xy_collate, xy_rows  # noqa: E402
+from meshtrain import Trainer, TrainingArguments
+from tests.trainer.common import BasicNet, xy_collate, xy_rows
 
 
 class MyTrainer(Trainer):

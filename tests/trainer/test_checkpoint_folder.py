@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def _run(out: str) -> dict:
             probs = model(**tok(text, return_tensors="pt")).logits.softmax(-1)[0]
             k = int(probs.argmax())
             direct.append((model.config.id2label[k], float(probs[k])))
-    args_json = json.loads(open(os.path.join(folder, "training_args.json")).read())
+    args_json = json.loads(Path(folder, "training_args.json").read_text())
     return {
         "direct": direct,
         "files": sorted(os.listdir(folder)),

@@ -123,7 +123,7 @@ class AsyncSaver:
                 if on_commit is not None:
                     on_commit(path)
                 self.last_path = path
-            except BaseException as exc:  # kept for the next step / save / wait
+            except BaseException as exc:  # noqa: BLE001 - kept for the next step / save / wait
                 self._error = exc
 
         self._pending = tag

@@ -128,7 +128,7 @@ class RankFile:
 
             try:
                 self._mmap = safe_open(str(self.path), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
                 raise CheckpointError(
                     f"{self.where} is not a readable safetensors file ({exc}); {self.fix}"
                 ) from None

@@ -166,7 +166,7 @@ def verify(
     if record.get("algo") != checksums.ALGO:
         raise error(f"{where}: checksum algorithm {record.get('algo')!r} is unknown; {fix}")
     try:
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 - closed by the with below, after the missing-file case
     except FileNotFoundError:
         raise error(f"{where}: the file is missing; {fix}") from None
     with f:

@@ -303,7 +303,7 @@ def _save(chan, save_dir, tag, tensors, pieces, rank_state, meta, keep_last, pha
             check_writable(save_dir, CheckpointError, what="checkpoint folder", need_bytes=need)
             tmp, created = _prepare(save_dir, tag, meta, keep_last), True
             made.append(tmp)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - gathered: every rank leaves together
         err = _describe(exc)
     statuses = chan.gather(err)
     if created and any(statuses):
@@ -322,7 +322,7 @@ def _save(chan, save_dir, tag, tensors, pieces, rank_state, meta, keep_last, pha
             "tensor_dtypes": {k: dtype_name(t.dtype) for k, t in tensors.items()},
             "pieces": [p.to_json() for p in pieces if p.numel],
         }
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - gathered: every rank leaves together
         err = _describe(exc)
     if err is None:
         phase("shard_written")
@@ -335,7 +335,7 @@ def _save(chan, save_dir, tag, tensors, pieces, rank_state, meta, keep_last, pha
     if rank == 0:
         try:
             _commit(save_dir, tag, tmp, meta, [i for i, _ in gathered], keep_last, phase)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - gathered: every rank leaves together
             err = _describe(exc)
             shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename happened
     _failures(chan.gather(err)[:1], f"committing {save_dir / tag}")

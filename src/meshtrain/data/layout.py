@@ -97,7 +97,7 @@ class StoreWriter:
         self.dtype = np.dtype(dtype)
         self.vocab_size = int(vocab_size)
         self.limit = np.iinfo(self.dtype).max
-        self._tokens = open(os.path.join(out, TOKENS + ".tmp"), "wb")
+        self._tokens = open(os.path.join(out, TOKENS + ".tmp"), "wb")  # noqa: SIM115 - open while the writer lives; closed by close() or abort()
         self._hash = BlockHasher()  # fed as the tokens are written: no second pass
         self._lengths: list[np.ndarray] = []
         self._labels: list[np.ndarray] | None = [] if with_labels else None

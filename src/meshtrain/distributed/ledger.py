@@ -362,7 +362,7 @@ def _install_hooks(ledger: Ledger) -> None:
     ref = weakref.ref(ledger)
     previous = sys.excepthook
 
-    def hook(exc_type, exc, tb):  # noqa: ANN001 - sys.excepthook's signature
+    def hook(exc_type, exc, tb):
         led = ref()
         if led is None or issubclass(exc_type, KeyboardInterrupt):
             return previous(exc_type, exc, tb)

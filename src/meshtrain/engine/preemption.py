@@ -89,7 +89,7 @@ class PreemptionGuard:
             signal.signal(s, h)
         self._previous.clear()
 
-    def _note(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal's API
+    def _note(self, signum: int, frame: Any) -> None:
         if self.noted_at is None:
             self.noted_at = self.boundaries
         self.received.append(signum)

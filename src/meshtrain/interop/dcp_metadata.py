@@ -113,7 +113,7 @@ def read_metadata(folder: str | Path):
         md = DcpMetadataUnpickler(io.BytesIO(data), path).load()
     except CheckpointError:
         raise
-    except Exception as exc:  # EOFError, UnpicklingError, ...: a cut or damaged file
+    except Exception as exc:  # noqa: BLE001 - EOFError, UnpicklingError, ...: a cut or damaged file
         raise CheckpointError(
             f"{path}: cannot be read as DCP metadata ({type(exc).__name__}: "
             f"{str(exc)[:120]}); it is truncated or damaged: copy the checkpoint again"

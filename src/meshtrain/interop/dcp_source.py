@@ -139,7 +139,7 @@ class DcpSource:
         window = FileWindow(self._fd(info.relative_path), int(info.offset), int(info.length))
         try:
             return torch.load(window, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a zip or unpickling error: damaged bytes
+        except Exception as exc:  # noqa: BLE001 - a zip or unpickling error: damaged bytes
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(
                 f"{self.path / info.relative_path}: {fqn!r} cannot be read ({text[:120]}); "
@@ -366,7 +366,7 @@ class DcpSource:
             "client_state": {},
         }
 
-    def rank_state(self, rank: int) -> dict[str, Any]:  # noqa: ARG002 - reader's API
+    def rank_state(self, rank: int) -> dict[str, Any]:
         step = self._step()
         scheduler = None
         for key in SCHEDULER_KEYS:

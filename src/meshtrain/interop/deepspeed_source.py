@@ -316,7 +316,7 @@ class DeepSpeedSource:
             "client_state": {k: v for k, v in self.model.items() if k not in DS_KEYS},
         }
 
-    def rank_state(self, rank: int) -> dict[str, Any]:  # noqa: ARG002 - reader's API
+    def rank_state(self, rank: int) -> dict[str, Any]:
         if self.zero_stage == 0:
             opt = self.model.get("optimizer") or {}
             groups = opt.get("param_groups") or []

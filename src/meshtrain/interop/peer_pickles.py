@@ -66,7 +66,7 @@ def load_peer_file(path: str | Path, what: str) -> Any:
     try:
         with torch.serialization.safe_globals(list(PEER_RECORDS)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # torch raises UnpicklingError, RuntimeError or others
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError or others
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         text = str(exc)
         if "GLOBAL" in text or "Unsupported global" in text or "unrecognized function" in text:

@@ -78,7 +78,7 @@ def leaving_on_their_own(
     )
 
 
-def rendezvous_round(handler) -> int | None:  # noqa: ANN001 - torch's RendezvousHandler
+def rendezvous_round(handler) -> int | None:
     """The round of the rendezvous just completed, the same on every node, or None.
 
     torch's dynamic (c10d, etcd-v2) handler keeps it in its state holder; no public API
@@ -102,7 +102,7 @@ def _agent_class(base: type, relay=None) -> type:
         _first_exit: float | None = None  # when this attempt's first exit was seen
         _first_preempted: float | None = None  # when a worker first exited with 75
 
-        def _start_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's API
+        def _start_workers(self, worker_group):
             # the workers inherit this process's environment: the round numbers their
             # store keys alike on every node (rank_records.attempt)
             number = rendezvous_round(worker_group.spec.rdzv_handler)
@@ -115,7 +115,7 @@ def _agent_class(base: type, relay=None) -> type:
                 relay.agent = self  # the relay signals these workers
             return started
 
-        def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's API
+        def _monitor_workers(self, worker_group):
             if self._pcontext is not None and self._waiting(worker_group):
                 return RunResult(state=WorkerState.HEALTHY)
             result = super()._monitor_workers(worker_group)
@@ -139,7 +139,7 @@ def _agent_class(base: type, relay=None) -> type:
             pids = self._pcontext.pids().values()
             return any(process_state(pid) not in (None, "Z") for pid in pids)
 
-        def _waiting(self, worker_group) -> bool:  # noqa: ANN001
+        def _waiting(self, worker_group) -> bool:
             pids = self._pcontext.pids()
             states = {
                 worker_group.workers[local].global_rank: process_state(pid)

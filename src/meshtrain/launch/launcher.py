@@ -123,7 +123,7 @@ def gpu_count() -> int:
         import torch
 
         return torch.cuda.device_count()
-    except Exception:  # a broken driver should not stop a CPU launch
+    except Exception:  # noqa: BLE001 - a broken driver should not stop a CPU launch
         return 0
 
 

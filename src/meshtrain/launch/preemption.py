@@ -62,7 +62,7 @@ class SignalRelay:
             else:
                 os.environ[key] = value
 
-    def _relay(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal's API
+    def _relay(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
         pcontext = getattr(self.agent, "_pcontext", None)
         for pid in (pcontext.pids() if pcontext is not None else {}).values():

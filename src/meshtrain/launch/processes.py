@@ -140,7 +140,7 @@ def _child(
     # memory file descriptors, which die with this process before the parent reads them.
     try:
         payload = pickle.dumps(outcome)
-    except Exception as exc:  # the return value may not pickle
+    except Exception as exc:  # noqa: BLE001 - the return value may not pickle
         payload = pickle.dumps(
             _Outcome(
                 rank,

@@ -115,7 +115,7 @@ class DynamicBatcher:
                 results = await loop.run_in_executor(
                     self._executor, self.run, [item for item, _ in batch]
                 )
-            except Exception as exc:  # the model failed: every caller of this batch learns why
+            except Exception as exc:  # noqa: BLE001 - the model failed: every caller of this batch learns why
                 for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(exc)

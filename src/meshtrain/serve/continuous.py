@@ -245,7 +245,7 @@ class ContinuousBatcher(JobQueue):
                         f"a prompt of {seq.n_prompt} tokens with {seq.max_new} new ones needs "
                         f"{seq.need} key/value blocks; the cache has {self.pool.max_blocks}"
                     )
-            except Exception as exc:  # a bad request fails alone
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                 self._pending.popleft()
                 self._finish(job, error=exc)
                 continue

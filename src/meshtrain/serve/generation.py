@@ -195,7 +195,7 @@ class GenerationWorker(JobQueue):
                 continue
             try:
                 result = self.run(job)
-            except Exception as exc:  # reported to the request that asked; the worker lives on
+            except Exception as exc:  # noqa: BLE001 - reported to the request that asked; the worker lives on
                 self._finish(job, error=exc)
                 continue
             self.done += 1

@@ -195,7 +195,7 @@ def _load_pretrained(res: Resolved, task: str | None, dtype: torch.dtype | None)
     check_folder(res.path, ServeError)  # checksums of an export, else headers/sizes/dtypes
     try:
         config = transformers.AutoConfig.from_pretrained(res.path)
-    except Exception as exc:  # transformers raises OSError/ValueError/KeyError variants
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError/ValueError/KeyError variants
         fix = "save the model again with save_pretrained"
         why = diagnose.bad_json(res.path, ("config.json",), fix)
         raise ServeError(why or f"{res.path}/config.json cannot be loaded: {exc}") from None
@@ -211,7 +211,7 @@ def _load_pretrained(res: Resolved, task: str | None, dtype: torch.dtype | None)
         model, info = auto.from_pretrained(
             res.path, dtype=dtype or "auto", output_loading_info=True
         )
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' many error types, diagnosed below
         why = diagnose.damaged_weights(res.path, exc)
         if why is None and "mismatched_sizes" in str(exc):
             why = diagnose.shape_mismatch(res.path, auto, config)
@@ -302,7 +302,7 @@ def _tokenizer(explicit: str | None, folders: list[Path]):
     check_tokenizer_files(candidates[0], ServeError, fix=fix)  # file:line:col, not a traceback
     try:
         return AutoTokenizer.from_pretrained(candidates[0]), candidates[0]
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' many error types, diagnosed below
         why = diagnose.bad_json(candidates[0], TOKENIZER_FILES, fix)
         raise ServeError(
             why or f"tokenizer {str(candidates[0])!r} cannot be loaded: {exc}"

@@ -22,6 +22,7 @@ import io
 import traceback
 from contextlib import redirect_stdout
 from copy import deepcopy
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -262,7 +263,7 @@ def check_main_process_first(impl):
         with open(path, "a") as f:
             f.write(f"{acc.process_index}\n")
     acc.wait_for_everyone()
-    lines = open(path).read().split()
+    lines = Path(path).read_text().split()
     assert lines[0] == "0" and sorted(lines) == [str(i) for i in range(acc.num_processes)]
     acc.wait_for_everyone()
 
@@ -801,7 +802,7 @@ def run_all(impl: str, names: list[str] | None = None) -> dict[str, str | None]:
         try:
             CHECKS[name](impl)
             out[name] = None
-        except Exception:  # reported per check, so one failure hides no other
+        except Exception:  # noqa: BLE001 - reported per check, so one failure hides no other
             out[name] = traceback.format_exc()
         torch.distributed.barrier()
     return out

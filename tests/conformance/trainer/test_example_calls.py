@@ -19,6 +19,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,10 +142,10 @@ def test_log_metrics_save_metrics_and_model_card(impl, tmp_path, capsys):
         assert json.load(f) == json.loads(json.dumps(metrics))
     with open(os.path.join(tmp_path, "all_results.json")) as f:
         assert json.load(f) == {**json.loads(json.dumps(metrics)), "eval_loss": 0.5}
-    text = open(os.path.join(tmp_path, "train_results.json")).read()
+    text = Path(tmp_path, "train_results.json").read_text()
     assert text == json.dumps(json.loads(text), indent=4, sort_keys=True)
     trainer.create_model_card(finetuned_from="tiny", tasks="text-generation")
-    card = open(os.path.join(tmp_path, "README.md")).read()
+    card = Path(tmp_path, "README.md").read_text()
     assert "library_name: transformers" in card and "base_model: tiny" in card
     assert "generated_from_trainer" in card
     assert "- learning_rate: 5e-05" in card and "- seed: 42" in card

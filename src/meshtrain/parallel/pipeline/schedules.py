@@ -78,7 +78,7 @@ from meshtrain.parallel.pipeline.actions import (  # noqa: F401  (re-exported)
     F,
     W,
 )
-from meshtrain.parallel.pipeline.v_shape import (  # noqa: F401  (re-exported)
+from meshtrain.parallel.pipeline.v_shape import (
     V_SHAPED,
     order_dualpipev,
     order_zbv,
