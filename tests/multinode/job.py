@@ -2,6 +2,7 @@
 
     job.py OUT_DIR [--steps 8] [--save_every 2] [--timeout_s 6] [--first_step_timeout_s S]
                    [--step_sleep 0] [--model decoder] [--stage 2]
+                   [--warmup_s 0 --warmup_node 1]
 
 ZeRO-2 on the tiny decoder, fp32, the parity protocol of tests/distributed/training.py
 (rank r takes its rows of the same global batch), so the final parameters depend only on
@@ -9,7 +10,9 @@ the world size, not on how the ranks are spread over nodes. It resumes from
 ``OUT_DIR/checkpoints`` (the shared folder) when a checkpoint is there, saves every
 ``--save_every`` steps, writes ``OUT_DIR/step`` (the last finished step, for the test to
 pick its moment) and, on rank 0, ``OUT_DIR/final.safetensors``. ``--step_sleep`` slows
-each step so that a fault lands between collectives of a running job.
+each step so that a fault lands between collectives of a running job. ``--warmup_s``
+makes the ranks of ``--warmup_node`` sleep before their first step (a node still compiling
+or loading while the others wait in the first collective).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def main() -> None:
     p.add_argument("--first_step_timeout_s", type=float, default=None)
     p.add_argument("--model", default="decoder")
     p.add_argument("--stage", type=int, default=2, help="ZeRO stage (a node may differ)")
+    p.add_argument("--warmup_s", type=float, default=0.0)
+    p.add_argument("--warmup_node", type=int, default=1)
     a = p.parse_args()
 
     import torch.distributed as dist
@@ -57,6 +62,8 @@ def main() -> None:
     if latest_tag(ckpt) is not None:
         engine.load_checkpoint(ckpt)
         print(f"rank {rank}: resumed at step {engine.global_steps}", flush=True)
+    if int(os.environ.get("GROUP_RANK", "0")) == a.warmup_node:
+        time.sleep(a.warmup_s)
     for step in range(engine.global_steps, a.steps):
         train_steps(engine, a.model, 1, 2, 1, first_step=step)
         if (step + 1) % a.save_every == 0:
