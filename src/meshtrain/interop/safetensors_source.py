@@ -140,7 +140,7 @@ class SafetensorsSource:
             )
         self._handles: dict[Path, _SafetensorsFile] = {}
         if self._file_of is None:
-            self._file_of = {k: self._single for k in self._open(self._single).keys()}  # noqa: SIM118 - it has keys(), no __iter__
+            self._file_of = dict.fromkeys(self._open(self._single).keys(), self._single)
         self.fallback = dict(fallback or {})  # missing keys: the model's initialised values
         # transformers' load-time conversions (``convert``): a renamed key's name in its
         # file, and fused tensors built from per-expert ones
