@@ -51,3 +51,29 @@ def test_no_claim_without_evidence():
     other = CLOSED.replace("10.0.0.2", "10.0.0.9")
     assert explain_failure(FAILED, other, 6.0, 0, 2, "10.0.0.1", beats) is None
     assert explain_failure(FAILED, "RuntimeError: bad shape", 6.0, 0, 2, "x", beats) is None
+
+
+TIMED_OUT = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 6000ms for recv"
+
+
+def _at(beat: dict, entered: int) -> dict:
+    beat["groups"] = [{"group": "dp", "ranks": [0, 1], "entered": entered}]
+    return beat
+
+
+def test_a_timeout_while_the_peer_beats_names_the_peer_that_has_not_entered():
+    """The peer is alive (a slow first step, a longer data load) but elsewhere: the line
+    says the collective timed out and that rank 1 had not entered it, with how far it had
+    come on the group; gloo's "Timed out waiting 6000ms for recv" says none of that."""
+    beats = Beats({0: _at(_beat(0, "10.0.0.1", 0.1), 33), 1: _at(_beat(1, "10.0.0.2", 0.4), 0)})
+    line = explain_failure(FAILED, TIMED_OUT, 6.0, 0, 2, "10.0.0.1", beats)
+    head = "reduce_scatter #33 on the dp group timed out after 6 s: rank 1 (node 1, 10.0.0.2; "
+    assert line.startswith(head + "alive, heard "), line
+    assert line.endswith(" s ago, then at #0) has not entered it"), line
+
+
+def test_a_timeout_inside_the_collective_on_every_rank_claims_nothing():
+    """Every peer beats and had entered the collective too: not a late peer (a mismatch, a
+    backend fault), so the traceback stays the story."""
+    beats = Beats({0: _at(_beat(0, "10.0.0.1", 0.1), 33), 1: _at(_beat(1, "10.0.0.2", 0.2), 33)})
+    assert explain_failure(FAILED, TIMED_OUT, 6.0, 0, 2, "10.0.0.1", beats) is None

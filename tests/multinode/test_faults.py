@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from tests.multinode import collect, final_state, same_state, start_nodes, wait_for_step
 from tests.multinode.conftest import LONG
 
@@ -227,12 +225,6 @@ def test_slow_first_step_on_one_node_is_not_a_hang(make_cluster, reference):
     assert same_state(final_state(out), reference(2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect (#47): a rank whose peer is alive but has not yet entered the "
-    "collective prints gloo's raw traceback before meshtrain's line; the launcher's verdict "
-    "below it is true",
-)
 @LONG  # about 30 s
 def test_slow_first_step_without_the_first_step_timeout_fails_with_the_verdict_first(
     make_cluster,

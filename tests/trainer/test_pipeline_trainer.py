@@ -28,9 +28,9 @@ At pp 2 only (with their one-process references), in the same process groups:
 
 The bytes ``restore_user_model`` moves are asserted exactly (comm stats, every pp run):
 rank r receives the user model's state-dict bytes minus those its stages hold, and sends
-what the other stage's rank of its replica receives (``module_state_dict``, which
-``save_model`` still uses, broadcasts the whole model to every rank: asserted for the
-GPT-2).
+what the other stage's rank of its replica receives. ``save_model`` broadcasts nothing:
+the ranks write the file (``engine.save_weights``), the writer receiving the other
+stage's tensors once (asserted for the GPT-2).
 
 Against the one-process run on the same rows per step (pp 2 x dp 2 halves the rows per
 device; the loader deals rows to replicas in turn, and the loss is normalised over the
@@ -204,6 +204,8 @@ def _restore_bytes(trainer, whole: int) -> dict:
         "sent": stats.total(op="pp_restore_send"),
         "received": stats.total(op="pp_restore_recv"),
         "broadcast": stats.total(op="checkpoint"),
+        "weights_sent": stats.total(op="save_weights_send"),
+        "weights_received": stats.total(op="save_weights_recv"),
     }
 
 
@@ -481,8 +483,13 @@ def test_pipeline_trainer_equals_one_process(tmp_path):
         _same_classifier("qwen2", r["qwen2"], ref["qwen2"])
         # interleaved: both of the rank's stages have their blocks checkpointed
         assert r["gpt2"]["checkpointed"] == r["gpt2"]["local_blocks"] == 2
-        # save_model gathers with module_state_dict: the whole model broadcast, per rank
-        assert r["gpt2"]["restore"]["broadcast"] == r["gpt2"]["restore"]["whole"]
+        # save_model writes from the ranks (engine.save_weights): no whole-model
+        # broadcast; the file's writer receives the other stage's tensors, once
+        b = r["gpt2"]["restore"]
+        assert b["broadcast"] == 0, b
+        assert 0 < b["weights_sent"] + b["weights_received"] < b["whole"], b
+    sent = sum(r["gpt2"]["restore"]["weights_sent"] for r in pp2)
+    assert sent == sum(r["gpt2"]["restore"]["weights_received"] for r in pp2) > 0
     for name in ("bert", "llama", "gpt2", "qwen2"):
         _same_restore(pp2, name)
     for name in ("bert", "llama"):

@@ -49,21 +49,31 @@ class StateIO:
         *,
         merge_lora: bool = False,
         safe_serialization: bool = True,
-        max_shard_size: Any = None,
+        max_shard_size: int | str = "10GB",
     ) -> None:
         """Save the model for ``from_pretrained``: a peft model saves its adapter only (or,
         with ``merge_lora``, the base model with the adapter merged in); other models save
-        ``save_pretrained`` folders or ``model.safetensors``. Every rank must call it."""
-        from meshtrain.accelerate.peft_io import save_model, whole_for_save
+        accelerate's files: ``model.safetensors``, or past ``max_shard_size``
+        ``model-0000K-of-0000N.safetensors`` plus ``model.safetensors.index.json``, each
+        name of a tied weight kept once, written by the ranks that hold the weights (no
+        rank holds the whole model: ``engine.save_weights``). Every rank must call it."""
+        from meshtrain.accelerate.peft_io import is_peft_model, save_model, whole_for_save
 
         if not safe_serialization:
             raise ConfigError(
                 "save_model(safe_serialization=False): meshtrain writes safetensors only "
                 "(pickled weights can run code when loaded)"
             )
-        state = self.get_state_dict(model)
         unwrapped, prepared = self.unwrap_model(model), self._prepared(model)
         engine = None if prepared is None else prepared.engine
+        if engine is not None and not is_peft_model(unwrapped):
+            # accelerate keeps a tied weight under its first name only
+            engine.save_weights(
+                save_directory, max_shard_size, aliases=False, index_parameters=False
+            )
+            self.wait_for_everyone()
+            return
+        state = self.get_state_dict(model)
         with whole_for_save(engine, unwrapped):  # collective under ZeRO-3
             if self.is_main_process:
                 save_model(unwrapped, state, Path(save_directory), merge_lora=merge_lora)

@@ -70,7 +70,7 @@ def _plan(
     return plan
 
 
-def _header(plan: list[tuple[str, str, torch.dtype, tuple[int, ...]]]) -> bytes:
+def safetensors_header(plan: list[tuple[str, str, torch.dtype, tuple[int, ...]]]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for key, _canon, dtype, shape in plan:
@@ -86,14 +86,18 @@ def _header(plan: list[tuple[str, str, torch.dtype, tuple[int, ...]]]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_streamed(
-    reader: CheckpointReader,
+def write_streamed(
+    reader: Any,
     plan: list[tuple[str, str, torch.dtype, tuple[int, ...]]],
     path: Path,
     progress: bool | None,
+    desc: str = "consolidate",
 ) -> dict[str, Any]:
     """Write ``path``; return its checksum record, hashed from the bytes as they are
-    written (``tensor_files``), so the file is not read again."""
+    written (``tensor_files``), so the file is not read again. ``reader``: anything with
+    ``iter_chunks(name, max_numel=)`` yielding ``(position, 1-D chunk)`` in order and
+    ``release()`` (a ``CheckpointReader``; the ranks' exchange of
+    ``interop.pretrained_shards``)."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -102,7 +106,7 @@ def _write_streamed(
             "consolidate writes little-endian safetensors; run it on a little-endian machine"
         )
     disable = not sys.stderr.isatty() if progress is None else not progress
-    header = _header(plan)
+    header = safetensors_header(plan)
     record: dict[str, Any] = {
         "algo": checksums.ALGO,
         "header": checksums.digest(header),
@@ -110,9 +114,7 @@ def _write_streamed(
     }
     with atomic_file(path, "wb") as f:
         f.write(header)
-        for key, canon, dtype, shape in tqdm(
-            plan, desc="consolidate", unit="tensor", disable=disable
-        ):
+        for key, canon, dtype, shape in tqdm(plan, desc=desc, unit="tensor", disable=disable):
             expected = torch.Size(shape).numel()
             written, h = 0, checksums.hasher()
             for _pos, chunk in reader.iter_chunks(canon, max_numel=CHUNK_NUMEL):
@@ -173,7 +175,7 @@ def consolidate(
     cast = _cast_arg(dtype)
     output = Path(output)
     single = output.suffix == ".safetensors"
-    need = sum(_nbytes(p) for p in _plan(reader, cast, with_aliases=True))
+    need = sum(entry_bytes(p) for p in _plan(reader, cast, with_aliases=True))
     check_writable(
         output, CheckpointError, what="consolidate output", is_dir=not single, need_bytes=need
     )
@@ -181,7 +183,7 @@ def consolidate(
     if single:
         output.parent.mkdir(parents=True, exist_ok=True)
         plan = _plan(reader, cast, with_aliases=True)
-        record = _write_streamed(reader, plan, output, progress)
+        record = write_streamed(reader, plan, output, progress)
         tensor_files.write_sidecar(output, {output.name: record})
         return output
     if output.exists() and not output.is_dir():
@@ -196,7 +198,7 @@ def consolidate(
     reties = hf_config is not None and hf_config.get("tie_word_embeddings", True) is not False
     plan = _plan(reader, cast, with_aliases=not reties)
     files = {
-        "model.safetensors": _write_streamed(reader, plan, output / "model.safetensors", progress)
+        "model.safetensors": write_streamed(reader, plan, output / "model.safetensors", progress)
     }
     if hf_config is not None:
         config = dict(hf_config)
@@ -213,5 +215,5 @@ def consolidate(
     return output
 
 
-def _nbytes(entry: tuple[str, str, torch.dtype, tuple[int, ...]]) -> int:
+def entry_bytes(entry: tuple[str, str, torch.dtype, tuple[int, ...]]) -> int:
     return torch.Size(entry[3]).numel() * torch.empty(0, dtype=entry[2]).element_size()

@@ -93,6 +93,37 @@ def store_lost_verdict(evidence: Evidence, silent: list[int]) -> str:
     )
 
 
+def _not_entered(
+    what: str, failed: tuple[str, list[int], int, str], others: list[int], heard: dict, now: float
+) -> str | None:
+    """A timeout while every peer still beat: the peers that had not entered the collective
+    are alive but elsewhere (a slow first step, a longer data load, a different code path).
+    The backend's "Timed out waiting 6000ms for recv" says none of that. Name them with
+    how far they had come on this group, or None when all of them had entered too."""
+    gname, granks, seq, _ = failed
+    late = []
+    for r in others:
+        entered = _entered(heard[r], gname, granks)
+        if entered < seq:
+            b = heard[r]
+            late.append(
+                f"rank {r} (node {b.get('node_rank')}, {b.get('address')}; alive, heard "
+                f"{now - b['time']:.1f} s ago, then at #{entered})"
+            )
+    if not late:
+        return None
+    verb = "has" if len(late) == 1 else "have"
+    return f"{what}: {', '.join(late)} {verb} not entered it"
+
+
+def _entered(beat: dict, gname: str, granks: list[int]) -> int:
+    """How many collectives of this group a rank had entered, per its heartbeat."""
+    return next(
+        (g["entered"] for g in beat.get("groups", [])
+         if g["group"] == gname and g["ranks"] == list(granks)), 0,
+    )  # fmt: skip
+
+
 def _closed_by_peer(what: str, first: str, others: list[int], heard: dict, now: float):
     """gloo's "Connection closed by peer [ADDRESS]:PORT" while every peer still beat: a
     process at that address ended (killed, or crashed) before its heartbeat could go
@@ -162,17 +193,15 @@ def explain_failure(
     now = time.time()
     silent = [r for r in others if r not in heard or now - heard[r]["time"] > 3 * beats.every]
     if not silent:
-        return _closed_by_peer(what, first, others, heard, now)
+        closed = _closed_by_peer(what, first, others, heard, now)
+        return closed or (timed_out and _not_entered(what, failed, others, heard, now)) or None
     parts = []
     for r in silent:
         b = heard.get(r)
         if b is None:
             parts.append(f"rank {r} (never heard from)")
             continue
-        entered = next(
-            (g["entered"] for g in b.get("groups", [])
-             if g["group"] == gname and g["ranks"] == list(granks)), 0,
-        )  # fmt: skip
+        entered = _entered(b, gname, granks)
         had = f"it had entered #{seq} too" if entered >= seq else f"then at #{entered}"
         parts.append(
             f"rank {r} (node {b.get('node_rank')}, {b.get('address')}; last heard "

@@ -71,60 +71,10 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
     ``pieces``, ``rank_state``, ``meta``, ``group``, ``keep_last``. A collective (the tag)."""
     topo = engine.topology
     world = topo.group("world")
-    replicas = topo.replica_group  # dp x cp hold the same weights: each writes its share
     tag = agreed_tag(tag or f"global_step{engine.global_steps}", world, engine.config)
     names = model_names(engine)
-    canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
-    tp = tp_of(engine)
-    ep = experts.expert_specs(engine)
-    writers = experts.stage0_writers(engine)
-    tensors: dict[str, torch.Tensor] = {}
-    pieces: list[Piece] = []
-    steps = set()
-    opt_state = engine.optimizer.state
-    for gi, g in enumerate(engine.zero.flat_groups):
-        for b, master in zip(g.buckets, g.master_chunks, strict=True):
-            lo, hi, base = save_range(g, b, *writers[id(g)])
-            if hi <= lo:
-                continue
-            sources = {"param": master.detach()}
-            # element-wise states as pieces; the others per rank (``slice_state``)
-            joined = g.optimizer_state(b, opt_state) if g.layout == "flat" else {}
-            for k, v in joined.items():  # joined over its slices
-                if isinstance(v, torch.Tensor) and v.shape == master.shape:
-                    sources[k] = v
-                elif k == "step":
-                    steps.add(float(v))
-            for state, src in sources.items():
-                key = f"g{gi}.b{b.index}.{state}"
-                tensors[key] = src[lo - base : hi - base].detach().float().cpu().contiguous()
-                for name, start, local, n in runs(g, b, lo, hi, canon, tp, True, ep):
-                    if names.writes(name, topo.pp_rank):  # a tied weight: its first stage
-                        pieces.append(Piece(name, state, key, local - lo, start, n))
-    frozen = frozen_specs(engine)
-    # frozen tensors and buffers: split over the ranks holding this stage (the world at pp 1)
-    share, part = replicas.size * topo.tp_size, replicas.rank * topo.tp_size + topo.tp_rank
-    done: set[str] = set()  # a module two stages of this rank share is listed twice
-    frozen_ids = {id(p) for g in engine.zero.frozen_groups for p in g.params}
-    for key, t in whole_state_items(engine.module, engine.zero):
-        name = canon[id(t)]
-        if names.keys[key] in aliases or meta_tensors[name]["kind"] == "param" or name in done:
-            continue
-        done.add(name)
-        if not names.writes(name, topo.pp_rank):
-            continue
-        gathered = id(t) in frozen_ids  # ZeRO-3 frozen: freed with the next bucket
-        t = t.detach()
-        if key in frozen:  # a frozen tensor-parallel shard: write the full tensor
-            t = unshard_tensor(t, frozen[key], topo.tp_group)
-        flat = t.reshape(-1)
-        n_share, n_part, offset = experts.frozen_split(engine, ep, t, key, share, part)
-        c = -(-flat.numel() // n_share)
-        lo, hi = min(n_part * c, flat.numel()), min((n_part + 1) * c, flat.numel())
-        if hi > lo:
-            chunk = flat[lo:hi].cpu().contiguous()
-            tensors[f"x.{name}"] = chunk.clone() if gathered else chunk
-            pieces.append(Piece(name, "param", f"x.{name}", 0, offset + lo, hi - lo))
+    tensors, pieces, steps = state_pieces(engine, names, with_optimizer=True)
+    aliases, meta_tensors = names.aliases, names.tensors
 
     rng, rng_tensors = rng_state()
     tensors.update(rng_tensors)
@@ -175,6 +125,72 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
         meta=meta,
         keep_last=keep or None,
     )
+
+
+def state_pieces(engine, names, with_optimizer: bool) -> tuple[dict, list[Piece], set]:
+    """This rank's share of the model (and, ``with_optimizer``, of AdamW's element-wise
+    states): ``(tensors, pieces, steps)``. ``tensors`` are 1-D CPU views of the live fp32
+    masters where they can be (copies of frozen tensors and buffers); ``pieces`` place them
+    in the unsplit model's flattened tensors; ``steps`` the optimizer's step counts. Over
+    all ranks the pieces of one state tile each tensor exactly once (replicas split what
+    they share). A collective (frozen tensor-parallel shards and ZeRO-3 frozen tensors are
+    made whole), so every rank calls it in the same order."""
+    topo = engine.topology
+    replicas = topo.replica_group  # dp x cp hold the same weights: each writes its share
+    canon, aliases, meta_tensors = names.canon, names.aliases, names.tensors
+    tp = tp_of(engine)
+    ep = experts.expert_specs(engine)
+    writers = experts.stage0_writers(engine)
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: list[Piece] = []
+    steps = set()
+    opt_state = engine.optimizer.state
+    for gi, g in enumerate(engine.zero.flat_groups):
+        for b, master in zip(g.buckets, g.master_chunks, strict=True):
+            lo, hi, base = save_range(g, b, *writers[id(g)])
+            if hi <= lo:
+                continue
+            sources = {"param": master.detach()}
+            # element-wise states as pieces; the others per rank (``slice_state``)
+            joined = (
+                g.optimizer_state(b, opt_state) if with_optimizer and g.layout == "flat" else {}
+            )
+            for k, v in joined.items():  # joined over its slices
+                if isinstance(v, torch.Tensor) and v.shape == master.shape:
+                    sources[k] = v
+                elif k == "step":
+                    steps.add(float(v))
+            for state, src in sources.items():
+                key = f"g{gi}.b{b.index}.{state}"
+                tensors[key] = src[lo - base : hi - base].detach().float().cpu().contiguous()
+                for name, start, local, n in runs(g, b, lo, hi, canon, tp, True, ep):
+                    if names.writes(name, topo.pp_rank):  # a tied weight: its first stage
+                        pieces.append(Piece(name, state, key, local - lo, start, n))
+    frozen = frozen_specs(engine)
+    # frozen tensors and buffers: split over the ranks holding this stage (the world at pp 1)
+    share, part = replicas.size * topo.tp_size, replicas.rank * topo.tp_size + topo.tp_rank
+    done: set[str] = set()  # a module two stages of this rank share is listed twice
+    frozen_ids = {id(p) for g in engine.zero.frozen_groups for p in g.params}
+    for key, t in whole_state_items(engine.module, engine.zero):
+        name = canon[id(t)]
+        if names.keys[key] in aliases or meta_tensors[name]["kind"] == "param" or name in done:
+            continue
+        done.add(name)
+        if not names.writes(name, topo.pp_rank):
+            continue
+        gathered = id(t) in frozen_ids  # ZeRO-3 frozen: freed with the next bucket
+        t = t.detach()
+        if key in frozen:  # a frozen tensor-parallel shard: write the full tensor
+            t = unshard_tensor(t, frozen[key], topo.tp_group)
+        flat = t.reshape(-1)
+        n_share, n_part, offset = experts.frozen_split(engine, ep, t, key, share, part)
+        c = -(-flat.numel() // n_share)
+        lo, hi = min(n_part * c, flat.numel()), min((n_part + 1) * c, flat.numel())
+        if hi > lo:
+            chunk = flat[lo:hi].cpu().contiguous()
+            tensors[f"x.{name}"] = chunk.clone() if gathered else chunk
+            pieces.append(Piece(name, "param", f"x.{name}", 0, offset + lo, hi - lo))
+    return tensors, pieces, steps
 
 
 def param_groups_of(engine) -> dict[str, int]:

@@ -432,13 +432,21 @@ class Engine(EngineQueries):
     ) -> bool:
         """DeepSpeed's export: the whole model's weights, in the dtype the model trains in
         (bf16/fp16 when enabled, else fp32), into ``save_dir/save_filename``: a
-        ``.safetensors`` name writes safetensors, any other a ``torch.save`` state dict
+        ``.safetensors`` name writes safetensors from the ranks that hold each tensor (no
+        rank holds the whole model: ``engine.pretrained_shards``), any other a
+        ``torch.save`` state dict that rank 0 writes from the gathered weights
         (``torch.load(path, weights_only=True)`` reads it). Whole under every ZeRO stage,
         TP and pipeline layout, whatever ``stage3_gather_16bit_weights_on_model_save`` says
-        (DeepSpeed writes nothing useful under ZeRO-3 without it). Every rank must call it;
-        rank 0 writes. Returns True."""
+        (DeepSpeed writes nothing useful under ZeRO-3 without it). Every rank must call it.
+        Returns True."""
         from pathlib import Path
 
+        if save_filename.endswith(".safetensors"):
+            self.save_weights(
+                save_dir, max_shard_size=None, exclude_frozen=exclude_frozen_parameters,
+                aliases=True, single_name=save_filename,
+            )  # fmt: skip
+            return True
         state = self.module_state_dict()  # collective
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
@@ -446,17 +454,39 @@ class Engine(EngineQueries):
         if self.topology.rank == 0:
             path = Path(save_dir) / save_filename
             path.parent.mkdir(parents=True, exist_ok=True)
-            if path.suffix == ".safetensors":
-                from safetensors.torch import save_file
-
-                save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-            else:
-                torch.save(state, path)
+            torch.save(state, path)
         if self.topology.world_size > 1:
             import torch.distributed as dist
 
             dist.barrier()  # the file is complete when any rank returns
         return True
+
+    def save_weights(
+        self,
+        save_dir,
+        max_shard_size: int | str | None = "50GB",
+        *,
+        dtype: torch.dtype | None = None,
+        exclude_frozen: bool = False,
+        aliases: bool | None = None,
+        single_name: str = "model.safetensors",
+        index_parameters: bool = True,
+    ):
+        """The model's weights as ``save_pretrained`` writes them (``model.safetensors``, or
+        ``model-0000K-of-0000N.safetensors`` cut at ``max_shard_size`` plus
+        ``model.safetensors.index.json``), each file written by the rank holding most of
+        it from the ranks' own shards: no rank ever holds the whole model. ``dtype``: cast
+        floating tensors (default: the model's own). ``aliases``: keep tied names as copies
+        (default: only when the model is not a transformers model that re-ties them).
+        ``index_parameters``: the index counts elements too, as transformers' does.
+        Every rank must call it. Returns what was written (``SavedWeights``)."""
+        from meshtrain.engine.pretrained_shards import save_pretrained_shards
+
+        return save_pretrained_shards(
+            self, save_dir, max_shard_size=max_shard_size, dtype=dtype,
+            exclude_frozen=exclude_frozen, aliases=aliases, single_name=single_name,
+            index_parameters=index_parameters,
+        )  # fmt: skip
 
     def load_checkpoint(
         self,

@@ -1,18 +1,22 @@
 """What the Trainer writes besides its checkpoints: ``save_model``, ``save_state`` and the
 ``save_pretrained`` export that both they and every ``checkpoint-<step>`` carry.
 
-``save_model`` is collective, as in transformers under DeepSpeed: every rank calls it,
-because the whole weights are gathered first (ZeRO-3 shards, tensor-parallel shards,
-pipeline stages: ``engine.module_state_dict()``); rank 0 then writes
+``save_model`` is collective, as in transformers under DeepSpeed: every rank calls it.
 
-* for a transformers model, ``save_pretrained``'s files (``config.json`` +
-  ``model.safetensors``) and the tokenizer / processor the Trainer holds, so
-  ``AutoModel.from_pretrained(output_dir)`` works; for a peft model, the adapter only
-  (``adapter_config.json`` + ``adapter_model.safetensors``, what
-  ``PeftModel.from_pretrained`` loads);
-* for any other ``nn.Module``, ``model.safetensors`` of its state dict;
-* ``training_args.json`` (transformers pickles ``training_args.bin``; meshtrain never
-  writes a file that needs an unsafe load to read).
+* The weights are written by the ranks that hold them (``engine.save_weights``: ZeRO-3
+  shards, tensor-parallel shards and pipeline stages each send their part to the file's
+  writer, and no rank holds the whole model): ``model.safetensors``, or
+  ``model-0000K-of-0000N.safetensors`` plus the index past ``max_shard_size`` (50GB, as
+  ``save_pretrained``). A transformers model is written without tied names, as
+  ``save_pretrained`` writes it; any other ``nn.Module`` with each name of its state dict.
+* Rank 0 writes the rest of ``save_pretrained``'s folder for a transformers model
+  (``config.json`` with its dtype and architectures, ``generation_config.json``) and
+  the tokenizer / processor the Trainer holds, so ``AutoModel.from_pretrained(output_dir)``
+  works; and ``training_args.json`` (transformers pickles ``training_args.bin``; meshtrain
+  never writes a file that needs an unsafe load to read).
+* A peft model saves the adapter only (``adapter_config.json`` +
+  ``adapter_model.safetensors``, what ``PeftModel.from_pretrained`` loads), from weights
+  gathered first (an adapter is small), and so does a model before ``train()`` (no engine).
 
 A prompt-learning peft model (prompt / prefix tuning) under ZeRO-3: peft computes the
 embeddings it saves by running the prompt encoder, whose weights are shards; every rank
@@ -45,9 +49,19 @@ class ModelSaving:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model's whole weights into ``output_dir`` (default ``args.output_dir``); see
         the module docstring. Every rank must call it."""
-        from meshtrain.accelerate.peft_io import prompt_embeddings
+        from meshtrain.accelerate.peft_io import is_peft_model, prompt_embeddings
 
         path = Path(output_dir or self.args.output_dir)
+        if self.engine is not None and not is_peft_model(self.model):
+            self.engine.save_weights(path)  # collective: from the ranks' own shards
+            if self.is_world_process_zero():
+                if hasattr(self.model, "save_pretrained"):
+                    model_files(self.model, path)
+                if hasattr(self.processing_class, "save_pretrained"):
+                    self.processing_class.save_pretrained(path)
+                self._write_args(path)
+            self._barrier()
+            return
         if self.engine is not None:
             state_dict = self.engine.module_state_dict()  # collective: every rank gathers
         else:  # before train(): the user's model as it is
@@ -94,6 +108,22 @@ class ModelSaving:
 
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+
+
+def model_files(model, path: Path) -> None:
+    """What ``save_pretrained`` writes besides the weights: ``config.json`` (recording the
+    model's dtype and class, as transformers does), ``generation_config.json`` for a
+    model that generates, and a remote-code model's own source files."""
+    config = model.config
+    config.dtype = str(model.dtype).split(".")[1]
+    config.architectures = [type(model).__name__]
+    if getattr(model, "is_remote_code", lambda: False)():
+        from transformers.dynamic_module_utils import custom_object_save
+
+        custom_object_save(model, path, config=config)
+    config.save_pretrained(path)
+    if getattr(model, "can_generate", lambda: False)():
+        model.generation_config.save_pretrained(path)
 
 
 def _rank(variable: str) -> int:
