@@ -21,9 +21,11 @@ tensor as it is assembled, hashed as it goes; a temp name renamed once complete)
 What is sharded: nothing new; the files are cut from the ranks' own shares. Bytes moved:
 each element once from its holder to its file's writer, less what the writer holds
 itself (at most the model in the export dtype; none at one rank). Peak memory per rank:
-its own share (live views, no copy) plus, in a round, the whole tensor it writes and its
-runs of the tensors the other writers write: at most about ``(1 + world)`` times the
-largest tensor, never the model.
+its own share (live views, no copy) plus, in a round, the whole tensor it writes (a
+holder's single run is received straight into its place; the runs of a tensor-parallel
+cut go through one buffer) and copies of its runs of the other writers' tensors where
+they are cast or cut into several runs: about the largest tensor under ZeRO, never the
+model.
 
 Tied weights: a transformers model whose config ties them (``tie_word_embeddings``) is
 written without the later names, as ``save_pretrained`` does (``from_pretrained``
@@ -186,24 +188,32 @@ class RoundExchange:
             holders = self._holdings.runs.get(canon, {})
             if writer != me:
                 if me in holders:
-                    sends.append((torch.cat(self._local(canon, dtype)).to(self._device), writer))
+                    runs = self._local(canon, dtype)  # one run (ZeRO's flat cut) goes as is
+                    data = runs[0] if len(runs) == 1 else torch.cat(runs)
+                    sends.append((data.to(self._device), writer))
                 continue
             out = torch.empty(math.prod(shape), dtype=dtype)
             for p, data in zip(self._mine.get(canon, []), self._local(canon, dtype), strict=True):
                 out[p.start : p.start + p.numel] = data
                 self.own_bytes += data.numel() * data.element_size()
             for h, runs in holders.items():
-                if h != me:
-                    size = sum(n for _, n in runs)
-                    buf = torch.empty(size, dtype=dtype, device=self._device)
-                    receiving.append((runs, buf, h))
+                if h == me:
+                    continue
+                if len(runs) == 1 and self._device.type == "cpu":  # straight into place
+                    (start, n), runs = runs[0], None
+                    buf = out[start : start + n]
+                else:  # runs of a tensor-parallel cut: one message, placed below
+                    buf = torch.empty(sum(n for _, n in runs), dtype=dtype, device=self._device)
+                receiving.append((runs, buf, h))
         held = ([out] if out is not None else []) + [t for t, _ in sends]
-        held += [buf for _, buf, _ in receiving]
+        held += [buf for runs, buf, _ in receiving if runs is not None]
         self.peak_bytes = max(self.peak_bytes, sum(t.numel() * t.element_size() for t in held))
         for w in self._post(sends, [(buf, h) for _, buf, h in receiving], r):
             w.wait()
         for runs, buf, _ in receiving:
             self.received_bytes += buf.numel() * buf.element_size()
+            if runs is None:
+                continue
             at, buf = 0, buf.cpu()
             for start, n in runs:
                 out[start : start + n] = buf[at : at + n]
