@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtrain.config.sections import DistributedConfig
 from meshtrain.distributed.comm import CommStats, Group
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.zero import partition as part
@@ -133,11 +134,13 @@ class Init:
         cfg_source = config if config is not None else config_dict_or_path
         self.enabled = bool(enabled)
         self.dtype = dtype
+        self._distributed = DistributedConfig()
         if cfg_source is not None:
             from meshtrain.config import load_config
             from meshtrain.dtypes import PRECISIONS
 
             cfg = load_config(cfg_source)
+            self._distributed = cfg.distributed
             stage = int(cfg.zero_optimization.stage)
             if stage != 3:
                 log.info("zero.Init: zero_optimization.stage is %d, not 3: no effect", stage)
@@ -159,9 +162,9 @@ class Init:
     def _ensure_group(self) -> Group:
         if self._group is None:
             if not dist.is_initialized():
-                from meshtrain.distributed.env import init_distributed
+                from meshtrain.distributed.env import join_group
 
-                init_distributed()
+                join_group(self._distributed)  # the config's section, else its defaults
             self._group = _group(self._pg)
         return self._group
 

@@ -24,9 +24,11 @@ import atexit
 import os
 import re
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -155,6 +157,7 @@ def init_distributed(
                 f"a process group of size {dist.get_world_size()} already exists but the "
                 f"environment says WORLD_SIZE={env.world_size}"
             )
+        _check_existing(backend, first_step_timeout_minutes)
         return env
     backend = backend or env.backend
     minutes = creation_timeout_minutes(timeout_minutes, first_step_timeout_minutes)
@@ -186,6 +189,43 @@ def init_distributed(
         )
     atexit.register(_shutdown_at_exit)
     return env
+
+
+def join_group(distributed: Any) -> DistEnv:
+    """Join the default process group as a config's ``distributed`` section says
+    (``backend``, ``timeout_minutes``, ``first_step_timeout_minutes``): the one door every
+    front door takes, so that no key of the section is dropped on the way."""
+    return init_distributed(
+        timeout_minutes=distributed.timeout_minutes,
+        backend=None if distributed.backend == "auto" else distributed.backend,
+        first_step_timeout_minutes=distributed.first_step_timeout_minutes,
+    )
+
+
+def _check_existing(backend: str | None, first_step_timeout_minutes: float | None) -> None:
+    """A process group made before (by torch, a launcher, an earlier engine) is kept: a
+    backend other than its own is refused by name, and a first-step timeout it was not
+    made with is said to do nothing (a group's creation timeout is what bounds the first
+    step's collectives)."""
+    have = dist.get_backend()
+    if backend is not None and backend != have:
+        raise DistributedError(
+            f"distributed.backend {backend}: the process group already exists with {have} "
+            f"(made before this config was read); set distributed.backend to {have} or "
+            '"auto", or let meshtrain make the group with this config'
+        )
+    if first_step_timeout_minutes is not None:
+        from meshtrain.distributed.store_io import pg_timeout_seconds
+
+        made = pg_timeout_seconds()
+        if made is not None and made < first_step_timeout_minutes * 60:
+            warnings.warn(
+                f"distributed.first_step_timeout_minutes {first_step_timeout_minutes:g} does "
+                f"nothing here: the process group already exists with a {made / 60:g} min "
+                "timeout (made before this config was read); let meshtrain make the group "
+                "with this config (meshtrain.initialize / meshtrain launch)",
+                stacklevel=3,
+            )
 
 
 def _attempt_store(environ, env: DistEnv, timeout: timedelta):

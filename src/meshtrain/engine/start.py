@@ -30,7 +30,7 @@ from typing import Any
 from torch import nn
 
 from meshtrain.config import Config, load_config
-from meshtrain.distributed.env import init_distributed
+from meshtrain.distributed.env import join_group
 from meshtrain.distributed.topology import Topology
 from meshtrain.engine.engine import Engine
 
@@ -49,12 +49,8 @@ def join_mesh(config: Config | Mapping[str, Any]) -> Topology:
     process group)."""
     if not isinstance(config, Config):
         config = load_config({k: config[k] for k in _JOIN_SECTIONS if k in config})
-    d, mesh = config.distributed, config.mesh
-    init_distributed(
-        timeout_minutes=d.timeout_minutes,
-        backend=None if d.backend == "auto" else d.backend,
-        first_step_timeout_minutes=d.first_step_timeout_minutes,
-    )
+    join_group(config.distributed)
+    mesh = config.mesh
     return Topology(
         pp=mesh.pipeline_parallel_size,
         tp=mesh.tensor_parallel_size,

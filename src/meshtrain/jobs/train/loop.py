@@ -100,14 +100,14 @@ def run_rank(
     import torch.distributed as dist
 
     from meshtrain.checkpoint import latest_tag
-    from meshtrain.distributed.env import init_distributed, shutdown_distributed
+    from meshtrain.distributed.env import join_group, shutdown_distributed
     from meshtrain.jobs.train.corpus import prepare_corpus
 
     t0 = time.perf_counter()
     owns_group = not dist.is_initialized()
     job = JobConfig.from_dict(job_dict)
     decoder_config(job, vocab_size=1)  # size errors before any data work
-    env = init_distributed(timeout_minutes=job.distributed.timeout_minutes)
+    env = join_group(job.distributed)  # the section whole: backend and first-step timeout too
     rank = env.rank
     out = Path(job.train.output_dir)
     d = job.data
