@@ -86,6 +86,10 @@ class PreparedOptimizer:
         self.accelerator = accelerator
         self.optimizer = optimizer
         self.model: PreparedModel | None = None  # set when the engine is built
+        # each param group's parameter names in the optimizer's own order, recorded when
+        # the engine is built (it re-points the groups at master chunks): the order
+        # accelerate's optimizer.bin is keyed by
+        self.param_names: list[list[str]] | None = None
         self.step_was_skipped = False  # the last step hit an fp16 overflow
 
     @property
