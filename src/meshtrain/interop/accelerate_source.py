@@ -295,9 +295,9 @@ class AccelerateSource:
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> bool:
         key = self._name(name)
-        return self.weights is not None and key is not None and self.weights.read_into(
-            key, start, out
-        )
+        if self.weights is None or key is None:
+            return False
+        return self.weights.read_into(key, start, out)
 
     def read_full(self, name: str, state: str = "param") -> torch.Tensor:
         return self.read(name, state).reshape(self.shape(name))
