@@ -96,6 +96,12 @@ class PreparedOptimizer:
     def engine(self):
         return None if self.model is None else self.model.engine
 
+    def record_names(self, module) -> None:
+        """Name each group's parameters (of ``module``) in the optimizer's own order."""
+        named = {id(p): n for n, p in module.named_parameters()}
+        groups = self.optimizer.param_groups
+        self.param_names = [[named[id(p)] for p in g["params"]] for g in groups]
+
     def _need_engine(self):
         if self.engine is None:
             raise ConfigError(
