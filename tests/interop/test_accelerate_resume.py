@@ -88,14 +88,18 @@ def test_resume_accelerate_folder_at_one_process(written):
 def test_bad_accelerate_folders_are_named(written, tmp_path):
     """Real bad files, one line each naming the file and the fix: no optimizer.bin while
     the optimizer is prepared; an RNG pickle that would run code (it must not run); a
-    registered object's state holding a type outside what weights_only allows."""
+    registered object's state holding a type outside what weights_only allows; a loader
+    file meshtrain's loaders have no use for; and the folder given to
+    ``engine.load_checkpoint``, which points at ``load_state``."""
     out, _ = written
     folder = out / f"step_{R.SAVE_AT}"
     bad = {}
-    for what in ("no optimizer", "hostile rng", "dated object"):
+    for what in ("no optimizer", "hostile rng", "dated object", "sampler file"):
         bad[what] = tmp_path / what.replace(" ", "_")
         shutil.copytree(folder, bad[what])
     (bad["no optimizer"] / "optimizer.bin").unlink()
+    torch.save({"epoch": 0}, bad["sampler file"] / "sampler.bin")
+    bad["engine.load_checkpoint"] = folder
     marker = tmp_path / "code_ran"
     rng = bad["hostile rng"] / "random_states_0.pkl"
     with torch.serialization.safe_globals(list(RNG_GLOBALS)):
@@ -111,5 +115,9 @@ def test_bad_accelerate_folders_are_named(written, tmp_path):
     assert not marker.exists()  # refused before anything ran
     assert "custom_checkpoint_0.pkl: the pickle needs datetime.date" in got["dated object"]
     assert "state_dict() return tensors and plain values" in got["dated object"]
+    assert "sampler.bin: accelerate's state of a seedable sampler" in got["sampler file"]
+    assert "skip_first_batches" in got["sampler file"]
+    assert "an accelerate save_state folder" in got["engine.load_checkpoint"]
+    assert "accelerator.load_state(folder)" in got["engine.load_checkpoint"]
     for msg in got.values():
         assert msg is not None and "\n" not in msg
