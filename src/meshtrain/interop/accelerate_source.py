@@ -132,7 +132,8 @@ def read_rng(path: Path) -> dict[str, Any]:
         path,
         WHAT,
         allowed=RNG_GLOBALS,
-        fix="save_state writes only python, numpy and torch generator states here",
+        fix="accelerate writes only generator states there, so this file was changed after "
+        "the save: copy the folder again",
     )
     wanted = {"random_state": tuple, "numpy_random_seed": tuple, "torch_manual_seed": torch.Tensor}
     bad = [k for k, t in wanted.items() if not isinstance(states.get(k), t)]
