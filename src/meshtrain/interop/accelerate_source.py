@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from meshtrain.errors import CheckpointError
-from meshtrain.interop.peer_pickles import load_peer_file
+from meshtrain.interop.peer_pickles import load_peer_file, release_pages
 from meshtrain.interop.safetensors_source import SafetensorsSource
 
 WHAT = "accelerate"
@@ -292,7 +292,10 @@ class AccelerateSource:
         t = None if i is None else (self.optim["state"].get(i) or {}).get(state)
         if t is None:  # a parameter the saved optimizer never stepped: a fresh state
             return torch.zeros(numel, dtype=torch.float32)
-        return t.reshape(-1)[start : start + numel].float().clone()
+        view = t.reshape(-1)[start : start + numel]
+        out = view.float().clone()
+        release_pages(view)  # the copy is out: its mapped pages leave this rank
+        return out
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> bool:
         key = self._name(name)

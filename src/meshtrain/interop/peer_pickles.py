@@ -92,6 +92,29 @@ def load_peer_file(
         ) from None
 
 
+def release_pages(view: torch.Tensor) -> None:
+    """Drop the pages under ``view`` (a tensor of a file ``load_peer_file`` mapped, already
+    copied out) from this process's resident memory: a mapped page once touched stays
+    resident while the file is mapped, so a rank reading its slice of every optimizer
+    state would hold that slice twice until the source closes (measured at ZeRO 3 on 2
+    ranks: 2.3x the model per rank at the peak, the floor being 1.0x). ``MADV_DONTNEED``
+    on a private file mapping never written to only unmaps: the page cache keeps the
+    bytes and a later read faults them in again. Only for tensors of such files (on
+    anonymous memory it would zero them), which every tensor ``load_peer_file`` returns
+    is; a no-op where the platform has no ``madvise``."""
+    import ctypes
+    import mmap
+
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None or view.numel() == 0:
+        return
+    start, size = view.data_ptr(), view.numel() * view.element_size()
+    lo = start - start % mmap.PAGESIZE
+    hi = -(-(start + size) // mmap.PAGESIZE) * mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(advice))
+
+
 def _global_named(message: str) -> str:
     """The name torch's restricted unpickler refused (``GLOBAL posix.system ...``)."""
     found = (
