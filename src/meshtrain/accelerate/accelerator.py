@@ -274,6 +274,7 @@ class Accelerator(ProcessQueries, StateIO):
                 "several models in bf16 or fp32"
             )
         cfg = engine_config(self._config, self._loaders, self.topology)
+        opt.record_names(model.module)  # before the engine re-points its groups
         # the one set-up path: resolves the config and warns about keys it ignores
         engine = start_engine(model.module, cfg, topology=self.topology, optimizer=opt.optimizer)
         for h in model.__dict__.pop("hooks", []):

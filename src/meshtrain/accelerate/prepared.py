@@ -86,11 +86,21 @@ class PreparedOptimizer:
         self.accelerator = accelerator
         self.optimizer = optimizer
         self.model: PreparedModel | None = None  # set when the engine is built
+        # each param group's parameter names in the optimizer's own order, recorded when
+        # the engine is built (it re-points the groups at master chunks): the order
+        # accelerate's optimizer.bin is keyed by
+        self.param_names: list[list[str]] | None = None
         self.step_was_skipped = False  # the last step hit an fp16 overflow
 
     @property
     def engine(self):
         return None if self.model is None else self.model.engine
+
+    def record_names(self, module) -> None:
+        """Name each group's parameters (of ``module``) in the optimizer's own order."""
+        named = {id(p): n for n, p in module.named_parameters()}
+        groups = self.optimizer.param_groups
+        self.param_names = [[named[id(p)] for p in g["params"]] for g in groups]
 
     def _need_engine(self):
         if self.engine is None:

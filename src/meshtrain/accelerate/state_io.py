@@ -1,7 +1,8 @@
 """Models and saved state of the Accelerator, under accelerate's names: ``unwrap_model``,
 ``get_state_dict``, ``save_model``, ``save``, ``register_for_checkpointing``,
 ``save_state`` / ``load_state`` (each engine's sharded checkpoint, models without an
-engine, loader positions, schedulers, registered objects, RNG states). A mixin of
+engine, loader positions, schedulers, registered objects, RNG states; ``load_state`` also
+reads the folders accelerate's own ``save_state`` writes: ``peer_state``). A mixin of
 ``Accelerator`` reading its prepared objects."""
 
 from __future__ import annotations
@@ -150,10 +151,28 @@ class StateIO:
         return path
 
     def load_state(self, input_dir: str | os.PathLike, **_: Any) -> None:
-        """Resume what ``save_state`` wrote (the same objects prepared in the same order)."""
+        """Resume what ``save_state`` wrote, meshtrain's or accelerate's
+        (``peer_state``): the same objects prepared in the same order."""
         import json
 
+        from meshtrain.interop.accelerate_source import is_accelerate_folder
+
         inp = Path(input_dir)
+        if is_accelerate_folder(inp):
+            from meshtrain.accelerate.peer_state import load_accelerate_folder
+
+            step = load_accelerate_folder(
+                inp,
+                models=self._models,
+                optimizers=self._optimizers,
+                schedulers=self._schedulers,
+                custom=self._custom,
+                rank=self.process_index,
+                device=self.device,
+            )
+            self.step = self.step if step is None else step
+            self.wait_for_everyone()
+            return
         client: dict = {}
         path = inp
         for i, engine in enumerate(self.engines):

@@ -6,7 +6,10 @@ by that framework's source (``deepspeed_source``, ``dcp_source``); meshtrain's o
 meshtrain's reader (which returns ``(None, None)`` for nothing to load, as DeepSpeed
 does). A folder that holds another kind of checkpoint this reader does not read is refused
 in one line naming the kind and what to do, never taken for "nothing to load" (which
-would silently start the run from scratch).
+would silently start the run from scratch). An accelerate ``save_state`` folder is read by
+``Accelerator.load_state`` (``accelerate_source``: its optimizer file is keyed by the
+prepared optimizer's parameter order, which only the Accelerator knows), so here it is
+pointed there.
 """
 
 from __future__ import annotations
@@ -66,9 +69,9 @@ def refuse_foreign(path: Path) -> None:
         )
     elif any(n.startswith("random_states_") for n in names) or "optimizer.bin" in names:
         kind = (
-            "an accelerate save_state folder, not read by meshtrain yet; resume it with "
-            "accelerate, or load its model.safetensors into the model "
-            "(safetensors.torch.load_file) before meshtrain.initialize"
+            "an accelerate save_state folder, which meshtrain's Accelerator reads: resume "
+            "it with accelerator.load_state(folder) after prepare (the same objects in the "
+            "same order), not with engine.load_checkpoint"
         )
     elif any(p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) for p in files):
         shown = ", ".join(sorted(n for n in names if n.endswith(WEIGHT_SUFFIXES))[:3])

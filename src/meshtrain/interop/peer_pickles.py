@@ -52,10 +52,19 @@ PEER_RECORDS: tuple[tuple[Any, str], ...] = (
 )
 
 
-def load_peer_file(path: str | Path, what: str) -> Any:
+# What to do with a DeepSpeed file that needs code: DeepSpeed's own converter, where trusted.
+DEEPSPEED_FIX = "for DeepSpeed: zero_to_fp32.py, then meshtrain.from_pretrained"
+
+
+def load_peer_file(
+    path: str | Path, what: str, *, allowed: tuple = (), fix: str = DEEPSPEED_FIX
+) -> Any:
     """``path`` (a torch ``.pt`` of the peer ``what``) through the restricted unpickler,
-    memory-mapped. A truncated or damaged file and a pickle that needs code are each
-    refused in one line naming the file and the fix."""
+    memory-mapped. ``allowed``: further names the file may hold (objects, or ``(object,
+    "module.name")`` pairs as torch's ``safe_globals`` takes them), on top of the peer
+    records; ``fix``: what the user can do with a file that needs more. A truncated or
+    damaged file and a pickle that needs code are each refused in one line naming the
+    file and the fix."""
     path = Path(path)
     if not zipfile.is_zipfile(path):
         raise CheckpointError(
@@ -64,18 +73,18 @@ def load_peer_file(path: str | Path, what: str) -> Any:
             "from where it was written"
         )
     try:
-        with torch.serialization.safe_globals(list(PEER_RECORDS)):
+        with torch.serialization.safe_globals([*PEER_RECORDS, *allowed]):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError or others
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         text = str(exc)
-        if "GLOBAL" in text or "Unsupported global" in text or "unrecognized function" in text:
+        needs = ("GLOBAL", "Unsupported global", "unrecognized function", "Can only build")
+        if any(n in text for n in needs):
             name = _global_named(str(exc))
             raise CheckpointError(
                 f"{path}: the pickle needs {name} to be imported and run, which meshtrain "
                 "never does with a checkpoint; re-save it holding only tensors and plain "
-                "values, or convert it where it was written and trusted "
-                f"(for DeepSpeed: zero_to_fp32.py, then meshtrain.from_pretrained)"
+                f"values, or convert it where it was written and trusted ({fix})"
             ) from None
         raise CheckpointError(
             f"{path}: cannot be read as a {what} checkpoint file ({first[:160]}); it is "
@@ -83,9 +92,34 @@ def load_peer_file(path: str | Path, what: str) -> Any:
         ) from None
 
 
+def release_pages(view: torch.Tensor) -> None:
+    """Drop the pages under ``view`` (a tensor of a file ``load_peer_file`` mapped, already
+    copied out) from this process's resident memory: a mapped page once touched stays
+    resident while the file is mapped, so a rank reading its slice of every optimizer
+    state would hold that slice twice until the source closes (measured at ZeRO 3 on 2
+    ranks: 2.3x the model per rank at the peak, the floor being 1.0x). ``MADV_DONTNEED``
+    on a private file mapping never written to only unmaps: the page cache keeps the
+    bytes and a later read faults them in again. Only for tensors of such files (on
+    anonymous memory it would zero them), which every tensor ``load_peer_file`` returns
+    is; a no-op where the platform has no ``madvise``."""
+    import ctypes
+    import mmap
+
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None or view.numel() == 0:
+        return
+    start, size = view.data_ptr(), view.numel() * view.element_size()
+    lo = start - start % mmap.PAGESIZE
+    hi = -(-(start + size) // mmap.PAGESIZE) * mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(advice))
+
+
 def _global_named(message: str) -> str:
     """The name torch's restricted unpickler refused (``GLOBAL posix.system ...``)."""
-    found = re.search(r"GLOBAL ([\w.]+)", message) or re.search(
-        r"unrecognized function ([^\s]+)", message
+    found = (
+        re.search(r"GLOBAL ([\w.]+)", message)
+        or re.search(r"unrecognized function ([^\s]+)", message)
+        or re.search(r"but got <class '([\w.]+)'>", message)
     )
     return found.group(1) if found else "code"
