@@ -11,6 +11,7 @@ module-level mutable state.
   no ``globals()[...]`` writes.
 * ``ruff check`` (with every rule a ``noqa`` comment names, and RUF100 against stale ones)
   and ``ruff format --check`` pass.
+* No module-level function takes ``self``: a method kept outside its class.
 """
 
 from __future__ import annotations
@@ -320,3 +321,32 @@ def test_ruff_passes_with_the_rules_the_noqa_comments_name() -> None:
     for argv in ([ruff, "check", "src", "tests"], [ruff, "format", "--check", "src", "tests"]):
         run = subprocess.run(argv, cwd=root, capture_output=True, text=True)
         assert run.returncode == 0, f"{' '.join(argv[1:])}:\n{run.stdout[-3000:]}{run.stderr}"
+
+
+def _self_taking_functions(name: str, source: str) -> list[str]:
+    """Module-level functions whose first parameter is ``self``: a method living outside its
+    class (a split made to meet a line count), reading the object's insides from afar."""
+    tree = ast.parse(source)
+    return [
+        f"{name}:{node.lineno} {node.name}(self, ...)"
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.args.args
+        and node.args.args[0].arg == "self"
+    ]
+
+
+def test_no_free_function_takes_self() -> None:
+    found = [
+        hit
+        for name, path in _modules().items()
+        for hit in _self_taking_functions(name, path.read_text(encoding="utf-8"))
+    ]
+    assert found == [], (
+        f"free functions taking self (make them methods or name the object): {found}"
+    )
+
+
+def test_the_self_check_sees_a_free_function_taking_self() -> None:
+    source = "def spans(self, bucket):\n    return self.layout\n\nclass A:\n    def f(self): ...\n"
+    assert _self_taking_functions("pkg.mod", source) == ["pkg.mod:1 spans(self, ...)"]

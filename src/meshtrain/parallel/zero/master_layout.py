@@ -1,7 +1,9 @@
 """How a FlatGroup's fp32 master chunks are cut into the tensors an optimizer steps.
 
 ``meshtrain.optim.catalog`` says which layout each optimizer needs; ``FlatGroup`` packs
-parameters on the layout's alignment grid and cuts its master slices here.
+parameters on the layout's alignment grid and cuts its master slices here. The functions
+read a group's public layout (``layout``, ``slice_numel``, ``align``, ``shapes``,
+``owned_range``, its master chunks and slices) and are passed the group.
 """
 
 from __future__ import annotations
@@ -42,26 +44,26 @@ def master_leaves(chunk: torch.Tensor, spans) -> list[nn.Parameter]:
     ]
 
 
-def master_spans(self, bucket) -> list[tuple[int, int, torch.Size | None, int, int | None]]:
+def master_spans(group, bucket) -> list[tuple[int, int, torch.Size | None, int, int | None]]:
     """``(offset in the chunk, numel, shape, whole parameter's numel, its state bits or
     None)`` of each master slice of ``bucket`` (see ``LAYOUTS``; a "flat" slice may span
     parameters, so it has no bits of its own)."""
-    if self.layout == "flat":
-        cuts = range(0, bucket.chunk, self.slice_numel)
+    if group.layout == "flat":
+        cuts = range(0, bucket.chunk, group.slice_numel)
         return [
-            (lo, min(self.slice_numel, bucket.chunk - lo), None, bucket.chunk, None) for lo in cuts
+            (lo, min(group.slice_numel, bucket.chunk - lo), None, bucket.chunk, None) for lo in cuts
         ]
-    lo, hi = self.owned_range(bucket)
-    step = max(self.align, self.slice_numel // self.align * self.align)
+    lo, hi = group.owned_range(bucket)
+    step = max(group.align, group.slice_numel // group.align * group.align)
     spans = []
     for p, off in zip(bucket.params, bucket.offsets, strict=True):
-        shape = self.shapes[p]
+        shape = group.shapes[p]
         bits = getattr(p, "meshtrain_optim_bits", None)
         start, n = off - bucket.start, shape.numel()
         a, b = max(start, lo), min(start + n, hi)
         if a >= b:
             continue
-        if self.layout == "whole":
+        if group.layout == "whole":
             if (a, b) != (start, start + n):  # pack_whole never splits one
                 raise RuntimeError(f"whole layout: a parameter of shape {tuple(shape)} is split")
             spans.append((a - lo, n, shape, n, bits))
@@ -72,13 +74,13 @@ def master_spans(self, bucket) -> list[tuple[int, int, torch.Size | None, int, i
     return spans
 
 
-def join_state(self, bucket, state: dict) -> dict:
+def join_state(group, bucket, state: dict) -> dict:
     """The optimizer state of ``bucket``'s master chunk, from the per-slice ``state``
     (``optimizer.state``): element-wise tensors joined over the slices, the rest
     (``step``) as the first slice holds it. Empty before the first step."""
-    slices = self.master_slices[bucket.index]
-    if self.layout != "flat":  # not element-wise: checkpoint.slice_state keeps them
-        raise ValueError(f"join_state: the {self.layout!r} layout's states are not element-wise")
+    slices = group.master_slices[bucket.index]
+    if group.layout != "flat":  # not element-wise: checkpoint.slice_state keeps them
+        raise ValueError(f"join_state: the {group.layout!r} layout's states are not element-wise")
     per = [state.get(m, {}) for m in slices]
     out = {}
     for key, value in per[0].items():
@@ -87,13 +89,13 @@ def join_state(self, bucket, state: dict) -> dict:
     return out
 
 
-def cut_state(self, bucket, state: dict, values: dict) -> None:
+def cut_state(group, bucket, state: dict, values: dict) -> None:
     """Inverse of ``optimizer_state``: tensors of the chunk's size are cut into the
     slices (views, no copy); anything else (``step``) is copied to each slice, since
     the optimizer updates it in place once per slice."""
-    chunk = self.master_chunks[bucket.index]
-    for i, master in enumerate(self.master_slices[bucket.index]):
-        lo = i * self.slice_numel
+    chunk = group.master_chunks[bucket.index]
+    for i, master in enumerate(group.master_slices[bucket.index]):
+        lo = i * group.slice_numel
         state[master] = {
             k: (
                 v.narrow(0, lo, master.numel())
