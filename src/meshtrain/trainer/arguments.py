@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtrain.errors import ConfigError
-from meshtrain.trainer.checks import check_bools, check_liger, check_names, choice, is_int, positive
+from meshtrain.trainer.checks import (
+    check_bools,
+    check_liger,
+    check_names,
+    choice,
+    is_int,
+    metrics_inputs,
+    positive,
+)
 from meshtrain.trainer.process_arguments import ProcessArguments
 
 STRATEGIES = ("no", "steps", "epoch")
@@ -107,6 +115,10 @@ class TrainingArguments(ProcessArguments):
     remove_unused_columns: bool = True
     label_names: list[str] | None = None
     prediction_loss_only: bool = False
+    include_for_metrics: list[str] = dataclasses.field(default_factory=list)
+    """What ``compute_metrics`` gets besides predictions and labels: "inputs" (the model's
+    main input), "loss" (each row's batch loss), as ``EvalPrediction.inputs`` / ``.losses``."""
+    include_inputs_for_metrics: bool = False  # transformers' older name for ["inputs"]
     # None first, then str: HfArgumentParser's isinstance() cannot take list[str] there
     report_to: None | str | list[str] = "none"
     run_name: str | None = None
@@ -143,6 +155,9 @@ class TrainingArguments(ProcessArguments):
         self.lr_scheduler_type = choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
         self.optim = choice("optim", self.optim, tuple(OPTIMIZERS))
         check_bools(self)
+        self.include_for_metrics = metrics_inputs(
+            self.include_for_metrics, self.include_inputs_for_metrics
+        )
         check_liger(self.liger_kernel_config, self.use_liger_kernel)
         for name in ("seed", "data_seed"):
             value = getattr(self, name)

@@ -30,6 +30,25 @@ def positive(name: str, value: Any, *, allow_zero: bool = False, integer: bool =
         raise ConfigError(f"TrainingArguments.{name}: {value!r} is not allowed; use {want} {bound}")
 
 
+METRICS_INPUTS = ("inputs", "loss")
+
+
+def metrics_inputs(include: Any, include_inputs: bool) -> list[str]:
+    """``include_for_metrics`` checked (a list of "inputs" / "loss"; one string is taken as
+    a list of it), with ``include_inputs_for_metrics=True`` adding "inputs" as transformers
+    does."""
+    items = [include] if isinstance(include, str) else list(include or [])
+    bad = [i for i in items if i not in METRICS_INPUTS]
+    if bad:
+        raise ConfigError(
+            f"TrainingArguments.include_for_metrics: {bad[0]!r} is not allowed; use a list "
+            f"of {', '.join(repr(a) for a in METRICS_INPUTS)}"
+        )
+    if include_inputs and "inputs" not in items:
+        items.append("inputs")
+    return items
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -159,7 +159,10 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
     n, ranks = len(dataset), topo.dp_size
     loader = eval_loader(dataset, args, topo, trainer.data_collator)
     loss_only = args.prediction_loss_only
+    include = getattr(args, "include_for_metrics", [])
+    main_input = getattr(trainer.model, "main_input_name", "input_ids")
     preds, labels, loss_sum, seen, had_loss = [], [], 0.0, 0, False
+    inputs, losses = [], []  # include_for_metrics: the batch's main input, each row's loss
     t0 = time.perf_counter()
     trainer.model.eval()
     batches = 0
@@ -178,6 +181,10 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
             preds.append(to_numpy(logits))
         if lab is not None:
             labels.append(to_numpy(lab))
+        if "inputs" in include and isinstance(batch, Mapping) and main_input in batch:
+            inputs.append(to_numpy(batch[main_input]))
+        if "loss" in include and loss is not None:  # transformers: loss.repeat(batch_size)
+            losses.append(np.full((size,), float(loss), dtype=np.float32))
         seen += size
         hooks.on_step()
     if getattr(trainer.engine.zero, "gatherer", None) is not None and n:
@@ -186,7 +193,10 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
         for _ in range(max_batches(n, ranks, args.per_device_eval_batch_size) - batches):
             with torch.no_grad():  # ZeRO-3: match the other ranks' collectives
                 hooks.pad_forward(first)
-    mine = (loss_sum, seen, had_loss, nested_concat(preds), nested_concat(labels))
+    mine = (
+        loss_sum, seen, had_loss, nested_concat(preds), nested_concat(labels),
+        nested_concat(inputs), nested_concat(losses),
+    )  # fmt: skip
     if ranks > 1:
         everyone: list[Any] = [None] * ranks
         dist.all_gather_object(everyone, mine, group=topo.dp_group.pg)
@@ -200,7 +210,11 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
     runtime = time.perf_counter() - t0
     metrics: dict[str, float] = {}
     if trainer.compute_metrics is not None and predictions is not None and label_ids is not None:
-        metrics.update(trainer.compute_metrics(EvalPrediction(predictions, label_ids)))
+        extra = {
+            "inputs": interleave([e[5] for e in everyone], n) if "inputs" in include else None,
+            "losses": interleave([e[6] for e in everyone], n) if "loss" in include else None,
+        }
+        metrics.update(trainer.compute_metrics(EvalPrediction(predictions, label_ids, **extra)))
     metrics = {k: plain(v) for k, v in metrics.items()}
     if counted and any(e[2] for e in everyone):
         metrics["loss"] = total_loss / counted

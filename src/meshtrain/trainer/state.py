@@ -22,14 +22,17 @@ class EvalPrediction:
     """Predictions and labels of an evaluation, gathered over every process in dataset
     order; unpacks as ``predictions, label_ids = eval_pred`` like transformers'."""
 
-    def __init__(self, predictions: Any, label_ids: Any, inputs: Any = None) -> None:
+    def __init__(
+        self, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None
+    ) -> None:
         self.predictions = predictions
         self.label_ids = label_ids
         self.inputs = inputs
+        self.losses = losses
 
     def _items(self) -> tuple:
-        base = (self.predictions, self.label_ids)
-        return base if self.inputs is None else (*base, self.inputs)
+        extra = tuple(x for x in (self.inputs, self.losses) if x is not None)
+        return (self.predictions, self.label_ids, *extra)
 
     def __iter__(self):
         return iter(self._items())
