@@ -65,13 +65,12 @@ BERT's 5e-3 and the Llama's and Qwen2's 1e-3, the GPT-2's SGD at 0.05 through
 * seed 003's passthrough ``compute_loss`` override at pp 2 logs the plain run's losses
   exactly, and a ``compute_loss_func`` computing the same mean within the bound (they run
   per micro-batch on the last stage; ``tests/trainer/test_pipeline_overrides.py`` has the
-  seed's own ``MyTrainer`` and ``BasicNet``); pp x tp is refused.
+  seed's own ``MyTrainer`` and ``BasicNet``); pp x tp: test_pipeline_tensor_parallel.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from tests.harness import run_ranks
@@ -457,11 +456,6 @@ def _same_restore(runs: list[dict], name: str) -> None:
 
 
 def test_pipeline_trainer_equals_one_process(tmp_path):
-    from meshtrain import TrainingArguments
-    from meshtrain.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        TrainingArguments("x", mesh={"pipeline_parallel_size": 2, "tensor_parallel_size": 2})
     (ref,) = run_ranks(_run, 1, str(tmp_path / "one"), None, more=True)
     assert len(ref["bert"]["losses"]) == 4 and len(ref["llama"]["losses"]) == 4
     pp = {"pipeline_parallel_size": 2}

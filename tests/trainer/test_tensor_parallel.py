@@ -27,13 +27,11 @@ rows, does not depend on how rows are batched). Compared with the one-process ru
   checkpoint (mid epoch 0) logs losses for steps 4..8 equal to the uninterrupted run's
   exactly (same mesh: RNG, data position, optimizer and schedule are restored bit for
   bit);
-* pipeline x tensor parallelism is refused with a ConfigError naming the fields and what
-  to do (pipeline parallelism alone: test_pipeline_trainer).
+* pipeline x tensor parallelism: ``tests/trainer/test_pipeline_tensor_parallel.py``.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.harness import run_ranks
@@ -116,15 +114,6 @@ def _train(out: str, mesh: dict | None, dp: int = 1, resume: bool = False):
     }
 
 
-def _pipeline_refused():
-    from meshtrain import TrainingArguments
-    from meshtrain.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="pipeline_parallel_size") as err:
-        TrainingArguments("x", mesh={"pipeline_parallel_size": 2, "tensor_parallel_size": 2})
-    return str(err.value)
-
-
 DECODER_TOL = trajectory([1e-3 * (1 - step / 8) for step in range(8)])  # 8 steps, linear decay
 LLAMA_TOL = trajectory([1e-3, 5e-4])  # max_steps=2, linear decay
 
@@ -162,8 +151,3 @@ def test_tensor_parallel_equals_one_process(tmp_path):
         _close("export", r["exported"], ref["exported"], LLAMA_TOL)
         # resumed at step 4 under tp 2: steps 4..8 exactly as uninterrupted
         assert len(r["resumed"]) >= 5 and r["resumed"][-5:] == r["losses"][3:]
-
-
-def test_pipeline_with_tensor_parallel_is_refused():
-    message = _pipeline_refused()  # each alone works (tests/trainer/test_pipeline_trainer.py)
-    assert "tensor_parallel_size=2" in message and "engine.train_batch" in message

@@ -218,15 +218,6 @@ class TrainingArguments(ProcessArguments):
                 Config.from_dict({"mesh": self.mesh})
             except ConfigError as exc:
                 raise ConfigError(f"TrainingArguments.{exc}") from None
-            pp = self.mesh.get("pipeline_parallel_size", 1)
-            tp = self.mesh.get("tensor_parallel_size", 1)
-            if pp != 1 and tp != 1:
-                raise ConfigError(
-                    f"TrainingArguments.mesh: pipeline_parallel_size={pp!r} with "
-                    f"tensor_parallel_size={tp!r} is not implemented in the Trainer (handing "
-                    "the user's model back would need both undone); use one of them, or "
-                    "train with meshtrain.initialize + engine.train_batch (docs/pipeline.md)"
-                )
 
     def _reporters(self, value: Any) -> list[str]:
         items = [value] if value is None or isinstance(value, str) else list(value)

@@ -93,7 +93,8 @@ class PipelineSteps:
     training). It holds the engine, the user's model and the label names, never the
     Trainer; with the user's loss (module docstring) also the Trainer's
     ``compute_loss`` caller ``(model, inputs, return_outputs, num_items)``, its
-    ``prediction_step`` and ``loss_is_share()``."""
+    ``prediction_step`` and ``loss_is_share()``; ``gather_vocab``: under tp with a
+    vocab-parallel head, what makes the last stage's logits whole for the user's loss."""
 
     def __init__(
         self,
@@ -104,8 +105,10 @@ class PipelineSteps:
         prediction_step=None,
         loss_is_share=None,
         forward_names: tuple[str, ...] | None = None,
+        gather_vocab=None,
     ) -> None:
         self.engine = engine
+        self.gather_vocab = gather_vocab  # pp x tp: vocab-shard logits -> whole (or None)
         self.model = model
         self.label_names = list(label_names)
         self.compute_loss, self.prediction_step = compute_loss, prediction_step
@@ -127,7 +130,10 @@ class PipelineSteps:
         micro-batch ``i`` with ``model`` returning ``outputs``."""
         num = torch.tensor(total_items, device=self.engine.device)
 
+        gather = self.gather_vocab  # pp x tp: an override sees whole-vocabulary logits too
+
         def loss_fn(outputs: Any, i: int) -> torch.Tensor:
+            outputs = outputs if gather is None else gather(outputs)
             got = self.compute_loss(StageOutputs(self.model, outputs), batches[i], False, num)
             return got[0] if isinstance(got, tuple | list) else got
 

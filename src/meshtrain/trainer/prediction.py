@@ -68,8 +68,12 @@ class Prediction:
         return ev.prediction_loop(self, dataset, ignore_keys, prefix, hooks)
 
     def _eval_steps(self, loader, loss_only: bool, ignore_keys: list[str] | None):
-        if self._pipeline is not None:  # the pipeline's forwards, several at once
-            return self._pipeline.prediction_steps(loader, loss_only, ignore_keys)
+        if self._pipeline is not None and not self._whole_model:  # several forwards at once
+            steps = self._pipeline.prediction_steps(loader, loss_only, ignore_keys)
+            gather = self._gather_vocab  # pp x tp: the last stage's logits are vocab shards
+            if gather is None:
+                return steps
+            return ((b, loss, gather(lg), lab) for b, loss, lg, lab in steps)
         return (
             (b, *self.prediction_step(self.model, self._prepare_inputs(b), loss_only, ignore_keys))
             for b in loader

@@ -117,6 +117,9 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         self.engine = None
         self._gather_vocab = None  # set by _setup under tensor parallelism
         self._pipeline: PipelineSteps | None = None  # set by _setup under pp
+        # pp x tp after train(): the stages keep the tensor-parallel layers undone in the
+        # user's model, so evaluation runs the restored whole model on every rank
+        self._whole_model = False
         self._new_signature: tuple[Any, bool] = (None, False)  # compute_loss's signature
         # where checkpoints go and how they are named (``meshtrain train`` uses its own)
         self.checkpoint_dir = self.args.output_dir
@@ -196,6 +199,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
                 compute_loss=self._call_compute_loss if mine else None,
                 prediction_step=self.prediction_step if mine else None,
                 loss_is_share=self._loss_is_share, forward_names=self._forward_names,
+                gather_vocab=self._gather_vocab,
             )  # fmt: skip
         self.optimizer = self.engine.optimizer
         self.lr_scheduler = self.engine.lr_scheduler
@@ -247,6 +251,8 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
                     inputs.pop(n)
         outputs = model(**inputs)
         if self.compute_loss_func is not None:
+            if self._gather_vocab is not None:  # tp: the user's loss sees the whole vocabulary
+                outputs = self._gather_vocab(outputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif isinstance(outputs, Mapping) and outputs.get("loss") is not None:
             loss = outputs["loss"]

@@ -318,16 +318,22 @@ class TrainingLoop:
         tensor parallelism its layers are tensor-parallel ones (the original modules go
         back, holding the gathered, unpadded weights; ``parallel.tensor.restore``); under
         pipeline parallelism the blocks the split freed get the trained weights back
-        (``PipelineSteps.restore_user_model``). Evaluation and prediction then run the whole model
-        on every rank (under pp they keep running through the pipeline)."""
+        (``PipelineSteps.restore_user_model``), first, so that under pp x tp each rank has
+        its tp rank's shards of every block before they are gathered. Evaluation and
+        prediction then run the whole model on every rank (under pp alone they keep running
+        through the pipeline)."""
         self.engine.zero.release_module(self.engine.module)
+        if self._pipeline is not None:  # other stages' blocks: weights back
+            # under tp too: each rank receives its own tp rank's shards (the pp group
+            # holds one tp rank), so the un-sharding below then has every block's shards
+            self._pipeline.restore_user_model()
         if self.topology.tp_size > 1:
             from meshtrain.parallel.tensor.restore import remove_tensor_parallel
 
-            remove_tensor_parallel(self.engine.module, self.topology.tp_group)
+            # on the user's model: tensor parallelism was applied to it whole, before a split
+            remove_tensor_parallel(self.model, self.topology.tp_group)
             self._gather_vocab = None  # the logits are whole now
-        if self._pipeline is not None:  # other stages' blocks: weights back
-            self._pipeline.restore_user_model()
+            self._whole_model = self._pipeline is not None
 
 
 __all__ = ["TrainingLoop"]
