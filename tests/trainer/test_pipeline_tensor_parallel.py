@@ -15,11 +15,14 @@ same rows:
   the tp pair gathers): within ``check_weights`` of the one-process model; ``predict()``
   then runs it whole (``composed``: 16 maps of weights within the bound);
 * ``compute_loss_func`` (the same mean of the model's loss, run per micro-batch on the last
-  stage) logs the plain run's losses within the bound.
+  stage) logs the plain run's losses within the bound;
+* a ``prediction_step`` override (calling the Trainer's, on the last stage) predicts what
+  the plain Trainer predicts, exactly (the same forwards).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tests.harness import run_ranks
@@ -36,7 +39,7 @@ def _rows() -> list[dict]:
     return [{"input_ids": r["input_ids"] % 64} for r in lm_rows(12, seed=4)]
 
 
-def _trainer(tmp: str, mesh, **extra):
+def _trainer(tmp: str, mesh, cls=None, **extra):
     from meshtrain import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -46,7 +49,8 @@ def _trainer(tmp: str, mesh, **extra):
         **({} if mesh is None else {"mesh": mesh}),
     )  # fmt: skip
     model = tiny_llama(0)
-    return model, Trainer(model, args, train_dataset=_rows(), data_collator=pad_collate, **extra)
+    cls = cls or Trainer
+    return model, cls(model, args, train_dataset=_rows(), data_collator=pad_collate, **extra)
 
 
 def _losses(trainer) -> list[float]:
@@ -54,6 +58,14 @@ def _losses(trainer) -> list[float]:
 
 
 def run(tmp: str, mesh) -> dict:
+    from meshtrain import Trainer
+
+    class Overridden(Trainer):  # the user's prediction_step, run on the last stage
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    _, user = _trainer(f"{tmp}/user", mesh, cls=Overridden)
+    overridden = user.predict(_rows()[:5]).predictions
     model, trainer = _trainer(f"{tmp}/plain", mesh)
     before = trainer.predict(_rows()[:5]).predictions
     trainer.train()
@@ -73,7 +85,7 @@ def run(tmp: str, mesh) -> dict:
 
     _, with_func = _trainer(f"{tmp}/func", mesh, compute_loss_func=mean_loss)
     with_func.train()
-    return {"before": before, "losses": _losses(trainer), "weights": weights, "after": after,
+    return {"before": before, "overridden": overridden, "losses": _losses(trainer), "weights": weights, "after": after,
             "func": _losses(with_func)}  # fmt: skip
 
 
@@ -85,6 +97,7 @@ def test_trainer_at_pp2_tp2_equals_one_process(tmp_path):
         what = f"pp2 x tp2 rank {rank}"
         assert r["before"].shape == ref["before"].shape == (5, 12, 64), r["before"].shape
         check(f"{what} predict before train", relative(r["before"], ref["before"]), evaluation())
+        assert np.array_equal(r["overridden"], r["before"]), what  # the same forwards
         assert len(r["losses"]) == len(r["func"]) == 3
         for step, (a, b) in enumerate(zip(r["losses"], ref["losses"], strict=True)):
             check(f"{what} loss {step}", abs(a - b) / abs(b), BOUND)
