@@ -55,10 +55,7 @@ class ModelSaving:
         if self.engine is not None and not is_peft_model(self.model):
             self.engine.save_weights(path)  # collective: from the ranks' own shards
             if self.is_world_process_zero():
-                if hasattr(self.model, "save_pretrained"):
-                    model_files(self.model, path)
-                if hasattr(self.processing_class, "save_pretrained"):
-                    self.processing_class.save_pretrained(path)
+                self._export_files(path)
                 self._write_args(path)
             self._barrier()
             return
@@ -83,6 +80,14 @@ class ModelSaving:
             path = Path(self.args.output_dir)
             path.mkdir(parents=True, exist_ok=True)
             self.state.save_to_json(path / "trainer_state.json")
+
+    def _export_files(self, path: Path) -> None:
+        """Rank 0: the model's files besides the weights the ranks wrote (``config.json``,
+        ``generation_config.json``) and the tokenizer / processor."""
+        if hasattr(self.model, "save_pretrained"):
+            model_files(self.model, path)
+        if hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(path)
 
     def _export(self, path: Path, state_dict: dict[str, Any], prompts=None) -> None:
         """Rank 0: the model's files into ``path`` (an existing folder). ``prompts``: a

@@ -224,7 +224,7 @@ class TrainingLoop:
 
     def _save_checkpoint(self, epoch_done: bool) -> None:
         """``output_dir/checkpoint-<step>`` (see ``meshtrain.trainer.checkpoints``)."""
-        from meshtrain.accelerate.peft_io import prompt_embeddings
+        from meshtrain.accelerate.peft_io import is_peft_model, prompt_embeddings
 
         st, args, engine = self.state, self.args, self.engine
         root, prefix = self.checkpoint_dir, self.checkpoint_prefix
@@ -233,15 +233,24 @@ class TrainingLoop:
             st.best_model_checkpoint = os.path.join(root, tag)
         st.stateful_callbacks = exported_states([*self.callback_handler.callbacks, self.control])
         client = {"trainer_state": st.to_dict(), "epoch_done": epoch_done}
-        state_dict = engine.module_state_dict()  # every rank gathers the whole weights
+        # a synchronous save runs ``beside`` on every rank at once: the ranks write the
+        # weights from their shards; an asynchronous one runs it in the background, where
+        # no collective may run, so the whole weights are gathered now (as a peft adapter's)
+        from_ranks = not engine.config.checkpoint.async_save and not is_peft_model(self.model)
+        state_dict = None if from_ranks else engine.module_state_dict()  # every rank: whole
         prompts = prompt_embeddings(engine, self.model)  # ZeRO-3 prompt tuning: all ranks
         snapshot = TrainerState.from_dict(st.to_dict())  # an async write runs on after this
 
         def beside(path) -> None:  # after the commit (in the background under async_save)
+            if from_ranks:
+                engine.save_weights(path)  # collective: each file from the ranks holding it
             if self.topology.rank == 0:
                 # transformers' files beside the shards: the model (``from_pretrained`` loads
                 # the folder), the tokenizer / processor, the arguments as JSON, the state
-                self._export(path, state_dict, prompts)
+                if from_ranks:
+                    self._export_files(path)
+                else:
+                    self._export(path, state_dict, prompts)
                 self._write_args(path)
                 snapshot.save_to_json(path / "trainer_state.json")
                 best = ckpt.step_of(snapshot.best_model_checkpoint, prefix)
