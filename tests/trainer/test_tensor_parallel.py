@@ -27,6 +27,9 @@ rows, does not depend on how rows are batched). Compared with the one-process ru
   checkpoint (mid epoch 0) logs losses for steps 4..8 equal to the uninterrupted run's
   exactly (same mesh: RNG, data position, optimizer and schedule are restored bit for
   bit);
+* a ``compute_loss_func`` over the logits (a next-token cross-entropy by hand) at tp 2
+  gets the whole vocabulary (the shards gathered) and trains the Llama to the one-process
+  run's loss within its bound;
 * pipeline x tensor parallelism: ``tests/trainer/test_pipeline_tensor_parallel.py``.
 """
 
@@ -59,6 +62,17 @@ def _decoder(out: str, mesh: dict | None, dp: int, save: bool, **kw):
     losses = [h["loss"] for h in hist if "loss" in h]
     evals = [h["eval_loss"] for h in hist if "eval_loss" in h]
     return model, losses, evals
+
+
+def next_token_loss(outputs, labels, num_items_in_batch=None):
+    """A causal LM's loss by hand (a user's ``compute_loss_func``): cross-entropy summed over
+    the next tokens, over the window's label tokens; it needs every vocabulary logit."""
+    import torch.nn.functional as F
+
+    logits = outputs.logits[:, :-1].flatten(0, 1).float()
+    target = labels[:, 1:].flatten()
+    total = F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+    return total / ((target != -100).sum() if num_items_in_batch is None else num_items_in_batch)
 
 
 def _train(out: str, mesh: dict | None, dp: int = 1, resume: bool = False):
@@ -101,7 +115,16 @@ def _train(out: str, mesh: dict | None, dp: int = 1, resume: bool = False):
     from safetensors.torch import load_file
 
     exported = load_file(f"{out}/llama/checkpoint-2/model.safetensors")  # save_pretrained
+    # compute_loss_func sees whole-vocabulary logits under tp (the vocab shards gathered)
+    func_args = TrainingArguments(
+        f"{out}/llama_func", per_device_train_batch_size=4 // dp, max_steps=2,
+        learning_rate=1e-3, save_strategy="no", disable_tqdm=True, mesh=mesh,
+    )  # fmt: skip
+    func = Trainer(tiny_llama(), func_args, train_dataset=rows, data_collator=pad_collate,
+                   compute_loss_func=next_token_loss)  # fmt: skip
+    func_loss = func.train().training_loss
     return {
+        "llama_func_loss": func_loss,
         **results,
         "llama_loss": llama_loss,
         "sharded_logits": sharded_logits,
@@ -142,6 +165,9 @@ def test_tensor_parallel_equals_one_process(tmp_path):
         assert r["decoder_plain"]
     for r in tp2:
         _losses_close("llama loss", [r["llama_loss"]], [ref["llama_loss"]], LLAMA_TOL)
+        # the user's loss over the gathered vocabulary: the model's own loss, within the bound
+        _losses_close("llama compute_loss_func", [r["llama_func_loss"]], [ref["llama_loss"]],
+                      LLAMA_TOL)  # fmt: skip
         assert r["was_sharded"] and r["plain"]
         _close("llama", r["llama_weights"], ref["llama_weights"], LLAMA_TOL)
         for key, bound in (("sharded_logits", evaluation()), ("logits", composed(LLAMA_TOL, 16))):
