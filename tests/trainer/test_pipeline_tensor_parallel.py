@@ -16,6 +16,7 @@ same rows:
   then runs it whole (``composed``: 16 maps of weights within the bound);
 * ``compute_loss_func`` (the same mean of the model's loss, run per micro-batch on the last
   stage) logs the plain run's losses within the bound;
+* the same with the labels under the user's own name (``label_names=["lm_labels"]``);
 * a ``prediction_step`` override (calling the Trainer's, on the last stage) predicts what
   the plain Trainer predicts, exactly (the same forwards).
 """
@@ -39,18 +40,24 @@ def _rows() -> list[dict]:
     return [{"input_ids": r["input_ids"] % 64} for r in lm_rows(12, seed=4)]
 
 
-def _trainer(tmp: str, mesh, cls=None, **extra):
+def _named_labels(features):
+    batch = pad_collate(features)
+    batch["lm_labels"] = batch.pop("labels")
+    return batch
+
+
+def _trainer(tmp: str, mesh, cls=None, label_names=None, collator=pad_collate, **extra):
     from meshtrain import Trainer, TrainingArguments
 
     args = TrainingArguments(
         tmp, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         per_device_eval_batch_size=1, num_train_epochs=1, learning_rate=LR, logging_steps=1,
-        save_strategy="no", disable_tqdm=True, report_to="none",
+        save_strategy="no", disable_tqdm=True, report_to="none", label_names=label_names,
         **({} if mesh is None else {"mesh": mesh}),
     )  # fmt: skip
     model = tiny_llama(0)
     cls = cls or Trainer
-    return model, cls(model, args, train_dataset=_rows(), data_collator=pad_collate, **extra)
+    return model, cls(model, args, train_dataset=_rows(), data_collator=collator, **extra)
 
 
 def _losses(trainer) -> list[float]:
@@ -85,8 +92,12 @@ def run(tmp: str, mesh) -> dict:
 
     _, with_func = _trainer(f"{tmp}/func", mesh, compute_loss_func=mean_loss)
     with_func.train()
+    # the labels under the user's own name: popped for the user's loss, never fed forward
+    _, named = _trainer(f"{tmp}/named", mesh, compute_loss_func=mean_loss,
+                        label_names=["lm_labels"], collator=_named_labels)  # fmt: skip
+    named.train()
     return {"before": before, "overridden": overridden, "losses": _losses(trainer), "weights": weights, "after": after,
-            "func": _losses(with_func)}  # fmt: skip
+            "func": _losses(with_func), "named": _losses(named)}  # fmt: skip
 
 
 def test_trainer_at_pp2_tp2_equals_one_process(tmp_path):
@@ -101,8 +112,10 @@ def test_trainer_at_pp2_tp2_equals_one_process(tmp_path):
         assert len(r["losses"]) == len(r["func"]) == 3
         for step, (a, b) in enumerate(zip(r["losses"], ref["losses"], strict=True)):
             check(f"{what} loss {step}", abs(a - b) / abs(b), BOUND)
-        for step, (a, b) in enumerate(zip(r["func"], ref["losses"], strict=True)):
-            check(f"{what} compute_loss_func loss {step}", abs(a - b) / abs(b), BOUND)
+        for key in ("func", "named"):
+            assert len(r[key]) == 3, (what, key)
+            for step, (a, b) in enumerate(zip(r[key], ref["losses"], strict=True)):
+                check(f"{what} compute_loss_func ({key}) loss {step}", abs(a - b) / abs(b), BOUND)
         assert r["weights"].keys() == ref["weights"].keys()
         for k, v in ref["weights"].items():
             assert r["weights"][k].shape == v.shape, (what, k)  # whole, not a tp shard
