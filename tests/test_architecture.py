@@ -12,6 +12,8 @@ module-level mutable state.
 * ``ruff check`` (with every rule a ``noqa`` comment names, and RUF100 against stale ones)
   and ``ruff format --check`` pass.
 * No module-level function takes ``self``: a method kept outside its class.
+* A file is replaced through ``files.atomic``; the few multi-path commits that rename by
+  hand are listed with why (``RENAMES_ALLOWED``).
 """
 
 from __future__ import annotations
@@ -350,3 +352,48 @@ def test_no_free_function_takes_self() -> None:
 def test_the_self_check_sees_a_free_function_taking_self() -> None:
     source = "def spans(self, bucket):\n    return self.layout\n\nclass A:\n    def f(self): ...\n"
     assert _self_taking_functions("pkg.mod", source) == ["pkg.mod:1 spans(self, ...)"]
+
+
+# Where a rename stays hand-written, and why: each is a commit of several paths at once (a
+# checkpoint folder and its old copy, a token store's files), not one file's replacement,
+# which is files/atomic.py's job (write_atomic, atomic_file, atomic_path).
+RENAMES_ALLOWED = {
+    "meshtrain.files.atomic": "the one way a file or folder is replaced",
+    "meshtrain.checkpoint.writer": "a checkpoint folder's commit: the old tag aside, the new in",
+    "meshtrain.checkpoint.storage": "a crashed commit rolled back, a tag moved aside to delete",
+    "meshtrain.interop.dcp_writer": "a DCP folder's commit, as the checkpoint writer's",
+    "meshtrain.data.layout": "a token store's files committed together, the meta last",
+    "meshtrain.trainer.checkpoints": "a checkpoint-<step> folder moved aside to delete",
+}
+
+
+def _renames(name: str, source: str) -> list[str]:
+    """Calls of ``os.replace`` / ``os.rename`` / ``Path.rename`` / ``Path.replace`` (with
+    one argument: ``str.replace`` takes two)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        attr, base = node.func.attr, node.func.value
+        is_os = isinstance(base, ast.Name) and base.id == "os" and attr in ("replace", "rename")
+        is_path = attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords
+        if is_os or (is_path and not isinstance(base, ast.Constant)):
+            out.append(f"{name}:{node.lineno} {attr}")
+    return out
+
+
+def test_files_are_replaced_through_files_atomic() -> None:
+    """A file meshtrain writes is replaced by ``files.atomic`` (temp name, fsync, rename,
+    fsync of the folder), not by a hand-rolled temp file and ``os.replace``."""
+    found = [
+        hit
+        for name, path in _modules().items()
+        if name not in RENAMES_ALLOWED
+        for hit in _renames(name, path.read_text(encoding="utf-8"))
+    ]
+    assert found == [], f"hand-rolled renames (use meshtrain.files.atomic): {found}"
+
+
+def test_the_rename_check_sees_a_hand_rolled_replace() -> None:
+    source = "import os\ndef f(tmp, p):\n    os.replace(tmp, p)\n    p.rename(tmp)\n    'a'.replace('a', 'b')\n"
+    assert _renames("pkg.mod", source) == ["pkg.mod:3 replace", "pkg.mod:4 rename"]

@@ -34,6 +34,7 @@ import socket
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from meshtrain.files.atomic import write_atomic
 from meshtrain.plan.hardware import Hardware
 
 __all__ = ["Calibration"]
@@ -115,9 +116,7 @@ class Calibration:
             except (OSError, json.JSONDecodeError):
                 data = {}
         data[self.machine] = asdict(self)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data, indent=1))
         return path
 
     @classmethod

@@ -22,11 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from meshtrain.files.atomic import atomic_path, write_atomic
 
 log = logging.getLogger("meshtrain")
 
@@ -204,9 +205,7 @@ def _truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [r for r in read_metrics(path) if int(r.get("step", 0)) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def plot_loss(
@@ -254,10 +253,9 @@ def plot_loss(
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = Path(out).with_name(Path(out).name + ".tmp.png")
-    fig.savefig(tmp)
+    with atomic_path(out) as tmp:  # the temp name keeps the .png suffix savefig reads
+        fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, out)
     return True
 
 
