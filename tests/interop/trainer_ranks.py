@@ -29,7 +29,7 @@ def _args(cls, out: str, world: int, clip: float = 0.0, **extra):
         out,
         per_device_train_batch_size=GLOBAL // GAS // world,
         gradient_accumulation_steps=GAS,
-        max_steps=STEPS,
+        max_steps=extra.pop("max_steps", STEPS),
         learning_rate=LR,
         weight_decay=WEIGHT_DECAY,
         warmup_steps=2,
@@ -79,17 +79,24 @@ def meshtrain_resumes(ckpt: str, out: str, stage: int = 0, clip: float = 0.0) ->
 
     class Spy(TrainerCallback):  # the state the loop resumed with, before its first step
         def on_train_begin(self, args, state, control, **kw):
+            loaded = trainer.engine.module_state_dict()  # every rank gathers (ZeRO-3)
             seen.update(step=state.global_step, epoch=state.epoch, logged=len(state.log_history),
-                        lr=[g["lr"] for g in trainer.engine.optimizer.param_groups])  # fmt: skip
+                        lr=[g["lr"] for g in trainer.engine.optimizer.param_groups],
+                        scheduler=trainer.engine.lr_scheduler.state_dict(),
+                        global_steps=trainer.engine.global_steps,
+                        loaded={k: v.detach().clone() for k, v in loaded.items()})  # fmt: skip
 
     trainer.add_callback(Spy())
     trainer.train(resume_from_checkpoint=ckpt)
     history = trainer.state.log_history
-    losses = [h["loss"] for h in history[seen["logged"] :] if "loss" in h]
+    resumed = [h for h in history[seen["logged"] :] if "loss" in h]
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if dist.get_rank() != 0:
+        seen["loaded"] = None
     return {
         **seen,
-        "losses": losses,
+        "losses": [h["loss"] for h in resumed],
+        "lrs": [h["learning_rate"] for h in resumed],
         "history_before": [h["loss"] for h in history[: seen["logged"]] if "loss" in h],
         "weights": weights if dist.get_rank() == 0 else None,
     }

@@ -1,0 +1,191 @@
+"""Resume what the transformers 5.24 Trainer wrote (issue 46): ``Trainer.train(
+resume_from_checkpoint="out/checkpoint-3")`` on a folder the real transformers Trainer
+saved, at another rank count and ZeRO stage, continues as transformers itself continued.
+
+transformers trains a tiny Llama on 1 or 2 gloo CPU ranks for 8 steps of 8 rows
+(gradient accumulation 2), saving ``checkpoint-3/`` in the middle of the first epoch
+(``tests/interop/trainer_ranks.py``), and runs on: its losses and final weights are the
+reference. meshtrain's Trainer, built from other random weights, resumes from
+``checkpoint-3`` and trains the remaining 5 steps.
+
+What is exact: the resumed state -- the weights right after loading equal
+``model.safetensors`` bit for bit, the learning rate and the scheduler equal
+``scheduler.pt``'s, ``global_step``, ``epoch`` and the log history equal
+``trainer_state.json``'s. What is bounded, and why not bitwise even at 1 rank: both
+Trainers take the same rows for each step (the same seed-42 permutation, transformers'
+skip of 3 x 2 batches), but the two compute a step's loss with another order of
+operations (transformers divides each micro-batch's token sum by the window's item count
+inside the model's loss; meshtrain weights each micro-batch's mean by its share of the
+window's items, ``meshtrain.trainer.loss``), and at 2 ranks the rows of a step sit on other
+ranks (accelerate deals whole batches, meshtrain rows round-robin) and are summed over
+ranks in another order. So the first logged loss, computed from the loaded weights, is
+held to :func:`tests.tolerance.evaluation`, and the 5 steps after it (losses, and the
+final weights normwise) to :func:`tests.tolerance.trajectory` of the run's learning rates.
+Measured (load 3-5): 1 rank, 2 ranks and ZeRO 1/3 from 1- and 2-rank checkpoints: losses
+within 1.2e-7 relative, final weights 1.2e-7 max absolute (bound ~1.6e-5 relative); from
+scratch the two Trainers already part by 7.5e-9 after 3 steps at 1 rank.
+
+Gradient clipping is off on both sides (``max_grad_norm=0``): transformers' clip norm is a
+norm of per-tensor norms, meshtrain's one norm over its flat buffers; with it on the
+bound is the same rule, the clip factor one more evaluation in another order.
+
+``MESHTRAIN_LONG_JOBS=1`` adds the other resumes of the matrix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+from tests.interop import trainer_ranks as R
+from tests.tolerance import check, check_trajectory, evaluation, trajectory
+
+pytest.importorskip("transformers")
+LONG = os.environ.get("MESHTRAIN_LONG_JOBS") == "1"
+CKPT = f"checkpoint-{R.SAVE_AT}"
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """transformers' output_dir and its uninterrupted run, per rank count, on demand."""
+    done: dict[int, tuple] = {}
+
+    def get(world: int):
+        if world not in done:
+            out = tmp_path_factory.mktemp(f"transformers_{world}")
+            done[world] = (out, run_ranks(R.transformers_writes, world, str(out), timeout=600)[0])
+        return done[world]
+
+    return get
+
+
+CASES = [  # (transformers' ranks, meshtrain's ranks, meshtrain's ZeRO stage)
+    (1, 1, 0),
+    (2, 2, 0),
+    (2, 2, 3),
+    (1, 2, 1),
+]
+LONG_CASES = [(2, 1, 0), (2, 2, 2), (1, 2, 3), (2, 2, 1)]
+
+
+@pytest.mark.parametrize(
+    "writer,ranks,stage",
+    CASES + [pytest.param(*c, marks=pytest.mark.skipif(not LONG, reason="longer job: set "
+             "MESHTRAIN_LONG_JOBS=1")) for c in LONG_CASES],
+)  # fmt: skip
+def test_resume_transformers_checkpoint(written, tmp_path, writer, ranks, stage):
+    from safetensors.torch import load_file
+
+    out, ref = written(writer)
+    folder = out / CKPT
+    got = run_ranks(R.meshtrain_resumes, ranks, str(folder), str(tmp_path), stage)[0]
+    # the resumed state, exactly
+    assert got["step"] == R.SAVE_AT and got["global_steps"] == R.SAVE_AT
+    assert got["epoch"] == R.SAVE_AT * R.GLOBAL / R.ROWS
+    assert got["history_before"] == ref["losses"][: R.SAVE_AT]
+    saved = torch.load(folder / "optimizer.pt", weights_only=True)
+    assert got["lr"] == [g["lr"] for g in saved["param_groups"]]
+    scheduler = torch.load(folder / "scheduler.pt", weights_only=True)
+    assert got["scheduler"]["last_epoch"] == scheduler["last_epoch"] == R.SAVE_AT
+    assert got["scheduler"]["_last_lr"] == scheduler["_last_lr"]
+    weights = load_file(folder / "model.safetensors")
+    assert got["loaded"].keys() == weights.keys()
+    for k, v in weights.items():
+        assert torch.equal(got["loaded"][k], v), k
+    # the continuation
+    assert len(got["losses"]) == R.STEPS - R.SAVE_AT
+    ref_losses = ref["losses"][R.SAVE_AT :]
+    first = abs(got["losses"][0] - ref_losses[0]) / ref_losses[0]
+    check("first loss after the resume (loaded weights)", first, evaluation())
+    check_trajectory(
+        f"transformers Trainer ({writer} rank(s)) resumed at {ranks} rank(s) ZeRO {stage}",
+        (got["losses"], got["weights"]),
+        (ref_losses, ref["weights"]),
+        trajectory(got["lrs"]),
+    )
+
+
+def test_resume_true_picks_the_newest_and_code_is_never_run(written, tmp_path):
+    """``resume_from_checkpoint=True`` in transformers' output_dir takes its newest
+    checkpoint-N; ``training_args.bin`` is never unpickled (here it would run a command)."""
+    from tests.interop.deepspeed_ranks import RunsCode
+
+    out, _ = written(1)
+    mine = tmp_path / "out"
+    shutil.copytree(out, mine)
+    shutil.rmtree(mine / f"checkpoint-{R.STEPS}")
+    marker = tmp_path / "code_ran"
+    newest = mine / f"checkpoint-{2 * R.SAVE_AT}"
+    torch.save({"args": RunsCode(str(marker))}, newest / "training_args.bin")
+    got = run_ranks(R.meshtrain_newest, 1, str(mine))[0]
+    assert got == {"resumed_at": 2 * R.SAVE_AT, "final": R.STEPS}
+    assert not marker.exists()
+
+
+def test_bad_trainer_checkpoints_are_named(written, tmp_path):
+    """Real files of transformers' checkpoint, made bad, one line each naming the file and
+    the fix: an optimizer.pt whose groups do not match the model, a missing file, a
+    truncated model.safetensors, a hostile rng_state.pth; and transformers' output_dir
+    given to engine.load_checkpoint (which checkpoint-N is the caller's choice)."""
+    from meshtrain.errors import CheckpointError
+    from meshtrain.interop.peer_checkpoints import open_peer_checkpoint
+    from meshtrain.interop.trainer_source import TrainerSource
+    from tests.interop.deepspeed_ranks import RunsCode
+    from tests.tiny_models import tiny_llama
+
+    out, _ = written(1)
+
+    def bad(name, spoil):
+        folder = tmp_path / name
+        shutil.copytree(out / CKPT, folder)
+        spoil(folder)
+        return folder
+
+    def one_group(folder):
+        sd = torch.load(folder / "optimizer.pt", weights_only=True)
+        groups = sd["param_groups"]
+        groups[0]["params"] += groups[1]["params"]
+        sd["param_groups"] = groups[:1]
+        torch.save(sd, folder / "optimizer.pt")
+
+    def truncate(folder):
+        path = folder / "model.safetensors"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    marker = tmp_path / "code_ran"
+    messages = {}
+    with TrainerSource(bad("groups", one_group)) as source:
+        with pytest.raises(CheckpointError) as e:
+            source.use_model(tiny_llama(seed=1))
+        messages["groups"] = str(e.value)
+    for name, spoil in {
+        "missing": lambda f: (f / "scheduler.pt").unlink(),
+        "truncated": truncate,
+    }.items():
+        with pytest.raises(CheckpointError) as e:
+            TrainerSource(bad(name, spoil))
+        messages[name] = str(e.value)
+    hostile = bad("hostile", lambda f: torch.save({"python": RunsCode(str(marker))},
+                                                  f / "rng_state.pth"))  # fmt: skip
+    with pytest.raises(CheckpointError) as e:
+        TrainerSource(hostile).restore_rng(0, 1)
+    messages["hostile"] = str(e.value)
+    with pytest.raises(CheckpointError) as e:
+        open_peer_checkpoint(out, None)
+    messages["output_dir"] = str(e.value)
+
+    assert "optimizer.pt: its param groups hold [21] parameters" in messages["groups"]
+    assert "(decay, no decay) hold [16, 5]" in messages["groups"]
+    assert "scheduler.pt: missing; copy the whole" in messages["missing"]
+    assert "model.safetensors: truncated (" in messages["truncated"]
+    assert "copy the file again" in messages["truncated"]
+    assert "rng_state.pth: the pickle needs" in messages["hostile"]
+    assert "never does with a checkpoint" in messages["hostile"]
+    assert not marker.exists()
+    assert f"tag='checkpoint-{R.STEPS}'" in messages["output_dir"]
+    for msg in messages.values():
+        assert "\n" not in msg
