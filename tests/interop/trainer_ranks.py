@@ -18,7 +18,7 @@ from tests.trainer.common import lm_rows, pad_collate
 ROWS = 32
 GLOBAL = 8  # rows per optimizer step, on every layout
 GAS = 2
-STEPS = 8  # 2 epochs of 4 steps
+STEPS = 13  # 3 epochs of 4 steps and one more: the 10 steps after SAVE_AT cross 3 epoch ends
 SAVE_AT = 3  # mid-epoch: the resumed run must skip 3 x GAS batches of epoch 0
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -102,22 +102,6 @@ def meshtrain_resumes(ckpt: str, out: str, stage: int = 0, clip: float = 0.0) ->
     }
 
 
-def meshtrain_error(ckpt: str, out: str) -> str | None:
-    """One rank: the message ``resume_from_checkpoint=ckpt`` fails with (None: it loaded)."""
-    from meshtrain import Trainer, TrainingArguments
-    from meshtrain.errors import MeshtrainError
-
-    args = _args(TrainingArguments, out, 1, save_strategy="no", max_steps=SAVE_AT + 1)
-    trainer = Trainer(
-        tiny_llama(seed=1), args, train_dataset=lm_rows(ROWS), data_collator=pad_collate
-    )
-    try:
-        trainer.train(resume_from_checkpoint=ckpt)
-    except MeshtrainError as exc:
-        return str(exc)
-    return None
-
-
 def meshtrain_newest(out: str) -> dict:
     """``resume_from_checkpoint=True`` in an output_dir where transformers saved."""
     from meshtrain import Trainer, TrainerCallback, TrainingArguments
@@ -137,4 +121,4 @@ def meshtrain_newest(out: str) -> dict:
     return {"resumed_at": steps[0], "final": trainer.state.global_step}
 
 
-__all__ = ["meshtrain_error", "meshtrain_newest", "meshtrain_resumes", "transformers_writes"]
+__all__ = ["meshtrain_newest", "meshtrain_resumes", "transformers_writes"]
