@@ -130,8 +130,9 @@ def test_resume_true_picks_the_newest_and_code_is_never_run(written, tmp_path):
 def test_bad_trainer_checkpoints_are_named(written, tmp_path):
     """Real files of transformers' checkpoint, made bad, one line each naming the file and
     the fix: an optimizer.pt whose groups do not match the model, a missing file, a
-    truncated model.safetensors, a hostile rng_state.pth; and transformers' output_dir
-    given to engine.load_checkpoint (which checkpoint-N is the caller's choice)."""
+    truncated model.safetensors, a hostile rng_state.pth, a run whose deepspeed= config
+    brings a scheduler that cannot take scheduler.pt; and transformers' output_dir given
+    to engine.load_checkpoint (which checkpoint-N is the caller's choice)."""
     from meshtrain.errors import CheckpointError
     from meshtrain.interop.peer_checkpoints import open_peer_checkpoint
     from meshtrain.interop.trainer_source import TrainerSource
@@ -178,6 +179,10 @@ def test_bad_trainer_checkpoints_are_named(written, tmp_path):
     with pytest.raises(CheckpointError) as e:
         open_peer_checkpoint(out, None)
     messages["output_dir"] = str(e.value)
+    schedule = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
+    messages["scheduler"] = run_ranks(
+        R.meshtrain_error, 1, str(out / CKPT), str(tmp_path / "run"), {"scheduler": schedule}
+    )[0]
 
     assert "optimizer.pt: its param groups hold [21] parameters" in messages["groups"]
     assert "(decay, no decay) hold [16, 5]" in messages["groups"]
@@ -188,5 +193,7 @@ def test_bad_trainer_checkpoints_are_named(written, tmp_path):
     assert "never does with a checkpoint" in messages["hostile"]
     assert not marker.exists()
     assert f"tag='checkpoint-{R.STEPS}'" in messages["output_dir"]
+    assert "scheduler.pt: holds a torch LambdaLR's state" in messages["scheduler"]
+    assert "drop that scheduler section" in messages["scheduler"]
     for msg in messages.values():
         assert "\n" not in msg

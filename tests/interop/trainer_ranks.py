@@ -102,6 +102,22 @@ def meshtrain_resumes(ckpt: str, out: str, stage: int = 0, clip: float = 0.0) ->
     }
 
 
+def meshtrain_error(ckpt: str, out: str, deepspeed: dict) -> str | None:
+    """One rank with a ``deepspeed=`` config: the message resuming ``ckpt`` fails with."""
+    from meshtrain import Trainer, TrainingArguments
+    from meshtrain.errors import MeshtrainError
+
+    args = _args(TrainingArguments, out, 1, save_strategy="no", deepspeed=deepspeed)
+    trainer = Trainer(
+        tiny_llama(seed=1), args, train_dataset=lm_rows(ROWS), data_collator=pad_collate
+    )
+    try:
+        trainer.train(resume_from_checkpoint=ckpt)
+    except MeshtrainError as exc:
+        return str(exc)
+    return None
+
+
 def meshtrain_newest(out: str) -> dict:
     """``resume_from_checkpoint=True`` in an output_dir where transformers saved."""
     from meshtrain import Trainer, TrainerCallback, TrainingArguments
@@ -121,4 +137,4 @@ def meshtrain_newest(out: str) -> dict:
     return {"resumed_at": steps[0], "final": trainer.state.global_step}
 
 
-__all__ = ["meshtrain_newest", "meshtrain_resumes", "transformers_writes"]
+__all__ = ["meshtrain_error", "meshtrain_newest", "meshtrain_resumes", "transformers_writes"]

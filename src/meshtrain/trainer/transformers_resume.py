@@ -27,7 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from meshtrain.interop.trainer_source import ARGS, ARGS_NOTE, TrainerSource
+import torch
+
+from meshtrain.errors import CheckpointError
+from meshtrain.interop.trainer_source import ARGS, ARGS_NOTE, SCHEDULER, TrainerSource
 from meshtrain.trainer.state import TrainerState
 
 
@@ -61,6 +64,14 @@ def resume_from_transformers(
     """Load ``path`` into ``engine`` and place ``loader``; returns the resumed state, the
     RNG restore to call at transformers' point, and whether batches are skipped (module
     docstring)."""
+    schedule = engine.lr_scheduler
+    if schedule is not None and not isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
+        raise CheckpointError(
+            f"{path / SCHEDULER}: holds a torch LambdaLR's state (transformers' "
+            f"lr_scheduler_type), which this run's {type(schedule).__name__} (the deepspeed= "
+            "config's scheduler) cannot take; drop that scheduler section so the Trainer "
+            "builds lr_scheduler_type's schedule"
+        )
     with TrainerSource(path) as source:
         engine.load_checkpoint(source)
     if (path / ARGS).is_file():
