@@ -34,6 +34,7 @@ bound is the same rule, the clip factor one more evaluation in another order.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -197,3 +198,26 @@ def test_bad_trainer_checkpoints_are_named(written, tmp_path):
     assert "drop that scheduler section" in messages["scheduler"]
     for msg in messages.values():
         assert "\n" not in msg
+
+
+def test_newest_of_either_trainer(tmp_path):
+    """``last_checkpoint`` (``resume_from_checkpoint=True``) over an output_dir holding
+    meshtrain's checkpoints (a manifest) and transformers' (a state file, no manifest): the
+    highest step of either; a folder with neither is not a checkpoint."""
+    from meshtrain.trainer.checkpoints import last_checkpoint
+
+    def make(step: int, kind: str) -> None:
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        if kind == "meshtrain":
+            (folder / "manifest.json").write_text("{}")
+        if kind == "neither":
+            (folder / "trainer_state.json").unlink()
+
+    make(2, "meshtrain")
+    make(5, "transformers")
+    assert last_checkpoint(tmp_path) == tmp_path / "checkpoint-5"
+    make(7, "meshtrain")
+    make(9, "neither")
+    assert last_checkpoint(tmp_path) == tmp_path / "checkpoint-7"
