@@ -221,3 +221,43 @@ def test_newest_of_either_trainer(tmp_path):
     make(7, "meshtrain")
     make(9, "neither")
     assert last_checkpoint(tmp_path) == tmp_path / "checkpoint-7"
+
+
+@pytest.mark.parametrize("form", ["sharded safetensors", "pytorch_model.bin"])
+def test_weights_in_the_other_forms_transformers_saves(written, tmp_path, form):
+    """``save_safetensors=False`` (``pytorch_model.bin``) and a sharded save (``model-0000K-
+    of-0000N.safetensors`` + index): the same tensors, bit for bit, and the optimizer state
+    by name from the same ``optimizer.pt``."""
+    from safetensors.torch import load_file, save_file
+
+    from meshtrain.interop.trainer_source import TrainerSource
+    from tests.tiny_models import tiny_llama
+
+    out, _ = written(1)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(out / CKPT, folder)
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    if form == "pytorch_model.bin":
+        torch.save(weights, folder / "pytorch_model.bin")
+    else:
+        names = sorted(weights)
+        parts = [names[: len(names) // 2], names[len(names) // 2 :]]
+        weight_map = {}
+        for i, part in enumerate(parts, 1):
+            file = f"model-{i:05d}-of-00002.safetensors"
+            save_file({k: weights[k] for k in part}, folder / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file))
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
+    model = tiny_llama(seed=1)
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    with TrainerSource(folder) as source:
+        source.use_model(model)
+        source.check_model({k: tuple(v.shape) for k, v in weights.items()})
+        for k, v in weights.items():
+            assert torch.equal(source.read_full(k), v), k
+        # the first decay parameter is index 0 in transformers' order
+        first = next(n for n, _ in model.named_parameters())
+        assert torch.equal(source.read_full(first, "exp_avg"), optimizer["state"][0]["exp_avg"])
