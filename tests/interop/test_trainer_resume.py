@@ -41,6 +41,7 @@ import shutil
 import pytest
 import torch
 
+from meshtrain.interop.peer_pickles import load_peer_file
 from tests.harness import run_ranks
 from tests.interop import trainer_ranks as R
 from tests.tolerance import check, check_trajectory, evaluation, trajectory
@@ -97,6 +98,14 @@ def test_resume_transformers_checkpoint(written, tmp_path, writer, ranks, stage)
     assert got["loaded"].keys() == weights.keys()
     for k, v in weights.items():
         assert torch.equal(got["loaded"][k], v), k
+    # rank 0's random streams (reseeded to 1234 before train()), restored where transformers
+    # restores them (after the first window when batches are skipped) when the process
+    # count is the same; under another count they stay this run's own
+    rng = folder / ("rng_state.pth" if writer == 1 else "rng_state_0.pth")
+    saved_rng = load_peer_file(rng, "transformers Trainer", arrays=True)
+    restored = writer == ranks
+    assert torch.equal(got["rng"]["cpu"], saved_rng["cpu"]) == restored
+    assert bool((got["rng"]["numpy"] == saved_rng["numpy"][1]).all()) == restored
     # the continuation
     assert len(got["losses"]) == R.STEPS - R.SAVE_AT
     ref_losses = ref["losses"][R.SAVE_AT :]

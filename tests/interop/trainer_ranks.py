@@ -12,6 +12,8 @@ rank count or ZeRO stage and resumes from that folder with ``resume_from_checkpo
 
 from __future__ import annotations
 
+import torch
+
 from tests.tiny_models import tiny_llama
 from tests.trainer.common import lm_rows, pad_collate
 
@@ -86,13 +88,24 @@ def meshtrain_resumes(ckpt: str, out: str, stage: int = 0, clip: float = 0.0) ->
                         global_steps=trainer.engine.global_steps,
                         loaded={k: v.detach().clone() for k, v in loaded.items()})  # fmt: skip
 
+        def on_step_begin(self, args, state, control, **kw):
+            if "rng" not in seen:  # the streams the first resumed step starts from
+                import numpy as np
+
+                seen["rng"] = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state()[1]}
+
     trainer.add_callback(Spy())
+    import numpy as np
+
+    # streams unlike the saved ones: only the resume's restore brings those back
+    torch.manual_seed(1234)
+    np.random.seed(1234)
     trainer.train(resume_from_checkpoint=ckpt)
     history = trainer.state.log_history
     resumed = [h for h in history[seen["logged"] :] if "loss" in h]
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if dist.get_rank() != 0:
-        seen["loaded"] = None
+        seen["loaded"] = seen["rng"] = None
     return {
         **seen,
         "losses": [h["loss"] for h in resumed],
