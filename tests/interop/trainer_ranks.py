@@ -12,6 +12,7 @@ rank count or ZeRO stage and resumes from that folder with ``resume_from_checkpo
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tests.tiny_models import tiny_llama
@@ -90,13 +91,9 @@ def meshtrain_resumes(ckpt: str, out: str, stage: int = 0, clip: float = 0.0) ->
 
         def on_step_begin(self, args, state, control, **kw):
             if "rng" not in seen:  # the streams the first resumed step starts from
-                import numpy as np
-
                 seen["rng"] = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state()[1]}
 
     trainer.add_callback(Spy())
-    import numpy as np
-
     # streams unlike the saved ones: only the resume's restore brings those back
     torch.manual_seed(1234)
     np.random.seed(1234)

@@ -110,6 +110,8 @@ class TrainerSource:
                 f"optimizer state dict; {fix}"
             )
         self.scheduler = load_peer_file(self.path / SCHEDULER, WHAT)
+        # the weights' names, once: every range read looks its tensor up here
+        self.names = set(self.tensors) if self.weights is None else set(self.weights.keys())
         self.aliases: dict[str, str] = {}
         self.index: dict[str, int] = {}  # parameter name -> its key in optimizer.pt's state
 
@@ -183,13 +185,12 @@ class TrainerSource:
             self.weights.aliases = dict(aliases)
 
     def _weight_key(self, name: str) -> str | None:
-        have = self.tensors if self.weights is None else set(self.weights.keys())
-        if name in have:
+        if name in self.names:
             return name
         for alias, canon in self.aliases.items():  # a tied weight saved under one name
-            if canon == name and alias in have:
+            if canon == name and alias in self.names:
                 return alias
-            if alias == name and canon in have:
+            if alias == name and canon in self.names:
                 return canon
         return None
 
