@@ -59,9 +59,15 @@ class TrainingLoop:
         epoch_done, restore_rng, skips = False, None, False
         if path is not None and is_trainer_checkpoint(path):  # transformers wrote it
             self.state, restore_rng, skips = resume_from_transformers(
-                engine, loader, path, steps_per_epoch=self.steps_per_epoch, gas=args.gradient_accumulation_steps,
-                per_device=args.per_device_train_batch_size, topology=self.topology, say=self._say,
-            )  # fmt: skip
+                engine,
+                loader,
+                path,
+                steps_per_epoch=self.steps_per_epoch,
+                gas=args.gradient_accumulation_steps,
+                per_device=args.per_device_train_batch_size,
+                topology=self.topology,
+                say=self._say,
+            )
             self._say(f"resuming from {path} (transformers, step {self.state.global_step})")
         elif path is not None:
             _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
