@@ -28,7 +28,7 @@ import shutil
 import pytest
 import torch
 
-from meshtrain.interop.accelerate_source import RNG_GLOBALS
+from meshtrain.interop.peer_pickles import numpy_arrays
 from tests.harness import run_ranks
 from tests.interop import accelerate_ranks as R
 from tests.interop.deepspeed_ranks import RunsCode
@@ -117,7 +117,7 @@ def test_bad_accelerate_folders_are_named(written, tmp_path):
     bad["engine.load_checkpoint"] = folder
     marker = tmp_path / "code_ran"
     rng = bad["hostile rng"] / "random_states_0.pkl"
-    with torch.serialization.safe_globals(list(RNG_GLOBALS)):
+    with torch.serialization.safe_globals(numpy_arrays()):
         states = torch.load(rng, weights_only=True)
     states["note"] = RunsCode(str(marker))
     torch.save(states, rng)

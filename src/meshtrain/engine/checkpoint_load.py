@@ -92,6 +92,8 @@ def load_from(
     ep = experts.expert_specs(engine)
     if hasattr(reader, "use_aliases"):  # a peer's source: it resolves tied names itself
         reader.use_aliases(names.aliases)
+    if hasattr(reader, "use_model"):  # a peer keying its optimizer by parameter order
+        reader.use_model(engine.module if engine.pipeline is None else None)
     reader.check_model(names.expected())
     meta = reader.meta
     states = [s for s in reader.states() if s != "param"] if load_optimizer_states else []

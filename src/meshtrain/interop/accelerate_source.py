@@ -38,7 +38,7 @@ torch's ``Optimizer.load_state_dict`` restores them) carry over.
 
 Every file that is a pickle goes through ``torch.load(weights_only=True)``
 (``peer_pickles``); the RNG file may name only numpy's array and dtype rebuilders beside
-that (:data:`RNG_GLOBALS`). Nothing of accelerate is imported, so it need not be installed.
+that (``peer_pickles.numpy_arrays``). Nothing of accelerate is imported, so it need not be installed.
 """
 
 from __future__ import annotations
@@ -57,9 +57,6 @@ from meshtrain.interop.peer_pickles import load_peer_file, release_pages
 from meshtrain.interop.safetensors_source import SafetensorsSource
 
 WHAT = "accelerate"
-# The names a random_states_{rank}.pkl may hold beyond torch's own: numpy's state is a
-# tuple with a uint32 ndarray, pickled through these four (and nothing else of numpy).
-RNG_GLOBALS = (np.zeros(1).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32)))
 FIX = "for a registered object: make its state_dict() return tensors and plain values"
 # The optimizer hyper-parameters carried into the engine's param groups (torch's names);
 # the kernel switches (foreach, fused, capturable) stay the resuming run's own.
@@ -131,7 +128,7 @@ def read_rng(path: Path) -> dict[str, Any]:
     states = load_peer_file(
         path,
         WHAT,
-        allowed=RNG_GLOBALS,
+        arrays=True,  # numpy's state is a tuple with a uint32 ndarray, nothing else of numpy
         fix="accelerate writes only generator states there, so this file was changed after "
         "the save: copy the folder again",
     )

@@ -1,7 +1,8 @@
 """Which framework wrote a checkpoint folder, and the source that reads it.
 
 ``engine.load_checkpoint(dir)`` asks here first: a folder another framework wrote is read
-by that framework's source (``deepspeed_source``, ``dcp_source``); meshtrain's own folders
+by that framework's source (``deepspeed_source``, ``dcp_source``, ``trainer_source`` for a
+transformers Trainer ``checkpoint-N/``, named as ``dir`` or as ``dir`` + ``tag``); meshtrain's own folders
 (a manifest, or a ``latest`` naming a tag with one) and empty or absent ones go on to
 meshtrain's reader (which returns ``(None, None)`` for nothing to load, as DeepSpeed
 does). A folder that holds another kind of checkpoint this reader does not read is refused
@@ -20,6 +21,7 @@ from meshtrain.checkpoint.manifest import LATEST, MANIFEST
 from meshtrain.errors import CheckpointError
 from meshtrain.interop.dcp_source import DcpSource, dcp_folder
 from meshtrain.interop.deepspeed_source import DeepSpeedSource, deepspeed_tag
+from meshtrain.interop.trainer_source import TrainerSource, is_trainer_checkpoint
 
 # File names and suffixes that mark a checkpoint of some framework.
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".distcp", ".ckpt")
@@ -37,6 +39,9 @@ def open_peer_checkpoint(load_dir, tag: str | None):
     folder = dcp_folder(path, tag)
     if folder is not None:
         return DcpSource(folder)
+    folder = path if tag is None else path / str(tag)
+    if folder.is_dir() and is_trainer_checkpoint(folder):
+        return TrainerSource(folder)
     if tag is None and not (path / MANIFEST).is_file() and not (path / LATEST).is_file():
         refuse_foreign(path)
     return None
@@ -49,13 +54,12 @@ def refuse_foreign(path: Path) -> None:
     files = sorted(p for p in path.iterdir() if not p.name.startswith("."))
     names = {p.name for p in files}
     inner = [p for p in files if p.is_dir() and not p.name.startswith(".")]
-    trainer = [p.name for p in inner if (p / "trainer_state.json").is_file()]
+    trainer = sorted((p.name for p in inner if is_trainer_checkpoint(p)), key=lambda n: (len(n), n))
     kind = None
-    if (path / "trainer_state.json").is_file() or trainer:
+    if trainer:  # an output_dir: which checkpoint to resume is the caller's choice
         kind = (
-            "a transformers Trainer checkpoint (checkpoint-N/ with trainer_state.json), "
-            "not read by engine.load_checkpoint yet; load its weights with "
-            "meshtrain.from_pretrained(folder) and start the optimizer fresh"
+            f"transformers Trainer checkpoints ({', '.join(trainer[:3])}), no 'latest' naming "
+            f"one; pass one of them: load_checkpoint({str(path)!r}, tag={trainer[-1]!r})"
         )
     elif any(n.endswith(".distcp") for n in names):
         kind = (

@@ -7,7 +7,10 @@ DeepSpeed's and the transformers Trainer's ``.pt`` files are torch zip archives 
 hostile file names. Here every file goes through ``torch.load(weights_only=True)``, torch's
 restricted unpickler, with only those names mapped to inert records defined below (data
 holders: nothing of the peer is imported, so the peer need not be installed). Any other
-name is refused with the file, the name and the fix.
+name is refused with the file, the name and the fix. The transformers Trainer's
+``rng_state*.pth`` hold numpy's Mersenne-Twister state as an ``ndarray``: for those files
+(``arrays=True``) numpy's three array-rebuilding names are accepted too (the ones
+transformers itself allows for that file), and nothing else of numpy.
 
 Files are memory-mapped (``mmap=True``): a rank that reads a slice of a partition touches
 only that slice's pages, which is what keeps reading a peer checkpoint bounded like sliced
@@ -56,16 +59,35 @@ PEER_RECORDS: tuple[tuple[Any, str], ...] = (
 DEEPSPEED_FIX = "for DeepSpeed: zero_to_fp32.py, then meshtrain.from_pretrained"
 
 
+def numpy_arrays() -> list[Any]:
+    """numpy's names that rebuild a plain ``ndarray`` (the array, its dtype, its dtype's
+    class): data, no code of the file's choosing."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def load_peer_file(
-    path: str | Path, what: str, *, allowed: tuple = (), fix: str = DEEPSPEED_FIX
+    path: str | Path,
+    what: str,
+    *,
+    allowed: tuple = (),
+    fix: str = DEEPSPEED_FIX,
+    arrays: bool = False,
 ) -> Any:
     """``path`` (a torch ``.pt`` of the peer ``what``) through the restricted unpickler,
     memory-mapped. ``allowed``: further names the file may hold (objects, or ``(object,
     "module.name")`` pairs as torch's ``safe_globals`` takes them), on top of the peer
-    records; ``fix``: what the user can do with a file that needs more. A truncated or
-    damaged file and a pickle that needs code are each refused in one line naming the
-    file and the fix."""
+    records; ``arrays``: numpy arrays too (:func:`numpy_arrays`); ``fix``: what the user
+    can do with a file that needs more. A missing, truncated or damaged file and a pickle
+    that needs code are each refused in one line naming the file and the fix."""
     path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: missing; copy the whole {what} checkpoint folder again from where it "
+            "was written"
+        )
     if not zipfile.is_zipfile(path):
         raise CheckpointError(
             f"{path}: not a torch zip archive (truncated, damaged, or saved with "
@@ -73,7 +95,8 @@ def load_peer_file(
             "from where it was written"
         )
     try:
-        with torch.serialization.safe_globals([*PEER_RECORDS, *allowed]):
+        names = [*PEER_RECORDS, *allowed, *(numpy_arrays() if arrays else [])]
+        with torch.serialization.safe_globals(names):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError or others
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -59,6 +59,15 @@ class _SafetensorsFile:
         header.pop("__metadata__", None)
         self.base = 8 + n
         self.entries: dict[str, dict] = header
+        # a file cut short (an interrupted copy) is named before any of it is loaded
+        need = self.base + max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+        size = os.fstat(self.fd).st_size
+        if size < need:
+            os.close(self.fd)
+            raise CheckpointError(
+                f"{path}: truncated ({size} of the {need} bytes its header describes); copy "
+                "the file again from where it was written"
+            )
 
     def _pread(self, n: int, offset: int) -> bytes:
         data = os.pread(self.fd, n, offset)

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from meshtrain.errors import CheckpointError
+from meshtrain.interop.trainer_source import is_trainer_checkpoint
 
 PREFIX = "checkpoint-"
 
@@ -46,9 +47,17 @@ def checkpoint_steps(output_dir: str | Path, prefix: str = PREFIX) -> list[int]:
 
 
 def last_checkpoint(output_dir: str | Path, prefix: str = PREFIX) -> Path | None:
-    """The newest complete checkpoint (transformers' ``get_last_checkpoint``)."""
-    steps = checkpoint_steps(output_dir, prefix)
-    return Path(output_dir) / f"{prefix}{steps[-1]}" if steps else None
+    """The newest complete checkpoint (transformers' ``get_last_checkpoint``), meshtrain's
+    or one the transformers Trainer wrote (``interop.trainer_source``): a run switching to
+    meshtrain resumes where transformers stopped."""
+    steps = set(checkpoint_steps(output_dir, prefix))
+    root, pattern = Path(output_dir), _step_re(prefix)
+    if root.is_dir():
+        for d in root.iterdir():
+            m = pattern.match(d.name)
+            if m and is_trainer_checkpoint(d):
+                steps.add(int(m.group(1)))
+    return root / f"{prefix}{max(steps)}" if steps else None
 
 
 def resolve_resume(

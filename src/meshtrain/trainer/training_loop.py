@@ -9,7 +9,8 @@ Epochs and windows: an epoch is one pass of the resumable loader; an optimizer s
 the next ``gradient_accumulation_steps`` micro-batches (fewer at the end of an epoch).
 Resuming loads the engine checkpoint (model, optimizer, schedule, RNG, data position) and
 the ``TrainerState`` saved in it, and continues in the epoch and at the sample where the
-checkpoint was taken.
+checkpoint was taken; a ``checkpoint-N/`` the transformers Trainer wrote is resumed by
+``transformers_resume`` (its files, transformers' data-skipping rule and RNG points).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import torch
 
 from meshtrain.errors import ConfigError
 from meshtrain.files.writable import check_writable
+from meshtrain.interop.trainer_source import is_trainer_checkpoint
 from meshtrain.trainer import checkpoints as ckpt
 from meshtrain.trainer.callbacks import RunLogCallback
 from meshtrain.trainer.report import end_table, training_header
 from meshtrain.trainer.state import TrainerControl, TrainerState, TrainOutput, exported_states
+from meshtrain.trainer.transformers_resume import resume_from_transformers
 
 
 class TrainingLoop:
@@ -53,8 +56,20 @@ class TrainingLoop:
         if resume is None:
             resume = args.resume_from_checkpoint
         path = ckpt.resolve_resume(resume, self.checkpoint_dir, self.checkpoint_prefix)
-        epoch_done = False
-        if path is not None:
+        epoch_done, restore_rng, skips = False, None, False
+        if path is not None and is_trainer_checkpoint(path):  # transformers wrote it
+            self.state, restore_rng, skips = resume_from_transformers(
+                engine,
+                loader,
+                path,
+                steps_per_epoch=self.steps_per_epoch,
+                gas=args.gradient_accumulation_steps,
+                per_device=args.per_device_train_batch_size,
+                topology=self.topology,
+                say=self._say,
+            )
+            self._say(f"resuming from {path} (transformers, step {self.state.global_step})")
+        elif path is not None:
             _, client = engine.load_checkpoint(str(path.parent), tag=path.name)
             self.state = TrainerState.from_dict(client.get("trainer_state", {}))
             epoch_done = bool(client.get("epoch_done"))
@@ -108,12 +123,16 @@ class TrainingLoop:
             if st.global_step >= self.max_steps or self.control.should_training_stop:
                 break
             loader.set_epoch(epoch)
+            if restore_rng is not None and not skips:  # transformers' points (transformers_resume)
+                restore_rng()
             batches = iter(loader)
             self.control = self._event("on_epoch_begin")
             while st.global_step < self.max_steps:
                 window = list(itertools.islice(batches, args.gradient_accumulation_steps))
                 if not window:
                     break
+                if restore_rng is not None:
+                    restore_rng()  # once: after the first window of a skipping resume
                 self.control = self._event("on_step_begin")
                 share, local_mean = self._run_window(window)
                 if engine.log.last and local_mean is not None:
