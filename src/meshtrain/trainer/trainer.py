@@ -117,9 +117,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         self.engine = None
         self._gather_vocab = None  # set by _setup under tensor parallelism
         self._pipeline: PipelineSteps | None = None  # set by _setup under pp
-        # pp x tp after train(): the stages keep the tensor-parallel layers undone in the
-        # user's model, so evaluation runs the restored whole model on every rank
-        self._whole_model = False
+        self._whole_model = False  # pp x tp after train(): evaluate the restored model whole
         self._new_signature: tuple[Any, bool] = (None, False)  # compute_loss's signature
         # where checkpoints go and how they are named (``meshtrain train`` uses its own)
         self.checkpoint_dir = self.args.output_dir
