@@ -213,14 +213,24 @@ def test_zero3_bf16_folder_equals_save_pretrained(tmp_path):
         assert "a_file" in blocked and "rank" in blocked, blocked
 
 
-def test_tensor_parallel_accelerate_folder_equals_accelerate(tmp_path):
+def peer_accelerate_saves(whole: dict, folder: str, limit: int) -> None:
+    """accelerate's own ``save_model`` of the weights, in a process of its own: its
+    ``Accelerator`` is a process-wide singleton, which a test process must not keep (the
+    rank processes it forks later would inherit a one-process state)."""
     from accelerate import Accelerator as PeerAccelerator
+
+    ref = tiny_llama(1)
+    ref.load_state_dict(whole)
+    PeerAccelerator(cpu=True).save_model(ref, folder, max_shard_size=limit)
+
+
+def test_tensor_parallel_accelerate_folder_equals_accelerate(tmp_path):
+    from meshtrain.launch.processes import run_on_ranks
 
     limit = 30_000  # bytes, as an int
     (first, _) = run_ranks(tp2_accelerate, 2, str(tmp_path), limit, timeout=400)
-    ref = tiny_llama(1)
-    ref.load_state_dict(first["whole"])
-    PeerAccelerator(cpu=True).save_model(ref, tmp_path / "peer", max_shard_size=limit)
+    args = (first["whole"], str(tmp_path / "peer"), limit)
+    run_on_ranks(peer_accelerate_saves, 1, args, setup_distributed=False, timeout=300)
     assert_same_folder(tmp_path / "acc", tmp_path / "peer")
     assert len(_files(tmp_path / "acc")) > 1
 

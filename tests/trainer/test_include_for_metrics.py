@@ -66,11 +66,21 @@ def meshtrain_evaluates(tmp: str, mesh: dict | None) -> dict:
     return _evaluate(Trainer, TrainingArguments, tmp, mesh)
 
 
-def test_include_for_metrics_as_transformers_gives_it(tmp_path):
+def transformers_evaluates(tmp: str) -> dict:
+    """The peer, in a process of its own: its Trainer makes accelerate's process-wide
+    state, which a test process must not keep (rank processes started later inherit it)."""
     import transformers
 
-    ref = _evaluate(transformers.Trainer, transformers.TrainingArguments, str(tmp_path / "hf"),
-                    None)["seen"]  # fmt: skip
+    return _evaluate(transformers.Trainer, transformers.TrainingArguments, tmp, None)
+
+
+def test_include_for_metrics_as_transformers_gives_it(tmp_path):
+    from meshtrain.launch.processes import run_on_ranks
+
+    (peer,) = run_on_ranks(
+        transformers_evaluates, 1, (str(tmp_path / "hf"),), setup_distributed=False, timeout=300
+    )
+    ref = peer["seen"]
     assert ref["items"] == 4 and ref["inputs"].shape[0] == ROWS
     bound = evaluation()
     for name, mesh in (("dp2", None), ("pp2", {"pipeline_parallel_size": 2})):

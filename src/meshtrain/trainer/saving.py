@@ -16,7 +16,9 @@
   never writes a file that needs an unsafe load to read).
 * A peft model saves the adapter only (``adapter_config.json`` +
   ``adapter_model.safetensors``, what ``PeftModel.from_pretrained`` loads), from weights
-  gathered first (an adapter is small), and so does a model before ``train()`` (no engine).
+  gathered first (an adapter is small). After ``train()`` the user's model holds the whole
+  trained weights on every rank (handed back), and before it there is no engine: rank 0
+  writes those.
 
 A prompt-learning peft model (prompt / prefix tuning) under ZeRO-3: peft computes the
 embeddings it saves by running the prompt encoder, whose weights are shards; every rank
@@ -52,16 +54,17 @@ class ModelSaving:
         from meshtrain.accelerate.peft_io import is_peft_model, prompt_embeddings
 
         path = Path(output_dir or self.args.output_dir)
-        if self.engine is not None and not is_peft_model(self.model):
+        peft = is_peft_model(self.model)
+        if self.engine is not None and not self._handed_back and not peft:
             self.engine.save_weights(path)  # collective: from the ranks' own shards
             if self.is_world_process_zero():
                 self._export_files(path)
                 self._write_args(path)
             self._barrier()
             return
-        if self.engine is not None:
+        if self.engine is not None and not (self._handed_back and not peft):
             state_dict = self.engine.module_state_dict()  # collective: every rank gathers
-        else:  # before train(): the user's model as it is
+        else:  # before train(), or handed back after it: the user's model is whole here
             state_dict = self.model.state_dict()
         prompts = prompt_embeddings(self.engine, self.model)  # collective under ZeRO-3
         if self.is_world_process_zero():

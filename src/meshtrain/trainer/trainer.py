@@ -118,6 +118,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         self._gather_vocab = None  # set by _setup under tensor parallelism
         self._pipeline: PipelineSteps | None = None  # set by _setup under pp
         self._whole_model = False  # pp x tp after train(): evaluate the restored model whole
+        self._handed_back = False  # after train(): the user's model holds the whole weights
         self._new_signature: tuple[Any, bool] = (None, False)  # compute_loss's signature
         # where checkpoints go and how they are named (``meshtrain train`` uses its own)
         self.checkpoint_dir = self.args.output_dir

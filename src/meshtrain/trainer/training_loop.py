@@ -350,6 +350,7 @@ class TrainingLoop:
         its tp rank's shards of every block before they are gathered. Evaluation and
         prediction then run the whole model on every rank (under pp alone they keep running
         through the pipeline)."""
+        self._handed_back = True  # the engine's shards no longer map the model's tensors
         self.engine.zero.release_module(self.engine.module)
         if self._pipeline is not None:  # other stages' blocks: weights back
             # under tp too: each rank receives its own tp rank's shards (the pp group
