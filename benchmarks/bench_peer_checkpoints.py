@@ -155,8 +155,17 @@ def _worker(args) -> None:
     if args.how == "write-meshtrain":
         engine.save_weights(out / "meshtrain", max_shard_size=SHARD)
     elif args.how == "load-meshtrain":
+        profile = os.environ.get("MESHTRAIN_BENCH_PROFILE") if rank == 0 else None
+        if profile:  # where the import's time goes, on rank 0 (pstats file)
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         engine.load_checkpoint(args.dcp, load_optimizer_states=False,
                                load_lr_scheduler_states=False)  # fmt: skip
+        if profile:
+            prof.disable()
+            prof.dump_stats(profile)
     elif args.how == "write-fsdp2":
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         sd = get_model_state_dict(model, options=opts)

@@ -151,6 +151,12 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "the Trainer class: transformers' public methods, each delegating to the module of "
         "its job (setup, loss, evaluation, results, saving, the loop)",
     ),
+    "meshtrain.interop.dcp_source": (
+        433,
+        "a DCP folder as the engine loader's source: its files checked, its keys mapped to "
+        "the model's names, and reads by element range (any chunk box through read, whole-"
+        "row blocks straight into the master through read_into; issue 46)",
+    ),
     "meshtrain.trainer.arguments": (
         432,
         "TrainingArguments: transformers' fields, each checked (value checks live in "

@@ -293,6 +293,44 @@ class DcpSource:
         first = start - r0 * inner
         return block.reshape(-1)[first : first + numel].clone()
 
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> bool:
+        """Elements ``[start, start + out.numel())`` of the weights ``name`` straight into
+        ``out`` (a contiguous CPU tensor) when every chunk they meet is a block of whole
+        rows (FSDP2's ``Shard(0)`` and torchtitan's layout): then a chunk's elements are one
+        run of the flat index and each is copied once, from the loaded chunk into ``out``.
+        False, reading nothing, for other chunk boxes (a column cut): ``read`` assembles
+        those."""
+        key = self._key(name, "param")
+        if key is None or out.device.type != "cpu" or not out.is_contiguous():
+            return False
+        entry = self.entries[key]
+        shape = tuple(int(d) for d in entry.size)
+        if not shape:
+            return False
+        inner, end = math.prod(shape[1:]), start + out.numel()
+        met = []
+        for chunk in entry.chunks:
+            off = tuple(int(o) for o in chunk.offsets)
+            size = tuple(int(x) for x in chunk.sizes)
+            lo, hi = off[0] * inner, (off[0] + size[0]) * inner
+            if hi <= start or lo >= end:
+                continue
+            if any(off[1:]) or size[1:] != shape[1:]:
+                return False  # not whole rows: the elements are not one run
+            met.append((off, size, lo, hi))
+        flat = out.reshape(-1)
+        for off, size, lo, hi in met:
+            data = self._load_item(key, off)
+            if tuple(data.shape) != size:
+                raise CheckpointError(
+                    f"{self.path}: the chunk of {key!r} at {off} holds {tuple(data.shape)}, "
+                    f"the metadata says {size}; the checkpoint is damaged: copy it again"
+                )
+            a, b = max(lo, start), min(hi, end)
+            flat[a - start : b - start] = data.reshape(-1)[a - lo : b - lo]
+            del data  # one chunk at a time
+        return True
+
     def read_full(self, name: str, state: str = "param") -> torch.Tensor:
         if self._key(name, state) is None and state == "param" and name in self.fallback:
             return self.fallback[name].clone()
