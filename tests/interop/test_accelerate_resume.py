@@ -100,6 +100,20 @@ def test_resume_one_process_folder_at_two_processes(tmp_path):
     assert got[1][2]["draws"] != ref["at_save"]["draws"]  # rank 1's own streams
 
 
+@pytest.mark.skipif(not LONG, reason="longer job: set MESHTRAIN_LONG_JOBS=1")
+def test_resume_accelerate_folder_at_four_processes(written):
+    """accelerate's 2-process folder resumed at 4 processes, ZeRO 2: ranks 0 and 1 get
+    their saved RNG streams, ranks 2 and 3 keep their own (no random_states file, a
+    warning); losses and weights within the 1-process bounds (each step's 8 rows are
+    averaged in another grouping)."""
+    out, ref = written
+    got = run_ranks(R.meshtrain_resumes, 4, str(out / f"step_{R.SAVE_AT}"), [2], timeout=600)
+    for rank in (0, 1):
+        name = f"accelerate (2 processes) resumed at 4 processes ZeRO 2, rank {rank}"
+        _check(name, got[rank][2], ref[0], ref[rank], 1)
+    assert got[2][2]["draws"] != ref[0]["at_save"]["draws"]  # rank 2's own streams
+
+
 def test_bad_accelerate_folders_are_named(written, tmp_path):
     """Real bad files, one line each naming the file and the fix: no optimizer.bin while
     the optimizer is prepared; an RNG pickle that would run code (it must not run); a
