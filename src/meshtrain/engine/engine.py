@@ -478,15 +478,16 @@ class Engine(EngineQueries):
         it from the ranks' own shards: no rank ever holds the whole model. ``dtype``: cast
         floating tensors (default: the model's own). ``aliases``: keep tied names as copies
         (default: only when the model is not a transformers model that re-ties them).
-        ``index_parameters``: the index counts elements too, as transformers' does.
-        Every rank must call it. Returns what was written (``SavedWeights``)."""
+        ``index_parameters``: the index counts elements too, as transformers' does. Every
+        rank must call it. Returns what was written (``SavedWeights``)."""
         from meshtrain.engine.pretrained_shards import save_pretrained_shards
 
-        return save_pretrained_shards(
-            self, save_dir, max_shard_size=max_shard_size, dtype=dtype,
-            exclude_frozen=exclude_frozen, aliases=aliases, single_name=single_name,
-            index_parameters=index_parameters,
-        )  # fmt: skip
+        with self.between_steps():  # its bytes and time are not the next step's
+            return save_pretrained_shards(
+                self, save_dir, max_shard_size=max_shard_size, dtype=dtype, aliases=aliases,
+                exclude_frozen=exclude_frozen, single_name=single_name,
+                index_parameters=index_parameters,
+            )  # fmt: skip
 
     def load_checkpoint(
         self,
