@@ -59,35 +59,6 @@ def _reset_peak() -> float:
     return _status_mib("VmRSS")
 
 
-def _config(layers: int):
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False,
-        max_position_embeddings=256,
-    )  # fmt: skip
-    cfg.architectures = ["LlamaForCausalLM"]
-    return cfg
-
-
-def _write(folder: Path, layers: int) -> dict:
-    import torch
-    import transformers
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():
-        model = transformers.LlamaForCausalLM(_config(layers))
-    g = torch.Generator().manual_seed(0)
-    sizes = []
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02, generator=g)
-            sizes.append(p.numel() * 4)
-    model.save_pretrained(folder, max_shard_size=SHARD)
-    return {"model_bytes": sum(sizes), "largest_tensor_bytes": max(sizes)}
-
-
 def _fsdp2_model(folder: str, with_weights: bool):
     """The model under FSDP2 (every decoder layer and the root), built on the meta device
     and materialised shard by shard; ``with_weights``: the folder's weights (so its save
@@ -218,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     info_file = folder / "bench_info.json"
     if info_file.is_file():
         info = json.loads(info_file.read_text())
-    else:
-        info = _write(folder, args.layers)
+    else:  # here, not at the top: the workers run this file by its path, not as a module
+        from benchmarks.bench_sliced_load import write_llama
+
+        info = write_llama(folder, args.layers)  # the sliced-load benchmark's model
         info_file.write_text(json.dumps(info))
     model_mib = info["model_bytes"] / 2**20
     print(f"model: {model_mib:.0f} MiB fp32, largest tensor "

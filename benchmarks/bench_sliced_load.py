@@ -49,7 +49,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _config(layers: int):
+def llama_config(layers: int):
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -61,13 +61,13 @@ def _config(layers: int):
     return cfg
 
 
-def _write(folder: Path, layers: int) -> dict:
+def write_llama(folder: Path, layers: int) -> dict:
     import torch
     import transformers
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
-        model = transformers.LlamaForCausalLM(_config(layers))
+        model = transformers.LlamaForCausalLM(llama_config(layers))
     g = torch.Generator().manual_seed(0)
     sizes = []
     with torch.no_grad():
@@ -98,7 +98,7 @@ def _worker(args) -> None:
     # baseline: a tiny model through the same path, so the growth is the model's
     _ = transformers.LlamaForCausalLM
     if args.how != "transformers":
-        import meshtrain.interop.from_pretrained  # noqa: F401
+        import meshtrain.interop.from_pretrained
 
         tiny = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if info_file.is_file():
         info = json.loads(info_file.read_text())
     else:
-        info = _write(folder, args.layers)
+        info = write_llama(folder, args.layers)
         info_file.write_text(json.dumps(info))
     model_mib = info["model_bytes"] / 2**20
     largest_mib = info["largest_tensor_bytes"] / 2**20

@@ -55,6 +55,7 @@ import torch
 from meshtrain.errors import CheckpointError
 from meshtrain.interop.peer_pickles import load_peer_file, release_pages
 from meshtrain.interop.safetensors_source import SafetensorsSource
+from meshtrain.interop.tied_names import stored_name
 
 WHAT = "accelerate"
 FIX = "for a registered object: make its state_dict() return tensors and plain values"
@@ -220,25 +221,11 @@ class AccelerateSource:
         return set(self.weights.keys()) if self.weights is not None else set(self.tensors)
 
     def _name(self, name: str) -> str | None:
-        keys = self._keys()
-        if name in keys:
-            return name
-        for alias, canon in self.aliases.items():  # a tied weight saved under one name
-            if canon == name and alias in keys:
-                return alias
-            if alias == name and canon in keys:
-                return canon
-        return None
+        return stored_name(name, self.aliases, self._keys())
 
     def _opt_index(self, name: str) -> int | None:
-        if name in self.index:
-            return self.index[name]
-        for alias, canon in self.aliases.items():
-            if alias == name and canon in self.index:
-                return self.index[canon]
-            if canon == name and alias in self.index:
-                return self.index[alias]
-        return None
+        key = stored_name(name, self.aliases, self.index)
+        return None if key is None else self.index[key]
 
     # --- the reader interface the engine's loader uses ------------------------------
 

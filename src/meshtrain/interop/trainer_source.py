@@ -57,6 +57,7 @@ from meshtrain.files.structured import load_json
 from meshtrain.interop.deepspeed_source import HYPER
 from meshtrain.interop.peer_pickles import load_peer_file
 from meshtrain.interop.safetensors_source import INDEX, SINGLE, SafetensorsSource
+from meshtrain.interop.tied_names import stored_name
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.pt"
@@ -185,24 +186,11 @@ class TrainerSource:
             self.weights.aliases = dict(aliases)
 
     def _weight_key(self, name: str) -> str | None:
-        if name in self.names:
-            return name
-        for alias, canon in self.aliases.items():  # a tied weight saved under one name
-            if canon == name and alias in self.names:
-                return alias
-            if alias == name and canon in self.names:
-                return canon
-        return None
+        return stored_name(name, self.aliases, self.names)
 
     def _optimizer_key(self, name: str) -> int | None:
-        if name in self.index:
-            return self.index[name]
-        for alias, canon in self.aliases.items():
-            if alias == name and canon in self.index:
-                return self.index[canon]
-            if canon == name and alias in self.index:
-                return self.index[alias]
-        return None
+        key = stored_name(name, self.aliases, self.index)
+        return None if key is None else self.index[key]
 
     # --- the reader interface the engine's loader uses ------------------------------
 
