@@ -60,12 +60,30 @@ def _train(kind: str, layers: int, schedule: str, m: int) -> tuple:
         "pipeline": {"schedule": schedule, "virtual_stages": v},
     }
     engine, *_ = meshtrain.initialize(model=_model(kind, layers), config=config)
+    landed = _watch_landing(engine.zero)
     losses = [engine.train_batch(iter(_data(kind, s, m))).item() for s in range(STEPS)]
     stages = sorted(int(k) for k in engine.module.stages)
     params = {
         n: p.detach().clone() for s in engine.module.stages.values() for n, p in s.names.items()
     }
-    return losses, params, stages
+    return losses, params, stages, landed
+
+
+def _watch_landing(zero) -> list:
+    """``[written, not in the flat buffer]`` over every ``W``: a weight gradient written
+    outside autograd's hooks must sit in ZeRO's buffer as soon as it is written, or each
+    stage keeps a second copy of its gradients until the window's reduction."""
+    counts = [0, 0]
+    views = {p: v for g in zero.flat_groups for p, v in g.grad_views.items()}
+    after = zero.after_backward
+
+    def watched(written=()):
+        after(written)
+        counts[0] += len(written)
+        counts[1] += sum(p.grad is not views[p] for p in written)
+
+    zero.after_backward = watched
+    return counts
 
 
 def _ranks(runs: list) -> dict:
@@ -79,14 +97,15 @@ def _ranks(runs: list) -> dict:
 def _check(per_rank: list, runs: list) -> None:
     p = len(per_rank)
     for kind, _, _, schedules in runs:
-        ref_losses, _, _ = per_rank[0][(kind, "1f1b")]
+        ref_losses, *_ = per_rank[0][(kind, "1f1b")]
         ref = {n: t for got in per_rank for n, t in got[(kind, "1f1b")][1].items()}
         for schedule in schedules[1:]:
             where = f"{kind} pp {p} {schedule}"
             merged: dict = {}
             for rank, got in enumerate(per_rank):
-                losses, params, stages = got[(kind, schedule)]
+                losses, params, stages, (written, apart) = got[(kind, schedule)]
                 assert stages == [rank, 2 * p - 1 - rank], (where, rank, stages)  # the V
+                assert written > 0 and apart == 0, (where, rank, written, apart)
                 assert losses == ref_losses, (where, rank, losses, ref_losses)  # bitwise
                 merged.update(params)
             assert merged.keys() == ref.keys(), where

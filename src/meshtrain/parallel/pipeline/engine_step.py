@@ -249,9 +249,10 @@ def run_window(
         loss = pipe.train_step(
             batches,
             loss_scale=engine.scaler.scale / zero.predivide,
-            after_backward=zero.after_backward if zero.every_backward else None,
+            after_backward=zero.after_backward,
             weights=weights,
             loss_fn=loss_fn,
+            tied_summed=zero.every_backward,
         )
     if zero.every_backward:
         sum_tied_shards(pipe.tied, zero, engine.topology.dp_group)

@@ -163,6 +163,7 @@ class PipelineRuntime:
         after_backward: Callable[[list[nn.Parameter]], None] | None = None,
         weights: Sequence[float] | None = None,
         loss_fn: Callable[[Any, int], torch.Tensor] | None = None,
+        tied_summed: bool = False,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss (every rank),
         or ``sum_i weights[i] * loss_i`` when ``weights`` are given.
@@ -174,7 +175,7 @@ class PipelineRuntime:
         stage with the parameters whose ``.grad`` that backward wrote without autograd's
         accumulation hooks (ZB-H1), e.g. ``ZeroStage.after_backward`` (ZeRO 2
         reduce-scatters and drops ``.grad`` there; tied weights are then summed by the
-        caller, ``grads.sum_tied_shards``).
+        caller, ``grads.sum_tied_shards``, who says so with ``tied_summed``).
         ``loss_fn(outputs, i)``: the loss of micro-batch ``i`` from the last stage's whole
         outputs (``whole_outputs``: the model's outputs, not its loss), computed on the
         last stage per micro-batch; the Trainer's ``compute_loss`` goes here. Without it
@@ -192,7 +193,7 @@ class PipelineRuntime:
             loss = self._run(actions, batches, True, loss_scale, weights, loss_fn=loss_fn)
         finally:
             self._after_backward = None
-        if after_backward is not None:
+        if tied_summed:
             return loss
         for param, group in self.tied:
             if param.grad is None:
