@@ -82,7 +82,7 @@ def check_pipeline(model: nn.Module, topology, config) -> None:
     sequence shards (GPT-2)."""
     from meshtrain.parallel.pipeline.module import PipelineModule
     from meshtrain.parallel.pipeline.router_aux import check_pipeline_moe
-    from meshtrain.parallel.pipeline.split import find_layout
+    from meshtrain.parallel.pipeline.split import find_layout, known_layout
 
     check_pipeline_moe(model, topology)
     if topology.tp_size == 1:
@@ -98,6 +98,13 @@ def check_pipeline(model: nn.Module, topology, config) -> None:
                 "model with a built-in plan"
             )
         return
+    if config.tensor_parallel.sequence_parallel and known_layout(model) is None:
+        raise ConfigError(
+            f"tensor_parallel.sequence_parallel with mesh.pipeline_parallel_size > 1 is not "
+            f"implemented for {type(model).__name__}: it has no known block list, and its "
+            "traced split does not know where a stage's activation is a sequence shard; set "
+            "tensor_parallel.sequence_parallel to false"
+        )
     if config.tensor_parallel.sequence_parallel and not find_layout(model).sequence_shards:
         raise ConfigError(
             f"tensor_parallel.sequence_parallel with mesh.pipeline_parallel_size > 1 is not "

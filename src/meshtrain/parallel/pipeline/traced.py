@@ -44,8 +44,20 @@ __all__ = ["TracedStage", "split_traced"]
 def _trace(model: nn.Module):
     import torch.fx
 
+    class _Tracer(torch.fx.Tracer):
+        """torch's tracer, with meshtrain's own parallel layers (a tensor-parallel
+        linear or embedding, already in place when a pipeline splits a model under tp)
+        recorded as calls: their forwards run collectives, which are not graph ops, and a
+        call keeps the layer's parameters in the stage that calls it."""
+
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            own = type(m).__module__.startswith("meshtrain.parallel.")
+            return own or super().is_leaf_module(m, qualname)
+
     try:
-        return torch.fx.symbolic_trace(model)
+        tracer = _Tracer()
+        graph = tracer.trace(model)
+        return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many kinds (TraceError, TypeError, ...)
         raise ConfigError(
             f"cannot split {type(model).__name__} into pipeline stages: it has no known block "

@@ -65,6 +65,8 @@ from meshtrain.parallel.tensor.rng import RegionRNG
 
 log = logging.getLogger("meshtrain.tensor_parallel")
 _REPLACING = ("embedding", "embedding_to_sequence", "column", "row", "lm_head")
+# the styles after which activations are sequence shards (sequence parallelism needs one)
+SEQUENCE_ENTRIES = ("embedding_to_sequence", "scatter_sequence")
 
 
 def apply_tensor_parallel(
@@ -97,6 +99,14 @@ def apply_tensor_parallel(
         raise ConfigError(
             f"tensor_parallel.sequence_parallel: the {plan.name!r} plan does not support "
             "sequence parallelism; set it to false"
+        )
+    if sequence_parallel and not any(row[1] in SEQUENCE_ENTRIES for row in plan.rows):
+        raise ConfigError(
+            f"tensor_parallel.sequence_parallel: the {plan.name!r} plan has no row that "
+            f"splits the sequence over the tp ranks (a style of {list(SEQUENCE_ENTRIES)}), "
+            "so its row-parallel layers would get whole activations where they expect "
+            "sequence shards; add one at the input embedding (or the first block's input), "
+            "or set sequence_parallel to false"
         )
     sizes = {k: int(_lookup(model, path, plan.name)) for k, path in plan.sizes.items()}
     _log_padding(sizes, t, plan.name, topology)
