@@ -45,7 +45,10 @@ class Chain(nn.Module):
 def _batches(step: int) -> list[dict]:
     g = torch.Generator().manual_seed(100 + step)
     return [
-        {"x": torch.randn(ROWS, 8, generator=g), "labels": torch.randint(0, 4, (ROWS,), generator=g)}
+        {
+            "x": torch.randn(ROWS, 8, generator=g),
+            "labels": torch.randint(0, 4, (ROWS,), generator=g),
+        }
         for _ in range(MICRO)
     ]
 
