@@ -23,7 +23,7 @@ import pytest
 from meshtrain.families.room import Room
 from meshtrain.families.rooms import ROOMS, room_of
 from tests.families.family_tables import tables
-from tests.test_architecture import _imports, _modules
+from tests.test_architecture import package_graph
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,14 +73,10 @@ def test_room_of_names_the_family_of_a_model() -> None:
 
 
 def test_below_parallel_imports_nothing_above_it() -> None:
-    mods = _modules()
-    known = set(mods)
-    above = ("meshtrain.parallel", "meshtrain.models")
-    for name, path in mods.items():
-        imported = _imports(name, path, known)
-        if name.startswith(("meshtrain.families", "meshtrain.components")):
-            bad = sorted(m for m in imported if m.startswith(above))
-            assert bad == [], f"{name} imports {bad}: it sits below parallel/ and models/"
-        if name.startswith("meshtrain.parallel"):
-            bad = sorted(m for m in imported if m.startswith("meshtrain.models"))
-            assert bad == [], f"{name} imports {bad}: parallel/ never imports the models"
+    """The package graph (function-local imports counted): ``families`` and ``components``
+    import neither ``parallel`` nor ``models``, and ``parallel`` never imports ``models``."""
+    graph = package_graph()
+    above = {"meshtrain.parallel", "meshtrain.models"}
+    for below in ("meshtrain.families", "meshtrain.components"):
+        assert graph[below] & above == set(), f"{below} sits below parallel/ and models/"
+    assert "meshtrain.models" not in graph["meshtrain.parallel"]

@@ -60,7 +60,7 @@ def check_context_parallel(model: nn.Module, topology: Topology, config) -> str:
             "loss.chunked to false (each rank's logits are already 1/C of the sequence)"
         )
     room, kind = room_of(model), model_type(model)
-    if room is not None and room.context_attention and is_one_of(model, room.classes):
+    if room is not None and room.context_attention:  # meshtrain's own: the seam's context
         return "decoder"
     if room is not None and kind in room.context_types:
         return "transformers"
