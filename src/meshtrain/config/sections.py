@@ -348,7 +348,7 @@ class TensorParallelConfig(Section):
     def _plan_parses(self) -> TensorParallelConfig:
         # a bad plan is refused at load, not on every rank once tensor parallelism applies
         if self.plan is not None:
-            from meshtrain.parallel.tensor.plans import TPPlan
+            from meshtrain.families.tp_plan import TPPlan
 
             TPPlan.from_dict(self.plan)
         return self

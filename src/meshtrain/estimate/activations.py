@@ -47,7 +47,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtrain.families.rooms import ROOMS
+
+# which families the formula counts and where their configs keep its sizes: the rooms'
+# (``Room.activation_types``, ``Room.config_names``), in room order, each set of names once
+ACTIVATION_TYPES = frozenset(t for room in ROOMS for t in room.activation_types)
+CONFIG_NAMES: tuple[tuple[str, ...], ...] = tuple(
+    dict.fromkeys(r.config_names.in_order() for r in ROOMS if r.config_names is not None)
+)
+
 __all__ = [
+    "ACTIVATION_TYPES",
+    "CONFIG_NAMES",
     "DecoderDims",
     "activation_bytes",
     "activation_table",
@@ -79,16 +90,9 @@ class DecoderDims:
         if cfg is None or getattr(cfg, "moe", None) is not None:  # MoE MLPs: not this formula
             return None
         model_type = getattr(cfg, "model_type", None)  # transformers: the Llama-style dense ones
-        if model_type is not None and model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        if model_type is not None and model_type not in ACTIVATION_TYPES:
             return None
-        names = (
-            ("dim", "n_heads", "n_heads", "ffn_dim", "vocab_size", "n_layers"),
-            (
-                "hidden_size", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "num_hidden_layers",
-            ),
-        )  # fmt: skip
-        for keys in names:
+        for keys in CONFIG_NAMES:
             vals = [getattr(cfg, k, None) for k in keys]
             if vals[2] is None:  # configs without grouped-query attention
                 vals[2] = vals[1]

@@ -26,7 +26,7 @@ layer's router logits (``parallel.experts.aux_loss``; over all replicas' tokens 
 Packed rows (padding-free): ``position_ids`` ``[batch, seq]`` that restart at 0 for each
 document give each token its rotary position, and the attention of a token stays inside its
 own document (``document_ids``, derived from the restarts unless given; see
-``meshtrain.models.attention``).
+``meshtrain.components.attention``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtrain.models.attention import causal_attention
+from meshtrain.components.attention import causal_attention
+from meshtrain.components.documents import documents_from_positions
 from meshtrain.models.moe import MoE, MoEConfig
 
 
@@ -265,16 +266,6 @@ class Decoder(nn.Module):
             )
             loss = loss + moe.router_aux_loss_coef * aux
         return loss
-
-
-def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """``[B, T]`` document index of each token of packed rows: a new document starts
-    wherever the position restarts at 0. None when every row is one document (plain
-    causal attention, no mask to build)."""
-    starts = position_ids == 0
-    if int(starts[:, 1:].sum()) == 0:
-        return None
-    return starts.cumsum(-1)
 
 
 def causal_lm_loss(

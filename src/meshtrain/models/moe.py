@@ -9,7 +9,7 @@
   :class:`~meshtrain.parallel.experts.routed.RoutedExperts` (transformers' fused layout),
   which ``parallelize`` shards over the ep group;
 * ``router``: a bias-free linear to ``n_experts`` logits; top-k by ``routing``
-  (:mod:`meshtrain.parallel.experts.routing`), dropless. With ``bias_update_rate > 0`` the
+  (:mod:`meshtrain.components.routing`), dropless. With ``bias_update_rate > 0`` the
   router has an ``expert_bias`` buffer for DeepSeek-V3's auxiliary-loss-free balance.
 
 FLOPs per token: ``6 d F (top_k + n_shared)`` for the experts plus ``2 d E`` for the router,
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.components.routing import check_routing, route
 from meshtrain.parallel.experts.routed import RoutedExperts
-from meshtrain.parallel.experts.routing import check_routing, route
 
 
 @dataclass
@@ -36,7 +36,7 @@ class MoEConfig:
     top_k: int = 2
     n_shared_experts: int = 0
     expert_ffn_dim: int = 0  # 0: the decoder's ffn_dim
-    routing: str = "softmax_topk"  # or topk_softmax, sigmoid_topk (parallel.experts.routing)
+    routing: str = "softmax_topk"  # or topk_softmax, sigmoid_topk (components.routing)
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.0  # x the load-balancing loss, added to the LM loss
     bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balance (DeepSeek-V3)

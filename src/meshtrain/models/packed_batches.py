@@ -19,7 +19,8 @@ run one per row):
 ``check_packed_batch`` enforces that on a batch: it adds ``use_cache=False``, drops an
 all-ones ``attention_mask``, and refuses by name a padding mask, ``use_cache=True``, an
 implementation that gets no mask, and a family not verified here. ``PACKING_FAMILIES``
-lists the ``model_type`` values verified with tests/data/test_packing.py (packed logits
+lists the ``model_type`` values verified with tests/data/test_packing.py (each family's
+room declares its own, ``Room.packing_types`` in ``meshtrain.families``) (packed logits
 equal to one document per row); OPT, for one, derives its positions from the attention
 mask and does not honour packed ``position_ids``.
 """
@@ -31,10 +32,9 @@ from typing import Any
 
 from meshtrain.data.packing import is_packed
 from meshtrain.errors import ConfigError
+from meshtrain.families.rooms import ROOMS
 
-PACKING_FAMILIES = frozenset(
-    {"llama", "qwen2", "qwen3", "mistral", "gemma", "olmo", "gpt_neox", "gpt2"}
-)
+PACKING_FAMILIES = frozenset(t for room in ROOMS for t in room.packing_types)
 """transformers ``model_type`` values whose packed batches are proven document-exact."""
 
 FLASH_PREFIX = "flash_attention"

@@ -14,7 +14,7 @@ block gets no cache (``use_cache`` False, and the cache argument None), as trans
 own checkpointed layers do; under ``no_grad`` (evaluation, ``generate``) it gets its
 arguments unchanged and the cache works.
 
-The cache argument is found by what it holds (``meshtrain.models.kv_cache``), since
+The cache argument is found by what it holds (``meshtrain.components.kv_cache``), since
 transformers has renamed it over its releases, and by its known names for legacy tuples.
 """
 
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from meshtrain.models.kv_cache import CACHE_NAMES, is_kv_cache
+from meshtrain.components.kv_cache import CACHE_NAMES, is_kv_cache
 from meshtrain.parallel.blocks import blocks
 
 FIELD = "activation_checkpointing.module_classes"

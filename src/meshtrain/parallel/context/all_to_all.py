@@ -10,7 +10,7 @@ switching ``context_parallel.method`` changes nothing outside attention). Inside
 rank ``j`` holds the *whole* sequence, in natural order, for ``1/C`` of the heads:
 
     q [B, Hq, L/C, hd] --all-to-all--> [B, Hq/C, L, hd] --reorder--> natural order
-    causal_attention(q, k, v, document_ids)   (the one seam, models/attention.py)
+    causal_attention(q, k, v, document_ids)   (the one seam, components/attention.py)
     out [B, Hq/C, L, hd] --reorder back--> --all-to-all--> [B, Hq, L/C, hd]
 
 **Two all-to-alls each way** (``comm.all_to_all``, so the ledger and ``CommStats`` see
@@ -74,10 +74,10 @@ import math
 
 import torch
 
+from meshtrain.components.attention import causal_attention
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
 from meshtrain.errors import TopologyError
-from meshtrain.models.attention import causal_attention
 from meshtrain.parallel.context.ulysses_buffers import (
     head_map,
     is_seq_major,

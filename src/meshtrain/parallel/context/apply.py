@@ -2,10 +2,14 @@
 
 What it changes (no parameter: a checkpoint is the same at any C):
 
-* meshtrain's ``Decoder``: each ``Attention.context`` is set to one ``ContextParallel``
-  (the seam in ``models/attention.py`` calls ``context.attend``);
-* transformers Llama, Qwen2, Mistral, GPT-2 and Mixtral (``FAMILIES``): each attention layer gets
-  the context as ``meshtrain_context`` and the model's attention implementation becomes
+Which models, and how, is their room's (``meshtrain.families``):
+
+* a room with ``context_attention`` (meshtrain's ``Decoder``): each module of those
+  classes (``Attention``) gets one ``ContextParallel`` as its ``context`` (the seam in
+  ``components/attention.py`` calls ``context.attend``);
+* a room whose ``context_types`` hold the model's ``model_type`` (transformers Llama,
+  Qwen2, Mistral, GPT-2 and Mixtral: ``FAMILIES``): each attention layer gets the context
+  as ``meshtrain_context`` and the model's attention implementation becomes
   ``transformers_attention.ATTN_NAME``, registered in transformers' ``AttentionInterface``;
 * both: ``inputs.SequenceSharder``'s hooks cut each batch to this rank's chunks and give
   the loss its cp form.
@@ -35,10 +39,15 @@ from torch import nn
 
 from meshtrain.distributed.topology import Topology
 from meshtrain.errors import ConfigError
+from meshtrain.families.rooms import ROOMS, is_one_of, model_type, room_of
+from meshtrain.parallel.context import transformers_attention as hf
 from meshtrain.parallel.context.context import ContextParallel
 from meshtrain.parallel.context.inputs import SequenceSharder
+from meshtrain.parallel.experts.shard import expert_modules
+from meshtrain.parallel.pipeline.split import find_layout
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "mixtral")
+# the transformers model types whose attention the rooms say cp replaces, in room order
+FAMILIES: tuple[str, ...] = tuple(t for room in ROOMS for t in room.context_types)
 
 
 def check_context_parallel(model: nn.Module, topology: Topology, config) -> str:
@@ -50,16 +59,14 @@ def check_context_parallel(model: nn.Module, topology: Topology, config) -> str:
             f"loss.chunked with mesh.context_parallel_size {cp} is not built; set "
             "loss.chunked to false (each rank's logits are already 1/C of the sequence)"
         )
-    from meshtrain.models.decoder import Decoder
-
-    if isinstance(model, Decoder):
+    room, kind = room_of(model), model_type(model)
+    if room is not None and room.context_attention:  # meshtrain's own: the seam's context
         return "decoder"
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in FAMILIES:
+    if room is not None and kind in room.context_types:
         return "transformers"
     raise ConfigError(
         f"mesh.context_parallel_size {cp}: {type(model).__name__} (model_type "
-        f"{model_type!r}) has no context-parallel attention; supported: meshtrain's Decoder "
+        f"{kind!r}) has no context-parallel attention; supported: meshtrain's Decoder "
         f"and transformers {', '.join(FAMILIES)}"
     )
 
@@ -69,14 +76,11 @@ def apply_context_parallel(model: nn.Module, topology: Topology, config) -> Cont
     family = check_context_parallel(model, topology, config)
     context = ContextParallel(topology.cp_group, config.context_parallel.method)
     if family == "decoder":
-        from meshtrain.models.decoder import Attention
-
+        attention = room_of(model).context_attention
         for m in model.modules():
-            if isinstance(m, Attention):
+            if is_one_of(m, attention):
                 m.context = context
     else:
-        from meshtrain.parallel.context import transformers_attention as hf
-
         hf.register()
         layers = [m for m in model.modules() if _is_attention(m)]
         if not layers:
@@ -84,8 +88,6 @@ def apply_context_parallel(model: nn.Module, topology: Topology, config) -> Cont
         for m in layers:
             setattr(m, hf.CONTEXT_ATTR, context)
         model.set_attn_implementation(hf.ATTN_NAME)
-    from meshtrain.parallel.experts.shard import expert_modules
-
     routes = bool(expert_modules(model))
     sharder = SequenceSharder(model, topology.cp_group, family, routes)
     model.register_forward_pre_hook(sharder.pre, with_kwargs=True)
@@ -93,8 +95,6 @@ def apply_context_parallel(model: nn.Module, topology: Topology, config) -> Cont
     if family == "transformers" and topology.pp_size > 1:
         # a pipeline stage before the last calls the backbone itself: it cuts its batch
         # too (after the root's cut, the root's marker makes it pass the batch on as is)
-        from meshtrain.parallel.pipeline.split import find_layout
-
         body = model.get_submodule(find_layout(model).body)
         body.register_forward_pre_hook(
             SequenceSharder(body, topology.cp_group, family, routes).pre, with_kwargs=True

@@ -1,6 +1,6 @@
 """``ContextParallel``: the object a model's attention hands its chunks to.
 
-``meshtrain.models.attention.causal_attention(q, k, v, context=ctx)`` calls
+``meshtrain.components.attention.causal_attention(q, k, v, context=ctx)`` calls
 ``ctx.attend(q, k, v, document_ids=, scale=)``; this class dispatches to the configured
 algorithm over the cp group: ``ring`` (``ring.py``) or ``all_to_all``
 (``all_to_all.py``, DeepSpeed Ulysses). Both take and return tensors in the layout of

@@ -43,10 +43,10 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from meshtrain.components.documents import documents_from_positions
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group
 from meshtrain.errors import ConfigError
-from meshtrain.models.decoder import documents_from_positions
 from meshtrain.parallel.context import layout
 
 IGNORE = -100

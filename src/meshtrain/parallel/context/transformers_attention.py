@@ -1,5 +1,5 @@
 """transformers' attention registry entry that routes a model's attention through
-meshtrain's one seam (``meshtrain.models.attention.causal_attention``) with the context.
+meshtrain's one seam (``meshtrain.components.attention.causal_attention``) with the context.
 
 ``register()`` adds :func:`cp_attention` to ``transformers.AttentionInterface`` under
 ``ATTN_NAME``; a model whose ``config._attn_implementation`` is that name calls it from
@@ -13,8 +13,8 @@ documents of packed rows, ``meshtrain_document_ids`` passed down the model's kwa
 
 from __future__ import annotations
 
+from meshtrain.components.attention import causal_attention
 from meshtrain.errors import ConfigError
-from meshtrain.models.attention import causal_attention
 
 ATTN_NAME = "meshtrain_context_parallel"
 CONTEXT_ATTR = "meshtrain_context"  # set on each attention layer by apply.py

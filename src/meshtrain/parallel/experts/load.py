@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.components.routing import update_expert_bias
 from meshtrain.distributed import comm
 from meshtrain.distributed.comm import Group, ReduceOp
 from meshtrain.parallel.experts.routed import RoutedExperts
-from meshtrain.parallel.experts.routing import update_expert_bias
 
 
 class ExpertLoad:

@@ -7,7 +7,8 @@ its name and its parameters their names (``...mlp.experts.gate_up_proj``), so st
 keys do not change with ep; the slice each rank holds is ``param.meshtrain_expert_slice``
 ``(first, count, total)`` along dim 0, for checkpoints.
 
-Known families (their experts module class -> what the block around it does):
+Known families: the experts module classes the rooms name (``Room.expert_classes``, in
+``meshtrain.families``; ``FAMILIES``), and meshtrain's own ``RoutedExperts``:
 
 ==========================  ==================================================================
 MixtralExperts              Mixtral: softmax -> top-k -> renormalise (router ``gate``)
@@ -29,14 +30,15 @@ from torch import nn
 
 from meshtrain.distributed.topology import Topology
 from meshtrain.errors import ConfigError
+from meshtrain.families.rooms import ROOMS
 from meshtrain.parallel.experts import mark_expert_param
 from meshtrain.parallel.experts.routed import RoutedExperts
 
-FAMILIES = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts")
+FAMILIES: tuple[str, ...] = tuple(c for room in ROOMS for c in room.expert_classes)
 SLICE_ATTR = "meshtrain_expert_slice"
 
 
-def _holds_experts(name: str, module: nn.Module) -> bool:
+def holds_experts(name: str, module: nn.Module) -> bool:
     """An experts container of a family not in FAMILIES: a class named like one, or a
     submodule called ``experts`` (older layouts: an ``nn.ModuleList`` of expert MLPs)."""
     return (
@@ -52,7 +54,7 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if isinstance(module, RoutedExperts) or type(module).__name__ in FAMILIES:
             found.append((name, module))
-        elif _holds_experts(name, module) and not any(name.startswith(f + ".") for f, _ in found):
+        elif holds_experts(name, module) and not any(name.startswith(f + ".") for f, _ in found):
             raise ConfigError(
                 f"mesh.expert_parallel_size: {name} ({type(module).__name__}) holds experts "
                 f"meshtrain cannot shard; expert parallelism supports {', '.join(FAMILIES)} "
@@ -158,5 +160,6 @@ __all__ = [
     "check_expert_counts",
     "check_layout",
     "expert_modules",
+    "holds_experts",
     "remap_parameters",
 ]

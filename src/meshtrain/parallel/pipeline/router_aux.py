@@ -112,7 +112,7 @@ def check_pipeline_moe(model: nn.Module, topology) -> None:
     sums are the replica's); with it each rank's sums are of its sequence shard, combined
     over tp on the last stage (module docstring)."""
     from meshtrain.parallel.experts.routed import RoutedExperts
-    from meshtrain.parallel.experts.shard import FAMILIES, _holds_experts
+    from meshtrain.parallel.experts.shard import FAMILIES, holds_experts
     from meshtrain.parallel.pipeline.module import PipelineModule
 
     pp = topology.pp_size
@@ -126,7 +126,7 @@ def check_pipeline_moe(model: nn.Module, topology) -> None:
                 "transformers Mixtral / Qwen2-MoE / Qwen3-MoE, or set "
                 "pipeline_parallel_size 1"
             )
-        if not known and _holds_experts(name, module):
+        if not known and holds_experts(name, module):
             raise ConfigError(
                 f"mesh.pipeline_parallel_size: {pp} with {name} ({type(module).__name__}): "
                 "pipeline parallelism of MoE layers supports "

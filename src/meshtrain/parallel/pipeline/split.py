@@ -1,10 +1,12 @@
 """Cutting a model whose blocks sit in one ``nn.ModuleList`` into pipeline stages.
 
-A ``Layout`` names, for a model family, the block list, the modules only the first stage
-runs (embeddings) and the modules only the last stage runs (final norm, head; the loss
-is the model's own, computed where the labels go). Known layouts: meshtrain's reference
-decoder, ``transformers`` Llama-style (``model.layers``), GPT-2 (``transformer.h``) and
-BERT (``bert.encoder.layer``); pass your own ``Layout`` for other models.
+A ``Layout`` (``meshtrain.families.layout``) names, for a model family, the block list,
+the modules only the first stage runs (embeddings) and the modules only the last stage
+runs (final norm, head; the loss is the model's own, computed where the labels go). Each
+family's room declares its layout (``meshtrain.families``); ``LAYOUTS`` holds them in room
+order: meshtrain's reference decoder, ``transformers`` Llama-style (``model.layers``),
+GPT-2 (``transformer.h``) and BERT (``bert.encoder.layer``); pass your own ``Layout`` for
+other models.
 
 Stage ``k`` of ``S`` runs the model's own ``forward`` on a shallow copy of the module tree
 in which (1) the block list holds only blocks ``[a_k, b_k)``, (2) on stages after the
@@ -30,66 +32,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from meshtrain.errors import ConfigError
+from meshtrain.families.layout import Layout
+from meshtrain.families.rooms import layouts
 from meshtrain.parallel.pipeline.stand_ins import Input, KeepShard, Zero, replace_first_input
 
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a model family keeps its blocks, its first-stage and its last-stage modules.
-
-    ``first`` maps a module path to its role on later stages: ``"input"`` (returns the
-    received activation), ``"zero"`` (adds nothing, e.g. learned positions) or
-    ``"identity"`` (e.g. an embedding dropout already applied on stage 0). ``body`` is
-    the backbone that stages before the last call instead of the whole model (its first
-    output is the hidden states): a task head may do more than its modules, e.g. a
-    sequence classifier pools the last non-padding token after ``score``.
-    ``sequence_shards``: whether a stage before the last may return a sequence shard under
-    sequence parallelism (False refuses the layout under SP with a pipeline).
-    ``reshapes_after``: the module after which the model's forward reshapes its output to
-    the full length (GPT2Model's ``view(-1, t, d)`` after ``ln_f``, which would fold a
-    ``[b, t/T, d]`` shard into ``b/T`` rows, or fail, on a stage whose final norm is the
-    identity). Under sequence parallelism a stage before the last replaces it with a
-    stand-in that keeps the shard and hands the reshape a full-length zero-stride
-    placeholder (no storage); the stage then returns the kept shard, so what crosses the
-    boundary is still ``b x t/T x d``.
-    """
-
-    blocks: str
-    first: dict[str, str] = field(default_factory=dict)
-    last: tuple[str, ...] = ()
-    body: str | None = None
-    sequence_shards: bool = True
-    reshapes_after: str | None = None
-
-
-LAYOUTS: tuple[Layout, ...] = (
-    Layout("layers", {"embed": "input"}, ("norm", "lm_head")),  # meshtrain Decoder
-    Layout(
-        "model.layers",
-        {"model.embed_tokens": "input"},
-        ("model.norm", "lm_head", "score"),
-        body="model",
-    ),
-    Layout(
-        "transformer.h",
-        {"transformer.wte": "input", "transformer.wpe": "zero", "transformer.drop": "identity"},
-        ("transformer.ln_f", "lm_head", "score"),
-        body="transformer",
-        reshapes_after="transformer.ln_f",
-    ),
-    Layout(
-        "bert.encoder.layer",
-        {"bert.embeddings": "input"},
-        ("bert.pooler", "cls", "classifier"),
-        body="bert",
-    ),
-)
+LAYOUTS: tuple[Layout, ...] = layouts()  # the rooms' layouts, in room order
 
 
 def _get(root: nn.Module, path: str) -> nn.Module | None:

@@ -6,14 +6,15 @@ picked by: it is a flat list of the user's layers (``layers.<i>``), each built f
 layer whose class is a known transformer block gets that block's rows of its family's
 plan, with the family's block prefix (``model.layers.*``, ``transformer.h.*``,
 ``layers.*``) replaced by the module's path. The rows are not written twice: they are
-taken from ``LLAMA``, ``GPT2`` and ``DECODER`` (``rows_under``), so a block shards in a
-PipelineModule exactly as it does inside its own model.
+taken from the family plan the room's ``BlockPlan`` names (``rows_under``), so a block
+shards in a PipelineModule exactly as it does inside its own model. The rooms
+(``meshtrain.families``) declare today:
 
 ==========================================  ===============  ===========================
 block class (``module.qualname``)             family plan      head counts read from
 ==========================================  ===============  ===========================
-transformers ``LlamaDecoderLayer``,           ``LLAMA``        ``self_attn.config``
-``Qwen2DecoderLayer``, ``MistralDecoderLayer``
+transformers ``LlamaDecoderLayer``,           ``LLAMA``'s      ``self_attn.config``
+``Qwen2DecoderLayer``, ``MistralDecoderLayer``  rows
 transformers ``GPT2Block``                    ``GPT2``         ``attn.config``
 meshtrain ``models.decoder.Block``            ``DECODER``      ``attn.n_heads``
 ==========================================  ===============  ===========================
@@ -35,36 +36,20 @@ from __future__ import annotations
 
 from torch import nn
 
-from meshtrain.parallel.tensor.plans import DECODER, GPT2, LLAMA, TPPlan
+from meshtrain.families.block_plan import BlockPlan
+from meshtrain.families.rooms import ROOMS
+from meshtrain.families.tp_plan import TPPlan
 
-_LLAMA_HEADS = {
-    "heads": "self_attn.config.num_attention_heads",
-    "kv_heads": "self_attn.config.num_key_value_heads",
-}
-_LLAMA_LAYERS = (
-    "transformers.models.llama.modeling_llama.LlamaDecoderLayer",
-    "transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer",
-    "transformers.models.mistral.modeling_mistral.MistralDecoderLayer",
-)
-# (block classes, family plan, the family's block prefix, unit sizes inside one block)
-KINDS: tuple[tuple[tuple[str, ...], TPPlan, str, dict[str, str]], ...] = (
-    (_LLAMA_LAYERS, LLAMA, "model.layers.*", _LLAMA_HEADS),
-    (
-        ("transformers.models.gpt2.modeling_gpt2.GPT2Block",),
-        GPT2,
-        "transformer.h.*",
-        {"heads": "attn.config.num_attention_heads"},
-    ),
-    (("meshtrain.models.decoder.Block",), DECODER, "layers.*", {"heads": "attn.n_heads"}),
-)
+# every room's block plans, in room order
+KINDS: tuple[BlockPlan, ...] = tuple(kind for room in ROOMS for kind in room.tp_blocks)
 
 
 def kind_of(module: nn.Module) -> tuple[TPPlan, str, dict[str, str]] | None:
     """``(family plan, block prefix, sizes)`` of a known block class, else None."""
     name = f"{type(module).__module__}.{type(module).__qualname__}"
-    for classes, plan, prefix, sizes in KINDS:
-        if name in classes:
-            return plan, prefix, sizes
+    for kind in KINDS:
+        if name in kind.classes:
+            return kind.plan, kind.prefix, kind.sizes
     return None
 
 

@@ -58,6 +58,9 @@ import fnmatch
 from torch import nn
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.experts.routed import RoutedExperts
+from meshtrain.parallel.experts.shard import FAMILIES, holds_experts
+from meshtrain.parallel.tensor.mappings import reduce_gradient_hook
 
 
 def moe_blocks(model: nn.Module) -> list[str]:
@@ -65,13 +68,10 @@ def moe_blocks(model: nn.Module) -> list[str]:
     module order. An experts module is one of a known family or any module that says it
     holds experts (``parallel.experts.shard``): under tp every family's block stays whole,
     ep or not."""
-    from meshtrain.parallel.experts.routed import RoutedExperts
-    from meshtrain.parallel.experts.shard import FAMILIES, _holds_experts
-
     blocks: list[str] = []
     for name, module in model.named_modules():
         known = isinstance(module, RoutedExperts) or type(module).__name__ in FAMILIES
-        if not (known or _holds_experts(name, module)) or inside(name, blocks):
+        if not (known or holds_experts(name, module)) or inside(name, blocks):
             continue
         parent = name.rpartition(".")[0]
         if not parent:
@@ -117,8 +117,6 @@ def sum_moe_grads_over(model: nn.Module, group) -> bool:
     ``group`` (the tp group) as it is computed; call it after expert sharding, which
     replaces the experts' parameters. The hooks join the ones ``remove_tensor_parallel``
     removes. False (nothing registered) for a model without MoE blocks."""
-    from meshtrain.parallel.tensor.mappings import reduce_gradient_hook
-
     blocks = moe_blocks(model)
     if not blocks or group.size == 1:
         return bool(blocks)
