@@ -46,6 +46,7 @@ from torch import nn
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.tensor import mappings as M
+from meshtrain.parallel.tensor import plans
 from meshtrain.parallel.tensor.cross_entropy import (
     HFLoss,
     causal_lm_loss,
@@ -59,21 +60,18 @@ from meshtrain.parallel.tensor.layers import (
 )
 from meshtrain.parallel.tensor.moe_blocks import inside as in_moe_block
 from meshtrain.parallel.tensor.moe_blocks import match_rows, moe_blocks
-from meshtrain.parallel.tensor.plans import TPPlan, no_plan_message, plan_for, sample_names
 from meshtrain.parallel.tensor.restore import Changes
 from meshtrain.parallel.tensor.rng import RegionRNG
 
 log = logging.getLogger("meshtrain.tensor_parallel")
 _REPLACING = ("embedding", "embedding_to_sequence", "column", "row", "lm_head")
-# the styles after which activations are sequence shards (sequence parallelism needs one)
-SEQUENCE_ENTRIES = ("embedding_to_sequence", "scatter_sequence")
 
 
 def apply_tensor_parallel(
     model: nn.Module,
     topology: Any,
     config: Any = None,
-    plan: TPPlan | None = None,
+    plan: plans.TPPlan | None = None,
     *,
     sequence_parallel: bool | None = None,
     seed: int | None = None,
@@ -91,23 +89,12 @@ def apply_tensor_parallel(
     if sequence_parallel is None:
         sequence_parallel = bool(getattr(section, "sequence_parallel", False))
     if plan is None and getattr(section, "plan", None):
-        plan = TPPlan.from_dict(section.plan)
-    plan = plan or plan_for(model)
+        plan = plans.TPPlan.from_dict(section.plan)
+    plan = plan or plans.plan_for(model)
     if plan is None:
-        raise ConfigError(no_plan_message(model))
-    if sequence_parallel and not plan.sequence_parallel:
-        raise ConfigError(
-            f"tensor_parallel.sequence_parallel: the {plan.name!r} plan does not support "
-            "sequence parallelism; set it to false"
-        )
-    if sequence_parallel and not any(row[1] in SEQUENCE_ENTRIES for row in plan.rows):
-        raise ConfigError(
-            f"tensor_parallel.sequence_parallel: the {plan.name!r} plan has no row that "
-            f"splits the sequence over the tp ranks (a style of {list(SEQUENCE_ENTRIES)}), "
-            "so its row-parallel layers would get whole activations where they expect "
-            "sequence shards; add one at the input embedding (or the first block's input), "
-            "or set sequence_parallel to false"
-        )
+        raise ConfigError(plans.no_plan_message(model))
+    if sequence_parallel:
+        plans.check_sequence_parallel(plan)
     sizes = {k: int(_lookup(model, path, plan.name)) for k, path in plan.sizes.items()}
     _log_padding(sizes, t, plan.name, topology)
 
@@ -128,7 +115,7 @@ def apply_tensor_parallel(
     if empty:
         raise ConfigError(
             f"tensor-parallel plan {plan.name!r}: no module of {type(model).__name__} matches "
-            f"{empty}; module names look like {sample_names(model)}"
+            f"{empty}; module names look like {plans.sample_names(model)}"
         )
     _check_overlaps(matched, plan.name)
     regions = [n for row, names in matched.items() if row[1] == "region" for n in names]
@@ -300,7 +287,7 @@ def _on_input(mod: nn.Module, fn, before=None):
     return mod.register_forward_pre_hook(pre, with_kwargs=True)
 
 
-def _set_loss(model: nn.Module, plan: TPPlan, group, sizes: dict[str, int], changes) -> None:
+def _set_loss(model: nn.Module, plan: plans.TPPlan, group, sizes: dict[str, int], changes) -> None:
     if plan.loss is None:
         return
     vocab = sizes["vocab"]
@@ -316,7 +303,7 @@ def _set_loss(model: nn.Module, plan: TPPlan, group, sizes: dict[str, int], chan
         raise ConfigError(f"plan {plan.name!r}: unknown loss {plan.loss!r}")
 
 
-def _full_logits_in_generate(model: nn.Module, plan: TPPlan, sp: bool, changes) -> None:
+def _full_logits_in_generate(model: nn.Module, plan: plans.TPPlan, sp: bool, changes) -> None:
     """``model.generate`` reads ``logits[:, -1]`` over the whole vocabulary: while it runs
     the LM head all-gathers its vocabulary shards (every tp rank must call it alike)."""
     original = getattr(model, "generate", None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from meshtrain.errors import ConfigError
 from meshtrain.families.bert import BERT, BERT_MLM, BERT_TOKENS
 from meshtrain.families.decoder import DECODER
 from meshtrain.families.gpt2 import GPT2, GPT2_CLASSIFIER
@@ -51,6 +52,27 @@ def plan_for(model: object) -> TPPlan | None:
         if name in plan.classes:
             return plan
     return None
+
+
+# the styles after which activations are sequence shards (sequence parallelism needs one)
+SEQUENCE_ENTRIES = ("embedding_to_sequence", "scatter_sequence")
+
+
+def check_sequence_parallel(plan: TPPlan) -> None:
+    """Refuse ``plan`` under sequence parallelism when it cannot run it."""
+    if not plan.sequence_parallel:
+        raise ConfigError(
+            f"tensor_parallel.sequence_parallel: the {plan.name!r} plan does not support "
+            "sequence parallelism; set it to false"
+        )
+    if not any(row[1] in SEQUENCE_ENTRIES for row in plan.rows):
+        raise ConfigError(
+            f"tensor_parallel.sequence_parallel: the {plan.name!r} plan has no row that "
+            f"splits the sequence over the tp ranks (a style of {list(SEQUENCE_ENTRIES)}), "
+            "so its row-parallel layers would get whole activations where they expect "
+            "sequence shards; add one at the input embedding (or the first block's input), "
+            "or set sequence_parallel to false"
+        )
 
 
 def sample_names(model, limit: int = 12) -> list[str]:
@@ -94,9 +116,11 @@ __all__ = [
     "LLAMA_MOE",
     "PLANS",
     "QWEN3_MOE",
+    "SEQUENCE_ENTRIES",
     "STYLES",
     "Row",
     "TPPlan",
+    "check_sequence_parallel",
     "no_plan_message",
     "plan_for",
     "sample_names",
