@@ -76,6 +76,27 @@ def tiny_pipe_layers(blocks: int = 4, vocab: int = 32, dim: int = 16) -> tuple[l
     return layers, lm_loss
 
 
+class LinearChain(nn.Module):
+    """Four linears with no block list, ``forward(x, labels)`` returning the loss (seed
+    003's shape): a pipeline cuts its traced forward; ``LINEAR_CHAIN_PLAN`` is its tp plan."""
+
+    def __init__(self, seed: int = 7) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 16)
+        self.fc3, self.fc4 = nn.Linear(16, 16), nn.Linear(16, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x, labels):
+        h = self.fc2(torch.tanh(self.fc1(x)))
+        return nn.functional.cross_entropy(self.fc4(torch.tanh(self.fc3(h))), labels)
+
+
+LINEAR_CHAIN_PLAN = {"rows": [["fc1", "column"], ["fc2", "row"], ["fc3", "column"], ["fc4", "row"]]}
+
+
 def tiny_decoder(**overrides: Any):
     """meshtrain's reference ``Decoder``, 4 tied blocks of width 32 (+ overrides)."""
     from meshtrain.models import Decoder, DecoderConfig

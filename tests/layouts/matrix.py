@@ -30,6 +30,8 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+from tests.layouts.refusals import REFUSALS
+
 SIZES = (1, 2, 4)
 WORLD = 8  # the most ranks a layout may use
 STAGES = (0, 1, 2, 3)
@@ -186,6 +188,16 @@ def render(tables: dict[str, list[tuple]] | None = None) -> str:
         sampled = set(SAMPLED.get(name, ()))
         names = [label(lay) + ("*" if label(lay) in sampled else "") for lay in trained(rows)]
         lines += [f"### Trains ({n_train})", "", ", ".join(names)]
+    lines += [
+        "",
+        "## Refused outside the matrix",
+        "",
+        "Pipeline forms and schedules crossed with the other dimensions, each initialized "
+        "on real ranks by `tests/layouts/test_refusals.py` (`tests/layouts/refusals.py`), "
+        "which asserts the line it starts with:",
+        "",
+    ]
+    lines += [f"- {row.what}: `{row.line} ...`" for row in REFUSALS]
     return "\n".join(lines) + "\n"
 
 
