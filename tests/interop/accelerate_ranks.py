@@ -150,13 +150,7 @@ def _train(acc, model, opt, loader, sched, tally, completed: int, skip: int, on_
 def accelerate_writes(out: str) -> dict:
     """accelerate, uninterrupted, saving after ``SAVE_AT`` steps. Returns what follows the
     save (losses, lrs), what the state was at it, and the final weights."""
-    from accelerate.state import AcceleratorState, PartialState
-
-    # a forked rank inherits the test process's accelerate state if an earlier test made
-    # one there (one process, no distributed group): start from a clean one, as a fresh
-    # process does
-    AcceleratorState._reset_state(reset_partial_state=True)
-    PartialState._reset_state()
+    # (a forked rank starts with no accelerate state: tests/conftest.py ends each test's)
     acc, model, opt, loader, sched, tally = _build("accelerate", 0, 0)
     at_save: dict = {}
 
