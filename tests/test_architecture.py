@@ -146,6 +146,13 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "one param group's flat buffers, buckets and master chunks (its packing lives in "
         "packing.py, its master layouts in master_layout.py)",
     ),
+    "meshtrain.parallel.zero.stage": (
+        430,
+        "the ZeRO stage the Engine, the Accelerator and the pipeline call: its parts' "
+        "lifecycle and the whole gradient contract between backward and step (average, "
+        "full gradient, norm, clip, the scale carried), with the expert math in its "
+        "docstring; one part's storage and reduction are part.py's (issue 45)",
+    ),
     "meshtrain.trainer.trainer": (
         420,
         "the Trainer class: transformers' public methods, each delegating to the module of "
@@ -403,3 +410,54 @@ def test_files_are_replaced_through_files_atomic() -> None:
 def test_the_rename_check_sees_a_hand_rolled_replace() -> None:
     source = "import os\ndef f(tmp, p):\n    os.replace(tmp, p)\n    p.rename(tmp)\n    'a'.replace('a', 'b')\n"
     assert _renames("pkg.mod", source) == ["pkg.mod:3 replace", "pkg.mod:4 rename"]
+
+
+# ZeRO's gradient storage, by the attribute names FlatGroup gives it: only parallel/zero
+# reads or writes it; everyone else calls the stage's contract (parallel/zero/stage.py:
+# average_, grad_scale, full_grad, grad_norm, clip_, ...), issue 45.
+ZERO_BUFFERS = {"grad_chunks", "grad_views", "grad_flat", "grad_shard"}
+ZERO_PACKAGE = "meshtrain.parallel.zero"
+
+
+def _zero_guesses(name: str, source: str) -> list[str]:
+    """Reads of ZeRO's gradient buffers (``x.grad_chunks``, ...) and guesses at the shape of
+    the stage (``getattr(zero, "parts", ...)``: the stage is always a composite)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ZERO_BUFFERS:
+            out.append(f"{name}:{node.lineno} .{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == "parts"
+        ):
+            out.append(f'{name}:{node.lineno} {node.func.id}(..., "parts")')
+    return out
+
+
+def test_zero_owns_its_gradient_buffers() -> None:
+    found = [
+        hit
+        for name, path in _modules().items()
+        if name != ZERO_PACKAGE and not name.startswith(ZERO_PACKAGE + ".")
+        for hit in _zero_guesses(name, path.read_text(encoding="utf-8"))
+    ]
+    assert found == [], (
+        f"ZeRO's gradient buffers read outside parallel/zero, or the stage's shape guessed "
+        f"(call the ZeroStage contract instead): {found}"
+    )
+
+
+def test_the_buffer_check_sees_a_read_and_a_guess() -> None:
+    source = (
+        "def f(zero, g):\n    for c in g.grad_chunks:\n        c.mul_(2)\n"
+        "    return getattr(zero, 'parts', None), g.grad_views.items(), g.grad_norm\n"
+    )
+    assert _zero_guesses("pkg.mod", source) == [
+        "pkg.mod:2 .grad_chunks",
+        'pkg.mod:4 getattr(..., "parts")',
+        "pkg.mod:4 .grad_views",
+    ]

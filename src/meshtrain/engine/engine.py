@@ -6,15 +6,16 @@ One step, in order::
     engine(*inputs)        module(*inputs, **kwargs) in the model dtype (as DeepSpeed)
     engine.backward(loss)  backward of loss x scale / (k x f)   (k: accumulation steps,
                            f: gradient pre-division); buckets reduce as they fill;
-                           at the boundary averaged in place (``visible_grads``)
+                           at the boundary averaged in place (``zero.average_``)
     engine.step()          at the accumulation boundary: global gradient norm over every
                            shard -> on inf/NaN skip everywhere and lower the loss scale,
                            else scale by clip / (loss scale x dp / f) and step the fp32
                            masters -> write back (all-gather under ZeRO) -> LR schedule
 
-What is sharded, reduced and gathered, and when, is the ``ZeroStage`` lifecycle
-(``meshtrain.parallel.zero.stage``) that ``parallelize`` built; the Engine calls it in
-the order above and never looks at the stage itself.
+What is sharded, reduced and gathered, and when, and what the gradients carry, is the
+``ZeroStage`` (``meshtrain.parallel.zero.stage``) that ``parallelize`` built; the Engine
+calls its lifecycle and gradient contract in the order above, never looks at the stage
+itself and touches none of its buffers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from meshtrain.distributed.topology import Topology
 from meshtrain.dtypes import PRECISIONS
 from meshtrain.engine.queries import EngineQueries
 from meshtrain.engine.step_log import StepLog
-from meshtrain.engine.visible_grads import attach, finish_reduction
+from meshtrain.engine.visible_grads import attach
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.optim.builders import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
@@ -81,8 +82,6 @@ class Engine(EngineQueries):
         self._step_applied = False
         self._settled = False  # whether the steady collective timeout is in force
         self._global_grad_norm: float | None = None
-        # what this window's reduced gradients were divided by in place (visible_grads)
-        self.grads_divided_by = 1.0
 
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model_parameters or model.parameters())  # a factory
@@ -161,14 +160,14 @@ class Engine(EngineQueries):
         if self.micro_steps % self.gas == 0:
             self.zero.begin_window()
         self.log.add_loss(loss.detach())
-        multiplier = self.scaler.scale / (self.gas * self.zero.predivide)
+        multiplier = self.zero.loss_multiplier(self.scaler.scale, self.gas)
         boundary = self.is_gradient_accumulation_boundary()
         self.zero.before_backward(boundary)
         with self.log.timed("backward"):
             (loss.float() * multiplier).backward()
             self.zero.after_backward()
         if boundary:
-            finish_reduction(self)  # DeepSpeed's p.grad: averaged in place (stages 0-1)
+            self.zero.average_()  # DeepSpeed's p.grad: averaged in place (stages 0-1)
 
     def micro_batches(self, data_iter, m: int) -> list:
         """``m`` batches of ``data_iter`` (None: of the training loader), on device."""
@@ -239,9 +238,7 @@ class Engine(EngineQueries):
         self.zero.before_step()  # reduces once, however often it is called in a window
         self._clip_once = float(max_norm)
         self._norm_once = self._grad_norm()  # gradients are final: step() reuses it
-        return self._norm_once / (
-            self.scaler.scale * self.zero.grad_divisor / self.grads_divided_by
-        )
+        return self._norm_once / self.zero.grad_scale
 
     def _grad_norm(self) -> float:
         if self.pipeline is None:
@@ -306,8 +303,7 @@ class Engine(EngineQueries):
     def _optimizer_step(self) -> None:
         adopt_rebound(self.zero.flat_groups)
         self.zero.before_step()
-        # the reduced gradients are the loss-scaled sum over dp ranks (pre-divided by f)
-        unscale = self.scaler.scale * self.zero.grad_divisor / self.grads_divided_by
+        unscale = self.zero.grad_scale  # loss scale x dp / f, less what was divided already
         # over every stage: clipping and overflow agree on all
         norm = self._grad_norm() if self._norm_once is None else self._norm_once
         clip = self.clip if self._clip_once is None else self._clip_once
@@ -326,8 +322,6 @@ class Engine(EngineQueries):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.zero.after_step()
-        self.grads_divided_by = 1.0
-        self.grads_ready = False
         self.scaler.update(overflow)
         self.global_steps += 1
 

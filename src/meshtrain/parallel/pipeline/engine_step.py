@@ -248,7 +248,7 @@ def run_window(
     with engine.log.timed("forward"):  # forward and backward interleave
         loss = pipe.train_step(
             batches,
-            loss_scale=engine.scaler.scale / zero.predivide,
+            loss_scale=zero.loss_multiplier(engine.scaler.scale, 1),
             after_backward=zero.after_backward if zero.every_backward else None,
             weights=weights,
             loss_fn=loss_fn,
@@ -262,12 +262,11 @@ def attach_stage_gathering(engine) -> None:
     """ZeRO-3: the runtime gathers each stage's units per run of its action list
     (``parallel.zero.pipeline_gather``), built once from the engine's gatherers."""
     pipe: PipelineRuntime = engine.pipeline
-    gatherer = getattr(engine.zero, "gatherer", None)
-    if pipe.gathering is not None or gatherer is None:
+    found = engine.zero.gatherers
+    if pipe.gathering is not None or not found:
         return
     from meshtrain.parallel.zero.pipeline_gather import StageGathering
 
-    found = getattr(gatherer, "gatherers", [gatherer])
     pipe.gathering = StageGathering(found, pipe.stages)
 
 
