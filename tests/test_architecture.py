@@ -118,7 +118,7 @@ KNOWN_TANGLES: list[frozenset[str]] = []
 # until someone looks again and splits it or updates the entry.
 LONG_MODULES: dict[str, tuple[int, str]] = {
     "meshtrain.engine.engine": (
-        533,
+        521,
         "the Engine: one training step and its DeepSpeed-facing members; checkpoint, "
         "async-save and pre-emption members only delegate to checkpoint/ and preemption.py, "
         "and what p.grad holds (DeepSpeed's, the Accelerator's) is visible_grads.py's, "
@@ -131,7 +131,9 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "issue 50); the step log is handed the heartbeat's stragglers (+1 line, issue 47); "
         "save_weights, the member users call to write weights from the ranks, delegates to "
         "pretrained_shards.py (between_steps: its bytes are not a step's), and "
-        "save_16bit_model's safetensors name goes there (+31 lines, issue 46)",
+        "save_16bit_model's safetensors name goes there (+31 lines, issue 46); the "
+        "accumulation window's driver is window.py's, train_batch / eval_batch are "
+        "batches.py's, the gradients' scale the ZeRO stage's (-12 lines, issue 45)",
     ),
     "meshtrain.distributed.ledger": (
         421,
@@ -460,4 +462,45 @@ def test_the_buffer_check_sees_a_read_and_a_guess() -> None:
         "pkg.mod:2 .grad_chunks",
         'pkg.mod:4 getattr(..., "parts")',
         "pkg.mod:4 .grad_views",
+    ]
+
+
+# The accumulation window's one driver (issue 45): only engine/window.py calls the ZeRO
+# stage's per-backward lifecycle; the Engine, the Accelerator and the pipeline go through it.
+WINDOW_CALLS = {"begin_window", "before_backward", "after_backward", "average_", "loss_multiplier"}
+WINDOW_DRIVER = "meshtrain.engine.window"
+
+
+def _window_calls(name: str, source: str) -> list[str]:
+    """Calls ``<...>.zero.<lifecycle>(...)`` or ``zero.<lifecycle>(...)``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        base = node.func.value
+        on_zero = (isinstance(base, ast.Name) and base.id == "zero") or (
+            isinstance(base, ast.Attribute) and base.attr == "zero"
+        )
+        if on_zero and node.func.attr in WINDOW_CALLS:
+            out.append(f"{name}:{node.lineno} zero.{node.func.attr}")
+    return out
+
+
+def test_one_driver_runs_the_accumulation_window() -> None:
+    found = [
+        hit
+        for name, path in _modules().items()
+        if name != WINDOW_DRIVER and not name.startswith(ZERO_PACKAGE + ".")
+        for hit in _window_calls(name, path.read_text(encoding="utf-8"))
+    ]
+    assert found == [], (
+        f"the ZeRO window lifecycle called outside engine/window.py (call engine.window): {found}"
+    )
+
+
+def test_the_window_check_sees_a_second_driver() -> None:
+    source = "def f(engine, zero):\n    engine.zero.begin_window()\n    zero.average_()\n"
+    assert _window_calls("pkg.mod", source) == [
+        "pkg.mod:2 zero.begin_window",
+        "pkg.mod:3 zero.average_",
     ]

@@ -13,10 +13,10 @@ accelerate's contract for ``p.grad`` (DDP underneath), which this module keeps:
 
 How the Engine's machinery is driven (one ``EngineDriver`` per trained model): the
 Engine is built with ``gradient_accumulation_steps = 1`` and the Accelerator decides which
-backward synchronises (accelerate's ``_do_sync`` counting), calling the ZeRO stage's
-lifecycle itself: ``begin_window`` after each step or ``zero_grad``, ``before_backward
-(sync)``, backward of ``loss x loss_multiplier`` (the loss scale over ``f``),
-``after_backward``. The bucketed,
+backward synchronises (accelerate's ``_do_sync`` counting), through the Engine's window
+driver (``engine.window``, the one place the ZeRO lifecycle is called): ``open`` after
+each step or ``zero_grad``, ``before_backward(sync)`` (which returns the loss multiplier,
+the loss scale over ``f``), the backward, ``after_backward(sync)``. The bucketed,
 overlapped reduction into the flat buffer is the engine's, unchanged.
 
 Where the averaging pass goes: the reduction leaves the *sum* over ranks in the flat
@@ -80,20 +80,18 @@ class EngineDriver:
     def before_backward(self, sync: bool) -> float:
         """Open the window if this is its first backward; return the loss multiplier
         (the loss scale over ``f``, ``ZeroStage.loss_multiplier``)."""
-        engine, zero = self.engine, self.engine.zero
+        window = self.engine.window
         if not self.window_open:
-            zero.begin_window()
+            window.open()
             self.window_open = True
         self.touched = False
-        self.reduced_before = zero.window_reduced  # a second reduction in this window?
-        multiplier = zero.loss_multiplier(engine.scaler.scale, 1)
-        zero.before_backward(sync)
-        return multiplier
+        self.reduced_before = self.engine.zero.window_reduced  # a second reduction?
+        return window.before_backward(sync, 1)  # accelerate divided the loss by its steps
 
     def after_backward(self, sync: bool, loss: torch.Tensor) -> None:
         if not self.touched:
             return  # nothing landed and nothing was launched: leave the window as it is
-        engine, zero = self.engine, self.engine.zero
+        engine = self.engine
         if self.stage == 1 and self.reduced_before:
             raise ConfigError(
                 "backward: at ZeRO stage 1 a window's gradient is reduced once, into each "
@@ -103,10 +101,10 @@ class EngineDriver:
                 "the input it reached this model through, or use ZeRO stage 0"
             )
         engine.log.add_loss(loss.detach())
-        zero.after_backward()
         self.synced = self.synced or sync
-        if sync:  # stages 0-1: reduce now and average in place; all: gradients final
-            zero.average_()
+        # sync: stages 0-1 reduce now and average in place; at every stage the gradients
+        # are final then
+        engine.window.after_backward(sync)
 
     def keep_local(self) -> None:
         """Before ``optimizer.step()``: a window whose backwards all ran inside

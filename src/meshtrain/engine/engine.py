@@ -33,9 +33,11 @@ from meshtrain.distributed import comm
 from meshtrain.distributed.timeouts import settle_timeout
 from meshtrain.distributed.topology import Topology
 from meshtrain.dtypes import PRECISIONS
+from meshtrain.engine.batches import eval_batch, train_batch
 from meshtrain.engine.queries import EngineQueries
 from meshtrain.engine.step_log import StepLog
 from meshtrain.engine.visible_grads import attach
+from meshtrain.engine.window import AccumulationWindow
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.optim.builders import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
@@ -103,6 +105,9 @@ class Engine(EngineQueries):
             breakdown=bool(config.wall_clock_breakdown),
             device=self.device,
         )
+        # every way in (backward, the Accelerator, a pipeline's schedule) runs its windows
+        # through this one driver of the ZeRO lifecycle (engine/window.py)
+        self.window = AccumulationWindow(self.zero, self.scaler, self.log, self.gas)
         from meshtrain.engine.flops import attach_mfu
 
         attach_mfu(self.log, model, self.zero, self.device, self.dtype)
@@ -158,16 +163,9 @@ class Engine(EngineQueries):
         if hasattr(loss, "loss"):  # a transformers ModelOutput
             loss = loss.loss
         if self.micro_steps % self.gas == 0:
-            self.zero.begin_window()
+            self.window.open()
         self.log.add_loss(loss.detach())
-        multiplier = self.zero.loss_multiplier(self.scaler.scale, self.gas)
-        boundary = self.is_gradient_accumulation_boundary()
-        self.zero.before_backward(boundary)
-        with self.log.timed("backward"):
-            (loss.float() * multiplier).backward()
-            self.zero.after_backward()
-        if boundary:
-            self.zero.average_()  # DeepSpeed's p.grad: averaged in place (stages 0-1)
+        self.window.backward(loss, self.is_gradient_accumulation_boundary())
 
     def micro_batches(self, data_iter, m: int) -> list:
         """``m`` batches of ``data_iter`` (None: of the training loader), on device."""
@@ -189,15 +187,11 @@ class Engine(EngineQueries):
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from
         ``data_iter`` (default: the training data loader); returns the mean loss on every
         rank. The way to train with pipeline parallelism; works at any mesh."""
-        from meshtrain.parallel.pipeline.engine_step import train_batch
-
         return train_batch(self, data_iter)
 
     def eval_batch(self, data_iter=None, num_micro_batches: int | None = None) -> torch.Tensor:
         """Mean loss over ``num_micro_batches`` (default gradient_accumulation_steps)
         micro-batches of any shapes, without gradients; on every rank."""
-        from meshtrain.parallel.pipeline.engine_step import eval_batch
-
         return eval_batch(self, data_iter, num_micro_batches)
 
     @contextmanager
@@ -228,7 +222,7 @@ class Engine(EngineQueries):
         if not 1 <= micro_batches <= self.gas:
             raise ValueError(f"shorten_window: micro_batches={micro_batches}, not 1..{self.gas}")
         if micro_batches < self.gas:
-            self.zero.begin_window()  # backward() begins windows at multiples of gas only
+            self.window.open()  # backward() opens windows at multiples of gas only
             self.micro_steps += self.gas - micro_batches
 
     def clip_grad_norm_(self, max_norm: float) -> float:
