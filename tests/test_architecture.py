@@ -123,7 +123,7 @@ KNOWN_TANGLES: list[frozenset[str]] = []
 # until someone looks again and splits it or updates the entry.
 LONG_MODULES: dict[str, tuple[int, str]] = {
     "meshtrain.engine.engine": (
-        533,
+        521,
         "the Engine: one training step and its DeepSpeed-facing members; checkpoint, "
         "async-save and pre-emption members only delegate to checkpoint/ and preemption.py, "
         "and what p.grad holds (DeepSpeed's, the Accelerator's) is visible_grads.py's, "
@@ -136,7 +136,9 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "issue 50); the step log is handed the heartbeat's stragglers (+1 line, issue 47); "
         "save_weights, the member users call to write weights from the ranks, delegates to "
         "pretrained_shards.py (between_steps: its bytes are not a step's), and "
-        "save_16bit_model's safetensors name goes there (+31 lines, issue 46)",
+        "save_16bit_model's safetensors name goes there (+31 lines, issue 46); the "
+        "accumulation window's driver is window.py's, train_batch / eval_batch are "
+        "batches.py's, the gradients' scale the ZeRO stage's (-12 lines, issue 45)",
     ),
     "meshtrain.distributed.ledger": (
         421,
@@ -150,6 +152,18 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         408,
         "one param group's flat buffers, buckets and master chunks (its packing lives in "
         "packing.py, its master layouts in master_layout.py)",
+    ),
+    "meshtrain.parallel.zero.part": (
+        406,
+        "one kind of parameters over its replica group: the per-backward lifecycle its "
+        "stage drives (reductions, landing a split backward's gradients, gathers)",
+    ),
+    "meshtrain.parallel.zero.stage": (
+        430,
+        "the ZeRO stage the Engine, the Accelerator and the pipeline call: its parts' "
+        "lifecycle and the whole gradient contract between backward and step (average, "
+        "full gradient, norm, clip, the scale carried), with the expert math in its "
+        "docstring; one part's storage and reduction are part.py's (issue 45)",
     ),
     "meshtrain.trainer.trainer": (
         420,
@@ -455,3 +469,95 @@ def test_files_are_replaced_through_files_atomic() -> None:
 def test_the_rename_check_sees_a_hand_rolled_replace() -> None:
     source = "import os\ndef f(tmp, p):\n    os.replace(tmp, p)\n    p.rename(tmp)\n    'a'.replace('a', 'b')\n"
     assert _renames("pkg.mod", source) == ["pkg.mod:3 replace", "pkg.mod:4 rename"]
+
+
+# ZeRO's gradient storage, by the attribute names FlatGroup gives it: only parallel/zero
+# reads or writes it; everyone else calls the stage's contract (parallel/zero/stage.py:
+# average_, grad_scale, full_grad, grad_norm, clip_, ...), issue 45.
+ZERO_BUFFERS = {"grad_chunks", "grad_views", "grad_flat", "grad_shard"}
+ZERO_PACKAGE = "meshtrain.parallel.zero"
+
+
+def _zero_guesses(name: str, source: str) -> list[str]:
+    """Reads of ZeRO's gradient buffers (``x.grad_chunks``, ...) and guesses at the shape of
+    the stage (``getattr(zero, "parts", ...)``: the stage is always a composite)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ZERO_BUFFERS:
+            out.append(f"{name}:{node.lineno} .{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == "parts"
+        ):
+            out.append(f'{name}:{node.lineno} {node.func.id}(..., "parts")')
+    return out
+
+
+def test_zero_owns_its_gradient_buffers() -> None:
+    found = [
+        hit
+        for name, path in _modules().items()
+        if name != ZERO_PACKAGE and not name.startswith(ZERO_PACKAGE + ".")
+        for hit in _zero_guesses(name, path.read_text(encoding="utf-8"))
+    ]
+    assert found == [], (
+        f"ZeRO's gradient buffers read outside parallel/zero, or the stage's shape guessed "
+        f"(call the ZeroStage contract instead): {found}"
+    )
+
+
+def test_the_buffer_check_sees_a_read_and_a_guess() -> None:
+    source = (
+        "def f(zero, g):\n    for c in g.grad_chunks:\n        c.mul_(2)\n"
+        "    return getattr(zero, 'parts', None), g.grad_views.items(), g.grad_norm\n"
+    )
+    assert _zero_guesses("pkg.mod", source) == [
+        "pkg.mod:2 .grad_chunks",
+        'pkg.mod:4 getattr(..., "parts")',
+        "pkg.mod:4 .grad_views",
+    ]
+
+
+# The accumulation window's one driver (issue 45): only engine/window.py calls the ZeRO
+# stage's per-backward lifecycle; the Engine, the Accelerator and the pipeline go through it.
+WINDOW_CALLS = {"begin_window", "before_backward", "after_backward", "average_", "loss_multiplier"}
+WINDOW_DRIVER = "meshtrain.engine.window"
+
+
+def _window_calls(name: str, source: str) -> list[str]:
+    """Calls ``<...>.zero.<lifecycle>(...)`` or ``zero.<lifecycle>(...)``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        base = node.func.value
+        on_zero = (isinstance(base, ast.Name) and base.id == "zero") or (
+            isinstance(base, ast.Attribute) and base.attr == "zero"
+        )
+        if on_zero and node.func.attr in WINDOW_CALLS:
+            out.append(f"{name}:{node.lineno} zero.{node.func.attr}")
+    return out
+
+
+def test_one_driver_runs_the_accumulation_window() -> None:
+    found = [
+        hit
+        for name, path in _modules().items()
+        if name != WINDOW_DRIVER and not name.startswith(ZERO_PACKAGE + ".")
+        for hit in _window_calls(name, path.read_text(encoding="utf-8"))
+    ]
+    assert found == [], (
+        f"the ZeRO window lifecycle called outside engine/window.py (call engine.window): {found}"
+    )
+
+
+def test_the_window_check_sees_a_second_driver() -> None:
+    source = "def f(engine, zero):\n    engine.zero.begin_window()\n    zero.average_()\n"
+    assert _window_calls("pkg.mod", source) == [
+        "pkg.mod:2 zero.begin_window",
+        "pkg.mod:3 zero.average_",
+    ]

@@ -21,8 +21,8 @@ def _run(kind: str, stage: int, overlap: bool, steps: int = 4):
     z = {"stage": stage, "overlap_param_gather": overlap, "reduce_bucket_size": 2000}
     engine = make_engine(kind, 2, 1, {"zero_optimization": z})
     rank, world = dist.get_rank(), dist.get_world_size()
-    ahead = engine.zero.ahead
-    n_buckets = sum(len(g.buckets) for g in engine.zero.gathered_groups)
+    ahead = engine.zero.dense.ahead  # the one part (no experts)
+    n_buckets = sum(len(g.buckets) for g in engine.zero.dense.gathered_groups)
     checks, losses = [], []
     for step in range(steps):
         x, y = global_batch(kind, step, 2 * world)

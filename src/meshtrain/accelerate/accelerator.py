@@ -346,10 +346,8 @@ class Accelerator(ProcessQueries, StateIO):
             if sync:
                 self._average_plain_grads()
             return
-        engine = drivers[0].engine
-        multiplier = engine.scaler.scale / engine.zero.predivide
-        for d in drivers:
-            d.before_backward(sync)
+        # each engine's stage records its own loss scale; the first one's multiplies
+        multiplier = [d.before_backward(sync) for d in drivers][0]
         (loss.float() * multiplier).backward(**kwargs)
         for d in drivers:
             d.after_backward(sync, loss)

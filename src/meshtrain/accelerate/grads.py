@@ -13,17 +13,18 @@ accelerate's contract for ``p.grad`` (DDP underneath), which this module keeps:
 
 How the Engine's machinery is driven (one ``EngineDriver`` per trained model): the
 Engine is built with ``gradient_accumulation_steps = 1`` and the Accelerator decides which
-backward synchronises (accelerate's ``_do_sync`` counting), calling the ZeRO stage's
-lifecycle itself: ``begin_window`` after each step or ``zero_grad``, ``before_backward
-(sync)``, backward of ``loss x loss scale / f``, ``after_backward``. The bucketed,
+backward synchronises (accelerate's ``_do_sync`` counting), through the Engine's window
+driver (``engine.window``, the one place the ZeRO lifecycle is called): ``open`` after
+each step or ``zero_grad``, ``before_backward(sync)`` (which returns the loss multiplier,
+the loss scale over ``f``), the backward, ``after_backward(sync)``. The bucketed,
 overlapped reduction into the flat buffer is the engine's, unchanged.
 
 Where the averaging pass goes: the reduction leaves the *sum* over ranks in the flat
 buffer; at a synchronising backward at ZeRO stages 0-1 the Engine finishes the reduction
-and multiplies the gradient chunks by ``f / dp`` in place (``visible_grads.finish_reduction``,
-the same call ``engine.backward`` makes at its boundary, DeepSpeed's semantics) and tells
-the step (``engine.grads_divided_by``), whose copy into the fp32 masters then has no
-``1 / dp`` left to apply. Stages 2-3 keep the sum: their gradients live in sharded
+and multiplies the gradient chunks by ``f / dp`` in place (``ZeroStage.average_``, the
+same call ``engine.backward`` makes at its boundary, DeepSpeed's semantics), and the
+stage's ``grad_scale`` says what is left for the step's copy into the fp32 masters (no
+``1 / dp`` any more). Stages 2-3 keep the sum: their gradients live in sharded
 buffers and ``p.grad`` is None after backward, as under accelerate's DeepSpeed plugin.
 
 ZeRO stage 1 follows DeepSpeed (the peer that defines ZeRO; accelerate hands ZeRO to it):
@@ -51,8 +52,6 @@ gives ``averaged + mean(local)``, DDP's result.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from meshtrain.errors import ConfigError
@@ -78,19 +77,21 @@ class EngineDriver:
     def stage(self) -> int:
         return self.engine.zero_stage
 
-    def before_backward(self, sync: bool) -> None:
-        zero = self.engine.zero
+    def before_backward(self, sync: bool) -> float:
+        """Open the window if this is its first backward; return the loss multiplier
+        (the loss scale over ``f``, ``ZeroStage.loss_multiplier``)."""
+        window = self.engine.window
         if not self.window_open:
-            zero.begin_window()
+            window.open()
             self.window_open = True
         self.touched = False
-        self.reduced_before = zero.window_reduced  # a second reduction in this window?
-        zero.before_backward(sync)
+        self.reduced_before = self.engine.zero.window_reduced  # a second reduction?
+        return window.before_backward(sync, 1)  # accelerate divided the loss by its steps
 
     def after_backward(self, sync: bool, loss: torch.Tensor) -> None:
         if not self.touched:
             return  # nothing landed and nothing was launched: leave the window as it is
-        engine, zero = self.engine, self.engine.zero
+        engine = self.engine
         if self.stage == 1 and self.reduced_before:
             raise ConfigError(
                 "backward: at ZeRO stage 1 a window's gradient is reduced once, into each "
@@ -100,12 +101,10 @@ class EngineDriver:
                 "the input it reached this model through, or use ZeRO stage 0"
             )
         engine.log.add_loss(loss.detach())
-        zero.after_backward()
         self.synced = self.synced or sync
-        if sync:  # stages 0-1: reduce now and average in place; all: gradients final
-            from meshtrain.engine.visible_grads import finish_reduction
-
-            finish_reduction(engine)
+        # sync: stages 0-1 reduce now and average in place; at every stage the gradients
+        # are final then
+        engine.window.after_backward(sync)
 
     def keep_local(self) -> None:
         """Before ``optimizer.step()``: a window whose backwards all ran inside
@@ -124,11 +123,7 @@ class EngineDriver:
                 "cannot step on its own gradient; use ZeRO stage 0, or step after a "
                 "synchronising backward"
             )
-        zero.keep_local_window()
-        # the local gradient carries loss scale / predivide; the step divides by
-        # scale x grad_divisor / grads_divided_by, so this leaves exactly the scale
-        self.engine.grads_divided_by = zero.grad_divisor * zero.predivide
-        self.engine.grads_ready = True
+        zero.keep_local_window()  # the step then divides by the loss scale / f only
 
     def after_step(self, scaled: float = 1.0) -> None:
         """Stage 0: ``p.grad`` keeps the step's gradient until ``zero_grad()`` (DDP), in
@@ -139,18 +134,11 @@ class EngineDriver:
         self.synced = False
         if self.stage != 0:
             return
-        for g in self.engine.zero.flat_groups:
-            for p, view in g.grad_views.items():
-                p.grad = view
-            if scaled != 1.0 and g.dtype != torch.float32:
-                for chunk in g.grad_chunks:
-                    chunk.mul_(1.0 / scaled)
+        self.engine.zero.relink_grads(scaled)
 
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()`` at a boundary: the next backward starts a fresh window."""
         self.engine.zero.after_step()  # clears every gradient, reopens the reduction
-        self.engine.grads_divided_by = 1.0
-        self.engine.grads_ready = False
         self.window_open = False
         self.synced = False
 
@@ -164,14 +152,10 @@ class EngineDriver:
                 "window's last backward"
             )
         zero.before_step()  # stages 2-3: nothing left to wait for; 0-1: reduced already
-        unscale = engine.scaler.scale * zero.grad_divisor / engine.grads_divided_by
-        # under ep a rank holds only its experts' gradients: torch's local norm would differ
-        # between ep ranks, so the engine's global one (both kinds, parallel.zero.stages)
-        if self.stage == 0 and getattr(zero, "parts", None) is None:
-            if unscale != 1.0:
-                for g in zero.flat_groups:
-                    for chunk in g.grad_chunks:
-                        chunk.mul_(1.0 / unscale)
+        # stage 0 without experts: torch's own clip on the p.grad views; otherwise (sharded,
+        # or a rank holding only its experts) the engine's global L2 norm
+        if zero.plain_grads:
+            zero.unscale_()
             norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
             value = float(norm)
         else:
@@ -187,13 +171,8 @@ class EngineDriver:
                     "parameter of the model at once (model.parameters()); the sharded "
                     "gradient has no per-parameter norm"
                 )
-            value = engine._grad_norm() / unscale
-            coef = min(1.0, float(max_norm) / (value + 1e-6)) if math.isfinite(value) else 1.0
-            for g in zero.flat_groups:
-                for chunk in g.grad_chunks:
-                    chunk.mul_(coef / unscale)
+            value = zero.clip_(max_norm, engine._grad_norm())
             norm = torch.tensor(value)
-        engine.grads_divided_by = engine.scaler.scale * zero.grad_divisor  # final values
         engine._clip_once = 0.0  # clipped already: the step clips no more
         engine._norm_once = value  # and reports this norm (inf/NaN: the step skips)
         return norm

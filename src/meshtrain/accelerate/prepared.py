@@ -135,7 +135,7 @@ class PreparedOptimizer:
         engine = self._need_engine()
         self.model.driver.keep_local()  # a window all inside no_sync: DDP's local step
         # the loss scale still in the gradients (fp16, unless clip_grad_norm_ unscaled them)
-        scaled = engine.scaler.scale * engine.zero.grad_divisor / engine.grads_divided_by
+        scaled = engine.zero.grad_scale
         engine.step()
         self.model.driver.after_step(scaled)
         self.step_was_skipped = not engine.was_step_applied()

@@ -6,15 +6,16 @@ One step, in order::
     engine(*inputs)        module(*inputs, **kwargs) in the model dtype (as DeepSpeed)
     engine.backward(loss)  backward of loss x scale / (k x f)   (k: accumulation steps,
                            f: gradient pre-division); buckets reduce as they fill;
-                           at the boundary averaged in place (``visible_grads``)
+                           at the boundary averaged in place (``zero.average_``)
     engine.step()          at the accumulation boundary: global gradient norm over every
                            shard -> on inf/NaN skip everywhere and lower the loss scale,
                            else scale by clip / (loss scale x dp / f) and step the fp32
                            masters -> write back (all-gather under ZeRO) -> LR schedule
 
-What is sharded, reduced and gathered, and when, is the ``ZeroStage`` lifecycle
-(``meshtrain.parallel.zero.stage``) that ``parallelize`` built; the Engine calls it in
-the order above and never looks at the stage itself.
+What is sharded, reduced and gathered, and when, and what the gradients carry, is the
+``ZeroStage`` (``meshtrain.parallel.zero.stage``) that ``parallelize`` built; the Engine
+calls its lifecycle and gradient contract in the order above, never looks at the stage
+itself and touches none of its buffers.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from meshtrain.distributed import comm
 from meshtrain.distributed.timeouts import settle_timeout
 from meshtrain.distributed.topology import Topology
 from meshtrain.dtypes import PRECISIONS
+from meshtrain.engine.batches import eval_batch, train_batch
 from meshtrain.engine.queries import EngineQueries
 from meshtrain.engine.step_log import StepLog
-from meshtrain.engine.visible_grads import attach, finish_reduction
+from meshtrain.engine.visible_grads import attach
+from meshtrain.engine.window import AccumulationWindow
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.optim.builders import make_optimizer, make_scheduler
 from meshtrain.parallel.compose import parallelize
@@ -81,8 +84,6 @@ class Engine(EngineQueries):
         self._step_applied = False
         self._settled = False  # whether the steady collective timeout is in force
         self._global_grad_norm: float | None = None
-        # what this window's reduced gradients were divided by in place (visible_grads)
-        self.grads_divided_by = 1.0
 
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model_parameters or model.parameters())  # a factory
@@ -104,6 +105,9 @@ class Engine(EngineQueries):
             breakdown=bool(config.wall_clock_breakdown),
             device=self.device,
         )
+        # every way in (backward, the Accelerator, a pipeline's schedule) runs its windows
+        # through this one driver of the ZeRO lifecycle (engine/window.py)
+        self.window = AccumulationWindow(self.zero, self.scaler, self.log, self.gas)
         from meshtrain.engine.flops import attach_mfu
 
         attach_mfu(self.log, model, self.zero, self.device, self.dtype)
@@ -159,16 +163,9 @@ class Engine(EngineQueries):
         if hasattr(loss, "loss"):  # a transformers ModelOutput
             loss = loss.loss
         if self.micro_steps % self.gas == 0:
-            self.zero.begin_window()
+            self.window.open()
         self.log.add_loss(loss.detach())
-        multiplier = self.scaler.scale / (self.gas * self.zero.predivide)
-        boundary = self.is_gradient_accumulation_boundary()
-        self.zero.before_backward(boundary)
-        with self.log.timed("backward"):
-            (loss.float() * multiplier).backward()
-            self.zero.after_backward()
-        if boundary:
-            finish_reduction(self)  # DeepSpeed's p.grad: averaged in place (stages 0-1)
+        self.window.backward(loss, self.is_gradient_accumulation_boundary())
 
     def micro_batches(self, data_iter, m: int) -> list:
         """``m`` batches of ``data_iter`` (None: of the training loader), on device."""
@@ -190,15 +187,11 @@ class Engine(EngineQueries):
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from
         ``data_iter`` (default: the training data loader); returns the mean loss on every
         rank. The way to train with pipeline parallelism; works at any mesh."""
-        from meshtrain.parallel.pipeline.engine_step import train_batch
-
         return train_batch(self, data_iter)
 
     def eval_batch(self, data_iter=None, num_micro_batches: int | None = None) -> torch.Tensor:
         """Mean loss over ``num_micro_batches`` (default gradient_accumulation_steps)
         micro-batches of any shapes, without gradients; on every rank."""
-        from meshtrain.parallel.pipeline.engine_step import eval_batch
-
         return eval_batch(self, data_iter, num_micro_batches)
 
     @contextmanager
@@ -229,7 +222,7 @@ class Engine(EngineQueries):
         if not 1 <= micro_batches <= self.gas:
             raise ValueError(f"shorten_window: micro_batches={micro_batches}, not 1..{self.gas}")
         if micro_batches < self.gas:
-            self.zero.begin_window()  # backward() begins windows at multiples of gas only
+            self.window.open()  # backward() opens windows at multiples of gas only
             self.micro_steps += self.gas - micro_batches
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -239,9 +232,7 @@ class Engine(EngineQueries):
         self.zero.before_step()  # reduces once, however often it is called in a window
         self._clip_once = float(max_norm)
         self._norm_once = self._grad_norm()  # gradients are final: step() reuses it
-        return self._norm_once / (
-            self.scaler.scale * self.zero.grad_divisor / self.grads_divided_by
-        )
+        return self._norm_once / self.zero.grad_scale
 
     def _grad_norm(self) -> float:
         if self.pipeline is None:
@@ -306,8 +297,7 @@ class Engine(EngineQueries):
     def _optimizer_step(self) -> None:
         adopt_rebound(self.zero.flat_groups)
         self.zero.before_step()
-        # the reduced gradients are the loss-scaled sum over dp ranks (pre-divided by f)
-        unscale = self.scaler.scale * self.zero.grad_divisor / self.grads_divided_by
+        unscale = self.zero.grad_scale  # loss scale x dp / f, less what was divided already
         # over every stage: clipping and overflow agree on all
         norm = self._grad_norm() if self._norm_once is None else self._norm_once
         clip = self.clip if self._clip_once is None else self._clip_once
@@ -326,8 +316,6 @@ class Engine(EngineQueries):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.zero.after_step()
-        self.grads_divided_by = 1.0
-        self.grads_ready = False
         self.scaler.update(overflow)
         self.global_steps += 1
 

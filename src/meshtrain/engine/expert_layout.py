@@ -60,13 +60,11 @@ def expert_specs(engine) -> tuple[dict[int, ShardSpec], int] | None:
 
 def stage0_writers(engine) -> dict[int, tuple[int, int]]:
     """(ranks, this rank's place) that share the writing of each flat group at ZeRO-0, where
-    every replica holds it whole: its replica group (``dp x cp``; ``edp`` for the expert
-    part of a ``ZeroStages``), so each element is written once."""
-    replicas = engine.topology.replica_group
-    parts = getattr(engine.zero, "parts", None)
-    if parts is None:
-        return {id(g): (replicas.size, replicas.rank) for g in engine.zero.flat_groups}
-    return {id(g): (p.replicas.size, p.replicas.rank) for p in parts for g in p.flat_groups}
+    every replica holds it whole: its part's replica group (``dp x cp``; ``edp`` for the
+    expert part), so each element is written once."""
+    return {
+        id(g): (p.replicas.size, p.replicas.rank) for p in engine.zero.parts for g in p.flat_groups
+    }
 
 
 def frozen_split(engine, ep, t: torch.Tensor, key: str, share: int, part: int):

@@ -177,8 +177,7 @@ def memory_report(engine) -> MemoryReport:
             offload_optimizer=offload_opt,
             offload_param=offload_par,
         )
-        parts = getattr(zero, "parts", None)
-        if parts is None:
+        if zero.experts is None:  # one part, over the replicas
             dp = engine.topology.dp_size
             wide = _full_width_numel(zero) if name in _FULL_WIDTH else 0
             formula = model_states_bytes(
@@ -187,7 +186,7 @@ def memory_report(engine) -> MemoryReport:
             if wide:  # embeddings with 32-bit state under an 8-bit optimizer (Trainer)
                 wide_common = {**common, "optimizer": _FULL_WIDTH[name]}
                 formula = formula + model_states_bytes(wide, dp=dp, **wide_common)
-        else:  # expert parallelism: each kind over its own replicas (parallel.zero.stages)
+        else:  # expert parallelism: each kind over its own replicas (parallel.zero.stage)
             formula = _expert_formula(zero, frozen, common)
     # Under tensor parallelism the flat groups hold this rank's shards (sharded weights
     # / tp, replicated norms whole), so the formula over the same local counts is exact.
@@ -204,7 +203,7 @@ def memory_report(engine) -> MemoryReport:
 
 
 def _expert_formula(zero, whole_frozen: dict, common: dict) -> ModelStates:
-    """The formula for each part of a ``ZeroStages`` (this rank's local counts, its own
+    """The formula for each part of a ``ZeroStage`` with experts (this rank's local counts, its own
     data-parallel degree: replicas for the rest, edp for the experts), summed. A part with
     frozen parameters only (frozen experts) holds their bytes alone."""
     from meshtrain.parallel.experts import is_expert_param

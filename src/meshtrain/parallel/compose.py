@@ -68,7 +68,6 @@ from meshtrain.optim.builders import param_groups
 from meshtrain.parallel.experts import is_expert_param
 from meshtrain.parallel.placement import place_model
 from meshtrain.parallel.zero.stage import ZeroStage
-from meshtrain.parallel.zero.stages import ZeroStages, build_zero
 
 
 @dataclass
@@ -78,7 +77,7 @@ class Parallelized:
 
     module: nn.Module
     groups: list[dict]
-    zero: ZeroStage | ZeroStages  # ZeroStages: expert parameters reduced over edp
+    zero: ZeroStage  # one part, or with experts two (the experts reduced over edp)
     pipeline: object | None = None  # PipelineRuntime when pp > 1
 
 
@@ -208,7 +207,7 @@ def parallelize(
     # trainable parameters move into flat buckets (sharded by stage)
     _broadcast(model, topology)
     groups = param_groups(model, model_parameters)
-    return Parallelized(model, groups, build_zero(model, groups, config, topology), pipeline)
+    return Parallelized(model, groups, ZeroStage(model, groups, config, topology), pipeline)
 
 
 def _broadcast(model: nn.Module, topology: Topology) -> None:

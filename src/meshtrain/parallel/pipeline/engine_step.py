@@ -1,4 +1,5 @@
-"""The pipeline's part of the Engine: splitting in ``parallelize`` and ``train_batch``.
+"""The pipeline's part of the Engine: splitting in ``parallelize``, and the schedule of a
+window for ``train_batch`` / ``eval_batch`` (``engine.batches``).
 
 ``split_for_engine`` is ``parallelize``'s step 2: it cuts the model (a
 ``meshtrain.pipe.PipelineModule`` is already cut; any other model is split with
@@ -7,8 +8,9 @@
 ``PipelineRuntime`` that runs them. The storage of the blocks other ranks run is released
 (the model object given to ``initialize`` cannot run whole afterwards).
 
-``train_batch(engine, it)`` pulls ``gradient_accumulation_steps`` micro-batches, runs the
-schedule, and steps once. Under ZeRO 0 and 1 the data-parallel reduction runs once after
+``run_window(engine, batches)`` runs the schedule over one window of micro-batches through
+the Engine's window driver (``engine.window.schedule``); ``engine.train_batch`` pulls the
+micro-batches and steps once after it. Under ZeRO 0 and 1 the data-parallel reduction runs once after
 the schedule (the micro-batches' backwards interleave with forwards, so no backward is
 "the last one"): hooks are told not to reduce, and the step's ``finish`` reduces every
 bucket over the stage's dp group (each stage has its own: ranks ``dp * tp`` apart hold
@@ -25,21 +27,19 @@ shard, ``b x t/T x d`` instead of ``b x t x d`` each way (``SplitStage.forward``
 later stage's blocks on it); every micro-batch's length must divide by ``T``, checked on
 every rank before the schedule starts (``check_sequence_lengths``).
 With dp > 1 each replica pulls its own micro-batches (the data loader deals them by dp
-rank; the stages of one replica must see the same batches) and the returned loss is
-the mean over replicas.
+rank; the stages of one replica must see the same batches); ``engine.batches`` averages
+the loss over the replicas.
 
 The gradient norm and the tied weights' sums across stages are ``grads``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError, TopologyError
 from meshtrain.parallel.pipeline.grads import global_grad_norm, sum_tied_shards
 from meshtrain.parallel.pipeline.runtime import PipelineRuntime
@@ -48,11 +48,10 @@ from meshtrain.parallel.pipeline.schedules import V_SHAPED, stage_rank
 __all__ = [
     "check_pipeline",
     "check_sequence_lengths",
-    "eval_batch",
     "global_grad_norm",
+    "run_eval_window",
     "run_window",
     "split_for_engine",
-    "train_batch",
 ]
 
 
@@ -196,41 +195,6 @@ def local_parameters(model_parameters, module: nn.Module):
     return [p for p in items if id(p) in mine]
 
 
-def _loss_of(out: Any) -> torch.Tensor:
-    return out.loss if hasattr(out, "loss") else out
-
-
-def _forward(engine, batch: Any) -> Any:
-    """``train_batch`` / ``eval_batch`` without a pipeline: a dict batch is the model's
-    keyword arguments, a tuple/list its positional ones, anything else its one argument
-    (the pipeline's rule for what a micro-batch is). ``engine(...)`` itself passes its
-    arguments through untouched, as DeepSpeed's does."""
-    if isinstance(batch, dict):
-        return engine(**batch)
-    if isinstance(batch, list | tuple):
-        return engine(*batch)
-    return engine(batch)
-
-
-def train_batch(engine, data_iter: Iterator | None = None) -> torch.Tensor:
-    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
-    mean loss on every rank. Without a pipeline it is the usual forward/backward/step."""
-    batches = engine.micro_batches(data_iter, engine.gas)
-    pipe: PipelineRuntime | None = engine.pipeline
-    if pipe is None:
-        losses = []
-        for batch in batches:
-            loss = _loss_of(_forward(engine, batch))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float())
-        return _dp_mean(engine, torch.stack(losses).mean())
-    loss = run_window(engine, batches)
-    engine.log.add_loss(loss)
-    engine.step()
-    return _dp_mean(engine, loss)
-
-
 def run_window(
     engine, batches: list, weights: list[float] | None = None, loss_fn=None
 ) -> torch.Tensor:
@@ -248,19 +212,21 @@ def run_window(
     zero = engine.zero
     attach_stage_gathering(engine)
     engine.shorten_window(1)  # the schedule runs the whole window; the next step() ends it
-    zero.begin_window()
-    # ZeRO 0-1: reduce once, after the schedule; ZeRO 2: after every micro-batch's
-    # backward (no rank keeps a full gradient to accumulate into)
-    zero.before_backward(False)
-    with engine.log.timed("forward"):  # forward and backward interleave
-        loss = pipe.train_step(
+
+    def schedule(loss_scale: float, after_backward) -> torch.Tensor:
+        # ZeRO 0-1: reduce once, after the schedule; ZeRO 2: after every micro-batch's
+        # backward (no rank keeps a full gradient to accumulate into): the window's rule
+        return pipe.train_step(
             batches,
-            loss_scale=engine.scaler.scale / zero.predivide,
-            after_backward=zero.after_backward,
+            loss_scale=loss_scale,
+            after_backward=after_backward,
             weights=weights,
             loss_fn=loss_fn,
             tied_summed=zero.every_backward,
         )
+
+    with engine.log.timed("forward"):  # forward and backward interleave
+        loss = engine.window.schedule(schedule)
     if zero.every_backward:
         sum_tied_shards(pipe.tied, zero, engine.topology.dp_group)
     return loss
@@ -270,12 +236,11 @@ def attach_stage_gathering(engine) -> None:
     """ZeRO-3: the runtime gathers each stage's units per run of its action list
     (``parallel.zero.pipeline_gather``), built once from the engine's gatherers."""
     pipe: PipelineRuntime = engine.pipeline
-    gatherer = getattr(engine.zero, "gatherer", None)
-    if pipe.gathering is not None or gatherer is None:
+    found = engine.zero.gatherers
+    if pipe.gathering is not None or not found:
         return
     from meshtrain.parallel.zero.pipeline_gather import StageGathering
 
-    found = getattr(gatherer, "gatherers", [gatherer])
     pipe.gathering = StageGathering(found, pipe.stages)
 
 
@@ -297,29 +262,11 @@ def check_sequence_lengths(engine, batches: list) -> None:
             )
 
 
-def _dp_mean(engine, loss: torch.Tensor) -> torch.Tensor:
-    """The loss averaged over data-parallel replicas (each ran its own micro-batches)."""
-    dp = engine.topology.dp_group
-    if dp.size > 1:
-        loss = loss.clone()
-        comm.all_reduce(loss, dp, label="control")
-        loss /= dp.size
-    return loss
-
-
 @torch.no_grad()
-def eval_batch(engine, data_iter: Iterator | None = None, num_micro_batches: int | None = None):
-    """Mean loss over ``num_micro_batches`` (default gradient_accumulation_steps)
-    micro-batches of any shapes, on every rank; no gradients, parameters unchanged."""
-    batches = engine.micro_batches(data_iter, num_micro_batches or engine.gas)
-    pipe: PipelineRuntime | None = engine.pipeline
-    if pipe is not None:
-        check_sequence_lengths(engine, batches)
-        attach_stage_gathering(engine)
-        return _dp_mean(engine, pipe.eval_step(batches))
-    was = engine.module.training
-    engine.module.eval()
-    try:
-        return torch.stack([_loss_of(_forward(engine, b)).detach().float() for b in batches]).mean()
-    finally:
-        engine.module.train(was)
+def run_eval_window(engine, batches: list) -> torch.Tensor:
+    """The schedule's forwards over ``batches`` without gradients (``eval_step``); this
+    replica's mean loss on every pp rank."""
+    pipe: PipelineRuntime = engine.pipeline
+    check_sequence_lengths(engine, batches)
+    attach_stage_gathering(engine)
+    return pipe.eval_step(batches)

@@ -9,7 +9,8 @@ schedule (and the data-parallel reduction) of a step:
   it over the holders before the data-parallel reduction (``2 x`` its bytes). Under
   ZeRO 2 ``.grad`` is gone after each backward's reduce-scatter: a rank keeps only the
   part of the tied weight inside its owned chunks, and holders lay their buckets out
-  differently, so ``sum_tied_shards`` rebuilds the weight's full gradient first: each dp
+  differently, so ``sum_tied_shards`` rebuilds the weight's full gradient first (the ZeRO
+  stage does, ``ZeroStage.sum_tied_grad``: its buffers are its own): each dp
   rank writes its owned part into a zero tensor of the weight's size, an all-reduce over
   dp assembles it (the parts are disjoint and cover the weight), an all-reduce over the
   holders sums it, and each rank copies its owned part back. Bytes: ``2 x`` the tied
@@ -29,56 +30,24 @@ import torch
 from meshtrain.distributed import comm
 
 
-def owned_views(zero, param: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
-    """``(view into this rank's reduced gradient chunk, slice of param.view(-1))`` for the
-    elements of ``param`` whose reduced gradient this rank holds (all of them without
-    ZeRO, a dp-th share with it); empty when ``param`` is in no flat group."""
-    for g in zero.flat_groups:
-        bucket = g.bucket_of.get(param)
-        if bucket is None:
-            continue
-        off = next(o for q, o in zip(bucket.params, bucket.offsets, strict=True) if q is param)
-        n = g.shapes[param].numel()
-        lo, hi = g.owned_range(bucket)
-        a, z = max(off, bucket.start + lo), min(off + n, bucket.start + hi)
-        if a >= z:
-            return []
-        chunk = g.grad_chunks[bucket.index]
-        base = bucket.start + lo
-        return [(chunk[a - base : z - base], slice(a - off, z - off))]
-    return []
-
-
 def sum_tied_shards(tied, zero, dp_group) -> None:
-    """ZeRO 2: sum each tied weight's reduced gradient over its holders (module doc)."""
+    """ZeRO 2: sum each tied weight's reduced gradient over its holders (module doc;
+    ``ZeroStage.sum_tied_grad``)."""
     for param, group in tied:
-        parts = owned_views(zero, param)
-        full = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
-        for view, where in parts:
-            full[where] = view
-        if dp_group.size > 1:
-            comm.all_reduce(full, dp_group, label="pp_tied")
-        comm.all_reduce(full, group, label="pp_tied")
-        for view, where in parts:
-            view.copy_(full[where])
+        zero.sum_tied_grad(param, group, dp_group)
 
 
 def global_grad_norm(pipe, zero) -> float:
     """Gradient norm over every stage (see the module docstring); inf/NaN if any rank's is.
 
-    A tied weight's reduced gradient is zeroed on its later holders while this rank's
-    norm is taken, then put back, so it counts once without subtracting squares (which
-    would cancel in fp32).
+    A tied weight's reduced gradient is left out on its later holders
+    (``ZeroStage.grad_norm``'s ``leave_out``), so it counts once without subtracting
+    squares (which would cancel in fp32).
     """
-    later = [v for t, group in pipe.tied if group.rank > 0 for v, _ in owned_views(zero, t)]
-    saved = [v.clone() for v in later]
-    for v in later:
-        v.zero_()
-    sq = torch.tensor(zero.grad_norm(), dtype=torch.float64) ** 2
-    for v, keep in zip(later, saved, strict=True):
-        v.copy_(keep)
+    later = [t for t, group in pipe.tied if group.rank > 0]
+    sq = torch.tensor(zero.grad_norm(leave_out=later), dtype=torch.float64) ** 2
     comm.all_reduce(sq, pipe.group, label="control")
     return float(sq.sqrt())
 
 
-__all__ = ["global_grad_norm", "owned_views", "sum_tied_shards"]
+__all__ = ["global_grad_norm", "sum_tied_shards"]

@@ -61,12 +61,14 @@ def _complement(spans: list[tuple[int, int]], owned: tuple[int, int]) -> list[tu
     return out
 
 
-def local_square_sum(flat_groups, spans: tuple[Spans, Spans], tp: int, device) -> torch.Tensor:
-    """This rank's share of ``||g||^2`` (see the module docstring), fp64."""
+def local_square_sum(chunks, spans: tuple[Spans, Spans], tp: int, device) -> torch.Tensor:
+    """This rank's share of ``||g||^2`` (see the module docstring), fp64. ``chunks``: per
+    flat group, this rank's gradient chunk of each bucket (ZeRO hands them over: the
+    buffers are its own)."""
     sharded_spans_, rest_spans = spans
     parts, weights = [], []
-    for g, sh, rest in zip(flat_groups, sharded_spans_, rest_spans, strict=True):
-        for chunk, s_spans, r_spans in zip(g.grad_chunks, sh, rest, strict=True):
+    for group_chunks, sh, rest in zip(chunks, sharded_spans_, rest_spans, strict=True):
+        for chunk, s_spans, r_spans in zip(group_chunks, sh, rest, strict=True):
             for spans_, w in ((s_spans, 1.0), (r_spans, 1.0 / tp)):
                 for a, z in spans_:
                     parts.append(torch.linalg.vector_norm(chunk[a:z], dtype=torch.float32))

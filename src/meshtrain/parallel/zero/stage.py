@@ -1,226 +1,359 @@
-"""The data-parallel / ZeRO stage as one object with a small lifecycle.
+"""The ZeRO stage the Engine, the Accelerator and the pipeline call: the whole contract
+for the gradients between backward and the optimizer step, over one part per kind of
+parameter (``ZeroPart``: a model without experts is one part).
 
-The Engine does not branch on the stage. It calls, for every micro-step and step::
+The contract (nothing outside ``parallel/zero`` reads or writes a gradient buffer)::
 
-    begin_window()          first micro-step of an accumulation window
-    before_backward(b)      b: is this the window's last micro-step?
-    <loss.backward()>       gradient buckets reduce as they fill (GradReducer)
-    after_backward()        stages 2-3: finish the reductions now (no rank keeps a full
-                            gradient to accumulate into), free ZeRO-3 units
-    before_step()           stages 0-1: finish the reductions (they ran on the boundary
-                            backward only)
-    grad_norm()             L2 norm of the reduced gradients over every shard
-    step(optimizer, f)      masters get gradient x f, the optimizer steps, the updated
-                            chunks are written back and their all-gathers launched
-                            (stages 1-2); with overlap_param_gather each bucket is waited for just
-                            before the next forward first uses it (``gather_ahead``)
-    after_step()            clear gradients for the next window
+    loss_multiplier(s, k)   what a backward multiplies its loss by: the loss scale ``s``
+                            over ``k`` micro-steps and the pre-division ``f``; remembers ``s``
+    begin_window() / before_backward(b) / after_backward()     the reduction (``ZeroPart``)
+    average_()              a synchronising backward's end: stages 0-1 finish the
+                            reduction and divide by ``dp / f`` in place, so ``p.grad`` is
+                            the data-parallel mean (DeepSpeed's and DDP's contract)
+    grad_scale              the one number the gradients in the buffers carry now over
+                            the true (averaged, unscaled) gradient: ``s x (dp / f) /
+                            (what was divided in place)``; 1.0 once unscaled or clipped
+    full_grad(p)            the whole averaged gradient of one parameter (a collective)
+    grad_norm(leave_out)    the global L2 norm over every shard and part (still scaled)
+    unscale_() / clip_(c)   in place: divide by ``grad_scale``; and clip to norm ``c``
+    step(optimizer, f) / after_step()                         the masters step, a new window
 
-and ``gathered(module)`` wherever whole parameters are needed (evaluation, export,
-``module_state_dict``): a no-op below stage 3. The storage and bytes of each stage are
-``meshtrain.parallel.zero.plan``'s table; the reduction is ``grad_reducer``'s; stage-3
-gathering is ``stage3``'s.
+Why one number. The reduced gradient is ``s x (dp / f) x g`` after the reduction and
+``s x g`` once averaged in place (``average_``), ``g`` after ``unscale_`` or ``clip_``; the
+step divides by what is left (``1 / grad_scale``) on its way into the fp32 masters, a pass
+it makes anyway, so no extra pass is added and none is made twice.
 
-Gradient pre-division (``prescale_gradients`` / ``gradient_predivide_factor``, DeepSpeed's
-keys): each rank's gradients are divided by ``f`` (``dp`` with prescale) *before* the
-reduction, which keeps fp16 sums in range, and the rest of the ``1 / dp`` average after
-it. Gradients are linear in the loss, so the division rides on the backward's loss
-multiplier (``predivide``) and the rest on the step's single scaling pass
-(``grad_divisor = dp / f``): no extra pass over the gradients.
+Two kinds of parameters. With expert parallelism (``mesh.expert_parallel_size`` = ``ep``
+> 1) a rank holds two kinds of trainable parameters (``is_expert_param``):
+
+==============  ==========================  ========================  ====================
+kind            the same copy lives on      reduced / ZeRO-sharded    gradient divided by
+==============  ==========================  ========================  ====================
+non-expert      dp x cp ranks (replicas)    over ``replica_group``    ``dp x cp``
+expert          dp x cp / ep ranks (edp)    over ``edp``              ``dp x cp`` (not edp)
+==============  ==========================  ========================  ====================
+
+Why the expert divisor is ``dp x cp``. Let ``W = dp x cp`` ranks each compute their loss
+``L_r`` as the mean over their own tokens, so the single-process loss over the same
+(equally split) batch is ``L = (1/W) sum_r L_r`` and ``dL/dw = (1/W) sum_r dL_r/dw``.
+A non-expert weight sees only its own rank's tokens: its local gradient is ``dL_r/dw``,
+summed over the W replicas and divided by W. An expert ``e`` lives on one ep rank ``j``
+of each ep group; the token all-to-all brings it the tokens of every rank ``r`` of that ep
+group, and its backward returns ``dL_r/dy`` to it from each of them, so the local
+gradient on ``j`` is already ``sum_{r in ep group} dL_r/dw_e``. Summing that over the
+edp replicas of ``j`` (one per ep group; the ep groups partition the W ranks) gives
+``sum_{all W ranks} dL_r/dw_e``: the same sum as a non-expert weight's, so the same
+divisor ``W`` gives ``dL/dw_e`` exactly. Dividing by edp instead (``W / ep``) would scale
+the expert gradients up by ``ep``. Both kinds therefore share one ``grad_divisor`` and
+one ``predivide`` (one backward multiplier and one scaling pass), and no caller knows
+of experts.
+
+Global-norm clipping: ``|g|^2 = |g_non-expert|^2 + |g_expert|^2``. The non-expert part is
+each rank's owned chunks summed over the replicas (when sharded), the same on every rank.
+The expert part is summed over edp (when sharded) and then over the ep group, whose ranks
+hold *different* experts; nothing is counted twice because an ep group holds each expert
+once and edp shards are disjoint. Two scalar all-reduces, recorded under ``control``.
+
+Bytes per optimizer step (``plan.comm_bytes_theory`` per part): the non-expert part's
+under the ``dp`` (or ``dp_cp``) group, the expert part's under ``edp``, with ``Psi`` each
+part's padded flat size; an ``edp`` of one rank (``ep = dp x cp``) moves nothing.
+
+No hang under any routing. Reductions of expert gradients are launched only at the end
+of backward (``finish``), bucket by bucket in a fixed order: which expert buckets fill
+during backward depends on this rank's routing, so launching them as they fill would
+order the collectives differently on different ranks (the ZeRO-3 deadlock of
+DeepSpeed#4808). A bucket whose expert got no token contributes zeros. Under ZeRO-3 the
+expert weights are gathered over edp by the same unit hooks as the rest (a unit is a
+block, which every rank runs whatever its routing), so every rank gathers every unit it
+owns.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+import math
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import nn
 
 from meshtrain.distributed import comm
 from meshtrain.distributed.topology import Group, Topology
-from meshtrain.dtypes import PRECISIONS
-from meshtrain.errors import TrainingError
-from meshtrain.parallel.zero.gather_ahead import GatherAhead
-from meshtrain.parallel.zero.grad_reducer import GradReducer
-from meshtrain.parallel.zero.plan import build_plan, comm_bytes_theory
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.experts import is_expert_param
+from meshtrain.parallel.zero.gatherers import Gatherers
+from meshtrain.parallel.zero.part import ZeroPart
+
+
+def kind_groups(groups: list[dict], expert: bool) -> tuple[list[dict], list[int]]:
+    """The groups restricted to one kind, the empty ones dropped, and their indices."""
+    kept, index = [], []
+    for i, g in enumerate(groups):
+        params = [p for p in g["params"] if is_expert_param(p) == expert]
+        if params:
+            kept.append({**g, "params": params})
+            index.append(i)
+    return kept, index
 
 
 class ZeroStage:
-    """Flat groups, gradient reducer and (stage 3) gatherer of one model, and their order."""
+    """The model's ZeRO stage: one ``ZeroPart`` over ``topology.replica_group``, or, when
+    ``ep > 1`` and some parameters are experts, one for the non-expert parameters and one
+    for the experts (over ``edp``, divided by dp x cp), behind one lifecycle and the
+    gradient contract (module docstring)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        groups: list[dict],
-        config,
-        topology: Topology,
-        replicas: Group | None = None,
-        *,
-        average_over: int | None = None,
-        across: Group | None = None,
-        frozen_select=None,
-        overlap: bool | None = None,
-    ) -> None:
-        """``replicas``: the ranks holding the same copy of these parameters (reduced and
-        sharded over); ``average_over``: the divisor that turns the reduced sum into the
-        single-process gradient (default ``replicas.size``; expert parameters reduce over
-        edp but divide by dp x cp, ``zero.stages``); ``across``: a group whose ranks hold
-        *different* parameters of this kind, whose squared gradient norms add up (the ep
-        group for experts); ``frozen_select``: which frozen parameters stage 3 shards here
-        (default all); ``overlap``: launch reductions as buckets fill (default
-        ``overlap_comm``)."""
-        z = config.zero_optimization
-        self.stage = int(z.stage)
+    def __init__(self, model: nn.Module, groups: list[dict], config, topology: Topology) -> None:
+        self.stage = int(config.zero_optimization.stage)
         self.topology = topology
-        # the ranks holding the same copy of these parameters: dp x cp for the model's
-        # weights (cp ranks see other chunks of the same rows), edp for expert weights
-        self.replicas = replicas = replicas or topology.replica_group
-        self.across = across
-        plan = build_plan(
-            model, groups, config, topology, self.stage, replicas, frozen_select=frozen_select
-        )
-        self.per_group = plan.per_group
-        self.flat_groups = plan.flat_groups
-        self.gatherer = plan.gatherer
-        self.frozen_groups = plan.frozen_groups  # stage 3: frozen parameters' shards
-        # stage 3 under a pipeline keeps a stage whole over its run of the action list, so
-        # its gradients accumulate in .grad and are reduced once after the schedule
-        # (``pipeline_gather``), like stages 0-1; stage 2 (and 3 alone) every backward
-        self.every_backward = self.stage == 2 or (self.stage == 3 and topology.pp_size == 1)
-        self._window_reduced = False  # stages 0-1: before_step already finished the reduction
-        self._reduced_once = False  # gradient storage starts unwritten (FlatGroup._init_grads)
-        dp = average_over or replicas.size
-        self.predivide = float(
-            dp if config.prescale_gradients else config.gradient_predivide_factor
-        )
-        self.grad_divisor = dp / self.predivide
-        comm_dtype = config.communication_data_type
-        self.comm_dtype = PRECISIONS[comm_dtype] if comm_dtype else None
-        names = {p: n for n, p in reversed(list(model.named_parameters()))}
-        gatherer = self.gatherer
-        self.reducer = GradReducer(
-            self.flat_groups,
-            replicas,
-            overlap=bool(z.overlap_comm if overlap is None else overlap),
-            comm_dtype=self.comm_dtype,
-            ignore_unused=bool(z.ignore_unused_parameters),
-            names=names,
-            on_reduced=(lambda g, b: gatherer.release_bucket(g, b)) if gatherer else None,
-        )
-        # stages 1-2 (and stage 3's whole parameters): all-gathered after every step
-        self.gathered_groups = [g for g in self.flat_groups if g.sharded and not g.shard_params]
-        self.ahead = (
-            GatherAhead(model, self.gathered_groups, replicas)
-            if z.overlap_param_gather and self.gathered_groups and replicas.size > 1
-            else None
-        )
-        self.tp_spans = None  # tensor parallelism: which gradient spans are sharded over tp
-        if topology.tp_size > 1:
-            from meshtrain.parallel.tensor.grad_norm import sharded_spans
-            from meshtrain.parallel.tensor.sharding import sharded_parameter_ids
+        self.dense: ZeroPart | None = None
+        self.experts: ZeroPart | None = None  # None: no expert part (ep 1, or no experts)
+        # frozen experts count too: under ZeRO-3 they are sharded over edp, never over dp
+        has_experts = any(is_expert_param(p) for p in model.parameters())
+        if topology.ep_size == 1 or not has_experts:
+            self.dense = ZeroPart(model, groups, config, topology)
+            self.parts: list[ZeroPart] = [self.dense]
+            self.per_group = self.dense.per_group
+        else:
+            self.parts = self._expert_parts(model, groups, config, topology)
+        first = self.parts[-1]  # the expert part when there is one (its divisor is dp x cp)
+        self.every_backward = first.every_backward
+        self.predivide = first.predivide
+        self.grad_divisor = first.grad_divisor
+        assert all(p.grad_divisor == self.grad_divisor for p in self.parts)
+        # the ranks holding the same copy of the model's (non-expert) weights
+        self.replicas: Group = topology.replica_group if self.dense is None else self.dense.replicas
+        self.flat_groups = [fg for part in self.parts for fg in part.flat_groups]
+        self.frozen_groups = [fg for part in self.parts for fg in part.frozen_groups]
+        found = self.gatherers
+        # one part: its own gatherer (its units, its bytes); two: both behind one face
+        self.gatherer = (found[0] if len(self.parts) == 1 else Gatherers(found)) if found else None
+        self._loss_scale = 1.0  # the loss scale the window's backwards used
+        self._divided_by = 1.0  # what the reduced gradients were divided by in place since
+        # from a synchronising backward until the step: the gradients are final (DeepSpeed's
+        # safe_get_full_grad interval)
+        self.grads_ready = False
 
-            self.tp_spans = sharded_spans(self.flat_groups, sharded_parameter_ids(model))
+    def _expert_parts(self, model, groups, config, topology: Topology) -> list[ZeroPart]:
+        dense, dense_index = kind_groups(groups, expert=False)
+        experts, expert_index = kind_groups(groups, expert=True)
+        replicas = topology.replica_group
+        parts = []
+        if dense:
+            self.dense = ZeroPart(
+                model,
+                dense,
+                config,
+                topology,
+                replicas,
+                frozen_select=lambda p: not is_expert_param(p),
+            )
+            parts.append(self.dense)
+        self.experts = ZeroPart(
+            model,
+            experts,
+            config,
+            topology,
+            topology.group("edp"),
+            average_over=replicas.size,  # the single-process gradient (module docstring)
+            across=topology.group("ep"),  # other ep ranks hold other experts
+            frozen_select=is_expert_param,
+            overlap=False,  # routing-dependent fill order must not order collectives
+        )
+        parts.append(self.experts)
+        per_group: list[list] = [[] for _ in groups]
+        for part, index in ((self.dense, dense_index), (self.experts, expert_index)):
+            if part is not None:
+                for i, fgs in zip(index, part.per_group, strict=True):
+                    per_group[i].extend(fgs)
+        self.per_group = per_group
+        return parts
 
-    # the lifecycle ---------------------------------------------------------------------------
+    @property
+    def gatherers(self) -> list:
+        """Stage 3: each part's ``ParamGatherer`` (empty below stage 3, or once released)."""
+        return [p.gatherer for p in self.parts if p.gatherer is not None]
+
+    # the lifecycle: every part, in a fixed order ------------------------------------------
     def wait_params(self) -> None:
-        """Finish the parameter all-gathers the last step launched (a no-op when none)."""
-        if self.ahead is not None:
-            self.ahead.wait_all()
+        for part in self.parts:
+            part.wait_params()
 
     def begin_window(self) -> None:
-        self.wait_params()  # a forward that skipped some modules, or the pipeline's window
-        self.reducer.begin_window()
+        for part in self.parts:
+            part.begin_window()
+
+    def loss_multiplier(self, loss_scale: float, micro_steps: int) -> float:
+        """What a backward multiplies its loss by: ``loss_scale / (micro_steps x f)``
+        (``f``: the pre-division, module docstring of ``part``); ``loss_scale`` is what
+        the gradients then carry (``grad_scale``)."""
+        self._loss_scale = loss_scale
+        return loss_scale / (micro_steps * self.predivide)
 
     def before_backward(self, boundary: bool) -> None:
-        self.wait_params()
-        self.reducer.begin_backward(self.every_backward or boundary)
+        for part in self.parts:
+            part.before_backward(boundary)
 
     def after_backward(self, written=()) -> None:
-        """``written``: parameters whose ``.grad`` was set without autograd's accumulation
-        hooks (a pipeline's ZB-H1 weight step), for the unused-parameter check."""
-        if written:
-            self.reducer.note_written(written)
-            # full gradients (stages 0-1): into the flat buffer now, as the hook does for
-            # autograd's, so the next micro-batch's ``+=`` lands in place; left until the
-            # window's reduction they were a second copy of the stage's gradients (a zbv
-            # rank's peak RSS 1.07x torch's on the 69M decoder, bench_pipeline)
-            for g in self.flat_groups:
-                for p in written:
-                    g.land_grad(p)
-        if self.every_backward:
-            self.reducer.finish()
-            self._reduced_once = True
-            if self.gatherer is not None:
-                self.gatherer.release_all()  # units whose parameters got no gradient
+        for part in self.parts:
+            part.after_backward(written)
 
     def before_step(self) -> None:
-        """Finish the window's reduction (stages 0-1; 2-3 reduced in every backward). Safe to
-        call twice in a window: a gradient-norm query before the step (``clip_grad_norm_``)
-        and the step itself both call it, and the buckets are reduced once."""
-        if not self.every_backward and not self._window_reduced:
-            self.reducer.finish()  # lands zeros for parameters that got no gradient
-            self._window_reduced = True
-        elif self.every_backward and not self._reduced_once:
-            for g in self.flat_groups:  # a step before any backward: zero gradients
-                g.zero_grad_storage()
-        self._reduced_once = True
+        for part in self.parts:
+            part.before_step()
 
-    def grad_norm(self) -> float:
-        """L2 norm of the reduced gradients over every rank's owned chunks (inf/NaN if any
-        overflowed); the scalar all-reduce is recorded under ``control``. Under tensor
-        parallelism replicated parameters count once (``parallel.tensor.grad_norm``)."""
-        return float(self.grad_square_sum().sqrt())
-
-    def grad_square_sum(self) -> torch.Tensor:
-        """Sum of squares of the reduced gradients of these parameters over every shard
-        (summed over tp, the replicas when sharded, and ``across``), a 0-d fp32 tensor."""
-        device = self.topology.device
-        if self.tp_spans is not None:
-            from meshtrain.parallel.tensor.grad_norm import local_square_sum
-
-            sq = local_square_sum(self.flat_groups, self.tp_spans, self.topology.tp_size, device)
-            comm.all_reduce(sq, self.topology.tp_group, label="control")
-        else:
-            parts = [
-                torch.linalg.vector_norm(c, dtype=torch.float32)
-                for g in self.flat_groups
-                for c in g.grad_chunks
-            ]
-            sq = torch.stack(parts).pow(2).sum() if parts else torch.zeros((), device=device)
-        if any(g.sharded for g in self.flat_groups):
-            comm.all_reduce(sq, self.replicas, label="control")
-        if self.across is not None:  # other ranks hold other parameters of this kind
-            comm.all_reduce(sq, self.across, label="control")
-        return sq
+    def keep_local_window(self) -> None:
+        """Stage 0, a window whose backwards all ran inside ``no_sync`` and that is stepped
+        (local SGD): nothing is reduced, the step uses this rank's own gradient, which
+        carries the loss scale over ``f`` only (``grad_scale``)."""
+        if self.experts is not None:
+            # an expert's gradient already sums the tokens of its whole ep group (the
+            # all-to-all), so "this rank's own gradient" has no meaning for it
+            raise ConfigError(
+                "optimizer.step() after backward passes all inside no_sync (local SGD): under "
+                "expert parallelism an expert's gradient holds its ep group's tokens, not this "
+                "rank's; set mesh.expert_parallel_size to 1, or step after a synchronising "
+                "backward"
+            )
+        self.dense.keep_local_window()
+        self._divided_by = self.grad_divisor * self.predivide
+        self.grads_ready = True
 
     @property
     def synchronising(self) -> bool:
-        """This backward reduces (not inside ``no_sync``)."""
-        return self.reducer.synchronising
+        return all(part.synchronising for part in self.parts)
 
     @property
     def window_reduced(self) -> bool:
-        """Stages 0-1: this window's gradients were already reduced (once)."""
-        return self._window_reduced
-
-    def keep_local_window(self) -> None:
-        """Stage 0, a window whose backwards all ran inside ``no_sync`` and that the user
-        steps (DDP's ``no_sync`` then ``optimizer.step()``: local SGD): the step uses this
-        rank's own gradients, so nothing is reduced (no bytes move); parameters that got
-        no gradient get zeros, as a reduction would have given them."""
-        for g in self.flat_groups:
-            g.land_missing_grads()
-        self._window_reduced = True
-        self._reduced_once = True
+        return any(part.window_reduced for part in self.parts)
 
     def finish_window_reduction(self) -> None:
-        """Stages 0-1, a synchronising backward outside the Engine's step (the
-        Accelerator): wait for the overlapped buckets, launch the rest, mark it done."""
-        self.reducer.finish()
-        self._window_reduced = True
+        for part in self.parts:
+            part.finish_window_reduction()
+
+    # the gradient contract ------------------------------------------------------------------
+    def average_(self) -> None:
+        """A synchronising backward's end (module docstring). Stages 0-1: wait for the
+        buckets in flight, launch the rest and divide by ``dp / f`` in place (stage 1 then
+        drops ``p.grad``: each rank holds only its slice); inside ``no_sync`` nothing is
+        reduced yet and the step does it. Stages 2-3 reduced in backward already."""
+        if self.stage < 2:
+            if not self.synchronising:
+                return
+            # directly, not through before_step: a second synchronising backward in one
+            # window (a GAN's discriminator reached again) reduces again, and adds to the
+            # average (what it held plus the mean of what was added since: DDP's result)
+            self.finish_window_reduction()
+            if self.grad_divisor != 1.0:
+                for part in self.parts:
+                    part.scale_grads_(1.0 / self.grad_divisor)
+            self._divided_by = self.grad_divisor
+            for part in self.parts:
+                part.unlink_sharded_grads()
+        self.grads_ready = True
+
+    @property
+    def grad_scale(self) -> float:
+        """The factor the gradients in the buffers carry now over the true gradient (the
+        data-parallel mean, unscaled): the loss scale x ``dp / f``, over what was divided
+        in place since the window's reduction (module docstring)."""
+        return self._loss_scale * self.grad_divisor / self._divided_by
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The whole gradient of ``param`` averaged over its replicas, still carrying the
+        loss scale (DeepSpeed's ``safe_get_full_grad``): stage 0 its ``.grad``, stages
+        1-3 assembled in fp32 by one all-reduce over its part's replicas, so every rank
+        must call it for the same parameter; ``param.grad`` for a parameter ZeRO does
+        not hold."""
+        divisor = self.grad_divisor / self._divided_by
+        for part in self.parts:
+            out = part.full_grad(param, divisor)
+            if out is not None:
+                return out
+        return param.grad
+
+    def owned_grad_views(self, param: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
+        for part in self.parts:
+            views = part.owned_grad_views(param)
+            if views is not None:
+                return views
+        return []
+
+    def grad_square_sum(self) -> torch.Tensor:
+        sq = self.parts[0].grad_square_sum()
+        for part in self.parts[1:]:
+            sq = sq + part.grad_square_sum()
+        return sq
+
+    def grad_norm(self, leave_out=()) -> float:
+        """L2 norm of the reduced gradients over every shard and part (expert squares
+        summed over ep; still carrying ``grad_scale``); inf/NaN if any overflowed.
+        ``leave_out``: parameters whose gradient is not counted here (a tied weight's later
+        holders under a pipeline): zeroed while the norm is taken, then put back, so
+        nothing is a difference of two sums."""
+        later = [v for p in leave_out for v, _ in self.owned_grad_views(p)]
+        saved = [v.clone() for v in later]
+        for v in later:
+            v.zero_()
+        norm = float(self.grad_square_sum().sqrt())
+        for v, keep in zip(later, saved, strict=True):
+            v.copy_(keep)
+        return norm
+
+    def unscale_(self) -> None:
+        """Divide the gradients by ``grad_scale`` in place: they are the true gradient now
+        (``grad_scale`` 1.0), what ``p.grad`` shows before a user's own clipping."""
+        unscale = self.grad_scale
+        if unscale != 1.0:
+            for part in self.parts:
+                part.scale_grads_(1.0 / unscale)
+        self._divided_by = self._loss_scale * self.grad_divisor
+
+    def clip_(self, max_norm: float, norm: float | None = None) -> float:
+        """Unscale and clip the gradients in place to global L2 norm ``max_norm`` (one
+        pass); returns the norm before clipping, unscaled (inf/NaN: nothing is clipped and
+        the step skips). ``norm``: the still-scaled global norm when the caller took it
+        over more than this stage (a pipeline's stages; default ``grad_norm()``)."""
+        unscale = self.grad_scale
+        value = (self.grad_norm() if norm is None else norm) / unscale
+        coef = min(1.0, float(max_norm) / (value + 1e-6)) if math.isfinite(value) else 1.0
+        for part in self.parts:
+            part.scale_grads_(coef / unscale)
+        self._divided_by = self._loss_scale * self.grad_divisor
+        return value
+
+    def sum_tied_grad(self, param: torch.Tensor, holders: Group, dp_group: Group) -> None:
+        """Sum ``param``'s sharded reduced gradient over ``holders`` (other ranks holding
+        their own copy of it: a pipeline's tied weight): each rank writes its owned part
+        into a zero tensor of the weight's size, an all-reduce over ``dp_group`` assembles
+        it, one over ``holders`` sums it, and each rank copies its owned part back (bytes:
+        ``2 x`` the weight over each, labelled ``pp_tied``)."""
+        parts = self.owned_grad_views(param)
+        full = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
+        for view, where in parts:
+            full[where] = view
+        if dp_group.size > 1:
+            comm.all_reduce(full, dp_group, label="pp_tied")
+        comm.all_reduce(full, holders, label="pp_tied")
+        for view, where in parts:
+            view.copy_(full[where])
+
+    def relink_grads(self, divide_16bit_by: float) -> None:
+        """Stage 0 after the step: ``p.grad`` is its view of the flat buffer again (DDP
+        keeps the step's gradient until ``zero_grad``), 16-bit gradients divided by
+        ``divide_16bit_by`` (the loss scale they still carried)."""
+        for part in self.parts:
+            part.relink_grads(divide_16bit_by)
+
+    @property
+    def plain_grads(self) -> bool:
+        """Each ``p.grad`` is its parameter's whole gradient and this rank holds every
+        parameter (stage 0, no expert part): torch's own clipping of ``p.grad`` is global.
+        Under ep a rank holds only its experts' gradients, so a local norm would differ
+        between ep ranks."""
+        return self.stage == 0 and self.experts is None
 
     def step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
-        """Step the fp32 masters with gradients x ``factor``, write them back, gather."""
+        """One optimizer over every part's masters: load every part's gradients x
+        ``factor``, step once, write back and gather every part."""
         self.wait_params()  # the step writes this rank's chunks, which the gathers read
         for g in self.flat_groups:
             g.load_master_grads(factor)
@@ -228,67 +361,30 @@ class ZeroStage:
         for g in self.flat_groups:
             g.release_master_grads()
             g.copy_master_to_params()
-        self._gather_updated_params()
-
-    def _gather_updated_params(self) -> None:
-        """Stages 1-2 (and stage 3's whole parameters): every rank updated its own chunks;
-        all-gather the full buckets. Sharded ZeRO-3 parameters are gathered when used.
-        With overlap the all-gathers are only launched (``gather_ahead``)."""
-        if self.ahead is not None:
-            self.ahead.launch()
-            return
-        works = []
-        for g in self.gathered_groups:
-            for b in g.buckets:  # in place: the input is this rank's chunk of the output
-                full = b.view(g.param_flat)
-                mine = b.owned(g.param_flat, g.rank)
-                works.append(comm.all_gather_bucket(full, mine, self.replicas))
-        for w in works:
-            w.wait()
+        for part in self.parts:
+            part.gather_updated_params()
 
     def after_step(self) -> None:
-        for g in self.flat_groups:
-            g.zero_grads()
-        self._window_reduced = False
+        """Clear the gradients and open a fresh window (after a step, or ``zero_grad``)."""
+        for part in self.parts:
+            part.after_step()
+        self._divided_by = 1.0
+        self.grads_ready = False
 
     def release_module(self, module: nn.Module) -> None:
-        """Leave ``module`` holding its whole parameters on this rank with no ZeRO-3 hooks
-        (stages 0-2 hold them already): the end of training, when the user's model object
-        must work on its own. The engine cannot step this module afterwards."""
-        if self.ahead is not None:  # stages 1-2: the last step's all-gathers, and no hooks
-            self.ahead.remove()  # left on the user's model (later steps gather at once)
-            self.ahead = None
-        if self.gatherer is None:
-            return
-        sharded = {id(p) for g in [*self.flat_groups, *self.frozen_groups] for p in g.params}
-        with torch.no_grad(), self.gatherer.gathered():
-            whole = [(p, p.data.clone()) for p in module.parameters() if id(p) in sharded]
-        self.gatherer.remove()
+        for part in self.parts:
+            part.release_module(module)
         self.gatherer = None
-        with torch.no_grad():
-            for p, t in whole:
-                p.data = t
 
     def reload_params(self) -> None:
-        """After the masters were loaded (checkpoint): write them to the parameters and
-        all-gather, exactly as after an optimizer step, and start a fresh window."""
-        for g in self.flat_groups:
-            g.copy_master_to_params()
-        self._gather_updated_params()
-        self.wait_params()
-        self.after_step()
-        self.reducer.begin_window()
+        for part in self.parts:
+            part.reload_params()
 
     @contextmanager
     def no_sync(self):
-        """Accumulate gradients locally without communicating (stages 0-1 only)."""
-        if self.every_backward:
-            raise TrainingError(
-                f"no_sync: ZeRO stage {self.stage} reduce-scatters gradients on every "
-                "backward (no rank keeps a full gradient to accumulate into); use "
-                "gradient_accumulation_steps, or ZeRO stage 0/1 to accumulate locally"
-            )
-        with self.reducer.no_sync():
+        with ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.no_sync())
             yield
 
     def gathered(self, module: nn.Module | None = None):
@@ -297,31 +393,38 @@ class ZeroStage:
         self.wait_params()
         return nullcontext() if self.gatherer is None else self.gatherer.gathered(module)
 
-    # accounting ------------------------------------------------------------------------------
+    # accounting ---------------------------------------------------------------------------
     @property
     def trainable_numel(self) -> int:
-        return sum(g.trainable_numel for g in self.flat_groups)
+        return sum(part.trainable_numel for part in self.parts)
 
     @property
     def frozen_sharded_numel(self) -> int:
-        """Elements of the frozen parameters sharded under stage 3 (0 below it)."""
-        return sum(g.frozen_numel for g in self.frozen_groups)
+        return sum(part.frozen_sharded_numel for part in self.parts)
 
     def comm_bytes_theory(self, micro_steps: int = 1, gathers: int | None = None) -> int:
-        """Bytes one optimizer step with ``micro_steps`` micro-steps records (plan table);
-        ``gathers``: stage 3 under a pipeline, the all-gathers per unit this step."""
-        itemsize = None if self.comm_dtype is None else self.comm_dtype.itemsize
-        return comm_bytes_theory(self.flat_groups, self.stage, micro_steps, itemsize, gathers)
+        """Bytes one optimizer step with ``micro_steps`` micro-steps records (the plan
+        table); ``gathers``: stage 3 under a pipeline, the all-gathers per unit this step.
+        With an expert part: both parts' (the expert part's recorded under ``edp``; a part
+        whose group is one rank records nothing)."""
+        if self.experts is None:
+            return self.dense.comm_bytes_theory(micro_steps, gathers)
+        return sum(self.comm_bytes_by_group(micro_steps).values())
+
+    def comm_bytes_by_group(self, micro_steps: int = 1) -> dict[str, int]:
+        """The plan's bytes per ledger group name: the replicas' (``dp``/``dp_cp``) and
+        ``edp``'s; a group of one rank records nothing."""
+        out: dict[str, int] = {}
+        for part in self.parts:
+            if part.replicas.size > 1:
+                name = part.replicas.name
+                out[name] = out.get(name, 0) + part.comm_bytes_theory(micro_steps)
+        return out
 
     def state_bytes(self) -> dict[str, int]:
-        """This rank's bytes of parameters (device / host; stage 3's frozen shards
-        included), gradients and fp32 masters."""
+        """This rank's bytes of parameters (device / host), gradients and fp32 masters."""
         out = {"params": 0, "params_host": 0, "grads": 0, "master": 0}
-        for g in [*self.flat_groups, *self.frozen_groups]:
-            b = g.state_bytes()
-            out["params_host" if g.params_offloaded else "params"] += b["params"]
-            out["grads"] += b["grads"]
-            out["master"] += b["master"]
-        if self.gatherer is not None:
-            out["params"] += self.gatherer.gathered_bytes()
+        for part in self.parts:
+            for k, v in part.state_bytes().items():
+                out[k] += v
         return out
