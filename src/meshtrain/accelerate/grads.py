@@ -146,7 +146,7 @@ class EngineDriver:
         """Clip this engine's global gradient in place at a synchronising step; return
         the norm before clipping (a 0-d tensor)."""
         engine, zero = self.engine, self.engine.zero
-        if engine._clip_once == 0.0:
+        if engine.clipped_this_step:
             raise ConfigError(
                 "clip_grad_norm_: called twice for one optimizer step; clip once, after the "
                 "window's last backward"
@@ -171,10 +171,9 @@ class EngineDriver:
                     "parameter of the model at once (model.parameters()); the sharded "
                     "gradient has no per-parameter norm"
                 )
-            value = zero.clip_(max_norm, engine._grad_norm())
+            value = zero.clip_(max_norm, engine.scaled_grad_norm())
             norm = torch.tensor(value)
-        engine._clip_once = 0.0  # clipped already: the step clips no more
-        engine._norm_once = value  # and reports this norm (inf/NaN: the step skips)
+        engine.clipped(value)
         return norm
 
     def remove(self) -> None:

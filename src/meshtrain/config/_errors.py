@@ -57,16 +57,16 @@ def _join_or(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
-def _strip(annotation: Any, metadata: list[Any]) -> tuple[Any, list[Any]]:
+def strip_annotated(annotation: Any, metadata: list[Any]) -> tuple[Any, list[Any]]:
     while typing.get_origin(annotation) is typing.Annotated:
         args = typing.get_args(annotation)
         annotation, metadata = args[0], [*metadata, *args[1:]]
     return annotation, metadata
 
 
-def _members(annotation: Any) -> list[Any]:
+def union_members(annotation: Any) -> list[Any]:
     if typing.get_origin(annotation) in (Union, types.UnionType):
-        return [m for a in typing.get_args(annotation) for m in _members(a)]
+        return [m for a in typing.get_args(annotation) for m in union_members(a)]
     return [annotation]
 
 
@@ -74,7 +74,7 @@ _NUMBER_WORDS = {int: "an integer", float: "a number", str: "a string"}
 _PLURALS = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
 
 
-def _bounds(metadata: list[Any]) -> str:
+def bounds_text(metadata: list[Any]) -> str:
     parts = []
     for m in metadata:
         for cls, attr, sym in (
@@ -91,8 +91,8 @@ def _bounds(metadata: list[Any]) -> str:
 def describe_type(annotation: Any, metadata: list[Any] | None = None) -> list[str]:
     """Human descriptions of the alternatives an annotation allows (one per union member)."""
     out: list[str] = []
-    for member in _members(annotation):
-        member, meta = _strip(member, list(metadata or []))
+    for member in union_members(annotation):
+        member, meta = strip_annotated(member, list(metadata or []))
         if typing.get_origin(member) in (Union, types.UnionType):
             out += describe_type(member, meta)
         elif typing.get_origin(member) is Literal:
@@ -102,14 +102,16 @@ def describe_type(annotation: Any, metadata: list[Any] | None = None) -> list[st
         elif member is bool:
             out += ["true", "false"]
         elif member in _NUMBER_WORDS:
-            out.append(_NUMBER_WORDS[member] + _bounds(meta))
+            out.append(_NUMBER_WORDS[member] + bounds_text(meta))
         elif isinstance(member, type) and issubclass(member, BaseModel):
             out.append("a mapping (JSON object)")
         elif typing.get_origin(member) is tuple:
             inner = typing.get_args(member)
-            out.append(f"a list of {len(inner)} numbers" + _bounds(_strip(inner[0], [])[1]))
+            out.append(
+                f"a list of {len(inner)} numbers" + bounds_text(strip_annotated(inner[0], [])[1])
+            )
         elif typing.get_origin(member) is list:
-            item = _strip(typing.get_args(member)[0], [])[0]
+            item = strip_annotated(typing.get_args(member)[0], [])[0]
             out.append("a list of " + _PLURALS.get(item, "values"))
         elif typing.get_origin(member) is dict or member is dict:
             out.append("a mapping (JSON object)")
@@ -122,16 +124,16 @@ def allowed(field: FieldInfo) -> str:
     """``use 0, 1, 2 or 3`` for pure choices, else ``expected an integer >= 0 or "auto"``."""
     alts = describe_type(field.annotation, list(field.metadata))
     only_literals = all(
-        typing.get_origin(_strip(m, [])[0]) is Literal or m is type(None)
-        for m in _members(field.annotation)
+        typing.get_origin(strip_annotated(m, [])[0]) is Literal or m is type(None)
+        for m in union_members(field.annotation)
     )
     return ("use " if only_literals else "expected ") + _join_or(alts)
 
 
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
+def models_in(annotation: Any) -> list[type[BaseModel]]:
     found = []
-    for member in _members(annotation):
-        member, _ = _strip(member, [])
+    for member in union_members(annotation):
+        member, _ = strip_annotated(member, [])
         if isinstance(member, type) and issubclass(member, BaseModel):
             found.append(member)
     return found
@@ -152,7 +154,7 @@ def _walk(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Field
         owner = next((m for m in models if item in m.model_fields), None)
         if owner is not None:
             field, parents = owner.model_fields[item], [owner]
-            models = _models_in(field.annotation)
+            models = models_in(field.annotation)
             keys.append(item)
         elif any(m.__name__ == item for m in models):  # union tag naming a model
             models = [m for m in models if m.__name__ == item]

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from meshtrain.config._errors import _bounds, _members, _models_in, _strip
+from meshtrain.config._errors import bounds_text, models_in, strip_annotated, union_members
 from meshtrain.config.loading import load_config
 from meshtrain.config.optimizer import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
 from meshtrain.config.resolve import AUTO_DEFAULTS
@@ -113,19 +113,19 @@ BAD_EXAMPLES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 
 def _type_text(field: FieldInfo) -> str:
     parts: list[str] = []
-    for member in _members(field.annotation):
-        member, meta = _strip(member, list(field.metadata))
+    for member in union_members(field.annotation):
+        member, meta = strip_annotated(member, list(field.metadata))
         if typing.get_origin(member) is Literal:
             parts += [json.dumps(v) for v in typing.get_args(member)]
         elif member in _SIMPLE:
-            parts.append(_SIMPLE[member] + _bounds(meta))
+            parts.append(_SIMPLE[member] + bounds_text(meta))
         elif isinstance(member, type) and issubclass(member, BaseModel):
             parts.append("section")
         elif typing.get_origin(member) is tuple:
-            inner = _strip(typing.get_args(member)[0], [])
-            parts.append(f"[{_SIMPLE[inner[0]]}{_bounds(inner[1])}, ...] (2 items)")
+            inner = strip_annotated(typing.get_args(member)[0], [])
+            parts.append(f"[{_SIMPLE[inner[0]]}{bounds_text(inner[1])}, ...] (2 items)")
         elif typing.get_origin(member) is list:
-            parts.append("list of " + _SIMPLE[_strip(typing.get_args(member)[0], [])[0]])
+            parts.append("list of " + _SIMPLE[strip_annotated(typing.get_args(member)[0], [])[0]])
         else:
             parts.append("mapping")
     return " or ".join(dict.fromkeys(parts))
@@ -133,7 +133,7 @@ def _type_text(field: FieldInfo) -> str:
 
 def _default_text(field: FieldInfo) -> str:
     if field.is_required():
-        return "`{}`" if _models_in(field.annotation) else "required"
+        return "`{}`" if models_in(field.annotation) else "required"
     default = field.default
     if default is PydanticUndefined:
         default = field.default_factory()  # type: ignore[misc]
@@ -164,9 +164,7 @@ def _section(path: str, model: type[BaseModel], depth: int) -> list[str]:
     path = path.split("`")[1] if path.startswith("`") else path
     lines = ["", "#" * depth + f" {heading}", "", _cell((model.__doc__ or "").strip()), ""]
     nested = {
-        n: _models_in(f.annotation)
-        for n, f in model.model_fields.items()
-        if _models_in(f.annotation)
+        n: models_in(f.annotation) for n, f in model.model_fields.items() if models_in(f.annotation)
     }
     lines += _table(model)
     if path == "optimizer":
@@ -217,11 +215,11 @@ def config_reference_markdown() -> str:
     lines = INTRO.splitlines()
     lines += [f"| `{path}` | {_cell(text)} |" for path, text in AUTO_DEFAULTS.items()]
     lines += _error_examples()
-    top_sections = {n for n, f in Config.model_fields.items() if _models_in(f.annotation)}
+    top_sections = {n for n, f in Config.model_fields.items() if models_in(f.annotation)}
     lines += ["", "## Top-level keys", ""]
     lines += _table(Config, skip=top_sections)
     for name in Config.model_fields:
         if name in top_sections:
-            (model,) = _models_in(Config.model_fields[name].annotation)
+            (model,) = models_in(Config.model_fields[name].annotation)
             lines += _section(name, model, 2)
     return "\n".join(lines).rstrip() + "\n"

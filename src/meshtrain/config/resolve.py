@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from meshtrain.config._errors import _models_in, did_you_mean
+from meshtrain.config._errors import did_you_mean, models_in
 from meshtrain.config._types import AUTO
 from meshtrain.config.optimizer import (
     OPTIMIZER_PARAMS,
@@ -147,5 +147,5 @@ def check_path(root: type[BaseModel], path: str) -> None:
             model = "scheduler.params"
             continue
         field = model.model_fields[key] if isinstance(model, type) else None
-        inner = _models_in(field.annotation) if field is not None else []
+        inner = models_in(field.annotation) if field is not None else []
         model = inner[0] if inner else None

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, PrivateAttr, ValidationError, model_validator
 
-from meshtrain.config._errors import _members, show, translate
+from meshtrain.config._errors import show, translate, union_members
 from meshtrain.config._types import (
     AUTO,
     Auto,
@@ -217,7 +217,7 @@ class Config(Section):
                 where = f"{path}.{name}" if path else name
                 if isinstance(value, BaseModel):
                     walk(value, where)
-                elif value == AUTO and Auto in _members(field.annotation):
+                elif value == AUTO and Auto in union_members(field.annotation):
                     found.append(where)
 
         walk(self, "")

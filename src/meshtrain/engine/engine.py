@@ -231,15 +231,28 @@ class Engine(EngineQueries):
         instead of ``gradient_clipping``. Call it after the window's last backward."""
         self.zero.before_step()  # reduces once, however often it is called in a window
         self._clip_once = float(max_norm)
-        self._norm_once = self._grad_norm()  # gradients are final: step() reuses it
+        self._norm_once = self.scaled_grad_norm()  # gradients are final: step() reuses it
         return self._norm_once / self.zero.grad_scale
 
-    def _grad_norm(self) -> float:
+    def scaled_grad_norm(self) -> float:
+        """The global gradient norm as the gradients carry it now (``zero.grad_scale``
+        times the true one), over every shard and stage."""
         if self.pipeline is None:
             return self.zero.grad_norm()
         from meshtrain.parallel.pipeline.engine_step import global_grad_norm
 
         return global_grad_norm(self.pipeline, self.zero)  # over every stage
+
+    @property
+    def clipped_this_step(self) -> bool:
+        """Whether this window's gradients were clipped in place already (``clipped``)."""
+        return self._clip_once == 0.0
+
+    def clipped(self, norm: float) -> None:
+        """The window's gradients were clipped in place (the Accelerator's
+        ``clip_grad_norm_``): the step clips no more and reports ``norm`` (inf/NaN: it
+        skips)."""
+        self._clip_once, self._norm_once = 0.0, norm
 
     def step(self) -> bool:
         """Count the micro-step; at the accumulation boundary update the parameters.
@@ -299,7 +312,7 @@ class Engine(EngineQueries):
         self.zero.before_step()
         unscale = self.zero.grad_scale  # loss scale x dp / f, less what was divided already
         # over every stage: clipping and overflow agree on all
-        norm = self._grad_norm() if self._norm_once is None else self._norm_once
+        norm = self.scaled_grad_norm() if self._norm_once is None else self._norm_once
         clip = self.clip if self._clip_once is None else self._clip_once
         self._clip_once = self._norm_once = None
         overflow = not math.isfinite(norm)

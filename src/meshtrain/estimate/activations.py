@@ -180,7 +180,7 @@ def activation_table(
 ) -> str:
     """Rows of sequence length (kept and peak), columns of cp size: activation GB per rank
     (GB = 1e9)."""
-    from meshtrain.estimate.model_states import _gb
+    from meshtrain.estimate.model_states import format_gb
 
     head = ["seq len", ""] + [f"cp={c}" for c in cps]
     body = []
@@ -192,7 +192,7 @@ def activation_table(
                     row.append("-")  # not a multiple of 2C: refused by context parallelism
                     continue
                 kw = dict(batch=batch, width=width, method=method, position_ids=c > 1)
-                row.append(_gb(fn(dims, seq_len=length, cp=c, **kw)))
+                row.append(format_gb(fn(dims, seq_len=length, cp=c, **kw)))
             body.append(row)
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = [

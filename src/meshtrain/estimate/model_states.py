@@ -112,7 +112,7 @@ def count_params(model: nn.Module) -> int:
     return _param_split(model)[0]
 
 
-def _positive_int(name: str, value: object) -> int:
+def positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
     return value
@@ -190,7 +190,7 @@ def model_states_bytes(
     rank and ZeRO-partitioned over ``dp / ep``; the rest as without ep. Raises
     ``ConfigError`` on a bad argument.
     """
-    dp, tp, pp = _positive_int("dp", dp), _positive_int("tp", tp), _positive_int("pp", pp)
+    dp, tp, pp = positive_int("dp", dp), positive_int("tp", tp), positive_int("pp", pp)
     if stage not in STAGES or isinstance(stage, bool):
         raise ConfigError(f"stage: must be one of 0, 1, 2, 3, got {stage!r}")
     if offload_optimizer and stage < 1:
@@ -260,7 +260,7 @@ def _fields(s: ModelStates) -> tuple[int, int, int, int]:
     return (s.params, s.grads, s.optimizer, s.host)
 
 
-def _gb(nbytes: int) -> str:
+def format_gb(nbytes: int) -> str:
     """Decimal GB to three significant digits, rounding half up as the paper does."""
     if nbytes == 0:
         return "0 GB"
@@ -327,10 +327,16 @@ def estimate_table(
             **common,
         )
         offload = "+".join(n for n, on in (("optimizer", off_opt), ("params", off_par)) if on)
-        row = [str(stage), _PARTITIONS[stage], _gb(s.params), _gb(s.grads), _gb(s.optimizer)]
-        row.append(_gb(s.total))
+        row = [
+            str(stage),
+            _PARTITIONS[stage],
+            format_gb(s.params),
+            format_gb(s.grads),
+            format_gb(s.optimizer),
+        ]
+        row.append(format_gb(s.total))
         if offload_optimizer or offload_param:
-            row += [offload or "-", _gb(s.host)]
+            row += [offload or "-", format_gb(s.host)]
         rows.append(row)
     head = ["stage", "partitioned", "params", "grads", "optimizer", "total"]
     if offload_optimizer or offload_param:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshtrain.estimate.model_states import ModelStates, _positive_int, model_states_bytes
+from meshtrain.estimate.model_states import ModelStates, model_states_bytes, positive_int
 
 __all__ = ["StageMemory", "TransformerDims", "block_activation_bytes", "pipeline_memory"]
 
@@ -130,9 +130,9 @@ def pipeline_memory(
     model's longest sequence (``max_seq_len`` / ``max_position_embeddings``)."""
     from meshtrain.parallel.pipeline.split import split_model
 
-    _positive_int("micro_batch_size", micro_batch_size)
+    positive_int("micro_batch_size", micro_batch_size)
     if seq_len is not None:
-        _positive_int("seq_len", seq_len)
+        positive_int("seq_len", seq_len)
     from meshtrain.parallel.pipeline.schedules import V_SHAPED, stage_rank
 
     v = virtual_stages if schedule == "interleaved_1f1b" else 2 if schedule in V_SHAPED else 1
@@ -197,23 +197,23 @@ def rank_activations(
 
 def pipeline_table(rows: list[StageMemory], *, schedule: str, m: int, seq_len, b: int) -> str:
     """The per-rank table ``meshtrain estimate --pp P --model ...`` prints (GB = 1e9)."""
-    from meshtrain.estimate.model_states import _gb
+    from meshtrain.estimate.model_states import format_gb
 
     head = ["pp rank", "stages", "blocks", "params", "model states", "peak mb", "activations"]
     head.append("total")
     body = []
     for r in rows:
-        acts = _gb(r.activations) if r.activations is not None else "-"
+        acts = format_gb(r.activations) if r.activations is not None else "-"
         body.append(
             [
                 str(r.rank),
                 ",".join(map(str, r.stages)),
                 str(r.blocks),
                 f"{r.trainable:,}",
-                _gb(r.states.total),
+                format_gb(r.states.total),
                 str(r.peak_micro_batches),
                 acts,
-                _gb(r.total),
+                format_gb(r.total),
             ]
         )
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]

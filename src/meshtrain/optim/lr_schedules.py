@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from meshtrain.errors import ConfigError
-from meshtrain.optim.optimizers import _canonical, _check_names
+from meshtrain.optim.optimizers import canonical_name, check_names
 
 __all__ = [
     "SUPPORTED_SCHEDULERS",
@@ -332,9 +332,9 @@ def build_scheduler(
     Raises:
         ConfigError: unknown type or parameter, a missing ``total_num_steps``, a bad value.
     """
-    name = _canonical(sched_type, SUPPORTED_SCHEDULERS, "scheduler.type")
+    name = canonical_name(sched_type, SUPPORTED_SCHEDULERS, "scheduler.type")
     cls, allowed = _SCHEDULES[name]
-    _check_names(params, allowed, "scheduler.params", name)
+    check_names(params, allowed, "scheduler.params", name)
     if "total_num_steps" in allowed and "total_num_steps" not in params:
         raise ConfigError(
             f"scheduler.params.total_num_steps: required for {name} (the number of optimizer steps)"

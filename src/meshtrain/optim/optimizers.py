@@ -106,14 +106,14 @@ _BNB_CLASSES = {"adamw8bit": "AdamW8bit", "lion": "Lion32bit", "lion8bit": "Lion
 _FUSED_ON_CUDA = frozenset({"adam", "adamw", "sgd"})
 
 
-def _canonical(name: str, supported: Sequence[str], path: str) -> str:
+def canonical_name(name: str, supported: Sequence[str], path: str) -> str:
     for candidate in supported:
         if isinstance(name, str) and name.lower() == candidate.lower():
             return candidate
     raise ConfigError(f"{path}: unknown type {name!r}; supported: {', '.join(supported)}")
 
 
-def _check_names(given: dict[str, Any], allowed: Sequence[str], path: str, type_name: str) -> None:
+def check_names(given: dict[str, Any], allowed: Sequence[str], path: str, type_name: str) -> None:
     for name in given:
         if name not in allowed:
             hint = ""
@@ -162,10 +162,10 @@ def build_optimizer(
         ConfigError: unknown type or parameter name, or a value torch rejects; the message
             names the config path (``optimizer.params.<name>``) and the allowed names.
     """
-    name = _canonical(opt_type, SUPPORTED_OPTIMIZERS, "optimizer.type")
+    name = canonical_name(opt_type, SUPPORTED_OPTIMIZERS, "optimizer.type")
     key = name.lower()
     allowed = _OPTIMIZER_PARAMS[key]
-    _check_names(params, list(allowed), "optimizer.params", name)
+    check_names(params, list(allowed), "optimizer.params", name)
 
     kwargs = {k: v for k, v in allowed.items() if v is not None}
     kwargs.update({k: v for k, v in params.items() if allowed[k] is not None})

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from meshtrain.errors import ServeError
-from meshtrain.serve.generation import _STOP, GenerationJob, JobQueue
+from meshtrain.serve.generation import STOP, GenerationJob, JobQueue
 from meshtrain.serve.paged_kv import BlockPool, PagedSeq
 from meshtrain.serve.paged_model import PagedForward
 
@@ -167,7 +167,7 @@ class ContinuousBatcher(JobQueue):
                     self.inbox(True)
             if idle:
                 item = self._queue.get()  # idle: sleep until a request comes
-                if item is _STOP:
+                if item is STOP:
                     break
                 self._pending.append(item)
             while len(self._seqs) + len(self._pending) < self.max_batch:
@@ -175,7 +175,7 @@ class ContinuousBatcher(JobQueue):
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item is _STOP:
+                if item is STOP:
                     stopping = True
                     break
                 self._pending.append(item)

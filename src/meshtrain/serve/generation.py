@@ -28,7 +28,7 @@ from typing import Any
 
 from meshtrain.serve.batching import QueueFull
 
-_STOP = object()  # the worker's shutdown sentinel, and a stream's end marker
+STOP = object()  # the worker's shutdown sentinel, and a stream's end marker
 
 
 @dataclass
@@ -39,7 +39,7 @@ class GenerationJob:
     kwargs: dict[str, Any]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    stream: asyncio.Queue | None = None  # text pieces, then _STOP, when streaming
+    stream: asyncio.Queue | None = None  # text pieces, then STOP, when streaming
     stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first (stops.py)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # how the worker hands a callback to the event loop (JobQueue._post); None: at once
@@ -59,7 +59,7 @@ class GenerationJob:
         assert self.stream is not None
         while True:
             piece = await self.stream.get()
-            if piece is _STOP:
+            if piece is STOP:
                 return
             yield piece
 
@@ -100,6 +100,15 @@ class JobQueue:
             raise QueueFull(f"{self.max_queue} generation requests are already waiting") from None
         return job
 
+    def put(self, job: Any) -> None:
+        """Queue a job built elsewhere (the model process's pipe reader), or ``STOP``,
+        waiting for a place: that side bounds nothing itself."""
+        self._queue.put(job)
+
+    def join(self) -> None:
+        """Wait for the worker's thread to end (after a ``STOP``)."""
+        self._thread.join()
+
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
@@ -110,7 +119,7 @@ class JobQueue:
             if isinstance(job, GenerationJob):
                 job.cancelled.set()
         try:
-            self._queue.put(_STOP, timeout=timeout)
+            self._queue.put(STOP, timeout=timeout)
         except queue.Full:
             pass
         self._thread.join(timeout)
@@ -143,7 +152,7 @@ class JobQueue:
                 else:
                     job.future.set_result(result)
             if job.stream is not None:
-                job.stream.put_nowait(_STOP)
+                job.stream.put_nowait(STOP)
 
         self._post(job.loop, settle)
 
@@ -188,7 +197,7 @@ class GenerationWorker(JobQueue):
             self._idle.set()
             job = self._queue.get()
             self._idle.clear()
-            if job is _STOP:
+            if job is STOP:
                 return
             if job.cancelled.is_set():
                 self._finish(job, error=asyncio.CancelledError())

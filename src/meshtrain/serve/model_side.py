@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from meshtrain.serve.generation import _STOP, GenerationJob
+from meshtrain.serve.generation import STOP, GenerationJob
 
 
 class _Sink:
@@ -72,7 +72,7 @@ class _Pieces:
         self.sink, self.jid = sink, jid
 
     def put_nowait(self, piece: Any) -> None:
-        if piece is not _STOP:  # the end of a stream travels as the job's result
+        if piece is not STOP:  # the end of a stream travels as the job's result
             self.sink.events.append((self.jid, "piece", piece))
 
 
@@ -125,7 +125,7 @@ def serve_model(make_worker: Callable, recv: Any, send: Any) -> None:
                 stop,
             )
             jobs[jid] = job
-            worker._queue.put(job)
+            worker.put(job)
             received += 1
             return True
         if msg is not None and msg[0] == "cancel":
@@ -151,14 +151,14 @@ def serve_model(make_worker: Callable, recv: Any, send: Any) -> None:
         if ended and not last:  # nobody will read answers any more: stop now
             for job in jobs.values():
                 job.cancelled.set()
-            worker._queue.put(_STOP)
+            worker.put(STOP)
         if received != before:
             sink.send()  # the HTTP side now counts them as queued here
 
     # the HTTP side bounds the queue; this one only must never block the pipe's reader
     worker = make_worker(steps.append, 1 << 16, inbox)
     if getattr(worker, "inbox", None) is inbox:
-        worker._thread.join()
+        worker.join()
         worker.close()
         return
     while True:

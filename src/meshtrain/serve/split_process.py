@@ -54,7 +54,7 @@ from typing import Any
 
 from meshtrain.errors import ServeError
 from meshtrain.serve.batching import QueueFull
-from meshtrain.serve.generation import _STOP, GenerationJob
+from meshtrain.serve.generation import STOP, GenerationJob
 from meshtrain.serve.model_side import serve_model
 
 
@@ -158,7 +158,7 @@ class RemoteWorker:
                 else:
                     job.future.set_exception(value)
             if job.stream is not None:
-                job.stream.put_nowait(_STOP)
+                job.stream.put_nowait(STOP)
 
     def _gone(self, why: str, error: BaseException | None = None) -> None:
         """No model process any more: fail every job in flight, refuse later ones."""
@@ -170,7 +170,7 @@ class RemoteWorker:
             if not job.future.done():
                 job.future.set_exception(error or ServeError(why))
             if job.stream is not None:
-                job.stream.put_nowait(_STOP)
+                job.stream.put_nowait(STOP)
 
 
 class _Cancel(threading.Event):

@@ -177,7 +177,7 @@ def build_plan(
             frozen=frozen,
         )
         # after the gatherer's hooks: an 8-bit linear that is a unit itself is gathered first
-        gatherer._handles += track_8bit_codes(int8_linears)
+        gatherer.keep_hooks(track_8bit_codes(int8_linears))
     elif int8_linears:  # nothing sharded: the codes stay whole in weight.data
         track_8bit_codes(int8_linears)
     return ZeroPlan(per_group, gatherer, frozen)

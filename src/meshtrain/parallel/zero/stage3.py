@@ -378,6 +378,10 @@ class ParamGatherer:
 
         return hook
 
+    def keep_hooks(self, handles: list) -> None:
+        """Hooks registered elsewhere after this gatherer's (8-bit codes), removed with it."""
+        self._handles += handles
+
     def remove(self) -> None:
         for h in [*self._handles, *self._input_hooks]:
             h.remove()
