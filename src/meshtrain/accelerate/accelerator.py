@@ -33,37 +33,36 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader
 
 from meshtrain.accelerate.engine_config import (
     config_dict,
     dataloader_options,
-    engine_config,
     int_argument,
     refuse_unsupported,
 )
+from meshtrain.accelerate.forwarded import Forwarded
 from meshtrain.accelerate.grads import (
-    EngineDriver,
     average_plain_grads,
     clip_grad_norm,
     clip_grad_value,
 )
-from meshtrain.accelerate.prepared import (
-    PreparedDataLoader,
-    PreparedModel,
-    PreparedOptimizer,
-    PreparedScheduler,
-)
+from meshtrain.accelerate.prepared import PreparedOptimizer
+from meshtrain.accelerate.prepared_objects import PreparedObjects
+from meshtrain.accelerate.preparer import Preparer
 from meshtrain.accelerate.process_queries import ProcessQueries
+from meshtrain.accelerate.skipped_loader import SkippedLoader
 from meshtrain.accelerate.state_io import StateIO
+from meshtrain.accelerate.trackers.choice import Trackers
+from meshtrain.distributed.env import read_env
+from meshtrain.engine.start import join_mesh
 from meshtrain.errors import ConfigError
 
 
-class Accelerator(ProcessQueries, StateIO):
+class Accelerator:
     """accelerate's ``Accelerator`` on meshtrain Engines (see the module docstring).
 
     Args:
@@ -114,26 +113,20 @@ class Accelerator(ProcessQueries, StateIO):
         self.device_placement = bool(device_placement)
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
         self.project_dir = None if project_dir is None else str(project_dir)
-        self._env, self.topology = self._join(cpu)
-        from meshtrain.accelerate.trackers.choice import Trackers
-
+        env, self.topology = self._join(cpu)
         self.log_with = log_with
-        self._trackers = Trackers(log_with, self.project_dir, self.topology.rank == 0)
         self.step = 0  # micro-steps counted by accumulate() (accelerate's ``step``)
         self._sync = True
         self._local = 0  # depth of no_sync()
-        self._models: list[PreparedModel] = []
-        self._optimizers: list[PreparedOptimizer] = []
-        self._loaders: list[PreparedDataLoader] = []
-        self._schedulers: list[PreparedScheduler] = []
-        self._custom: list[Any] = []  # register_for_checkpointing
-        self._active_loader: PreparedDataLoader | None = None
+        # the collaborators: each job in its own class, accelerate's names forwarded
+        self.prepared = PreparedObjects()  # what prepare() returned, in prepare order
+        self.preparer = Preparer(self, self.prepared, self._config)
+        self.processes = ProcessQueries(self.topology, env.local_rank)
+        self.state_io = StateIO(self.prepared, self.processes)
+        self.tracking = Trackers(log_with, self.project_dir, self.topology.rank == 0)
 
     def _join(self, cpu: bool):
         """Join the process group and build the mesh (the one set-up call)."""
-        from meshtrain.distributed.env import read_env
-        from meshtrain.engine.start import join_mesh
-
         topology = join_mesh(self._config)  # the one set-up path (engine/start.py)
         env = read_env()
         if cpu and topology.device.type != "cpu":
@@ -151,137 +144,112 @@ class Accelerator(ProcessQueries, StateIO):
 
     @property
     def engines(self) -> list:
-        return [m.engine for m in self._models if m.engine is not None]
+        return self.prepared.engines
 
-    # prepare -----------------------------------------------------------------------------------
-    def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
-        """Prepare models, optimizers, dataloaders and LR schedulers given in any order and
-        grouping (across calls too); returns them in the same order (one object: itself).
-        Anything else comes back unchanged, as in accelerate."""
-        if device_placement is not None and len(device_placement) != len(objects):
-            raise ConfigError(
-                f"prepare(device_placement=...): {len(device_placement)} entries for "
-                f"{len(objects)} objects; give one per object"
-            )
-        out: list[Any] = list(objects)
-        for i, o in enumerate(objects):  # loaders first: their batch size feeds the engine
-            if isinstance(o, DataLoader):
-                out[i] = self.prepare_data_loader(o)
-        for i, o in enumerate(objects):
-            if isinstance(o, nn.Module):
-                out[i] = self.prepare_model(o)
-            elif isinstance(o, torch.optim.Optimizer):
-                out[i] = self.prepare_optimizer(o)
-        for i, o in enumerate(objects):
-            if _is_scheduler(o):
-                out[i] = self.prepare_scheduler(o)
-        self._link()
-        return out[0] if len(out) == 1 else tuple(out)
+    # prepare: ``preparer`` ------------------------------------------------------------------
+    prepare = Forwarded("preparer", Preparer)
+    prepare_model = Forwarded("preparer", Preparer)
+    prepare_optimizer = Forwarded("preparer", Preparer)
+    prepare_scheduler = Forwarded("preparer", Preparer)
+    prepare_data_loader = Forwarded("preparer", Preparer)
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, **_: Any):
-        """The model as a ``PreparedModel`` (its Engine comes with its optimizer)."""
-        if isinstance(model, PreparedModel):
-            return model
-        for m in self._models:
-            if m.module is model:
-                return m
-        if self.device_placement if device_placement is None else device_placement:
-            model.to(self.device)
-        prepared = PreparedModel(self, model)
-        # which backward reached this model (its gradients are averaged only then, as
-        # DDP reduces in the model's own backward); the Engine's driver has its own
-        prepared.__dict__["hooks"] = [
-            p.register_post_accumulate_grad_hook(
-                lambda _p, m=prepared: m.__dict__.update(touched=True)
-            )
-            for p in model.parameters()
-            if p.requires_grad
-        ]
-        self._models.append(prepared)
-        self._link()
-        return prepared
+    # where this process is, what runs where, collectives: ``processes`` ------------------------
+    process_index = Forwarded("processes", ProcessQueries)
+    local_process_index = Forwarded("processes", ProcessQueries)
+    num_processes = Forwarded("processes", ProcessQueries)
+    is_main_process = Forwarded("processes", ProcessQueries)
+    is_local_main_process = Forwarded("processes", ProcessQueries)
+    is_last_process = Forwarded("processes", ProcessQueries)
+    use_distributed = Forwarded("processes", ProcessQueries)
+    device = Forwarded("processes", ProcessQueries)
+    distributed_type = Forwarded("processes", ProcessQueries)
+    wait_for_everyone = Forwarded("processes", ProcessQueries)
+    main_process_first = Forwarded("processes", ProcessQueries)
+    local_main_process_first = Forwarded("processes", ProcessQueries)
+    print = Forwarded("processes", ProcessQueries)
+    on_main_process = Forwarded("processes", ProcessQueries)
+    on_local_main_process = Forwarded("processes", ProcessQueries)
+    on_last_process = Forwarded("processes", ProcessQueries)
+    on_process = Forwarded("processes", ProcessQueries)
+    on_local_process = Forwarded("processes", ProcessQueries)
+    split_between_processes = Forwarded("processes", ProcessQueries)
+    gather = Forwarded("processes", ProcessQueries)
+    reduce = Forwarded("processes", ProcessQueries)
+    pad_across_processes = Forwarded("processes", ProcessQueries)
+    set_trigger = Forwarded("processes", ProcessQueries)
+    check_trigger = Forwarded("processes", ProcessQueries)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, **_: Any):
-        """The optimizer as a ``PreparedOptimizer`` (linked to its model's Engine)."""
-        if isinstance(optimizer, PreparedOptimizer):
-            return optimizer
-        for o in self._optimizers:
-            if o.optimizer is optimizer:
-                return o
-        prepared = PreparedOptimizer(self, optimizer)
-        self._optimizers.append(prepared)
-        self._link()
-        return prepared
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        """``gather`` minus the rows the sampler repeated at the loader's end
+        (``ProcessQueries.gather_for_metrics``, over the loader being iterated)."""
+        loader = self.prepared.active_loader
+        return self.processes.gather_for_metrics(data, use_gather_object, loader)
 
-    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
-        """The LR scheduler with accelerate's stepping (``PreparedScheduler``)."""
-        if isinstance(scheduler, PreparedScheduler):
-            return scheduler
-        prepared = PreparedScheduler(self, scheduler, self.step_scheduler_with_optimizer)
-        self._schedulers.append(prepared)
-        return prepared
+    # trackers: accelerate's calls on ``log_with``'s trackers (``trackers.choice``) -------------
+    @property
+    def trackers(self) -> list:
+        return self.tracking.trackers
 
-    def prepare_data_loader(self, loader: DataLoader, **_: Any) -> PreparedDataLoader:
-        """The loader dealt over the data-parallel ranks in accelerate's order: whole
-        consecutive batches, rank ``r`` taking batches ``r, r + R, ...``, the last global
-        step padded with the pass's first rows; ``batch_size`` rows per rank
-        (``batch_size / R`` with ``split_batches``); shuffled as accelerate shuffles when
-        the original was; resumable (``prepared.prepared_loader``)."""
-        from meshtrain.accelerate.prepared import prepared_loader
+    def init_trackers(
+        self, project_name: str, config: dict | None = None, init_kwargs=None
+    ) -> None:
+        """Start ``log_with``'s trackers under ``project_dir/project_name`` and store
+        ``config`` as the run's hyperparameters (main process)."""
+        self.tracking.init(project_name, config, init_kwargs)
 
-        if isinstance(loader, PreparedDataLoader):
-            return loader
-        device = self.device if self.device_placement else torch.device("cpu")
-        prepared = prepared_loader(loader, self.topology, device, self.seed, self.split_batches)
-        prepared.on_batch = self._set_active_loader
-        prepared.on_end = self._end_of_loader
-        self._loaders.append(prepared)
-        return prepared
+    def log(self, values: dict, step: int | None = None, log_kwargs=None) -> None:
+        """Log ``values`` to every tracker (main process; elsewhere nothing)."""
+        self.tracking.log(values, step, log_kwargs)
 
-    def _set_active_loader(self, loader: PreparedDataLoader) -> None:
-        self._active_loader = loader
+    def get_tracker(self, name: str, unwrap: bool = False):
+        return self.tracking.get(name, unwrap)
 
-    def _end_of_loader(self, loader: PreparedDataLoader) -> None:
-        if self._active_loader is loader:
-            self._active_loader = None
+    def end_training(self) -> None:
+        """Close the trackers, then wait for every process."""
+        self.tracking.finish()
+        self.wait_for_everyone()
 
-    def _link(self) -> None:
-        """Build an Engine for each prepared model whose optimizer is prepared: the
-        optimizer's parameters must all be the model's."""
-        for opt in self._optimizers:
-            if opt.model is not None:
-                continue
-            wanted = {id(p) for g in opt.optimizer.param_groups for p in g["params"]}
-            for model in self._models:
-                owned = {id(p) for p in model.module.parameters()}
-                if not wanted <= owned:
-                    continue
-                if model.engine is not None:
-                    raise ConfigError(
-                        f"prepare: {model!r} already trains with another optimizer; one "
-                        "optimizer per model (put several param groups in one optimizer)"
-                    )
-                self._build_engine(model, opt)
-                break
+    # models and saved state: ``state_io`` ------------------------------------------------------
+    unwrap_model = Forwarded("state_io", StateIO)
+    get_state_dict = Forwarded("state_io", StateIO)
+    save_model = Forwarded("state_io", StateIO)
+    save = Forwarded("state_io", StateIO)
+    register_for_checkpointing = Forwarded("state_io", StateIO)
 
-    def _build_engine(self, model: PreparedModel, opt: PreparedOptimizer) -> None:
-        from meshtrain.engine.start import start_engine
+    def save_state(self, output_dir: str | os.PathLike | None = None, **_: Any) -> Path:
+        """Everything for an exact resume (``StateIO.save_state``), under
+        ``project_dir/checkpoints`` when ``output_dir`` is not given."""
+        return self.state_io.save_state(output_dir, self.step, self.project_dir)
 
-        if self._config.get("fp16", {}).get("enabled") and self.engines:
-            raise ConfigError(
-                "mixed_precision='fp16' with a second trained model: each engine keeps "
-                "its own dynamic loss scale and one backward can carry only one; train "
-                "several models in bf16 or fp32"
-            )
-        cfg = engine_config(self._config, self._loaders, self.topology)
-        opt.record_names(model.module)  # before the engine re-points its groups
-        # the one set-up path: resolves the config and warns about keys it ignores
-        engine = start_engine(model.module, cfg, topology=self.topology, optimizer=opt.optimizer)
-        for h in model.__dict__.pop("hooks", []):
-            h.remove()
-        model.__dict__["engine"] = engine
-        model.__dict__["driver"] = EngineDriver(engine)
-        opt.model = model
+    def load_state(self, input_dir: str | os.PathLike, **_: Any) -> None:
+        """Resume what ``save_state`` wrote, meshtrain's or accelerate's
+        (``StateIO.load_state``): the same objects prepared in the same order."""
+        self.step = self.state_io.load_state(input_dir, self.step)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """accelerate's: the loader of one pass from its ``num_batches``-th batch
+        (``skipped_loader``); after ``load_state`` at that batch it changes nothing."""
+        return SkippedLoader(dataloader, num_batches)
+
+    def free_memory(self, *objects: Any) -> tuple:
+        """Drop every reference the Accelerator holds (engines, loaders, ...)."""
+        self.prepared.clear()
+        self.step = 0
+        return tuple(None for _ in objects)
+
+    clear = free_memory
+
+    # what the step's lines below read under their old names (see grads.py, prepared.py)
+    @property
+    def _models(self) -> list:
+        return self.prepared.models
+
+    @property
+    def _optimizers(self) -> list[PreparedOptimizer]:
+        return self.prepared.optimizers
+
+    def _dp(self):
+        return self.processes.dp()
 
     # the step ----------------------------------------------------------------------------------
     @property
@@ -295,7 +263,7 @@ class Accelerator(ProcessQueries, StateIO):
 
     def _do_sync(self) -> None:
         """accelerate's counting: the prepared loader's last batch ends a window."""
-        loader = self._active_loader
+        loader = self.prepared.active_loader
         if loader is not None and loader.end_of_dataloader:
             self.step = 0
             self._sync = True
@@ -385,14 +353,6 @@ class Accelerator(ProcessQueries, StateIO):
         ctx = nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
         with ctx:
             yield
-
-
-def _is_scheduler(o: Any) -> bool:
-    return (
-        not isinstance(o, nn.Module | torch.optim.Optimizer | DataLoader)
-        and hasattr(o, "step")
-        and hasattr(o, "optimizer")
-    )
 
 
 __all__ = ["Accelerator"]

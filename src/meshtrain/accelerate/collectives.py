@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 
-def _map(fn, data: Any) -> Any:
+def map_tensors(fn, data: Any) -> Any:
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, Mapping):  # dicts and transformers' BatchEncoding
-        return type(data)({k: _map(fn, v) for k, v in data.items()})
+        return type(data)({k: map_tensors(fn, v) for k, v in data.items()})
     if isinstance(data, list | tuple):
-        return type(data)(_map(fn, v) for v in data)
+        return type(data)(map_tensors(fn, v) for v in data)
     return data
 
 
@@ -54,7 +54,7 @@ def gather(data: Any, group, world: int) -> Any:
         dist.all_gather(out, t, group=group)
         return torch.cat(out, dim=0)
 
-    return _map(one, data)
+    return map_tensors(one, data)
 
 
 def gather_object(obj: Any, group, world: int) -> list[Any]:
@@ -76,7 +76,7 @@ def reduce(data: Any, group, world: int, reduction: str = "sum") -> Any:
             dist.all_reduce(t, group=group)
         return t / world if reduction == "mean" else t
 
-    return _map(one, data)
+    return map_tensors(one, data)
 
 
 def pad_across_processes(
@@ -101,7 +101,7 @@ def pad_across_processes(
         out[tuple(keep)] = t
         return out
 
-    return _map(one, data)
+    return map_tensors(one, data)
 
 
 __all__ = [

@@ -1,10 +1,9 @@
 """Where this process is and what runs where, under accelerate's names and meanings:
 process indices, ``wait_for_everyone``, ``main_process_first``, ``print``, the
-``on_*_process`` decorators, ``split_between_processes``, triggers, the cross-process
-collectives (``gather``, ``gather_for_metrics``, ``reduce``, ``pad_across_processes``) and
-the tracker calls. A mixin of ``Accelerator`` (as ``EngineQueries`` is of the Engine), so
-that accelerator.py holds prepare and the step; it reads ``topology``, ``_env`` and the
-loader being iterated."""
+``on_*_process`` decorators, ``split_between_processes``, triggers and the cross-process
+collectives (``gather``, ``gather_for_metrics``, ``reduce``, ``pad_across_processes``).
+Built from the Accelerator's topology and this process's local rank; the Accelerator
+hands accelerate's names on to it (``forwarded``)."""
 
 from __future__ import annotations
 
@@ -19,6 +18,11 @@ from meshtrain.accelerate import processes
 
 
 class ProcessQueries:
+    def __init__(self, topology, local_rank: int) -> None:
+        self.topology = topology
+        self.local_rank = local_rank
+        self._trigger = False  # set_trigger: a flag any rank sets, every rank sees
+
     # where this process is ---------------------------------------------------------------------
     @property
     def process_index(self) -> int:
@@ -26,7 +30,7 @@ class ProcessQueries:
 
     @property
     def local_process_index(self) -> int:
-        return self._env.local_rank
+        return self.local_rank
 
     @property
     def num_processes(self) -> int:
@@ -126,21 +130,24 @@ class ProcessQueries:
         yield processes.split(inputs, self.num_processes, self.process_index, apply_padding)
 
     # cross-process helpers -----------------------------------------------------------------------
-    def _dp(self):
+    def dp(self):
+        """The data-parallel group (None alone) and its size: what the collectives run over."""
         t = self.topology
         return (t.dp_group.pg if t.dp_size > 1 else None), t.dp_size
 
     def gather(self, data: Any) -> Any:
         """Every rank's tensors concatenated along dim 0 (same shapes on every rank)."""
-        return col.gather(data, *self._dp())
+        return col.gather(data, *self.dp())
 
-    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+    def gather_for_metrics(
+        self, data: Any, use_gather_object: bool = False, loader: Any = None
+    ) -> Any:
         """``gather``, minus the rows the sampler repeated to even out the ranks: over a
         prepared loader's pass, each row of the dataset comes back exactly once (in
         dataset order for an unshuffled loader). Call it once per batch of the loader
-        being iterated; non-tensor data (a list of rows) goes through ``gather_object``."""
-        group, world = self._dp()
-        loader = self._active_loader
+        being iterated (``loader``, a ``PreparedDataLoader``); non-tensor data (a list of
+        rows) goes through ``gather_object``."""
+        group, world = self.dp()
         # accelerate's rule: the gathered global batch is in slot order; at the pass's end
         # only its first ``remainder`` rows are real
         keep = None if loader is None or world == 1 else loader.rows_kept()
@@ -148,47 +155,23 @@ class ProcessQueries:
             rows = [x for part in col.gather_object(list(data), group, world) for x in part]
             return rows if keep is None else rows[:keep]
         gathered = col.gather(data, group, world)
-        return gathered if keep is None else col._map(lambda t: t[:keep], gathered)
+        return gathered if keep is None else col.map_tensors(lambda t: t[:keep], gathered)
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
-        return col.reduce(data, *self._dp(), reduction=reduction)
+        return col.reduce(data, *self.dp(), reduction=reduction)
 
     def pad_across_processes(
         self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
     ) -> Any:
-        group, world = self._dp()
+        group, world = self.dp()
         return col.pad_across_processes(data, group, world, dim, pad_index, pad_first)
-
-    # trackers: accelerate's calls on ``log_with``'s trackers (``trackers.choice``) -------------
-    @property
-    def trackers(self) -> list:
-        return self._trackers.trackers
-
-    def init_trackers(
-        self, project_name: str, config: dict | None = None, init_kwargs=None
-    ) -> None:
-        """Start ``log_with``'s trackers under ``project_dir/project_name`` and store
-        ``config`` as the run's hyperparameters (main process)."""
-        self._trackers.init(project_name, config, init_kwargs)
-
-    def log(self, values: dict, step: int | None = None, log_kwargs=None) -> None:
-        """Log ``values`` to every tracker (main process; elsewhere nothing)."""
-        self._trackers.log(values, step, log_kwargs)
-
-    def get_tracker(self, name: str, unwrap: bool = False):
-        return self._trackers.get(name, unwrap)
-
-    def end_training(self) -> None:
-        """Close the trackers, then wait for every process."""
-        self._trackers.finish()
-        self.wait_for_everyone()
 
     # triggers: a flag any rank sets, every rank sees -----------------------------------------------
     def set_trigger(self) -> None:
         self._trigger = True
 
     def check_trigger(self) -> bool:
-        flag = torch.tensor([1 if getattr(self, "_trigger", False) else 0], device=self.device)
+        flag = torch.tensor([1 if self._trigger else 0], device=self.device)
         if self.num_processes > 1:
             torch.distributed.all_reduce(flag)
         self._trigger = False
