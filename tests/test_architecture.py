@@ -562,3 +562,66 @@ def test_the_window_check_sees_a_second_driver() -> None:
         "pkg.mod:3 zero.average_",
     ]
 
+
+# No private name used across modules (issue 45): a leading-underscore function, method or
+# attribute of a meshtrain module is that module's. Third-party privates that meshtrain
+# must read (torch keeps no public handle on them) are listed with why.
+THIRD_PARTY_PRIVATES = {
+    "_buffers": "torch nn.Module's buffer dict (placement moves buffers in place)",
+    "_timeout": "gloo's ProcessGroup options (a live group's timeout is set there)",
+    "_world": "torch.distributed_c10d's world state (the groups a timeout applies to)",
+}
+
+
+def _owned_privates(tree: ast.AST) -> set[str]:
+    """Private names a module owns: set on ``self``/``cls``, or defined as a function."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in ("self", "cls") and _private(node.attr):
+                out.add(node.attr)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _private(node.name):
+            out.add(node.name)
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(name: str, tree: ast.AST, owners: dict[str, set[str]]) -> list[str]:
+    """``from meshtrain... import _x``, and ``obj._x`` (obj not self/cls) where ``_x`` is
+    another meshtrain module's private and not a listed third-party one."""
+    out = []
+    # a module's own privates, on any object of its classes (``ledger._rank`` in ledger.py);
+    # the price: a module reading another's private of the same name is not seen
+    mine = _owned_privates(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("meshtrain"):
+            out += [f"{name}:{node.lineno} import {a.name}" for a in node.names if _private(a.name)]
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            theirs = owners.get(node.attr, set()) - {name}
+            if not own and theirs and node.attr not in mine | THIRD_PARTY_PRIVATES.keys():
+                out.append(f"{name}:{node.lineno} .{node.attr} (of {sorted(theirs)[0]})")
+    return out
+
+
+def test_no_private_name_crosses_modules() -> None:
+    trees = {n: ast.parse(p.read_text(encoding="utf-8")) for n, p in _modules().items()}
+    owners: dict[str, set[str]] = {}
+    for n, tree in trees.items():
+        for attr in _owned_privates(tree):
+            owners.setdefault(attr, set()).add(n)
+    found = [hit for n, tree in trees.items() for hit in _private_uses(n, tree, owners)]
+    assert found == [], f"private names used outside their module (make them public): {found}"
+
+
+def test_the_private_check_sees_an_import_and_an_attribute() -> None:
+    owner = ast.parse("class W:\n    def __init__(self):\n        self._queue = []\n")
+    user = ast.parse("from meshtrain.a import _f\n\ndef g(w):\n    w._queue.append(1)\n")
+    owners = {attr: {"pkg.owner"} for attr in _owned_privates(owner)}
+    assert _private_uses("pkg.user", user, owners) == [
+        "pkg.user:1 import _f",
+        "pkg.user:4 ._queue (of pkg.owner)",
+    ]

@@ -50,7 +50,6 @@ from meshtrain.accelerate.grads import (
     clip_grad_norm,
     clip_grad_value,
 )
-from meshtrain.accelerate.prepared import PreparedOptimizer
 from meshtrain.accelerate.prepared_objects import PreparedObjects
 from meshtrain.accelerate.preparer import Preparer
 from meshtrain.accelerate.process_queries import ProcessQueries
@@ -239,18 +238,6 @@ class Accelerator:
 
     clear = free_memory
 
-    # what the step's lines below read under their old names (see grads.py, prepared.py)
-    @property
-    def _models(self) -> list:
-        return self.prepared.models
-
-    @property
-    def _optimizers(self) -> list[PreparedOptimizer]:
-        return self.prepared.optimizers
-
-    def _dp(self):
-        return self.processes.dp()
-
     # the step ----------------------------------------------------------------------------------
     @property
     def sync_gradients(self) -> bool:
@@ -306,9 +293,9 @@ class Accelerator:
         data-parallel ranks when this backward synchronises (``grads``' contract)."""
         loss = loss / self.gradient_accumulation_steps
         sync = self._local == 0
-        for m in self._models:
+        for m in self.prepared.models:
             m.__dict__["touched"] = False
-        drivers = [m.driver for m in self._models if m.driver is not None]
+        drivers = [m.driver for m in self.prepared.models if m.driver is not None]
         if not drivers:
             loss.backward(**kwargs)
             if sync:
@@ -324,19 +311,19 @@ class Accelerator:
 
     def _average_plain_grads(self) -> None:
         """Models without an engine that this backward reached: average over dp (DDP)."""
-        average_plain_grads(self._models, *self._dp())
+        average_plain_grads(self.prepared.models, *self.processes.dp())
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0):
         """Clip the gradients of ``parameters`` in place to a global norm of ``max_norm``
         and return the norm before clipping. At a synchronising step the gradients are
         the averaged global ones (every shard under ZeRO); inside a window, the local
         ones, as in accelerate."""
-        return clip_grad_norm(self._models, parameters, max_norm, norm_type, self._sync)
+        return clip_grad_norm(self.prepared.models, parameters, max_norm, norm_type, self._sync)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clamp the gradients of ``parameters`` to ``[-clip_value, clip_value]`` in place
         (ZeRO stage 0: the ``p.grad`` views; the sharded stages refuse)."""
-        clip_grad_value(self._models, parameters, clip_value)
+        clip_grad_value(self.prepared.models, parameters, clip_value)
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """fp16: the gradients are unscaled by ``clip_grad_norm_``; nothing to do here."""
@@ -344,7 +331,7 @@ class Accelerator:
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last optimizer step was skipped (fp16 overflow)."""
-        return any(o.step_was_skipped for o in self._optimizers)
+        return any(o.step_was_skipped for o in self.prepared.optimizers)
 
     @contextmanager
     def autocast(self, autocast_handler: Any = None) -> Iterator[None]:

@@ -177,7 +177,7 @@ class PreparedScheduler:
 
     def _optimizers(self) -> list[PreparedOptimizer]:
         inner = self.scheduler.optimizer
-        return [o for o in self.accelerator._optimizers if o.optimizer is inner]
+        return [o for o in self.accelerator.prepared.optimizers if o.optimizer is inner]
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if not self.step_with_optimizer:
@@ -243,7 +243,7 @@ class PreparedDataLoader(ResumableDataLoader):
         self._leave_abandoned_pass()
         self._sync_generator()
         # the pass deals the positions C0..N-1 (C0: where it starts, after a resume)
-        self._pass_remaining = max(0, len(sampler.dataset) - sampler._next_start)
+        self._pass_remaining = max(0, len(sampler.dataset) - sampler.next_start)
         self._local_start = self._last_rows = 0
         self.end_of_dataloader = False
         n_batches = len(self)

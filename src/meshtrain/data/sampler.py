@@ -186,6 +186,11 @@ class DistributedSampler(Sampler[int]):
         )
 
     @property
+    def next_start(self) -> int:
+        """Global position where the next pass starts (after a resume, mid-epoch)."""
+        return self._next_start
+
+    @property
     def consumed(self) -> int:
         """Global number of positions of this epoch's order already consumed."""
         return self._consumed
