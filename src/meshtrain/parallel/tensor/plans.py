@@ -7,20 +7,7 @@ every room's plans in room order, and ``plan_for`` looks the model's class name 
 them. The plans keep their names here too (``LLAMA``, ``GPT2``, ...), where users and
 tests import them from.
 
-Write a plan for your own model and pass it as ``plan=``::
-
-    MY_PLAN = TPPlan(
-        name="mine",
-        sizes={"heads": "config.n_heads", "vocab": "config.vocab_size"},
-        rows=(
-            ("tok", "embedding", "vocab"),
-            ("blocks.*.attn", "region"),
-            ("blocks.*.attn.qkv", "column", "heads", 3),
-            ("blocks.*.attn.out", "row", "heads"),
-            ("blocks.*.ff.up", "column"),
-            ("blocks.*.ff.down", "row"),
-        ),
-    )
+A plan for your own model: ``meshtrain.families.tp_plan``'s docstring shows one.
 """
 
 from __future__ import annotations
