@@ -103,6 +103,7 @@ def build_engine(
     once)."""
     import meshtrain
     from meshtrain.data.loader import ResumableDataLoader
+    from meshtrain.data.sampler import DistributedSampler
     from meshtrain.distributed.env import read_env
     from meshtrain.engine.start import join_mesh
 
@@ -113,16 +114,28 @@ def build_engine(
     loader = None
     if train_dataset is not None:
         train_dataset = prepare_dataset(train_dataset, args, forward_names, label_names)
-        loader = ResumableDataLoader(
+        # transformers' training order: accelerate's SeedableRandomSampler (randperm from
+        # data_seed or seed, + epoch) cut into per-device batches, whole batches dealt to
+        # the ranks and the last global batch padded with the epoch's first rows
+        # (BatchSamplerShard, even_batches): which rows share a batch is what a padding
+        # or masking collator sees (data.sampler, "Dealing whole batches")
+        sampler = DistributedSampler(
             train_dataset,
-            args.per_device_train_batch_size,
             num_replicas=dp,
             rank=topology.dp_rank,
             shuffle=True,
             seed=args.data_seed if args.data_seed is not None else args.seed,
+            drop_last=args.dataloader_drop_last,
+            deal_batch=args.per_device_train_batch_size,
+        )
+        loader = ResumableDataLoader(
+            train_dataset,
+            args.per_device_train_batch_size,
+            sampler=sampler,
             collate_fn=data_collator,
             drop_last=args.dataloader_drop_last,
             num_workers=args.dataloader_num_workers,
+            lookahead=True,  # a masking collator's draws around dropout's, as the peer's
         )
         steps_per_epoch = max(1, math.ceil(len(loader) / gas))
     else:

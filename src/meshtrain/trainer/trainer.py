@@ -287,10 +287,16 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
 
     def _window_items(self, window: list[Any]) -> tuple[list[int], float, float]:
         """Label items per micro-batch of ``window``, their sum on this rank, and the sum
-        over every data-parallel rank (one all-reduce of one number)."""
+        over every data-parallel rank (one all-reduce of one number). With
+        ``average_tokens_across_devices=False`` the step weighs each rank by its own items
+        (the mean of the ranks' item means, transformers' meaning of the switch): the
+        "sum over ranks" is then this rank's count times the ranks, so the weighting in
+        ``training_step`` gives each rank ``1 / dp`` of the step."""
         counts = [label_items(b, self.label_names, self._shift) for b in window]
         local_items = float(sum(counts))
         total_items = local_items
+        if not self.args.average_tokens_across_devices:
+            return counts, local_items, local_items * self.topology.dp_size
         if self.topology.dp_size > 1:
             total = torch.tensor(local_items, device=self.engine.device)
             comm.all_reduce(total, self.topology.dp_group, label="control")
