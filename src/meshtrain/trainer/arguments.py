@@ -88,6 +88,9 @@ class TrainingArguments(ProcessArguments):
     logging_strategy: str = "steps"
     logging_steps: float = 500
     logging_first_step: bool = False
+    logging_nan_inf_filter: bool = True
+    """A step whose loss on this process is NaN or inf is logged as the mean of its steps
+    since the last log (transformers' filter; training itself is unchanged)."""
     eval_strategy: str = "no"
     evaluation_strategy: str | None = None
     eval_steps: float | None = None

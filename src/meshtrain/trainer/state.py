@@ -94,7 +94,9 @@ class TrainerState:
 
         for name in ("logging", "eval", "save"):
             value = getattr(args, f"{name}_steps")
-            if value is not None and value < 1:
+            if value is None:  # unset: the state keeps its default, as in transformers
+                continue
+            if value < 1:
                 value = math.ceil(max_steps * value)
             setattr(self, f"{name}_steps", value)
 

@@ -162,7 +162,8 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
 
     # -- set-up ---------------------------------------------------------------------------
     def _prepare_dataset(self, dataset: Any) -> Any:
-        return setup.prepare_dataset(dataset, self.args, self._forward_names, self.label_names)
+        columns = setup.signature_columns(self.model)
+        return setup.prepare_dataset(dataset, self.args, columns, self.label_names)
 
     def prepare_engine(self):
         """Process group, mesh, engine and training loader (once); returns the engine."""
@@ -181,7 +182,6 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             data_collator=self.data_collator,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
-            forward_names=self._forward_names,
             label_names=self.label_names,
         )
         self.engine, self.topology = built.engine, built.topology
@@ -373,7 +373,13 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         share = torch.zeros((), device=engine.device)  # read once: no sync per micro-batch
         last = len(window) - 1
         for i, batch in enumerate(window):
-            share += self.training_step(self.model, batch, num_items)
+            part = self.training_step(self.model, batch, num_items)
+            if not counts[i] and self.args.average_tokens_across_devices:
+                # no label items: weight 0 in the step's mean, but the model's own mean
+                # over none is NaN, and NaN x 0 is NaN (transformers' loss over
+                # num_items_in_batch gives 0 there)
+                part = torch.zeros_like(part)
+            share += part
             if i == last:
                 self.control = self._event("on_pre_optimizer_step")
                 self._applied_lr = engine.get_lr()[0]  # what this step uses (logged as such)

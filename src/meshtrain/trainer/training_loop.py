@@ -135,6 +135,10 @@ class TrainingLoop:
                     restore_rng()  # once: after the first window of a skipping resume
                 self.control = self._event("on_step_begin")
                 share, local_mean = self._run_window(window)
+                if args.logging_nan_inf_filter and not bool(torch.isfinite(share)):
+                    # transformers' filter: a NaN / inf step counts as this process's mean
+                    # of the steps since the last log (per step here; per micro-batch there)
+                    share = log_loss / (1 + log_steps)
                 if engine.log.last and local_mean is not None:
                     engine.log.last["loss"] = local_mean  # rank 0's item mean
                 if engine.log.last.get("flops") is not None:  # known for known model shapes

@@ -15,7 +15,8 @@ torchrun process alone, every one printing and writing as a main process). Compa
 
 * each invocation's exit code;
 * the lines the script prints that start with one of the case's ``prefixes`` (its metric
-  lines), number by number within ``rtol`` / ``atol``, the rest of each line exactly (a
+  lines), number by number within ``rtol`` / ``atol`` plus one unit of the number's last
+  printed place (``_printed_unit``), the rest of each line exactly (a
   line naming a wall-clock value, such as ``train_runtime``, by its text before ``=``);
 * the files under the output folder: the same relative paths (digits of time-named
   folders and event-file suffixes masked), the JSON files' contents (numbers within the
@@ -153,6 +154,19 @@ def _close(a: float, b: float, rtol: float, atol: float) -> bool:
     return math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
 
 
+def _printed_unit(text: str) -> float:
+    """One unit in the last printed place of a number (``5.6354`` -> 1e-4): two values
+    within the tolerance may round to neighbouring printed values (5.63545 and 5.63549
+    print as 5.6354 and 5.6355); the JSON files keep the full values, compared without it.
+    An integer is exact (0)."""
+    if "." not in text and "e" not in text.lower():
+        return 0.0  # an integer (a count, a step) is printed exactly
+    mantissa = text.lower().split("e")[0]
+    places = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    exponent = int(text.lower().split("e")[1]) if "e" in text.lower() else 0
+    return 10.0 ** (exponent - places)
+
+
 def _same_json(a, b, rtol, atol, key="") -> list[str]:
     if any(t in key for t in TIMED):
         return []
@@ -185,7 +199,8 @@ def compare(case: Case, peer: Run, ours: Run) -> list[str]:
         if NUMBER.sub("#", a) != NUMBER.sub("#", b) or len(na) != len(nb):
             diffs.append(f"line {a!r} != {b!r}")
         elif not all(
-            _close(float(x), float(y), case.rtol, case.atol) for x, y in zip(na, nb, strict=True)
+            _close(float(x), float(y), case.rtol, case.atol + _printed_unit(x))
+            for x, y in zip(na, nb, strict=True)
         ):
             diffs.append(f"line {a!r} != {b!r}")
     if peer.files != ours.files:
