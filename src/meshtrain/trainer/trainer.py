@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.models.packed_batches import check_packed_batch
 from meshtrain.trainer import checkpoints as ckpt
@@ -42,6 +41,7 @@ from meshtrain.trainer.loss import (
     label_items,
     loss_shifts_labels,
     takes_argument,
+    window_items,
 )
 from meshtrain.trainer.pipeline_step import PipelineSteps, user_loss
 from meshtrain.trainer.prediction import Prediction
@@ -285,24 +285,6 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             return bool(self.loss_is_scaled_for_ga)
         return self.compute_loss_func is not None
 
-    def _window_items(self, window: list[Any]) -> tuple[list[int], float, float]:
-        """Label items per micro-batch of ``window``, their sum on this rank, and the sum
-        over every data-parallel rank (one all-reduce of one number). With
-        ``average_tokens_across_devices=False`` the step weighs each rank by its own items
-        (the mean of the ranks' item means, transformers' meaning of the switch): the
-        "sum over ranks" is then this rank's count times the ranks, so the weighting in
-        ``training_step`` gives each rank ``1 / dp`` of the step."""
-        counts = [label_items(b, self.label_names, self._shift) for b in window]
-        local_items = float(sum(counts))
-        total_items = local_items
-        if not self.args.average_tokens_across_devices:
-            return counts, local_items, local_items * self.topology.dp_size
-        if self.topology.dp_size > 1:
-            total = torch.tensor(local_items, device=self.engine.device)
-            comm.all_reduce(total, self.topology.dp_group, label="control")
-            total_items = float(total)
-        return counts, local_items, total_items
-
     def training_step(
         self,
         model: nn.Module,
@@ -355,7 +337,10 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         ``on_optimizer_step`` around the step), or the whole window through the pipeline
         schedule. Returns (this rank's step loss x dp, its mean loss per label item)."""
         engine = self.engine
-        counts, local_items, total_items = self._window_items(window)
+        counts, local_items, total_items = window_items(
+            window, self.label_names, self._shift, self.topology, engine.device,
+            across=self.args.average_tokens_across_devices,
+        )  # fmt: skip
         if engine.pipeline is not None:  # the window runs in the pipeline's schedule
             batches = [self._prepare_inputs(b) for b in window]
             if not self.model.training:
@@ -375,10 +360,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         for i, batch in enumerate(window):
             part = self.training_step(self.model, batch, num_items)
             if not counts[i] and self.args.average_tokens_across_devices:
-                # no label items: weight 0 in the step's mean, but the model's own mean
-                # over none is NaN, and NaN x 0 is NaN (transformers' loss over
-                # num_items_in_batch gives 0 there)
-                part = torch.zeros_like(part)
+                part = torch.zeros_like(part)  # weight 0; a mean over no items is NaN
             share += part
             if i == last:
                 self.control = self._event("on_pre_optimizer_step")
