@@ -54,8 +54,9 @@ class Case:
     rtol: float = 1e-5
     atol: float = 1e-6
     env: dict[str, str] = field(default_factory=dict)
-    # output sub-folders whose file *names* differ on purpose (save_state: meshtrain writes
-    # no pickles, docs/compatibility.md); their contents are still read by the script
+    # output paths (by prefix, or a file name anywhere) that one side alone writes on
+    # purpose (save_state: meshtrain writes no pickles, docs/compatibility.md); their
+    # contents are still read by the script
     ignore: tuple[str, ...] = ()
 
 
@@ -140,7 +141,7 @@ def _outputs(out: Path, ignore: tuple[str, ...]):
     if out.exists():
         for path in sorted(p for p in out.rglob("*") if p.is_file()):
             rel = _mask(str(path.relative_to(out)))
-            if rel.startswith(ignore):
+            if rel.startswith(ignore) or path.name in ignore:
                 continue
             files.append(rel)
             if path.suffix == ".json":

@@ -87,24 +87,29 @@ NO_TAIL = ["--logging_steps", "4"]
 # the grouped corpora give ~150-180 training blocks: 64 keep each case near a minute;
 # 16 evaluation rows are one whole batch of 8 per process (no padded last batch)
 SAMPLES = ["--max_train_samples", "64", "--max_eval_samples", "16"]
+# meshtrain's checksum sidecar beside the weights it exports (accelerator.save_model, from
+# the ranks: checkpoint/tensor_files.py; meshtrain serve checks it), which the peer has not
+SIDECAR = ("meshtrain_checksums.json",)
 # what a Trainer script writes that is meshtrain's or the peer's alone: the peer pickles
 # its arguments (training_args.bin, which meshtrain never writes: it writes them as
 # training_args.json); meshtrain's run log adds metrics.jsonl and loss.png
-TRAINER_EXTRAS = ("training_args.", "metrics.jsonl", "loss.png")
+TRAINER_EXTRAS = ("training_args.", "metrics.jsonl", "loss.png", *SIDECAR)
 
 CASES = {
-    "early_stopping_2proc": Case("acc_early_stopping.py", invocations=[OUT]),
-    "early_stopping_1proc": Case("acc_early_stopping.py", nproc=1, invocations=[OUT]),
-    "cross_validation_folds": Case("acc_cv_folds.py", invocations=[OUT]),
-    "causal_lm_accumulation": Case("acc_causal_lm_accum.py", invocations=[OUT]),
-    "trackers_all": Case("acc_trackers.py", invocations=[OUT]),
+    "early_stopping_2proc": Case("acc_early_stopping.py", invocations=[OUT], ignore=SIDECAR),
+    "early_stopping_1proc": Case(
+        "acc_early_stopping.py", nproc=1, invocations=[OUT], ignore=SIDECAR
+    ),
+    "cross_validation_folds": Case("acc_cv_folds.py", invocations=[OUT], ignore=SIDECAR),
+    "causal_lm_accumulation": Case("acc_causal_lm_accum.py", invocations=[OUT], ignore=SIDECAR),
+    "trackers_all": Case("acc_trackers.py", invocations=[OUT], ignore=SIDECAR),
     "resume_in_epoch_0": Case(
         "acc_resume_mid_epoch.py",
         invocations=[
             [*OUT, "--stop_after", "7"],
             [*OUT, "--resume_from_checkpoint", "{out}/step_5"],
         ],
-        ignore=("step_",),
+        ignore=("step_", *SIDECAR),
     ),
     "resume_in_epoch_1": Case(
         "acc_resume_mid_epoch.py",
@@ -112,9 +117,9 @@ CASES = {
             [*OUT, "--stop_after", "12"],
             [*OUT, "--resume_from_checkpoint", "{out}/step_10"],
         ],
-        ignore=("step_",),
+        ignore=("step_", *SIDECAR),
     ),
-    "local_sgd": Case("acc_local_sgd.py", invocations=[OUT]),
+    "local_sgd": Case("acc_local_sgd.py", invocations=[OUT], ignore=SIDECAR),
     "hf_text_classification": Case(
         "hf_text_classification.py",
         invocations=[[*HF_ARGS, *MEAN_LOSS]],
