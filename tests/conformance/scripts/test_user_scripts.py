@@ -19,7 +19,7 @@ A printed number may also differ by one unit in its last printed place (two valu
 the tolerance can round apart; the JSON files carry the full values). Timing values
 (runtimes, samples per second) are skipped. Cases that differ are marked
 ``xfail(strict=True)`` with the measured difference, so a fix shows up as an unexpected
-pass; none does today.
+pass.
 """
 
 from __future__ import annotations
@@ -149,7 +149,12 @@ CASES = {
         ignore=TRAINER_EXTRAS,
     ),
 }
-DIFFERS: dict[str, str] = {}
+DIFFERS: dict[str, str] = {
+    "local_sgd": "the saved weights differ from accelerate's by up to 6.7e-2 (measured "
+    "identically on main 782d58d, so not this branch's change; likely save_model writing "
+    "from the ranks' flat storage before LocalSGD's reassigned param.data is copied back, "
+    "parallel/zero/rebound.py)",
+}
 
 
 @pytest.mark.parametrize(
