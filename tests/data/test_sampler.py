@@ -236,3 +236,53 @@ def test_exact_rows_order_undeals_every_pass_once(n, world, start, batch, shuffl
     dealt = [np.arange(r, n, world) for r in range(world)]
     order = exact_rows_order([len(d) for d in dealt], 0, n)
     assert np.concatenate(dealt)[order].tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 48, 50, 64])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_whole_batches_are_the_transformers_trainers_order(n, world, batch, drop_last):
+    """deal_batch=B gives each rank what the transformers Trainer's loader gives it
+    (accelerate 1.15: SeedableRandomSampler seeded data_seed + epoch, BatchSampler of B,
+    BatchSamplerShard with even_batches), index for index, in epochs 0 and 1; on one
+    process the short last batch is the loader's to drop, so the sampler keeps it."""
+    from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler
+    from torch.utils.data import BatchSampler
+
+    for epoch in (0, 1):
+        peer, ours = [], []
+        for r in range(world):
+            seedable = SeedableRandomSampler(range(n), data_seed=7)
+            seedable.set_epoch(epoch)
+            batches = BatchSampler(seedable, batch, drop_last and world > 1)
+            shard = BatchSamplerShard(batches, world, r) if world > 1 else batches
+            peer.append([i for b in shard for i in b])
+            mine = DistributedSampler(
+                range(n), num_replicas=world, rank=r, seed=7, drop_last=drop_last,
+                deal_batch=batch,
+            )  # fmt: skip
+            mine.set_epoch(epoch)
+            ours.append(list(mine))
+        assert ours == peer
+
+
+def test_whole_batches_resume_mid_epoch_on_another_world():
+    """A pass resumed at k whole global batches deals the rest in whole batches; over
+    2 -> 4 ranks every position of the epoch is consumed once (no padding: 48 rows)."""
+    first = ranks(48, 2, seed=3, deal_batch=4)
+    taken = consume(first, 8)  # two global batches of 2 x 4
+    state = first[0].state_dict()
+    assert state["consumed"] == 16
+    second = ranks(48, 4, seed=3, deal_batch=4)
+    for s in second:
+        s.load_state_dict(state)
+    rest = consume(second, None)
+    assert sorted(taken + rest) == list(range(48))
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(3)).tolist()
+    assert second[1].indices(16)[:4].tolist() == order[20:24]  # rank 1's first batch
+
+
+def test_deal_batch_below_one_is_refused():
+    with pytest.raises(DataError, match="deal_batch must be >= 1"):
+        DistributedSampler(range(4), num_replicas=1, rank=0, deal_batch=0)

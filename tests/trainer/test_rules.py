@@ -138,3 +138,19 @@ def test_interleave_restores_dataset_order_with_ragged_shapes():
     assert out.tolist() == [[0.0], [1.0]]
     pair = interleave([(np.array([0]), np.array([[5, 5]])), None], 1)
     assert pair[0].tolist() == [0] and pair[1].tolist() == [[5, 5]]
+
+
+def test_evaluation_deals_whole_batches_and_restores_dataset_order():
+    """The Trainer's evaluation deals batches of per_device_eval_batch_size whole (the
+    transformers Trainer's eval loader, without its padding of the last global batch):
+    7 rows, batch 2, 2 ranks -> rank 0 rows 0 1 4 5, rank 1 rows 2 3 6."""
+    import numpy as np
+
+    from meshtrain.trainer.evaluation import max_batches, rank_rows
+
+    rows = [rank_rows(7, 2, r, 2) for r in range(2)]
+    assert rows == [[0, 1, 4, 5], [2, 3, 6]]
+    assert max_batches(7, 2, 2) == 2
+    parts = [np.array([[i, i] for i in r]) for r in rows]
+    assert interleave(parts, 7, rows)[:, 0].tolist() == list(range(7))
+    assert rank_rows(1, 3, 2, 4) == []  # fewer rows than ranks: rank 2 evaluates nothing

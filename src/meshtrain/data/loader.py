@@ -11,6 +11,13 @@ counting off and records ``len(batch)`` samples in the sampler each time a batch
 
 A batch counts as consumed when the loop receives it, so a checkpoint taken after the
 optimizer step of that batch resumes with the next one.
+
+``lookahead=True`` collates the next batch before handing out the current one, as
+accelerate's ``DataLoaderShard`` (the transformers Trainer's and ``prepare``'s loader)
+does. It matters only for a collator that draws random numbers from the global torch
+RNG (masked LM's masking) in a model with dropout: the draws then interleave with the
+forward's as in the peer (collate 0, collate 1, forward 0, collate 2, forward 1, ...).
+The position still counts a batch when the loop receives it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class ResumableDataLoader(DataLoader):
             ``shuffle`` and ``seed`` when omitted. Another sampler works but is not tracked.
         collate_fn: e.g. one of :mod:`meshtrain.data.collators`.
         drop_last: drop the last incomplete micro-batch of each rank.
+        lookahead: collate one batch ahead of the loop (module docstring).
         **kwargs: passed to ``torch.utils.data.DataLoader`` (``num_workers``,
             ``pin_memory``, ``prefetch_factor``, ...; ``in_order`` must stay ``True``).
 
@@ -53,8 +61,10 @@ class ResumableDataLoader(DataLoader):
         seed: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = False,
+        lookahead: bool = False,
         **kwargs: Any,
     ) -> None:
+        self.lookahead = bool(lookahead)
         if kwargs.get("in_order", True) is False:
             raise ValueError("ResumableDataLoader needs in_order=True to count batches exactly")
         if "batch_sampler" in kwargs:
@@ -80,7 +90,10 @@ class ResumableDataLoader(DataLoader):
         sampler.track_iteration = False
         remaining = len(sampler)  # this rank's samples in the pass about to start
         batch_size = int(self.batch_size or 1)
-        for batch in super().__iter__():
+        batches = super().__iter__()
+        if self.lookahead:
+            batches = _one_ahead(batches)
+        for batch in batches:
             n = min(batch_size, remaining)
             remaining -= n
             sampler.advance(n)
@@ -106,3 +119,14 @@ class ResumableDataLoader(DataLoader):
                 "position to save; build the loader without sampler= or with one"
             )
         return self.sampler
+
+
+def _one_ahead(batches: Iterator[Any]) -> Iterator[Any]:
+    """Each batch once the next one is collated (accelerate's ``DataLoaderShard``)."""
+    pending, started = None, False
+    for batch in batches:
+        if started:
+            yield pending
+        pending, started = batch, True
+    if started:
+        yield pending

@@ -17,6 +17,17 @@ Let ``N = len(dataset)``, ``R`` the number of data-parallel replicas and ``r`` t
   ``P_e[0], P_e[1], ...``. With ``drop_last`` each rank gets ``floor(M / R)`` and the
   ``M mod R`` tail is left out. From ``C0 = 0`` this is exactly the order of
   ``torch.utils.data.DistributedSampler``.
+* **Dealing whole batches** (``deal_batch = B > 1``, the transformers Trainer's loader:
+  accelerate's ``BatchSamplerShard`` over a ``BatchSampler`` of ``B``): the remaining
+  positions are cut into batches of ``B`` and rank ``r`` takes batches ``r, r + R, ...``,
+  so local row ``l`` of rank ``r`` is slot ``((l // B) R + r) B + l mod B``. On ``R > 1``
+  ranks the pass is padded the same way up to a multiple of ``R B`` (each rank gets
+  ``ceil(M / (R B)) B`` samples; ``floor`` with ``drop_last``), as accelerate's
+  ``even_batches`` pads with the epoch's first rows; on one rank nothing is padded (the
+  loader's last batch is short). ``B = 1`` is the round-robin rule above. One optimizer
+  step of ``k`` batches per rank covers the same ``k R B`` consecutive positions under
+  both rules; what differs is which rank holds which row (the rows a collator pads or
+  masks together).
 * **Undealing (exact rows).** Gathering what the ranks computed on a pass puts rank
   ``r``'s rows after those of ranks ``0..r-1``. Local row ``l`` of rank ``r`` is slot
   ``j = l R + r`` of the pass; slots ``j >= M`` are the padding. ``exact_rows_order``
@@ -80,6 +91,9 @@ class DistributedSampler(Sampler[int]):
         shuffle: shuffle with ``torch.randperm`` seeded by ``seed + epoch``.
         seed: shuffle seed; identical on every rank.
         drop_last: drop the tail that does not divide evenly instead of padding it.
+        deal_batch: rows dealt to a rank at a time: 1 deals rows round-robin (torch's
+            sampler), ``B`` deals whole batches of ``B`` (the transformers Trainer's
+            loader under accelerate); see the module docstring.
 
     See the module docstring for the dealing and resharding math.
     """
@@ -92,6 +106,7 @@ class DistributedSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        deal_batch: int = 1,
     ) -> None:
         if num_replicas is None or rank is None:
             world, world_rank = _default_world()
@@ -101,6 +116,12 @@ class DistributedSampler(Sampler[int]):
             raise DataError(f"num_replicas must be >= 1, got {num_replicas}")
         if not 0 <= int(rank) < int(num_replicas):
             raise DataError(f"rank must be in [0, {num_replicas}), got {rank}")
+        if int(deal_batch) < 1:
+            raise DataError(
+                f"DistributedSampler deal_batch must be >= 1 (rows dealt to a rank at a "
+                f"time), got {deal_batch}; pass the per-rank batch size, or 1"
+            )
+        self.deal_batch = int(deal_batch)
         self.dataset = dataset
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
@@ -137,9 +158,11 @@ class DistributedSampler(Sampler[int]):
 
     def _count(self, start: int) -> int:
         remaining = max(0, self.num_samples_total - start)
-        if self.drop_last:
-            return remaining // self.num_replicas
-        return math.ceil(remaining / self.num_replicas)
+        if self.num_replicas == 1:  # one rank pads nothing; the loader drops a short batch
+            return remaining
+        step = self.num_replicas * self.deal_batch
+        steps = remaining // step if self.drop_last else math.ceil(remaining / step)
+        return steps * self.deal_batch
 
     def indices(self, start: int | None = None) -> np.ndarray:
         """This rank's indices for a pass starting at global position ``start``
@@ -155,7 +178,10 @@ class DistributedSampler(Sampler[int]):
             order = np.concatenate([order, perm[np.arange(pad) % n]])
         else:
             order = order[:total]
-        return order[self.rank : total : self.num_replicas]
+        if self.num_replicas == 1:
+            return order
+        # (steps, rank, row): rank r's rows are the r-th batch of every step
+        return order.reshape(-1, self.num_replicas, self.deal_batch)[:, self.rank, :].reshape(-1)
 
     def __len__(self) -> int:
         return self._count(self._next_start)

@@ -88,6 +88,9 @@ class TrainingArguments(ProcessArguments):
     logging_strategy: str = "steps"
     logging_steps: float = 500
     logging_first_step: bool = False
+    logging_nan_inf_filter: bool = True
+    """A step whose loss on this process is NaN or inf is logged as the mean of its steps
+    since the last log (transformers' filter; training itself is unchanged)."""
     eval_strategy: str = "no"
     evaluation_strategy: str | None = None
     eval_steps: float | None = None
@@ -115,6 +118,11 @@ class TrainingArguments(ProcessArguments):
     remove_unused_columns: bool = True
     label_names: list[str] | None = None
     prediction_loss_only: bool = False
+    average_tokens_across_devices: bool = True
+    """How a data-parallel step weighs its ranks: by the label items of the whole step over
+    every rank (True: the mean over the global batch), or each rank by its own items and
+    then the mean over ranks (False). transformers gets True's meaning only for models
+    whose loss takes ``num_items_in_batch`` (docs/trainer.md, "Losses over processes")."""
     include_for_metrics: list[str] = dataclasses.field(default_factory=list)
     """What ``compute_metrics`` gets besides predictions and labels: "inputs" (the model's
     main input), "loss" (each row's batch loss), as ``EvalPrediction.inputs`` / ``.losses``."""

@@ -1,8 +1,13 @@
 """Evaluation and prediction over every data-parallel rank, returning exactly the
 dataset's rows in dataset order.
 
-Rank ``r`` of ``R`` takes rows ``r, r + R, r + 2R, ...`` (no padding rows, so nothing is
-duplicated on an uneven tail: ranks differ by at most one row). Under ZeRO-3 the forward
+Rank ``r`` of ``R`` takes whole batches of ``B = per_device_eval_batch_size`` rows in
+dataset order, batches ``r, r + R, r + 2R, ...``, as the transformers Trainer's eval
+loader (accelerate's ``BatchSamplerShard`` over a ``SequentialSampler``) does, so a
+collator pads or masks the same rows together and a batch's mean loss is over the same
+rows. Unlike it, the last global batch is not padded with the first rows (nothing is
+duplicated, so no batch's loss includes repeated rows: ranks differ by at most ``B``
+rows; when ``n`` is a multiple of ``R B`` the two are the same). Under ZeRO-3 the forward
 gathers parameters with collectives, so a rank that runs out of batches repeats its
 first one (row 0 of the dataset when it had no rows) and discards the result until every
 rank has run the same number of forwards.
@@ -11,7 +16,7 @@ outputs are broadcast over the pp group (``trainer.pipeline_step``), so every ra
 replica holds the same per-batch results. Predictions stay on the CPU as numpy arrays; batches of different sequence lengths are
 padded with -100 to a common shape (as transformers does). At the end one
 ``all_gather_object`` over the data-parallel group brings every rank's arrays to every
-rank, and row ``i`` of the result is row ``i // R`` of rank ``i % R``.
+rank, and each rank's rows go back to their dataset positions (``rank_rows``).
 
 ``eval_loss`` is the mean of the per-batch losses weighted by their rows (each row is
 counted once over all ranks).
@@ -92,37 +97,44 @@ def nested_rows(x: Any, n: int) -> Any:
     return x[:n]
 
 
-def interleave(per_rank: list[Any], total: int) -> Any:
-    """Row ``i`` of the result is row ``i // R`` of ``per_rank[i % R]`` (see module doc)."""
+def interleave(per_rank: list[Any], total: int, rows: list[list[int]] | None = None) -> Any:
+    """The ``total`` dataset rows in dataset order from each rank's part: ``per_rank[r]``
+    holds dataset rows ``rows[r]`` (``rank_rows``, the evaluation's dealing); without
+    ``rows``, rows ``r, r + R, ...`` (round-robin, the sampler's undealing rule)."""
     first = next((p for p in per_rank if p is not None), None)
     if first is None:
         return None
     if isinstance(first, list | tuple):  # a rank without rows (fewer rows than ranks): None
         return type(first)(
-            interleave([None if p is None else p[i] for p in per_rank], total)
+            interleave([None if p is None else p[i] for p in per_rank], total, rows)
             for i in range(len(first))
         )
     if isinstance(first, dict):
         return {
-            k: interleave([None if p is None else p[k] for p in per_rank], total) for k in first
+            k: interleave([None if p is None else p[k] for p in per_rank], total, rows)
+            for k in first
         }
     empty = np.zeros((0, *np.shape(first)[1:]), dtype=np.asarray(first).dtype)
     per_rank = [empty if p is None else p for p in per_rank]
-    # one common shape over ranks (sequence lengths may differ between ranks); rank r
-    # holds slots r, r + R, ... of the pass (no padding): the sampler's undealing rule
+    # one common shape over ranks (sequence lengths may differ between ranks)
     padded = pad_concat(per_rank)
-    order = exact_rows_order([len(part) for part in per_rank], 0, total)
-    return padded[order]
+    if rows is None:
+        return padded[exact_rows_order([len(part) for part in per_rank], 0, total)]
+    where = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows] or [np.zeros(0, np.int64)])
+    return padded[np.argsort(where, kind="stable")]
 
 
-def rank_rows(n: int, ranks: int, rank: int) -> list[int]:
-    """Dataset rows rank ``rank`` evaluates."""
-    return list(range(rank, n, ranks))
+def rank_rows(n: int, ranks: int, rank: int, batch_size: int) -> list[int]:
+    """Dataset rows rank ``rank`` evaluates: batches ``rank, rank + ranks, ...`` of
+    ``batch_size`` rows in dataset order (module docstring)."""
+    b = max(1, int(batch_size))
+    batches = range(rank, math.ceil(n / b), ranks)
+    return [i for k in batches for i in range(k * b, min(n, (k + 1) * b))]
 
 
 def max_batches(n: int, ranks: int, batch_size: int) -> int:
     """Forwards every rank runs under ZeRO-3 (the most any rank needs)."""
-    return math.ceil(math.ceil(n / ranks) / batch_size) if n else 0
+    return math.ceil(math.ceil(n / batch_size) / ranks) if n else 0
 
 
 class PredictionHooks(NamedTuple):
@@ -140,7 +152,9 @@ def eval_loader(dataset: Any, args: Any, topo: Any, collate: Any):
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=args.per_device_eval_batch_size,
-        sampler=rank_rows(len(dataset), topo.dp_size, topo.dp_rank),
+        sampler=rank_rows(
+            len(dataset), topo.dp_size, topo.dp_rank, args.per_device_eval_batch_size
+        ),
         collate_fn=collate,
         num_workers=args.dataloader_num_workers,
     )
@@ -205,14 +219,17 @@ def prediction_loop(trainer, dataset: Any, ignore_keys: list[str] | None, prefix
     total_loss = sum(e[0] for e in everyone)
     counted = sum(e[1] for e in everyone)
     # from every rank's parts: a rank may have had no rows (fewer rows than ranks)
-    predictions = interleave([e[3] for e in everyone], n)
-    label_ids = interleave([e[4] for e in everyone], n)
+    rows = [rank_rows(n, ranks, r, args.per_device_eval_batch_size) for r in range(ranks)]
+    predictions = interleave([e[3] for e in everyone], n, rows)
+    label_ids = interleave([e[4] for e in everyone], n, rows)
     runtime = time.perf_counter() - t0
     metrics: dict[str, float] = {}
     if trainer.compute_metrics is not None and predictions is not None and label_ids is not None:
         extra = {
-            "inputs": interleave([e[5] for e in everyone], n) if "inputs" in include else None,
-            "losses": interleave([e[6] for e in everyone], n) if "loss" in include else None,
+            "inputs": interleave([e[5] for e in everyone], n, rows)
+            if "inputs" in include
+            else None,
+            "losses": interleave([e[6] for e in everyone], n, rows) if "loss" in include else None,
         }
         metrics.update(trainer.compute_metrics(EvalPrediction(predictions, label_ids, **extra)))
     metrics = {k: plain(v) for k, v in metrics.items()}

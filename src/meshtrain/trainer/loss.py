@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from meshtrain.distributed import comm
+
 IGNORE_INDEX = -100
 
 
@@ -96,6 +98,26 @@ def forward_names(model: Any) -> tuple[str, ...] | None:
     return tuple(params)
 
 
+def window_items(
+    window: list[Any], label_names: list[str], shift: bool, topology: Any, device: Any,
+    *, across: bool = True,
+) -> tuple[list[int], float, float]:  # fmt: skip
+    """Label items per micro-batch of ``window``, their sum on this rank, and ``N``: the
+    sum over every data-parallel rank (one all-reduce of one number). ``across=False``
+    (``average_tokens_across_devices=False``) weighs each rank by its own items: ``N`` is
+    this rank's count times the ranks, so each rank's mean counts ``1 / R``."""
+    counts = [label_items(b, label_names, shift) for b in window]
+    local_items = float(sum(counts))
+    if not across:
+        return counts, local_items, local_items * topology.dp_size
+    total_items = local_items
+    if topology.dp_size > 1:
+        total = torch.tensor(local_items, device=device)
+        comm.all_reduce(total, topology.dp_group, label="control")
+        total_items = float(total)
+    return counts, local_items, total_items
+
+
 __all__ = [
     "IGNORE_INDEX",
     "batch_rows",
@@ -103,4 +125,5 @@ __all__ = [
     "label_items",
     "loss_shifts_labels",
     "takes_argument",
+    "window_items",
 ]

@@ -61,15 +61,32 @@ def choose_collator(collator: Callable | None, tokenizer: Any, padding_free: boo
     return collator
 
 
+def signature_columns(model: Any) -> tuple[str, ...] | None:
+    """The columns transformers' ``remove_unused_columns`` keeps for ``model``: the names
+    of its forward's parameters (``_set_signature_columns_if_needed``; of the base model
+    under peft). A forward that also takes ``**kwargs`` keeps only its named ones, as
+    there: a masked-LM dataset's ``special_tokens_mask`` is dropped before the collator,
+    which then finds the special tokens itself. None when the forward has no signature."""
+    import inspect
+
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    try:
+        return tuple(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def prepare_dataset(
-    dataset: Any, args: Any, forward_names: tuple[str, ...] | None, label_names: list[str]
+    dataset: Any, args: Any, columns: tuple[str, ...] | None, label_names: list[str]
 ) -> Any:
-    """transformers' ``remove_unused_columns`` for ``datasets.Dataset``."""
+    """transformers' ``remove_unused_columns`` for ``datasets.Dataset``: keep ``columns``
+    (``signature_columns``), the label names, ``label`` and ``label_ids``."""
     if not args.remove_unused_columns or not hasattr(dataset, "column_names"):
         return dataset
-    if forward_names is None:
+    if columns is None:
         return dataset
-    keep = set(forward_names) | set(label_names) | {"label", "label_ids"}
+    keep = set(columns) | set(label_names) | {"label", "label_ids"}
     unused = [c for c in dataset.column_names if c not in keep]
     return dataset.remove_columns(unused) if unused else dataset
 
@@ -96,13 +113,13 @@ def build_engine(
     data_collator: Callable,
     optimizer: Any,
     lr_scheduler: Any,
-    forward_names: tuple[str, ...] | None,
     label_names: list[str],
 ) -> Built:
     """Process group, mesh, training loader, schedule and engine (the Trainer calls this
     once)."""
     import meshtrain
     from meshtrain.data.loader import ResumableDataLoader
+    from meshtrain.data.sampler import DistributedSampler
     from meshtrain.distributed.env import read_env
     from meshtrain.engine.start import join_mesh
 
@@ -112,17 +129,29 @@ def build_engine(
     dp, gas = topology.dp_size, args.gradient_accumulation_steps
     loader = None
     if train_dataset is not None:
-        train_dataset = prepare_dataset(train_dataset, args, forward_names, label_names)
-        loader = ResumableDataLoader(
+        train_dataset = prepare_dataset(train_dataset, args, signature_columns(model), label_names)
+        # transformers' training order: accelerate's SeedableRandomSampler (randperm from
+        # data_seed or seed, + epoch) cut into per-device batches, whole batches dealt to
+        # the ranks and the last global batch padded with the epoch's first rows
+        # (BatchSamplerShard, even_batches): which rows share a batch is what a padding
+        # or masking collator sees (data.sampler, "Dealing whole batches")
+        sampler = DistributedSampler(
             train_dataset,
-            args.per_device_train_batch_size,
             num_replicas=dp,
             rank=topology.dp_rank,
             shuffle=True,
             seed=args.data_seed if args.data_seed is not None else args.seed,
+            drop_last=args.dataloader_drop_last,
+            deal_batch=args.per_device_train_batch_size,
+        )
+        loader = ResumableDataLoader(
+            train_dataset,
+            args.per_device_train_batch_size,
+            sampler=sampler,
             collate_fn=data_collator,
             drop_last=args.dataloader_drop_last,
             num_workers=args.dataloader_num_workers,
+            lookahead=True,  # a masking collator's draws around dropout's, as the peer's
         )
         steps_per_epoch = max(1, math.ceil(len(loader) / gas))
     else:
@@ -195,4 +224,5 @@ __all__ = [
     "default_collator",
     "param_groups",
     "prepare_dataset",
+    "signature_columns",
 ]

@@ -69,7 +69,7 @@ class TrainerState:
     max_steps: int = 0
     num_train_epochs: int = 0
     logging_steps: float = 500
-    eval_steps: float | None = None
+    eval_steps: float | None = 500
     save_steps: float = 500
     train_batch_size: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
@@ -80,6 +80,12 @@ class TrainerState:
     is_world_process_zero: bool = True
     total_flos: float = 0.0
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
+    # transformers' fields that meshtrain never changes (no token counting unless asked,
+    # no hyper-parameter search): kept so trainer_state.json has the peer's keys
+    num_input_tokens_seen: int = 0
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
 
     def compute_steps(self, args: Any, max_steps: int) -> None:
         """``logging_steps`` / ``eval_steps`` / ``save_steps`` in steps: a value below 1
@@ -88,7 +94,9 @@ class TrainerState:
 
         for name in ("logging", "eval", "save"):
             value = getattr(args, f"{name}_steps")
-            if value is not None and value < 1:
+            if value is None:  # unset: the state keeps its default, as in transformers
+                continue
+            if value < 1:
                 value = math.ceil(max_steps * value)
             setattr(self, f"{name}_steps", value)
 

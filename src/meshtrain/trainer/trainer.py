@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshtrain.distributed import comm
 from meshtrain.errors import ConfigError, TrainingError
 from meshtrain.models.packed_batches import check_packed_batch
 from meshtrain.trainer import checkpoints as ckpt
@@ -42,6 +41,7 @@ from meshtrain.trainer.loss import (
     label_items,
     loss_shifts_labels,
     takes_argument,
+    window_items,
 )
 from meshtrain.trainer.pipeline_step import PipelineSteps, user_loss
 from meshtrain.trainer.prediction import Prediction
@@ -162,7 +162,8 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
 
     # -- set-up ---------------------------------------------------------------------------
     def _prepare_dataset(self, dataset: Any) -> Any:
-        return setup.prepare_dataset(dataset, self.args, self._forward_names, self.label_names)
+        columns = setup.signature_columns(self.model)
+        return setup.prepare_dataset(dataset, self.args, columns, self.label_names)
 
     def prepare_engine(self):
         """Process group, mesh, engine and training loader (once); returns the engine."""
@@ -181,7 +182,6 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             data_collator=self.data_collator,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
-            forward_names=self._forward_names,
             label_names=self.label_names,
         )
         self.engine, self.topology = built.engine, built.topology
@@ -285,18 +285,6 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             return bool(self.loss_is_scaled_for_ga)
         return self.compute_loss_func is not None
 
-    def _window_items(self, window: list[Any]) -> tuple[list[int], float, float]:
-        """Label items per micro-batch of ``window``, their sum on this rank, and the sum
-        over every data-parallel rank (one all-reduce of one number)."""
-        counts = [label_items(b, self.label_names, self._shift) for b in window]
-        local_items = float(sum(counts))
-        total_items = local_items
-        if self.topology.dp_size > 1:
-            total = torch.tensor(local_items, device=self.engine.device)
-            comm.all_reduce(total, self.topology.dp_group, label="control")
-            total_items = float(total)
-        return counts, local_items, total_items
-
     def training_step(
         self,
         model: nn.Module,
@@ -349,7 +337,10 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         ``on_optimizer_step`` around the step), or the whole window through the pipeline
         schedule. Returns (this rank's step loss x dp, its mean loss per label item)."""
         engine = self.engine
-        counts, local_items, total_items = self._window_items(window)
+        counts, local_items, total_items = window_items(
+            window, self.label_names, self._shift, self.topology, engine.device,
+            across=self.args.average_tokens_across_devices,
+        )  # fmt: skip
         if engine.pipeline is not None:  # the window runs in the pipeline's schedule
             batches = [self._prepare_inputs(b) for b in window]
             if not self.model.training:
@@ -367,7 +358,10 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         share = torch.zeros((), device=engine.device)  # read once: no sync per micro-batch
         last = len(window) - 1
         for i, batch in enumerate(window):
-            share += self.training_step(self.model, batch, num_items)
+            part = self.training_step(self.model, batch, num_items)
+            if not counts[i] and self.args.average_tokens_across_devices:
+                part = torch.zeros_like(part)  # weight 0; a mean over no items is NaN
+            share += part
             if i == last:
                 self.control = self._event("on_pre_optimizer_step")
                 self._applied_lr = engine.get_lr()[0]  # what this step uses (logged as such)

@@ -76,11 +76,7 @@ class TrainingLoop:
             self._say(f"resuming from {path} (step {self.state.global_step})")
         st = self.state
         st.max_steps, st.num_train_epochs = self.max_steps, self.num_epochs
-        st.logging_steps, st.eval_steps, st.save_steps = (
-            args.logging_steps,
-            args.eval_steps,
-            args.save_steps,
-        )
+        st.compute_steps(args, self.max_steps)  # transformers': an unset one keeps 500
         st.train_batch_size = args.per_device_train_batch_size
         st.is_world_process_zero = self.topology.rank == 0
         start_step = self.start_step = st.global_step
@@ -105,6 +101,10 @@ class TrainingLoop:
         self.control = TrainerControl()
         if path is not None and args.restore_callback_states_from_checkpoint:
             self._restore_callback_states()
+        if path is None:  # transformers' new TrainerState holds them from the start
+            st.stateful_callbacks = exported_states(
+                [*self.callback_handler.callbacks, self.control]
+            )
         # every module, once: training_step only checks the top flag, and a peft wrapper
         # says training while the from_pretrained model inside it is in eval mode
         self.model.train()
@@ -135,6 +135,10 @@ class TrainingLoop:
                     restore_rng()  # once: after the first window of a skipping resume
                 self.control = self._event("on_step_begin")
                 share, local_mean = self._run_window(window)
+                if args.logging_nan_inf_filter and not bool(torch.isfinite(share)):
+                    # transformers' filter: a NaN / inf step counts as this process's mean
+                    # of the steps since the last log (per step here; per micro-batch there)
+                    share = log_loss / (1 + log_steps)
                 if engine.log.last and local_mean is not None:
                     engine.log.last["loss"] = local_mean  # rank 0's item mean
                 if engine.log.last.get("flops") is not None:  # known for known model shapes
