@@ -12,11 +12,29 @@ accelerate's process-wide state likewise: a test that builds an ``Accelerator`` 
 transformers ``TrainingArguments`` asked for its ``.device``, which makes accelerate's
 ``PartialState``) in the pytest process leaves a one-process state that every rank forked
 later inherits, so the real accelerate in a rank runs as one process. It ends with the
-test too."""
+test too.
+
+A hang reads as a report: each test's pytest-timeout deadline is published to the
+multi-rank harness (``tests/harness.py``), which ends its wait on the ranks before it, so a
+hung rank's Python stacks reach the failure instead of pytest-timeout's bare traceback of
+the parent waiting on a queue."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
+
+from tests.harness import TEST_DEADLINE_ENV
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    marker = item.get_closest_marker("timeout")
+    limit = marker.args[0] if marker and marker.args else item.config.getoption("timeout", 0)
+    os.environ[TEST_DEADLINE_ENV] = str(time.time() + float(limit)) if limit else ""
+    yield
 
 
 @pytest.fixture(autouse=True)

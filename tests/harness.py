@@ -10,6 +10,7 @@ group costs process start-up.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,10 @@ DEFAULT_TIMEOUT_S = 240.0
 # (tools/kernel_matrix.py) sets 2, because a GEMM split over threads blocks its sums
 # differently, and a parity bound must hold for either.
 RANK_THREADS_ENV = "MESHTRAIN_TEST_RANK_THREADS"
+# The running test's pytest-timeout deadline (epoch seconds), set by tests/conftest.py. The
+# wait on the ranks ends this long before it, time enough to gather the hung ranks' stacks.
+TEST_DEADLINE_ENV = "MESHTRAIN_TEST_DEADLINE"
+STACKS_MARGIN_S = 30.0
 
 __all__ = ["RankFailedError", "run_ranks"]
 
@@ -32,6 +37,9 @@ def run_ranks(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
+    deadline = os.environ.get(TEST_DEADLINE_ENV)
+    if deadline:
+        timeout = max(1.0, min(timeout, float(deadline) - time.time() - STACKS_MARGIN_S))
     return run_on_ranks(
         fn, world_size, args, kwargs, timeout=timeout, env=env, threads_per_rank=rank_threads()
     )

@@ -74,3 +74,36 @@ def test_a_taken_port_is_retried_on_a_fresh_one(monkeypatch):
     finally:
         holder.close()
     assert ports == []  # the taken port was handed out first
+
+
+def _collect_garbage():
+    import gc
+
+    return gc.collect() >= 0
+
+
+def test_a_forked_rank_never_destroys_the_parents_garbage_groups():
+    """An Accelerator made in this process and dropped after ``destroy_process_group``
+    leaves its gloo groups in a reference cycle. A forked rank that collected that cycle
+    ran ``~ProcessGroupGloo``, which joins worker threads that exist only here, and hung
+    (the CI hang of test_user_streams after test_trackers). The planted cycle below is
+    that state; the ranks' collection must not reach it."""
+    import gc
+
+    import torch.distributed as dist
+
+    from meshtrain.launch.processes import free_port
+
+    gc.disable()  # keep the planted cycle alive until the ranks have forked
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+        cycle = {"group": dist.new_group([0])}
+        cycle["self"] = cycle
+        dist.destroy_process_group()
+        del cycle
+        assert run_ranks(_collect_garbage, 2, timeout=60) == [True, True]
+    finally:
+        gc.enable()
+        gc.collect()  # here the groups' threads exist: their destructors return

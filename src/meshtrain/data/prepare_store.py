@@ -41,6 +41,7 @@ from meshtrain.data.integrity import intact
 from meshtrain.data.tokenizer import as_tokenizer, token_dtype
 from meshtrain.errors import DataError
 from meshtrain.files.writable import check_writable
+from meshtrain.forking import heap_frozen
 
 log = logging.getLogger("meshtrain.data")
 MAX_BAD_REPORTED = 20
@@ -184,7 +185,9 @@ def _results(
         return
     method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     ctx = mp.get_context(method)
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, p)) as pool:
+    with heap_frozen():  # the workers fork here (meshtrain.forking says why)
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, p))
+    with pool:
         pending: deque = deque()
         for task in tasks:
             pending.append(pool.apply_async(_run_task, (task,)))

@@ -16,7 +16,10 @@ Start method: ``fork`` where available (children inherit the imported torch, whi
 spawning several groups per test module cheap, and functions defined in ``__main__`` or a
 notebook work); ``spawn`` otherwise or on request. Each child sets its intra-op threads
 (default 1, as torchrun does with OMP_NUM_THREADS=1) before any torch work, which is also
-what makes fork safe with OpenMP.
+what makes fork safe with OpenMP. The ranks are forked with the
+parent's heap outside their collector (:mod:`meshtrain.forking`): a rank must never run
+the destructor of an object it inherited in a reference cycle (a dropped Accelerator's
+gloo groups hung CI that way).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtrain.errors import DistributedError
+from meshtrain.forking import heap_frozen
 
 PORT_TRIES = 3  # free_port() is free when chosen; another process may bind it first
 JOIN_WAIT_S = 300.0  # at most, for every rank to be started before joining the group
@@ -218,29 +222,30 @@ def _run_group(
     stack_dir = tempfile.mkdtemp(prefix="meshtrain-stacks-")
     stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(nprocs)]
     procs = []
-    for rank in range(nprocs):
-        p = ctx.Process(
-            target=_child,
-            args=(
-                fn,
-                rank,
-                nprocs,
-                port,
-                tuple(args),
-                dict(kwargs or {}),
-                {"MESHTRAIN_DOCTOR_DIR": stack_dir, **(env or {})},
-                threads,
-                setup_distributed,
-                pg_minutes,
-                stack_files[rank],
-                results,
-                started,
-            ),
-            name=f"meshtrain-rank{rank}",
-            daemon=False,
-        )
-        p.start()
-        procs.append(p)
+    with heap_frozen():
+        for rank in range(nprocs):
+            p = ctx.Process(
+                target=_child,
+                args=(
+                    fn,
+                    rank,
+                    nprocs,
+                    port,
+                    tuple(args),
+                    dict(kwargs or {}),
+                    {"MESHTRAIN_DOCTOR_DIR": stack_dir, **(env or {})},
+                    threads,
+                    setup_distributed,
+                    pg_minutes,
+                    stack_files[rank],
+                    results,
+                    started,
+                ),
+                name=f"meshtrain-rank{rank}",
+                daemon=False,
+            )
+            p.start()
+            procs.append(p)
 
     values: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout

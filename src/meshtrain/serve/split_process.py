@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshtrain.errors import ServeError
+from meshtrain.forking import fork
 from meshtrain.serve.batching import QueueFull
 from meshtrain.serve.generation import STOP, GenerationJob
 from meshtrain.serve.model_side import serve_model
@@ -197,7 +198,7 @@ def serve_split(app: Any, run_http: Callable[[], None]) -> int:
     to_http_recv, to_http_send = multiprocessing.Pipe(duplex=False)
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    pid = fork()  # the child never collects what it inherits (meshtrain.forking)
     if pid == 0:  # the HTTP process
         code = 1
         try:

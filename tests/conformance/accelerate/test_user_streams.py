@@ -28,7 +28,7 @@ IMPLS = ("accelerate", "meshtrain")
 @pytest.fixture(scope="module", params=(1, 2), ids=("1proc", "2proc"))
 def results(request) -> dict:
     world = request.param
-    return {"world": world, **{impl: run_ranks(run, world, impl, timeout=600) for impl in IMPLS}}
+    return {"world": world, **{impl: run_ranks(run, world, impl, timeout=300) for impl in IMPLS}}
 
 
 def test_loader_orders_and_generator_state_match_accelerate(results):
