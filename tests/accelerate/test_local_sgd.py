@@ -5,15 +5,17 @@ inside ``no_sync`` (each rank steps on its own gradient, as DDP does) and every
 ``local_sgd_steps`` averages the parameters with ``param.data = reduce(param.data)``. Two
 things meshtrain must do for it: step on the local gradient instead of reducing at the
 step (``EngineDriver.keep_local``), and take back the reassigned parameters into the
-engine's flat storage (``FlatGroup.adopt_rebound``; without it the model froze at the
-first average). Reference: the same loop by hand in plain torch (each rank its own model
+engine's flat storage (``parallel.zero.rebound``; without it the model froze at the
+first average, and ``save_model``, which cuts its file from that storage, wrote the
+weights from before the last average). Reference: the same loop by hand in plain torch (each rank its own model
 copy, SGD on its own gradient, the parameters all-reduced and divided by the world size
 every 3 steps). Same operations in the same order (SGD is element-wise, ZeRO-0 with fp32
 masters aliasing the parameters, the same all-reduce): the parameters are compared
 exactly (``tests/tolerance.py`` rule 1).
 
-At ZeRO stage 1 a rank steps only its slice of the masters, so a step after a window all
-inside ``no_sync`` is refused by name (a ConfigError), not reduced silently.
+At ZeRO stage 1 a rank steps only its slice of the masters, and at stages 2-3 every
+backward reduce-scatters, so a step after a window all inside ``no_sync`` is refused by
+name there (a ConfigError), not run silently as plain data parallelism.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ def _rows(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.cos().sum(1, keepdim=True)
 
 
-def _meshtrain(stage: int) -> dict:
+def _meshtrain(stage: int, out_dir: str) -> dict:
     from accelerate.local_sgd import LocalSGD
+    from safetensors.torch import load_file
 
     from meshtrain import Accelerator
 
@@ -54,8 +57,11 @@ def _meshtrain(stage: int) -> dict:
                 opt.step()
                 opt.zero_grad()
             sgd.step()
-    # the exit averaged once more; the next forward (or this read) sees the average
-    return {k: v.detach().clone() for k, v in model.engine.module_state_dict().items()}
+    # the exit averaged once more; the next forward, this read and the file see it
+    state = {k: v.detach().clone() for k, v in model.engine.module_state_dict().items()}
+    acc.save_model(model, out_dir)
+    acc.wait_for_everyone()
+    return {"state": state, "saved": load_file(f"{out_dir}/model.safetensors")}
 
 
 def _by_hand() -> dict:
@@ -82,11 +88,11 @@ def _by_hand() -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _stage1_refused() -> str:
+def _refused(stage: int) -> str:
     from meshtrain import Accelerator
     from meshtrain.errors import ConfigError
 
-    acc = Accelerator(config={"zero_optimization": {"stage": 1}})
+    acc = Accelerator(config={"zero_optimization": {"stage": stage}})
     model = _model()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
     x, y = _rows(0, acc.process_index)
@@ -99,13 +105,16 @@ def _stage1_refused() -> str:
     return ""
 
 
-def _ranks() -> dict:
-    return {"ours": _meshtrain(0), "ref": _by_hand(), "stage1": _stage1_refused()}
+def _ranks(out_dir: str) -> dict:
+    refused = {stage: _refused(stage) for stage in (1, 2, 3)}
+    return {"ours": _meshtrain(0, out_dir), "ref": _by_hand(), "refused": refused}
 
 
-def test_local_sgd_equals_the_loop_by_hand_and_stage1_is_refused():
-    for rank, out in enumerate(run_ranks(_ranks, 2, timeout=300)):
-        assert out["ours"].keys() == out["ref"].keys()
-        for name, ref in out["ref"].items():
-            assert torch.equal(out["ours"][name], ref), (rank, name)
-        assert "ZeRO stage 1" in out["stage1"] and "no_sync" in out["stage1"], out["stage1"]
+def test_local_sgd_equals_the_loop_by_hand_and_zero_1_to_3_refuse_it(tmp_path):
+    for rank, out in enumerate(run_ranks(_ranks, 2, str(tmp_path), timeout=300)):
+        for got in (out["ours"]["state"], out["ours"]["saved"]):
+            assert got.keys() == out["ref"].keys()
+            for name, ref in out["ref"].items():
+                assert torch.equal(got[name], ref), (rank, name)
+        for stage, message in out["refused"].items():
+            assert f"ZeRO stage {stage}" in message and "no_sync" in message, message

@@ -272,7 +272,9 @@ class Accelerator:
     @contextmanager
     def no_sync(self, model: Any = None) -> Iterator[None]:
         """Backward passes inside keep their gradients local (ZeRO stages 2-3 reduce
-        every backward anyway: their gradients are sharded, and the result is the same)."""
+        every backward anyway: their gradients are sharded, and an accumulated window's
+        result is the same; a step after a window all inside, local SGD, is refused at
+        stages 1-3: ``EngineDriver.keep_local``)."""
         self._local += 1
         try:
             yield

@@ -111,19 +111,27 @@ class EngineDriver:
         ``no_sync`` (local SGD: accelerate's ``LocalSGD``, DDP's ``no_sync`` then a step)
         steps on this rank's own gradients, as DDP does, instead of reducing them at the
         step. Stage 0 only: at stage 1 each rank steps only its slice of the masters and
-        the others' slices come from their owners, so no rank could step on its own
-        gradient; stages 2-3 reduced every backward already (``no_sync``'s docstring)."""
-        if not self.window_open or self.synced or self.stage >= 2:
+        the others' slices come from their owners, and at stages 2-3 every backward has
+        reduce-scattered already, so no rank could step on its own gradient; the step is
+        refused there by name rather than run as plain data parallelism (accelerate
+        refuses ``LocalSGD`` under DeepSpeed at every stage)."""
+        if not self.window_open or self.synced:
             return
         zero = self.engine.zero
-        if self.stage == 1:
+        if self.stage >= 1 and self.engine.topology.dp_size > 1:
+            why = (
+                "a rank steps only its slice of the optimizer state"
+                if self.stage == 1
+                else "every backward reduce-scatters the gradients (the step would use "
+                "the average, not this rank's own)"
+            )
             raise ConfigError(
                 "optimizer.step() after backward passes all inside no_sync (local SGD): at "
-                "ZeRO stage 1 a rank steps only its slice of the optimizer state, so it "
-                "cannot step on its own gradient; use ZeRO stage 0, or step after a "
-                "synchronising backward"
+                f"ZeRO stage {self.stage} {why}, so no rank can step on its own gradient; "
+                "use ZeRO stage 0, or step after a synchronising backward"
             )
-        zero.keep_local_window()  # the step then divides by the loss scale / f only
+        if self.stage == 0:
+            zero.keep_local_window()  # the step then divides by the loss scale / f only
 
     def after_step(self, scaled: float = 1.0) -> None:
         """Stage 0: ``p.grad`` keeps the step's gradient until ``zero_grad()`` (DDP), in

@@ -483,6 +483,7 @@ class Engine(EngineQueries):
         rank must call it. Returns what was written (``SavedWeights``)."""
         from meshtrain.engine.pretrained_shards import save_pretrained_shards
 
+        adopt_rebound(self.zero.flat_groups)  # the files are cut from ZeRO's flat storage
         with self.between_steps():  # its bytes and time are not the next step's
             return save_pretrained_shards(
                 self, save_dir, max_shard_size=max_shard_size, dtype=dtype, aliases=aliases,

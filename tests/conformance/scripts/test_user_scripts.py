@@ -149,12 +149,9 @@ CASES = {
         ignore=TRAINER_EXTRAS,
     ),
 }
-DIFFERS: dict[str, str] = {
-    "local_sgd": "the saved weights differ from accelerate's by up to 6.7e-2 (measured "
-    "identically on main 782d58d, so not this branch's change; likely save_model writing "
-    "from the ranks' flat storage before LocalSGD's reassigned param.data is copied back, "
-    "parallel/zero/rebound.py)",
-}
+# a case meshtrain does not yet match, with the measured difference: xfail(strict) until
+# fixed, so the fix has to remove it (none today)
+DIFFERS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ and the optimizer steps masters that are (or are copied from) that storage, so a
 reassigned parameter silently left the engine: the forward used the new value, the step
 updated the old one and never wrote it back, and the model froze at the first average.
 A ``.data`` setter cannot be hooked, so the Engine calls :func:`adopt_rebound` before
-each forward, step and checkpoint: one pointer comparison per parameter, and for a
+each forward, step, checkpoint and weights file (``save_weights``, accelerate's
+``save_model``: LocalSGD averages once more on exit, just before a script saves): one pointer comparison per parameter, and for a
 moved one a copy of its value into its view (nothing is communicated). Sharded
 parameters (ZeRO-3) are placeholders between uses and are not checked.
 """
