@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshtrain.accelerate.prepared import (
-    PreparedDataLoader,
-    PreparedModel,
-    PreparedOptimizer,
-    PreparedScheduler,
-)
+from meshtrain.accelerate.prepared_loader import PreparedDataLoader
+from meshtrain.accelerate.prepared_model import PreparedModel
+from meshtrain.accelerate.prepared_optimizer import PreparedOptimizer
+from meshtrain.accelerate.prepared_scheduler import PreparedScheduler
 
 
 class PreparedObjects:

@@ -14,14 +14,11 @@ from torch.utils.data import DataLoader
 
 from meshtrain.accelerate.engine_config import engine_config
 from meshtrain.accelerate.grads import EngineDriver
-from meshtrain.accelerate.prepared import (
-    PreparedDataLoader,
-    PreparedModel,
-    PreparedOptimizer,
-    PreparedScheduler,
-    prepared_loader,
-)
+from meshtrain.accelerate.prepared_loader import PreparedDataLoader, prepared_loader
+from meshtrain.accelerate.prepared_model import PreparedModel
 from meshtrain.accelerate.prepared_objects import PreparedObjects
+from meshtrain.accelerate.prepared_optimizer import PreparedOptimizer
+from meshtrain.accelerate.prepared_scheduler import PreparedScheduler
 from meshtrain.engine.start import start_engine
 from meshtrain.errors import ConfigError
 

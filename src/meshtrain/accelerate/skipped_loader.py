@@ -52,7 +52,7 @@ class SkippedLoader:
         self.num_batches = num_batches
 
     def _prepared(self) -> bool:
-        from meshtrain.accelerate.prepared import PreparedDataLoader
+        from meshtrain.accelerate.prepared_loader import PreparedDataLoader
 
         return isinstance(self.loader, PreparedDataLoader)
 
