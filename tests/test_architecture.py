@@ -19,6 +19,9 @@ two jobs, and one class that needs a long file keeps it.)
 * No module-level function takes ``self``: a method kept outside its class.
 * A file is replaced through ``files.atomic``; the few multi-path commits that rename by
   hand are listed with why (``RENAMES_ALLOWED``).
+* ZeRO's gradient buffers are read only in ``parallel/zero``; only ``engine/window.py``
+  drives the accumulation window; no private name crosses modules.
+* Checkpoint, weights-export and memory code read the engine through ``EngineView``.
 """
 
 from __future__ import annotations
@@ -541,4 +544,93 @@ def test_the_private_check_sees_an_import_and_an_attribute() -> None:
     assert _private_uses("pkg.user", user, owners) == [
         "pkg.user:1 import _f",
         "pkg.user:4 ._queue (of pkg.owner)",
+    ]
+
+
+# Checkpoint, weights-export and memory code take a narrow typed view of the engine
+# (issue 45): each module's ``engine`` parameters are ``EngineView``s and read only what
+# the view declares (meshtrain/engine/engine_view.py).
+VIEW_MODULES = {
+    f"meshtrain.engine.{m}"
+    for m in (
+        "checkpoint_layout",
+        "checkpoint_load",
+        "checkpoint_save",
+        "expert_layout",
+        "memory",
+        "model_names",
+        "pretrained_shards",
+        "slice_state",
+    )
+}
+
+
+def _view_members() -> set[str]:
+    tree = ast.parse((SRC / "meshtrain/engine/engine_view.py").read_text(encoding="utf-8"))
+    (view,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineView"]
+    out = set()
+    for node in view.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+        elif isinstance(node, ast.FunctionDef):
+            out.add(node.name)
+    return out
+
+
+def _beyond_view(name: str, source: str, members: set[str]) -> list[str]:
+    """An ``engine`` parameter not typed ``EngineView``, and reads of a typed one
+    (``engine.x``, ``getattr(engine, "x")``) that the view does not declare."""
+    out = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+        typed = set()
+        for a in args:
+            is_view = a.annotation is not None and ast.unparse(a.annotation) == "EngineView"
+            if a.arg == "engine" and not is_view:
+                out.append(f"{name}:{fn.lineno} {fn.name}(engine) is not an EngineView")
+            if is_view:
+                typed.add(a.arg)
+        for node in ast.walk(fn):
+            attr = None
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id in typed:
+                    attr = node.attr
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in typed
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                attr = node.args[1].value
+            if attr is not None and attr not in members:
+                out.append(f"{name}:{node.lineno} engine.{attr}")
+    return out
+
+
+def test_checkpoint_and_memory_code_read_a_narrow_view_of_the_engine() -> None:
+    members = _view_members()
+    mods = _modules()
+    assert VIEW_MODULES <= set(mods), VIEW_MODULES - set(mods)
+    found = [
+        hit
+        for name in sorted(VIEW_MODULES)
+        for hit in _beyond_view(name, mods[name].read_text(encoding="utf-8"), members)
+    ]
+    assert found == [], f"read beyond EngineView (declare it there, or pass it in): {found}"
+
+
+def test_the_view_check_sees_an_untyped_engine_and_an_undeclared_read() -> None:
+    source = (
+        "def f(engine):\n    return engine.zero\n"
+        "def g(engine: EngineView):\n    return engine.log, getattr(engine, 'window'), engine.zero\n"
+    )
+    assert _beyond_view("pkg.mod", source, {"zero"}) == [
+        "pkg.mod:1 f(engine) is not an EngineView",
+        "pkg.mod:4 engine.log",
+        "pkg.mod:4 engine.window",
     ]

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from meshtrain.engine.engine_view import EngineView
 from meshtrain.parallel.tensor.sharding import ShardSpec, full_runs, specs_by_param, tp_specs
 from meshtrain.parallel.zero.flat_group import Bucket, FlatGroup
 
@@ -91,13 +92,13 @@ def runs(
             yield names[id(p)], full_start, s + rel, n
 
 
-def tp_of(engine) -> tuple[dict[int, ShardSpec], int] | None:
+def tp_of(engine: EngineView) -> tuple[dict[int, ShardSpec], int] | None:
     if engine.topology.tp_size == 1:
         return None
     return specs_by_param(engine.module), engine.topology.tp_rank
 
 
-def unsplit_view(engine) -> torch.nn.Module:
+def unsplit_view(engine: EngineView) -> torch.nn.Module:
     """The model (for its ``config``): under pp, a split stage's view of it."""
     if engine.pipeline is None:
         return engine.module
@@ -105,7 +106,7 @@ def unsplit_view(engine) -> torch.nn.Module:
     return getattr(stage, "model", stage)
 
 
-def frozen_specs(engine) -> dict[str, ShardSpec]:
+def frozen_specs(engine: EngineView) -> dict[str, ShardSpec]:
     """State-dict keys of tensor-parallel shards that are not trainable (frozen)."""
     if engine.topology.tp_size == 1:
         return {}

@@ -16,6 +16,7 @@ from meshtrain.checkpoint import storage
 from meshtrain.checkpoint.reader import CheckpointReader
 from meshtrain.engine import expert_layout as experts
 from meshtrain.engine.checkpoint_layout import frozen_specs, runs, tp_of
+from meshtrain.engine.engine_view import EngineView
 from meshtrain.engine.model_names import model_names
 from meshtrain.engine.rng_state import set_rng
 from meshtrain.engine.slice_state import load_slice_states
@@ -26,7 +27,7 @@ log = logging.getLogger("meshtrain")
 
 
 def load(
-    engine,
+    engine: EngineView,
     load_dir,
     tag: str | None = None,
     load_optimizer_states: bool = True,
@@ -78,7 +79,7 @@ def nothing_to_load(load_dir, tag: str | None) -> str | None:
 
 
 def load_from(
-    engine,
+    engine: EngineView,
     reader: CheckpointReader,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,

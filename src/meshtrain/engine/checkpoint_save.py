@@ -17,6 +17,7 @@ from meshtrain.checkpoint.writer import save_shards
 from meshtrain.engine import expert_layout as experts
 from meshtrain.engine import slice_state
 from meshtrain.engine.checkpoint_layout import frozen_specs, runs, save_range, tp_of, unsplit_view
+from meshtrain.engine.engine_view import EngineView
 from meshtrain.engine.model_names import model_names
 from meshtrain.engine.rng_state import rng_state
 from meshtrain.engine.slice_state import save_slice_states
@@ -29,7 +30,7 @@ log = logging.getLogger("meshtrain")
 
 
 def save(
-    engine,
+    engine: EngineView,
     save_dir,
     tag: str | None = None,
     client_state: dict | None = None,
@@ -40,9 +41,7 @@ def save(
     (:mod:`meshtrain.checkpoint.async_save`); the returned path exists once the write is
     committed. ``on_commit(path)`` runs on every rank after the commit (at once for a
     synchronous save, in the background thread for an asynchronous one)."""
-    saver = getattr(engine, "checkpoint_saver", None)
-    if saver is not None:
-        saver.wait()  # a second save waits for the first (and raises its failure)
+    engine.wait_for_checkpoint()  # a second save waits for the first (and raises its failure)
     tag, args = shard_contents(engine, tag, client_state)
     if engine.config.checkpoint.format == "dcp":
         if engine.config.checkpoint.async_save:
@@ -65,7 +64,9 @@ def save(
     return path
 
 
-def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[str, dict]:
+def shard_contents(
+    engine: EngineView, tag: str | None, client_state: dict | None
+) -> tuple[str, dict]:
     """(the agreed tag, ``save_shards`` keyword arguments) of this rank's part of a save:
     ``tensors`` (views of the live state where they can be: copy them before training on),
     ``pieces``, ``rank_state``, ``meta``, ``group``, ``keep_last``. A collective (the tag)."""
@@ -127,7 +128,7 @@ def shard_contents(engine, tag: str | None, client_state: dict | None) -> tuple[
     )
 
 
-def state_pieces(engine, names, with_optimizer: bool) -> tuple[dict, list[Piece], set]:
+def state_pieces(engine: EngineView, names, with_optimizer: bool) -> tuple[dict, list[Piece], set]:
     """This rank's share of the model (and, ``with_optimizer``, of AdamW's element-wise
     states): ``(tensors, pieces, steps)``. ``tensors`` are 1-D CPU views of the live fp32
     masters where they can be (copies of frozen tensors and buffers); ``pieces`` place them
@@ -193,7 +194,7 @@ def state_pieces(engine, names, with_optimizer: bool) -> tuple[dict, list[Piece]
     return tensors, pieces, steps
 
 
-def param_groups_of(engine) -> dict[str, int]:
+def param_groups_of(engine: EngineView) -> dict[str, int]:
     """Each trainable parameter's optimizer param group, by its checkpoint name."""
     canon = model_names(engine).canon
     return {

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from meshtrain.engine.engine_view import EngineView
 from meshtrain.errors import CheckpointError
 from meshtrain.parallel.experts import is_expert_param
 from meshtrain.parallel.tensor.sharding import ShardSpec
@@ -30,7 +31,7 @@ def expert_dim(p: torch.Tensor) -> int:
     return int(getattr(p, EXPERT_DIM_ATTR, 0))
 
 
-def expert_specs(engine) -> tuple[dict[int, ShardSpec], int] | None:
+def expert_specs(engine: EngineView) -> tuple[dict[int, ShardSpec], int] | None:
     """``({id(param): ShardSpec over ep}, ep rank)`` of every expert parameter the engine
     holds, or None at ep 1. Shapes come from the flat groups (ZeRO-3 leaves placeholders)."""
     topo = engine.topology
@@ -58,7 +59,7 @@ def expert_specs(engine) -> tuple[dict[int, ShardSpec], int] | None:
     return specs, topo.ep_rank
 
 
-def stage0_writers(engine) -> dict[int, tuple[int, int]]:
+def stage0_writers(engine: EngineView) -> dict[int, tuple[int, int]]:
     """(ranks, this rank's place) that share the writing of each flat group at ZeRO-0, where
     every replica holds it whole: its part's replica group (``dp x cp``; ``edp`` for the
     expert part), so each element is written once."""
@@ -67,7 +68,7 @@ def stage0_writers(engine) -> dict[int, tuple[int, int]]:
     }
 
 
-def frozen_split(engine, ep, t: torch.Tensor, key: str, share: int, part: int):
+def frozen_split(engine: EngineView, ep, t: torch.Tensor, key: str, share: int, part: int):
     """``(ranks, place, full offset)`` for writing a whole frozen tensor ``t``: as given
     (``share`` ranks, this one ``part``, offset 0), or for frozen experts split over the
     edp x tp ranks holding the same experts and offset to this ep rank's experts."""

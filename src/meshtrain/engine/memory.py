@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtrain.engine.engine_view import EngineView
 from meshtrain.estimate.model_states import ModelStates, model_states_bytes
 
 _OPTIMIZER_NAMES = {
@@ -136,7 +137,7 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def memory_report(engine) -> MemoryReport:
+def memory_report(engine: EngineView) -> MemoryReport:
     """Build the report for ``engine`` (see module docstring)."""
     zero = engine.zero
     in_groups = {id(p) for g in [*zero.flat_groups, *zero.frozen_groups] for p in g.params}
@@ -226,7 +227,7 @@ def _expert_formula(zero, whole_frozen: dict, common: dict) -> ModelStates:
     return total
 
 
-def _pipeline_part(engine) -> PipelinePart:
+def _pipeline_part(engine: EngineView) -> PipelinePart:
     from meshtrain.estimate.pipeline import TransformerDims, rank_activations
 
     pipe, cfg = engine.pipeline, engine.config

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from meshtrain.checkpoint.manifest import dtype_from_name, dtype_name
+from meshtrain.engine.engine_view import EngineView
 from meshtrain.engine.expert_layout import expert_specs
 from meshtrain.parallel.tensor.sharding import full_shape, specs_by_param
 
@@ -69,7 +70,7 @@ def _key_map(module: torch.nn.Module, pipelined: bool) -> dict[str, str]:
     return out
 
 
-def _local(engine) -> ModelNames:
+def _local(engine: EngineView) -> ModelNames:
     """This rank's names and its own part of the table (no communication)."""
     module, pipelined = engine.module, engine.pipeline is not None
     keys = _key_map(module, pipelined)
@@ -116,7 +117,7 @@ def _local(engine) -> ModelNames:
     return ModelNames(canon, keys, tensors, aliases, order=[k for *_, k in places], _placed=places)
 
 
-def model_names(engine) -> ModelNames:
+def model_names(engine: EngineView) -> ModelNames:
     """``_local`` merged over the pp group (collective when pp > 1: every rank calls it)."""
     names = _local(engine)
     pp = engine.topology.pp_group
@@ -145,7 +146,7 @@ def model_names(engine) -> ModelNames:
     return ModelNames(names.canon, names.keys, tensors, aliases, owner, order)
 
 
-def full_state_dict(engine) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: EngineView) -> dict[str, torch.Tensor]:
     """The unsplit model's state dict on every rank (see the module docstring)."""
     from meshtrain.distributed import comm
 

@@ -56,6 +56,7 @@ from meshtrain.checkpoint.consolidate import entry_bytes, write_streamed
 from meshtrain.checkpoint.manifest import dtype_from_name
 from meshtrain.engine.checkpoint_layout import unsplit_view
 from meshtrain.engine.checkpoint_save import state_pieces
+from meshtrain.engine.engine_view import EngineView
 from meshtrain.engine.model_names import model_names
 from meshtrain.errors import CheckpointError
 from meshtrain.files.atomic import write_atomic
@@ -260,7 +261,9 @@ def _exchange(topology, obj: Any) -> list[Any]:
     return out
 
 
-def file_plan(engine, names, dtype: torch.dtype | None, aliases: bool | None) -> list[tuple]:
+def file_plan(
+    engine: EngineView, names, dtype: torch.dtype | None, aliases: bool | None
+) -> list[tuple]:
     """``[(key, canonical name, dtype, shape)]`` in the model's state-dict order. Tied
     names: kept as copies (``aliases`` True), dropped (False), or by default dropped for a
     transformers model that re-ties them (module docstring)."""
@@ -283,7 +286,7 @@ def file_plan(engine, names, dtype: torch.dtype | None, aliases: bool | None) ->
 
 
 def save_pretrained_shards(
-    engine,
+    engine: EngineView,
     folder: str | Path,
     *,
     max_shard_size: int | str | None = "50GB",

@@ -24,17 +24,18 @@ from __future__ import annotations
 
 import torch
 
+from meshtrain.engine.engine_view import EngineView
 from meshtrain.errors import CheckpointError
 
 STATE_KEY = "slice_state"
 
 
-def _layout_groups(engine):
+def _layout_groups(engine: EngineView):
     """``(group index, FlatGroup)`` of every group whose layout is not element-wise."""
     return [(gi, g) for gi, g in enumerate(engine.zero.flat_groups) if g.layout != "flat"]
 
 
-def _fingerprint(engine) -> list:
+def _fingerprint(engine: EngineView) -> list:
     return [
         [gi, g.layout, [[list(m.shape) for m in slices] for slices in g.master_slices]]
         for gi, g in _layout_groups(engine)
@@ -45,7 +46,7 @@ def _jsonable(v) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
 
 
-def save_slice_states(engine) -> tuple[dict[str, torch.Tensor], dict]:
+def save_slice_states(engine: EngineView) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors for this rank's file, the rank-state entry) of the non-element-wise
     optimizer states; empty when every group is element-wise."""
     groups = _layout_groups(engine)
@@ -79,7 +80,7 @@ def save_slice_states(engine) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, {"fingerprint": _fingerprint(engine), "values": values, "shared": shared}
 
 
-def load_slice_states(engine, reader) -> None:
+def load_slice_states(engine: EngineView, reader) -> None:
     """Restore what ``save_slice_states`` wrote, at the same layout only (module docstring)."""
     groups = _layout_groups(engine)
     if not groups:
