@@ -21,7 +21,7 @@ accumulation. Asserted:
   and at pp 4 (ZeRO-3 both) and the last 10 steps stay within the same bound of the
   uninterrupted one-process run (the checkpoint carries parameters and Adam's moments
   exactly; the rest is the same arithmetic in another reduction order);
-* (``MESHTRAIN_LONG_JOBS=1``) interleaved 1F1B and zbv (two stages per rank, gathered
+* (``MESHTRAIN_LONG_JOBS=1``) interleaved 1F1B, zbv and dualpipev (two stages per rank, gathered
   per run: ``runs`` per stage equal to the runs of the rank's action list) within the
   bound too.
 """
@@ -59,7 +59,7 @@ def _engine(pp: int, zero: int, schedule: str = "1f1b", layers: int = 2):
 
     torch.set_num_threads(1)
     dp = torch.distributed.get_world_size() // pp
-    v = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
+    v = 2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1
     config = {
         "train_micro_batch_size_per_gpu": ROWS // dp,
         "gradient_accumulation_steps": MICRO,
@@ -169,7 +169,7 @@ def test_zero3_with_two_stages_per_rank():
     from meshtrain.parallel.pipeline.schedules import COMPUTE, build_schedule
 
     ref = _as_run(run_ranks(_run, 1, 1, 0, 4)[0])
-    schedules = ("interleaved_1f1b", "zbv")
+    schedules = ("interleaved_1f1b", "zbv", "dualpipev")
     per_rank = run_ranks(_schedules, 4, schedules, timeout=600)
     for rank, got in enumerate(per_rank):
         for schedule in schedules:

@@ -8,7 +8,7 @@ build orders (``schedules``, ``v_shape``) share it without importing each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -22,6 +22,10 @@ class Action:
     stage: int
     kind: str
     mb: int
+    # a ``B`` whose ``W`` follows at once as one full backward (DualPipeV's unsplit
+    # backwards, torch's ``FULL_BACKWARD``): the runtime runs both at ``B``. Not part of
+    # the action's identity, so dependencies and validation see a plain ``B``.
+    full: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
         return f"{self.kind}{self.mb}@s{self.stage}"

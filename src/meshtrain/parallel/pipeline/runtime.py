@@ -124,6 +124,8 @@ class PipelineRuntime:
         self._after_backward: Callable[[list[nn.Parameter]], None] | None = None
         self._midway = False  # a step raised before its end (its receives stay posted)
         self._weight_work: dict[tuple[int, int], zero_bubble.WeightWork] = {}  # split: B -> W
+        self._full: frozenset[tuple[int, int]] = frozenset()  # this step's fused B + W
+        self._fused_cache: dict[tuple, frozenset[tuple[int, int]]] = {}
         # activation shapes per channel across steps, and the guessed receives (``p2p``)
         self.shapes = ShapeMemory()
         # set to a list to record (kind, stage, mb, start, end, cpu seconds) of every
@@ -141,6 +143,20 @@ class PipelineRuntime:
                 self.group.rank
             ]
         return self._cache[key]
+
+    def _full_backwards(self, m: int) -> frozenset[tuple[int, int]]:
+        """The (stage, mb) whose ``B`` the schedule marks full (DualPipeV's unsplit
+        backwards, ``Action.full``): run as one backward at ``B``, as torch's
+        ``FULL_BACKWARD``, instead of an input pass and a weight pass: one walk of the
+        graph, and the weight gradients accumulate where autograd puts them. ZB-H1, ZBV
+        and DualPipeV's drain keep their backwards split (a split ``B`` hands its input
+        gradient on before ``W`` runs)."""
+        key = (self.schedule, m)
+        if key not in self._fused_cache:
+            self._fused_cache[key] = frozenset(
+                (a.stage, a.mb) for a in self._actions(self.schedule, m) if a.kind == B and a.full
+            )
+        return self._fused_cache[key]
 
     @property
     def _forward(self) -> str:
@@ -190,9 +206,11 @@ class PipelineRuntime:
                     f"train_step: {len(weights)} weights for {len(batches)} micro-batches"
                 )
             actions = self._actions(self.schedule, len(batches))
+            self._full = self._full_backwards(len(batches))
             loss = self._run(actions, batches, True, loss_scale, weights, loss_fn=loss_fn)
         finally:
             self._after_backward = None
+            self._full = frozenset()
         if tied_summed:
             return loss
         for param, group in self.tied:
@@ -327,8 +345,10 @@ class PipelineRuntime:
             if a.stage > 0 and self._peer(a.stage - 1) != rank:
                 inputs[key] = links.activation(*key, train=train)
             return
+        if a.kind == W and key in self._full:
+            return  # its B ran the whole backward (``_full_backwards``)
         remote = a.stage < self.num_stages - 1 and self._peer(a.stage + 1) != rank
-        zb_first = self.split and a.stage == 0
+        zb_first = self.split and a.stage == 0 and key not in self._full
         if remote and key not in out_grads and (a.kind == W or not zb_first):
             out_grads[key] = links.gradient(*key)
 
@@ -337,7 +357,12 @@ class PipelineRuntime:
         under ZB-H1, ZBV and DualPipeV ``B`` computes the input gradient and ``W`` the weight
         gradients, each walking its own part of the graph once (``zero_bubble``)."""
         stage, mb = key
-        zb = self.split
+        if key in self._full:
+            if split:  # its W: the backward at B did the weights too
+                return
+            zb = False  # the whole backward now, as an unsplit schedule's
+        else:
+            zb = self.split
         # a pytree output's gradient leaves and their gradients (``pytree``); one each for
         # a tensor, the loss on the last stage (its gradient None)
         y, grad = _with_grads(outputs[key], out_grads.get(key))

@@ -80,9 +80,9 @@ def order_zbv(p: int, v: int, m: int, r: int) -> list[Action]:
 
 def order_dualpipev(p: int, v: int, m: int, r: int) -> list[Action]:
     # torch's ScheduleDualPipeV order (DeepSeek-V3's DualPipe folded into a V, from
-    # deepseek-ai/DualPipe), in its eight steps. A full backward is B then W at once; a
-    # split one (the drain, "zero bubble") queues its W, run oldest first where a rank
-    # would idle. torch overlaps a forward of one chunk with a backward of the other
+    # deepseek-ai/DualPipe), in its eight steps. A full backward is B then W at once (run
+    # as one backward: ``Action.full``); a split one (the drain, "zero bubble") queues its
+    # W, run oldest first where a rank would idle. torch overlaps a forward of one chunk with a backward of the other
     # (OVERLAP_F_B, for compute/communication overlap); here they run one after the
     # other, which is the same order of computes.
     s0, s1 = r, 2 * p - 1 - r
@@ -97,7 +97,7 @@ def order_dualpipev(p: int, v: int, m: int, r: int) -> list[Action]:
     def bwd(st: int, split: bool) -> None:
         i = nxt[st, B]
         nxt[st, B] += 1
-        out.append(Action(st, B, i))
+        out.append(Action(st, B, i, full=not split))
         if split:
             queue.append((st, i))
         else:
