@@ -172,9 +172,20 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "docstring; one part's storage and reduction are part.py's (issue 45)",
     ),
     "meshtrain.trainer.trainer": (
-        420,
+        526,
         "the Trainer class: transformers' public methods, each delegating to the module of "
-        "its job (setup, loss, evaluation, results, saving, the loop)",
+        "its job (setup, loss, evaluation, results, saving, the loop); the mixins became "
+        "collaborators it holds (loop, evaluator, saver), so its thin delegates, the "
+        "per-batch hooks users override (compute_loss, training_step, prediction_step) "
+        "and the methods the collaborators change it through live here (+106 lines, "
+        "issue 45)",
+    ),
+    "meshtrain.trainer.training_loop": (
+        424,
+        "TrainingLoop: train() top to bottom and what it calls per step (the window of "
+        "micro-batches, logging, evaluation and best model, checkpoints, pre-emption, the "
+        "end); the window moved here from trainer.py when the mixin became a collaborator "
+        "(issue 45)",
     ),
     "meshtrain.interop.dcp_source": (
         433,
