@@ -129,7 +129,7 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "hang of session 22)",
     ),
     "meshtrain.engine.engine": (
-        534,
+        544,
         "the Engine: one training step and its DeepSpeed-facing members; checkpoint, "
         "async-save and pre-emption members only delegate to checkpoint/ and preemption.py, "
         "and what p.grad holds (DeepSpeed's, the Accelerator's) is visible_grads.py's, "
@@ -144,7 +144,9 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "pretrained_shards.py (between_steps: its bytes are not a step's), and "
         "save_16bit_model's safetensors name goes there (+31 lines, issue 46); the "
         "accumulation window's driver is window.py's, train_batch / eval_batch are "
-        "batches.py's, the gradients' scale the ZeRO stage's (-12 lines, issue 45)",
+        "batches.py's, the gradients' scale the ZeRO stage's (-12 lines, issue 45); backward "
+        "takes the loss's weight in the step's gradient, documented, and the step log "
+        "records what the weighted loss counts for (+9 lines, issue 45; 535 before it)",
     ),
     "meshtrain.distributed.ledger": (
         421,
@@ -172,12 +174,12 @@ LONG_MODULES: dict[str, tuple[int, str]] = {
         "docstring; one part's storage and reduction are part.py's (issue 45)",
     ),
     "meshtrain.trainer.trainer": (
-        526,
+        529,
         "the Trainer class: transformers' public methods, each delegating to the module of "
         "its job (setup, loss, evaluation, results, saving, the loop); the mixins became "
         "collaborators it holds (loop, evaluator, saver), so its thin delegates, the "
         "per-batch hooks users override (compute_loss, training_step, prediction_step) "
-        "and the methods the collaborators change it through live here (+106 lines, "
+        "and the methods the collaborators change it through live here (+109 lines, "
         "issue 45)",
     ),
     "meshtrain.trainer.training_loop": (

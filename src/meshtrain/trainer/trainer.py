@@ -7,8 +7,9 @@ tensor or pipeline parallelism (``trainer.pipeline_step``).
 
 One optimizer step: fetch the ``gradient_accumulation_steps`` micro-batches of the
 window, count their label items, all-reduce the count over the data-parallel ranks, then
-forward / ``engine.backward`` / ``engine.step`` each with the loss weighted so the step
-equals one big batch (``meshtrain.trainer.loss``). The data loader is meshtrain's
+forward / ``engine.backward(loss, weight=n / N)`` / ``engine.step`` each, the weight the
+micro-batch's share of the step's label items, so the step equals one big batch
+(``meshtrain.trainer.loss``). The data loader is meshtrain's
 resumable distributed loader, so a checkpoint records the exact data position and
 ``resume_from_checkpoint`` continues with the next unseen batch. See docs/trainer.md.
 
@@ -365,17 +366,19 @@ class Trainer:
             loss = loss[0]
         gas, dp = self.args.gradient_accumulation_steps, self.topology.dp_size
         total = None if num_items_in_batch is None else float(num_items_in_batch)
-        if self.loss_is_share():  # already S / N: undo the engine's 1 / (gas * dp)
-            factor, logged = float(gas * dp), float(dp)
-        elif total:  # this micro-batch's share n / N, and the engine's 1 / (gas * dp) undone
+        # the loss's weight in the step's gradient (``Engine.backward``), and its share of
+        # the step's logged loss x dp (the loop sums the ranks' shares and divides by dp)
+        if self.loss_is_share():  # already S / N: counted whole
+            weight, logged = 1.0, float(dp)
+        elif total:  # this micro-batch's share n / N of the step's label items
             n = label_items(inputs, self.label_names, self.shifts_labels)
-            factor = n / total * gas * dp
-            logged = n / total * dp
-        elif total is None:  # transformers without item counts: the engine's 1 / gas
-            factor, logged = 1.0, 1.0 / gas
+            weight = n / total
+            logged = weight * dp
+        elif total is None:  # transformers without item counts: the engine's mean
+            weight, logged = None, 1.0 / gas
         else:  # a window without label items contributes nothing
-            factor, logged = 0.0, 0.0
-        engine.backward(loss if factor == 1.0 else loss * factor)
+            weight, logged = 0.0, 0.0
+        engine.backward(loss, weight=weight)
         return loss.detach().float() * logged
 
     # -- the loops: transformers' methods, each the job of a collaborator -----------------
