@@ -6,7 +6,9 @@ counted (function-local ones too).
   the Trainer, never the other way round);
 * no module calls a private member of a Trainer it was handed (``trainer._x``), and no
   module writes an attribute onto one (``trainer.x = ...``): the Trainer's own class
-  (trainer.py and the mixins it is made of) is the only place that sets its state.
+  (trainer.py) is the only place that sets its state; its collaborators (the training
+  loop, the evaluator, the saver) change it through its methods (``fire_event``,
+  ``set_state``, ``set_control``, ``hand_back_model``).
 """
 
 from __future__ import annotations

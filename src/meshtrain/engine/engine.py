@@ -157,15 +157,24 @@ class Engine:
 
     __call__ = forward
 
-    def backward(self, loss: Any) -> None:
+    def backward(self, loss: Any, weight: float | None = None) -> None:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps``; gradient
-        buckets are reduced while backward runs (see the ZeRO stage for when)."""
+        buckets are reduced while backward runs (see the ZeRO stage for when).
+
+        ``weight``: the loss's weight in the step's gradient, which is then the sum over
+        the data-parallel ranks and the window's micro-batches of ``weight x grad(loss)``
+        (the Trainer: ``n / N``, its micro-batch's share of the step's label items).
+        None is DeepSpeed's mean, ``1 / (gradient_accumulation_steps x dp)``. The step
+        log records ``loss x weight x gas x dp``: what the loss counts for in that mean."""
         if hasattr(loss, "loss"):  # a transformers ModelOutput
             loss = loss.loss
         if self.micro_steps % self.gas == 0:
             self.window.open()
-        self.log.add_loss(loss.detach())
-        self.window.backward(loss, self.is_gradient_accumulation_boundary())
+        logged = loss.detach()
+        if weight is not None:
+            logged = logged * (weight * self.gas * self.topology.dp_size)
+        self.log.add_loss(logged)
+        self.window.backward(loss, self.is_gradient_accumulation_boundary(), weight)
 
     def micro_batches(self, data_iter, m: int) -> list:
         """``m`` batches of ``data_iter`` (None: of the training loader), on device."""

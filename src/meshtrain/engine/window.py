@@ -20,6 +20,15 @@ Every backward: ``loss x s / (k x f)`` (``ZeroStage.loss_multiplier``: ``s`` the
 ``f`` the gradient pre-division), ``before_backward(sync)``, the backward,
 ``after_backward``, and after a synchronising one ``average_``, so ``p.grad`` is the
 data-parallel mean there (stages 0-1; DeepSpeed's and DDP's contract).
+
+A loss with a weight (``Engine.backward(loss, weight=w)``; the Trainer's ``w = n / N``,
+its micro-batch's share of the step's label items): the step's gradient is
+``sum over dp ranks and micro-batches of w x grad(loss)``, in place of DeepSpeed's mean
+(``w = 1 / (k x dp)``). The reduction sums over the ``dp x cp`` replicas and divides by
+``dp x cp / f``, and a dp coordinate's ``cp`` ranks together hold its one loss (each
+rank's loss is ``C`` times its share, ``parallel/context/inputs.py``), so the multiplier
+is ``s / f x w x dp``, computed once per backward; without a weight it stays
+``s / (k x f)`` exactly.
 """
 
 from __future__ import annotations
@@ -45,11 +54,18 @@ class AccumulationWindow:
         """A fresh window: the next backward is its first."""
         self.zero.begin_window()
 
-    def before_backward(self, synchronise: bool, micro_steps: int | None = None) -> float:
+    def before_backward(
+        self, synchronise: bool, micro_steps: int | None = None, weight: float | None = None
+    ) -> float:
         """Ready the stage for one backward; return its loss multiplier (``micro_steps``:
-        the backwards its loss is one of, default the window's)."""
-        k = self.micro_steps if micro_steps is None else micro_steps
-        multiplier = self.zero.loss_multiplier(self.scaler.scale, k)
+        the backwards its loss is one of, default the window's; ``weight``: the loss's
+        weight in the step's gradient, module docstring, which replaces ``1 / (k x dp)``)."""
+        if weight is None:
+            k = self.micro_steps if micro_steps is None else micro_steps
+            multiplier = self.zero.loss_multiplier(self.scaler.scale, k)
+        else:  # s / f, then the weight over the dp ranks the reduction averages
+            dp = self.zero.topology.dp_size
+            multiplier = self.zero.loss_multiplier(self.scaler.scale, 1) * (weight * dp)
         self.zero.before_backward(synchronise)
         return multiplier
 
@@ -63,9 +79,10 @@ class AccumulationWindow:
     def average(self) -> None:
         self.zero.average_()  # DeepSpeed's p.grad: averaged in place (stages 0-1)
 
-    def backward(self, loss: torch.Tensor, synchronise: bool) -> None:
-        """One backward of ``loss`` (a micro-step's), timed in the step log."""
-        multiplier = self.before_backward(synchronise)
+    def backward(self, loss: torch.Tensor, synchronise: bool, weight: float | None = None) -> None:
+        """One backward of ``loss`` (a micro-step's, with its ``weight`` in the step's
+        gradient or DeepSpeed's mean), timed in the step log."""
+        multiplier = self.before_backward(synchronise, weight=weight)
         with self.log.timed("backward"):
             (loss.float() * multiplier).backward()
             self.zero.after_backward()

@@ -4,13 +4,15 @@ The math. An optimizer step sees ``k`` micro-batches on each of ``R`` data-paral
 micro-batch ``(i, r)`` has ``n_ir`` label items (tokens whose label is not -100, counted
 after the shift for causal LMs; one per row for classification). The loss of the whole
 step is ``sum_ir S_ir / N`` with ``S_ir`` the summed per-item loss and ``N = sum_ir n_ir``.
-A model returns the *mean* ``L_ir = S_ir / n_ir``, and the engine backpropagates
-``loss / k`` and averages gradients over ``R`` ranks, so the Trainer hands the engine
+A model returns the *mean* ``L_ir = S_ir / n_ir``, so the Trainer hands the engine
+``L_ir`` with its weight in the step's gradient (``Engine.backward(loss, weight=...)``,
+the step's gradient then being ``sum_ir weight_ir x grad L_ir``)
 
-    L_ir * n_ir * k * R / N
+    weight_ir = n_ir / N
 
-whose gradient, summed over micro-batches and averaged over ranks, is exactly the
-gradient of ``sum_ir S_ir / N``. ``N`` costs one all-reduce of one number per optimizer
+which is exactly the gradient of ``sum_ir S_ir / N``; the engine's window turns the
+weight into its one loss multiplier (``engine/window.py``), in place of DeepSpeed's
+``1 / (k R)`` mean, so nothing is multiplied here only to be divided again there. ``N`` costs one all-reduce of one number per optimizer
 step (the window's micro-batches are fetched before the first forward, as transformers
 does). This holds for every model whose loss is a mean over its label items, whether or
 not its ``forward`` accepts transformers' loss kwargs; padding, uneven tails and uneven
@@ -18,7 +20,7 @@ label counts across ranks all come out exact.
 
 A loss that is already normalised by the whole window (``compute_loss_func``, or a
 ``compute_loss`` override when ``trainer.loss_is_scaled_for_ga`` is set) is the share
-``S_ir / N`` and is handed over as ``loss * k * R``.
+``S_ir / N`` and is handed over with weight 1.
 """
 
 from __future__ import annotations

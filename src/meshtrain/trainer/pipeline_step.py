@@ -11,7 +11,12 @@ replica ``r`` has ``n_ir`` label items; instead of the runtime's fixed ``1 / k``
 ``L_ir`` (the model's mean over its items) is weighted by ``w_ir = n_ir R / N`` with ``N``
 the window's items over all ``R`` replicas (one all-reduce of one number, as without
 pp): the gradient, averaged over replicas, is that of ``sum_ir n_ir L_ir / N``, the loss
-of one process on the whole window (``trainer.loss``). The runtime returns ``sum_i w_ir
+of one process on the whole window (``trainer.loss``). The factor ``R`` is there because
+the runtime's weights replace its ``1 / k`` inside each replica's mean, and the
+replicas' gradients are still averaged after the schedule: ``w_ir / R = n_ir / N`` is the
+weight in the step's gradient that ``Engine.backward(loss, weight=)`` takes without pp.
+(Handing the runtime that weight directly needs ``parallel.pipeline.engine_step.
+run_window`` and the window's ``schedule`` to take it, as ``backward`` does.) The runtime returns ``sum_i w_ir
 L_ir`` on every rank of the replica; divided by ``R`` it is the replica's share of the
 step's loss, which the Trainer logs and averages exactly as without pp. Callbacks: the
 micro-batches interleave in the schedule, so the window's ``on_substep_end`` events fire
@@ -152,7 +157,7 @@ class PipelineSteps:
         loss_fn = None
         if self.compute_loss is not None:
             loss_fn = self._user_loss(batches, total_items)
-            if self.loss_is_share():  # already S_i / N: only the replicas' mean undone
+            if self.loss_is_share():  # already S_i / N: weight 1, R in the replica's mean
                 weights = [float(replicas)] * len(batches)
             batches = [self.stage_inputs(b) for b in batches]
         weighted = run_window(engine, batches, weights, loss_fn)  # sum_i w_i L_i, every rank

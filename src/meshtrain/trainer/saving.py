@@ -1,5 +1,7 @@
 """What the Trainer writes besides its checkpoints: ``save_model``, ``save_state`` and the
-``save_pretrained`` export that both they and every ``checkpoint-<step>`` carry.
+``save_pretrained`` export that both they and every ``checkpoint-<step>`` carry
+(``ModelSaver``, which the Trainer builds and holds as ``trainer.saver``; the training
+loop calls its ``export`` / ``export_files`` / ``write_args`` for each checkpoint).
 
 ``save_model`` is collective, as in transformers under DeepSpeed: every rank calls it.
 
@@ -36,74 +38,80 @@ from typing import Any
 ARGS_FILE = "training_args.json"
 
 
-class ModelSaving:
-    """``save_model`` / ``save_state`` / ``is_world_process_zero`` of the Trainer (a mixin
-    on its ``args``, ``model``, ``engine``, ``state`` and ``processing_class``)."""
+class ModelSaver:
+    """``save_model`` / ``save_state`` and the export a checkpoint carries, for one Trainer.
 
-    def is_world_process_zero(self) -> bool:
-        """Whether this is global rank 0 (the process that writes shared files)."""
-        return _rank("RANK") == 0
+    It holds the Trainer and reads its public members when it writes (``args``, ``model``,
+    ``engine``, which set-up builds later, ``model_handed_back``, ``processing_class``,
+    ``state``), and asks it ``is_world_process_zero()``, so a subclass's override decides
+    which process writes, as in transformers."""
 
-    def is_local_process_zero(self) -> bool:
-        """Whether this is rank 0 of its node."""
-        return _rank("LOCAL_RANK") == 0
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    def save_model(self, output_dir: str | None = None) -> None:
         """The model's whole weights into ``output_dir`` (default ``args.output_dir``); see
         the module docstring. Every rank must call it."""
         from meshtrain.accelerate.peft_io import is_peft_model, prompt_embeddings
 
-        path = Path(output_dir or self.args.output_dir)
-        peft = is_peft_model(self.model)
-        if self.engine is not None and not self._handed_back and not peft:
-            self.engine.save_weights(path)  # collective: from the ranks' own shards
-            if self.is_world_process_zero():
-                self._export_files(path)
-                self._write_args(path)
-            self._barrier()
+        trainer = self.trainer
+        engine, model = trainer.engine, trainer.model
+        path = Path(output_dir or trainer.args.output_dir)
+        peft = is_peft_model(model)
+        handed_back = trainer.model_handed_back
+        if engine is not None and not handed_back and not peft:
+            engine.save_weights(path)  # collective: from the ranks' own shards
+            if trainer.is_world_process_zero():
+                self.export_files(path)
+                self.write_args(path)
+            barrier()
             return
-        if self.engine is not None and not (self._handed_back and not peft):
-            state_dict = self.engine.module_state_dict()  # collective: every rank gathers
+        if engine is not None and not (handed_back and not peft):
+            state_dict = engine.module_state_dict()  # collective: every rank gathers
         else:  # before train(), or handed back after it: the user's model is whole here
-            state_dict = self.model.state_dict()
-        prompts = prompt_embeddings(self.engine, self.model)  # collective under ZeRO-3
-        if self.is_world_process_zero():
+            state_dict = model.state_dict()
+        prompts = prompt_embeddings(engine, model)  # collective under ZeRO-3
+        if trainer.is_world_process_zero():
             path.mkdir(parents=True, exist_ok=True)
-            self._export(path, state_dict, prompts)
-            self._write_args(path)
-        self._barrier()
+            self.export(path, state_dict, prompts)
+            self.write_args(path)
+        barrier()
 
-    def _write_args(self, path: Path) -> None:
+    def write_args(self, path: Path) -> None:
         """``training_args.json`` (transformers pickles ``training_args.bin``)."""
-        (path / ARGS_FILE).write_text(json.dumps(self.args.to_dict(), indent=2, default=str) + "\n")
+        args = self.trainer.args
+        (path / ARGS_FILE).write_text(json.dumps(args.to_dict(), indent=2, default=str) + "\n")
 
     def save_state(self) -> None:
         """``trainer_state.json`` (log history, best checkpoint, step) in ``output_dir``."""
-        if self.is_world_process_zero():
-            path = Path(self.args.output_dir)
+        trainer = self.trainer
+        if trainer.is_world_process_zero():
+            path = Path(trainer.args.output_dir)
             path.mkdir(parents=True, exist_ok=True)
-            self.state.save_to_json(path / "trainer_state.json")
+            trainer.state.save_to_json(path / "trainer_state.json")
 
-    def _export_files(self, path: Path) -> None:
+    def export_files(self, path: Path) -> None:
         """Rank 0: the model's files besides the weights the ranks wrote (``config.json``,
         ``generation_config.json``) and the tokenizer / processor."""
-        if hasattr(self.model, "save_pretrained"):
-            model_files(self.model, path)
-        if hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(path)
+        model, processing = self.trainer.model, self.trainer.processing_class
+        if hasattr(model, "save_pretrained"):
+            model_files(model, path)
+        if hasattr(processing, "save_pretrained"):
+            processing.save_pretrained(path)
 
-    def _export(self, path: Path, state_dict: dict[str, Any], prompts=None) -> None:
+    def export(self, path: Path, state_dict: dict[str, Any], prompts=None) -> None:
         """Rank 0: the model's files into ``path`` (an existing folder). ``prompts``: a
         prompt-learning peft model's embeddings, computed by every rank beforehand
         (``peft_io.prompt_embeddings``), so peft does not run its encoder on ZeRO-3 shards
         here on one rank (a hang)."""
         from meshtrain.accelerate.peft_io import saved_prompts
 
-        if hasattr(self.model, "save_pretrained"):
-            with saved_prompts(self.model, prompts):
-                self.model.save_pretrained(path, state_dict=state_dict)
-            if hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(path)
+        model, processing = self.trainer.model, self.trainer.processing_class
+        if hasattr(model, "save_pretrained"):
+            with saved_prompts(model, prompts):
+                model.save_pretrained(path, state_dict=state_dict)
+            if hasattr(processing, "save_pretrained"):
+                processing.save_pretrained(path)
             return
         from safetensors.torch import save_file
 
@@ -111,11 +119,24 @@ class ModelSaving:
         tensors = {k: v.detach().clone().contiguous() for k, v in state_dict.items()}
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
-    def _barrier(self) -> None:
-        import torch.distributed as dist
 
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+def barrier() -> None:
+    """Every process waits for the others (a no-op on one process): after rank 0 wrote
+    the files the others may read."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def is_world_process_zero() -> bool:
+    """Whether this is global rank 0 (the process that writes shared files)."""
+    return _rank("RANK") == 0
+
+
+def is_local_process_zero() -> bool:
+    """Whether this is rank 0 of its node."""
+    return _rank("LOCAL_RANK") == 0
 
 
 def model_files(model, path: Path) -> None:
@@ -142,4 +163,10 @@ def _rank(variable: str) -> int:
     return int(os.environ.get(variable, "0"))
 
 
-__all__ = ["ModelSaving"]
+__all__ = [
+    "ModelSaver",
+    "barrier",
+    "is_local_process_zero",
+    "is_world_process_zero",
+    "model_files",
+]

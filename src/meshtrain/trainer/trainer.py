@@ -7,10 +7,23 @@ tensor or pipeline parallelism (``trainer.pipeline_step``).
 
 One optimizer step: fetch the ``gradient_accumulation_steps`` micro-batches of the
 window, count their label items, all-reduce the count over the data-parallel ranks, then
-forward / ``engine.backward`` / ``engine.step`` each with the loss weighted so the step
-equals one big batch (``meshtrain.trainer.loss``). The data loader is meshtrain's
+forward / ``engine.backward(loss, weight=n / N)`` / ``engine.step`` each, the weight the
+micro-batch's share of the step's label items, so the step equals one big batch
+(``meshtrain.trainer.loss``). The data loader is meshtrain's
 resumable distributed loader, so a checkpoint records the exact data position and
 ``resume_from_checkpoint`` continues with the next unseen batch. See docs/trainer.md.
+
+The class keeps transformers' public methods; the jobs that take more than a method are
+collaborators it builds and holds: ``self.loop`` (``training_loop.TrainingLoop``:
+``train()``, its windows, logging, evaluation, checkpoints, the end), ``self.evaluator``
+(``prediction.Evaluator``: ``evaluate``, ``predict``, the eval loader) and ``self.saver``
+(``saving.ModelSaver``: ``save_model``, ``save_state``, the export). Each holds this
+Trainer and calls back through it (``trainer.training_step``, ``trainer.compute_loss``
+through it, ``trainer.prediction_step``, ``trainer.evaluate``, ``trainer.log``), so what
+a subclass overrides runs exactly where transformers would run it; the per-batch hooks
+themselves (``compute_loss``, ``training_step``, ``prediction_step``) are this class's.
+The collaborators read the Trainer's public members and change it only through its
+methods (``fire_event``, ``set_state``, ``set_control``, ``hand_back_model``).
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import ConfigError, TrainingError
+from meshtrain.models.kv_cache import CACHE_NAMES
 from meshtrain.models.packed_batches import check_packed_batch
 from meshtrain.trainer import checkpoints as ckpt
 from meshtrain.trainer import evaluation as ev
@@ -41,15 +55,11 @@ from meshtrain.trainer.loss import (
     label_items,
     loss_shifts_labels,
     takes_argument,
-    window_items,
 )
 from meshtrain.trainer.pipeline_step import PipelineSteps, user_loss
-from meshtrain.trainer.prediction import Prediction
-from meshtrain.trainer.saving import ModelSaving
-from meshtrain.trainer.state import (
-    TrainerControl,
-    TrainerState,
-)
+from meshtrain.trainer.prediction import Evaluator
+from meshtrain.trainer.saving import ModelSaver, is_local_process_zero, is_world_process_zero
+from meshtrain.trainer.state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
 from meshtrain.trainer.training_loop import TrainingLoop
 
 
@@ -60,7 +70,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(Prediction, TrainingLoop, ModelSaving):
+class Trainer:
     """Train, evaluate and predict with transformers' Trainer API on meshtrain's engine.
 
     Args follow transformers: ``model``, ``args`` (:class:`TrainingArguments`),
@@ -68,6 +78,15 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
     ``processing_class`` / ``tokenizer``, ``compute_metrics(EvalPrediction) -> dict``,
     ``callbacks``, ``optimizers=(optimizer, scheduler)``, ``compute_loss_func(outputs,
     labels, num_items_in_batch)``, ``preprocess_logits_for_metrics(logits, labels)``.
+
+    Besides transformers' attributes, set-up fills in what the collaborators read
+    (module docstring): ``pp_steps`` (the ``PipelineSteps`` under pipeline
+    parallelism, else None), ``gather_vocab`` (under tensor parallelism with a
+    vocab-parallel head: makes sharded logits whole; None otherwise, and once ``train()``
+    handed the model back), ``model_handed_back`` (after ``train()``: the user's model
+    holds the whole trained weights on every rank), ``evaluate_whole_model`` (pp x tp
+    after ``train()``: evaluation runs the restored model whole, not the pipeline) and
+    ``shifts_labels`` (a causal LM: its first label per row is never a target).
     """
 
     def __init__(
@@ -106,30 +125,31 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.loss_is_scaled_for_ga: bool | None = None
-        self._improved = False
-        self._applied_lr = 0.0
         names = forward_names(model)
         # transformers' rule, less the Decoder's shift_labels (context parallelism's)
         found = [n for n in (names or ()) if "label" in n and n != "shift_labels"]
         self.label_names = self.args.label_names or found or ["labels"]
         self._forward_names = names
-        self._shift = loss_shifts_labels(model)
+        self.shifts_labels = loss_shifts_labels(model)
         self.engine = None
-        self._gather_vocab = None  # set by _setup under tensor parallelism
-        self._pipeline: PipelineSteps | None = None  # set by _setup under pp
-        self._whole_model = False  # pp x tp after train(): evaluate the restored model whole
-        self._handed_back = False  # after train(): the user's model holds the whole weights
+        self.gather_vocab = None  # set by _setup under tensor parallelism
+        self.pp_steps: PipelineSteps | None = None  # set by _setup under pp
+        self.evaluate_whole_model = False  # pp x tp after train(): the restored model whole
+        self.model_handed_back = False  # after train(): the user's model holds the weights
         self._new_signature: tuple[Any, bool] = (None, False)  # compute_loss's signature
         # where checkpoints go and how they are named (``meshtrain train`` uses its own)
         self.checkpoint_dir = self.args.output_dir
         self.checkpoint_prefix = ckpt.PREFIX
-        self.start_step = 0
         self.state = TrainerState()
         self.control = TrainerControl()
         self.callback_handler = CallbackHandler(
             [DefaultFlowCallback(), RunLogCallback(), *(callbacks or [])]
         )
-        self.control = self._event("on_init_end")
+        # the jobs of more than one method, each holding this Trainer (module docstring)
+        self.loop = TrainingLoop(self)
+        self.evaluator = Evaluator(self)
+        self.saver = ModelSaver(self)
+        self.fire_event("on_init_end")
 
     # -- callbacks ------------------------------------------------------------------------
     def add_callback(self, callback: TrainerCallback | type) -> None:
@@ -146,8 +166,11 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
     def remove_callback(self, callback: TrainerCallback | type) -> None:
         self.callback_handler.pop(callback)
 
-    def _event(self, name: str, **kwargs: Any) -> TrainerControl:
-        return self.callback_handler.call(
+    def fire_event(self, name: str, **kwargs: Any) -> TrainerControl:
+        """Call every callback's ``name`` event (``on_step_end``, ``on_evaluate``, ...) with
+        this Trainer's args, state and control, and keep the control they return as
+        ``self.control``, which this returns."""
+        self.control = self.callback_handler.call(
             name,
             self.args,
             self.state,
@@ -159,9 +182,32 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             processing_class=self.processing_class,
             **kwargs,
         )
+        return self.control
+
+    def set_state(self, state: TrainerState) -> None:
+        """Take ``state`` as this run's ``TrainerState`` (a resumed checkpoint's)."""
+        self.state = state
+
+    def set_control(self, control: TrainerControl) -> None:
+        """Take ``control`` as the callbacks' ``TrainerControl`` (fresh at ``train()``, or
+        restored from a checkpoint)."""
+        self.control = control
+
+    @property
+    def start_step(self) -> int:
+        """The global step the last ``train()`` began at (0, or the resumed step)."""
+        return self.loop.start_step
+
+    @property
+    def run_log_rows(self) -> list:
+        """The rows the run log kept (``RunLogCallback``; ``meshtrain train`` reads them)."""
+        handler = self.callback_handler
+        logger = next((c for c in handler.callbacks if isinstance(c, RunLogCallback)), None)
+        return [] if logger is None else logger.rows
 
     # -- set-up ---------------------------------------------------------------------------
-    def _prepare_dataset(self, dataset: Any) -> Any:
+    def prepare_dataset(self, dataset: Any) -> Any:
+        """``dataset`` with the columns the model's forward takes (and the labels)."""
         columns = setup.signature_columns(self.model)
         return setup.prepare_dataset(dataset, self.args, columns, self.label_names)
 
@@ -190,15 +236,15 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         self.num_epochs, self.num_parameters = built.num_epochs, built.num_parameters
         self.state.is_world_process_zero = self.topology.rank == 0
         self.state.is_local_process_zero = self.is_local_process_zero()
-        self._gather_vocab = ev.vocab_gatherer(self.engine, self.model)
+        self.gather_vocab = ev.vocab_gatherer(self.engine, self.model)
         if self.engine.pipeline is not None:  # the user's loss, if any, on the last stage
             mine = user_loss(type(self), Trainer, self.compute_loss_func, self.label_names)
-            self._pipeline = PipelineSteps(
+            self.pp_steps = PipelineSteps(
                 self.engine, self.model, self.label_names,
                 compute_loss=self._call_compute_loss if mine else None,
                 prediction_step=self.prediction_step if mine else None,
-                loss_is_share=self._loss_is_share, forward_names=self._forward_names,
-                gather_vocab=self._gather_vocab,
+                loss_is_share=self.loss_is_share, forward_names=self._forward_names,
+                gather_vocab=self.gather_vocab,
             )  # fmt: skip
         self.optimizer = self.engine.optimizer
         self.lr_scheduler = self.engine.lr_scheduler
@@ -221,7 +267,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         return self.train_dataloader
 
     # -- one step -------------------------------------------------------------------------
-    def _prepare_inputs(self, inputs: Any) -> Any:
+    def prepare_inputs(self, inputs: Any) -> Any:
         """Move a batch to the engine's device (floats to the training dtype); a packed
         batch made safe for the model or refused (``models.packed_batches``)."""
         inputs = move_to_device(inputs, self.engine.device, self.engine.dtype)
@@ -250,8 +296,8 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
                     inputs.pop(n)
         outputs = model(**inputs)
         if self.compute_loss_func is not None:
-            if self._gather_vocab is not None:  # tp: the user's loss sees the whole vocabulary
-                outputs = self._gather_vocab(outputs)
+            if self.gather_vocab is not None:  # tp: the user's loss sees the whole vocabulary
+                outputs = self.gather_vocab(outputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif isinstance(outputs, Mapping) and outputs.get("loss") is not None:
             loss = outputs["loss"]
@@ -280,7 +326,10 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             return fn(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items)
         return fn(model, inputs, return_outputs=return_outputs)
 
-    def _loss_is_share(self) -> bool:
+    def loss_is_share(self) -> bool:
+        """Whether ``compute_loss`` returns a share of the window (``S / N``, already
+        divided by the window's label items) rather than a mean over its own items:
+        ``loss_is_scaled_for_ga`` when set, else whether ``compute_loss_func`` is given."""
         if self.loss_is_scaled_for_ga is not None:
             return bool(self.loss_is_scaled_for_ga)
         return self.compute_loss_func is not None
@@ -309,7 +358,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             )
         if not model.training:  # after an evaluation (train() walks every module)
             model.train()
-        inputs = self._prepare_inputs(inputs)
+        inputs = self.prepare_inputs(inputs)
         if isinstance(inputs, Mapping):  # samples/s and tokens/s of the engine's step log
             engine.log.count_batch((), inputs)
         loss = self._call_compute_loss(model, inputs, False, num_items_in_batch)
@@ -317,65 +366,130 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
             loss = loss[0]
         gas, dp = self.args.gradient_accumulation_steps, self.topology.dp_size
         total = None if num_items_in_batch is None else float(num_items_in_batch)
-        if self._loss_is_share():  # already S / N: undo the engine's 1 / (gas * dp)
-            factor, logged = float(gas * dp), float(dp)
-        elif total:  # this micro-batch's share n / N, and the engine's 1 / (gas * dp) undone
-            n = label_items(inputs, self.label_names, self._shift)
-            factor = n / total * gas * dp
-            logged = n / total * dp
-        elif total is None:  # transformers without item counts: the engine's 1 / gas
-            factor, logged = 1.0, 1.0 / gas
+        # the loss's weight in the step's gradient (``Engine.backward``), and its share of
+        # the step's logged loss x dp (the loop sums the ranks' shares and divides by dp)
+        if self.loss_is_share():  # already S / N: counted whole
+            weight, logged = 1.0, float(dp)
+        elif total:  # this micro-batch's share n / N of the step's label items
+            n = label_items(inputs, self.label_names, self.shifts_labels)
+            weight = n / total
+            logged = weight * dp
+        elif total is None:  # transformers without item counts: the engine's mean
+            weight, logged = None, 1.0 / gas
         else:  # a window without label items contributes nothing
-            factor, logged = 0.0, 0.0
-        engine.backward(loss if factor == 1.0 else loss * factor)
+            weight, logged = 0.0, 0.0
+        engine.backward(loss, weight=weight)
         return loss.detach().float() * logged
 
-    def _run_window(self, window: list[Any]) -> tuple[torch.Tensor, float]:
-        """One optimizer step over the micro-batches of ``window``: ``training_step`` per
-        micro-batch and ``engine.step``, with transformers' events (``on_substep_end``
-        after each micro-batch but the last, then ``on_pre_optimizer_step`` /
-        ``on_optimizer_step`` around the step), or the whole window through the pipeline
-        schedule. Returns (this rank's step loss x dp, its mean loss per label item)."""
-        engine = self.engine
-        counts, local_items, total_items = window_items(
-            window, self.label_names, self._shift, self.topology, engine.device,
-            across=self.args.average_tokens_across_devices,
-        )  # fmt: skip
-        if engine.pipeline is not None:  # the window runs in the pipeline's schedule
-            batches = [self._prepare_inputs(b) for b in window]
-            if not self.model.training:
-                self.model.train()
-            share = self._pipeline.train_window(batches, counts, total_items)
-            for _ in range(len(window) - 1):  # the micro-batches interleave in the schedule
-                self.control = self._event("on_substep_end")
-            self.control = self._event("on_pre_optimizer_step")
-            self._applied_lr = engine.get_lr()[0]
-            engine.step()
-            self.control = self._event("on_optimizer_step")
-            return share, self._local_mean(share, local_items, total_items)
-        engine.shorten_window(len(window))  # the epoch's short last window steps too
-        num_items = torch.tensor(total_items, device=engine.device)
-        share = torch.zeros((), device=engine.device)  # read once: no sync per micro-batch
-        last = len(window) - 1
-        for i, batch in enumerate(window):
-            part = self.training_step(self.model, batch, num_items)
-            if not counts[i] and self.args.average_tokens_across_devices:
-                part = torch.zeros_like(part)  # weight 0; a mean over no items is NaN
-            share += part
-            if i == last:
-                self.control = self._event("on_pre_optimizer_step")
-                self._applied_lr = engine.get_lr()[0]  # what this step uses (logged as such)
-            engine.step()
-            if i < last:
-                self.control = self._event("on_substep_end")
-        self.control = self._event("on_optimizer_step")
-        return share, self._local_mean(share, local_items, total_items)
+    # -- the loops: transformers' methods, each the job of a collaborator -----------------
+    def train(
+        self,
+        resume_from_checkpoint: bool | str | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
+        """Train to ``max_steps`` / ``num_train_epochs`` (``TrainingLoop.train``),
+        resuming from ``resume_from_checkpoint`` (a path, or True: the latest in
+        ``output_dir``); ``trial`` (hyperparameter search) is not supported."""
+        return self.loop.train(resume_from_checkpoint, ignore_keys_for_eval)
 
-    def _local_mean(self, share: torch.Tensor, local: float, total: float) -> float | None:
-        """This rank's mean loss per label item (what the engine's step log shows)."""
-        if not local or self._loss_is_share():
-            return None
-        return float(share) * total / self.topology.dp_size / local
+    def hand_back_model(self) -> None:
+        """Give the user's model object the whole trained weights on every rank (the end of
+        ``train()``): under ZeRO-3 its parameters are shards between steps (gathered, hooks
+        removed); under tensor parallelism its layers are tensor-parallel ones (the
+        original modules go back, holding the gathered, unpadded weights;
+        ``parallel.tensor.restore``); under pipeline parallelism the blocks the split freed
+        get the trained weights back (``PipelineSteps.restore_user_model``), first, so that
+        under pp x tp each rank has its tp rank's shards of every block before they are
+        gathered. Evaluation and prediction then run the whole model on every rank (under
+        pp alone they keep running through the pipeline)."""
+        self.model_handed_back = True  # the engine's shards no longer map the model's tensors
+        self.engine.zero.release_module(self.engine.module)
+        if self.pp_steps is not None:  # other stages' blocks: weights back
+            # under tp too: each rank receives its own tp rank's shards (the pp group
+            # holds one tp rank), so the un-sharding below then has every block's shards
+            self.pp_steps.restore_user_model()
+        if self.topology.tp_size > 1:
+            from meshtrain.parallel.tensor.restore import remove_tensor_parallel
+
+            # on the user's model: tensor parallelism was applied to it whole, before a split
+            remove_tensor_parallel(self.model, self.topology.tp_group)
+            self.gather_vocab = None  # the logits are whole now
+            self.evaluate_whole_model = self.pp_steps is not None
+
+    def get_eval_dataloader(self, eval_dataset: Any = None):
+        """The batches this rank evaluates (its rows of the dataset; ``evaluate``'s)."""
+        return self.evaluator.get_eval_dataloader(eval_dataset)
+
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Loss and ``compute_metrics`` on ``eval_dataset``; keys start with ``eval_``."""
+        return self.evaluator.evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+    ) -> PredictionOutput:
+        """Predictions for exactly the rows of ``test_dataset``, in order, on every rank."""
+        return self.evaluator.predict(test_dataset, ignore_keys, metric_key_prefix)
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """(loss, logits, labels) of one batch; the loss goes through ``compute_loss``
+        whenever the batch has labels, so custom losses and label-less forwards work."""
+        has_labels = isinstance(inputs, Mapping) and all(
+            inputs.get(n) is not None for n in self.label_names
+        )
+        with torch.no_grad():
+            if has_labels:
+                loss, outputs = self._call_compute_loss(model, inputs, True)
+                loss = loss.detach().float().mean()
+            else:
+                loss, outputs = None, model(**inputs)
+        if prediction_loss_only:
+            return loss, None, None
+        if self.gather_vocab is not None:  # tensor parallelism: whole-vocabulary logits
+            outputs = self.gather_vocab(outputs)
+        if ignore_keys is None:  # as transformers: e.g. a decoder's key/value cache
+            config = getattr(self.model, "config", None)
+            ignore_keys = getattr(config, "keys_to_ignore_at_inference", list(CACHE_NAMES))
+        logits = ev.logits_of(outputs, ignore_keys)
+        labels = None
+        if has_labels:
+            found = tuple(inputs[n] for n in self.label_names)
+            labels = found[0] if len(found) == 1 else found
+        return loss, logits, labels
+
+    # -- saving (``saving.ModelSaver``) ---------------------------------------------------
+    def is_world_process_zero(self) -> bool:
+        """Whether this is global rank 0 (the process that writes shared files)."""
+        return is_world_process_zero()
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is rank 0 of its node."""
+        return is_local_process_zero()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model's whole weights into ``output_dir`` (default ``args.output_dir``),
+        with ``save_pretrained``'s files (``saving``'s module docstring). Every rank must
+        call it."""
+        self.saver.save_model(output_dir)
+
+    def save_state(self) -> None:
+        """``trainer_state.json`` (log history, best checkpoint, step) in ``output_dir``."""
+        self.saver.save_state()
 
     # -- results: transformers' example-script calls (``trainer.results``) ----------------
     def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
@@ -397,7 +511,8 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         results.refuse_push("Trainer.push_to_hub")
 
     # -- logging --------------------------------------------------------------------------
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
+        """Print ``text`` once: on global rank 0 (on every process before set-up)."""
         if getattr(self, "topology", None) is None or self.topology.rank == 0:
             print(text, flush=True)
 
@@ -408,7 +523,7 @@ class Trainer(Prediction, TrainingLoop, ModelSaving):
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
-        self.control = self._event("on_log", logs=logs)
+        self.fire_event("on_log", logs=logs)
 
 
 __all__ = ["Trainer", "set_seed"]
