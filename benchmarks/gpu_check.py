@@ -78,6 +78,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 if str(REPO / "src") not in sys.path and (REPO / "src" / "meshtrain").is_dir():
     sys.path.insert(0, str(REPO / "src"))
+if str(REPO) not in sys.path:  # round 2's sections: the package benchmarks.gpu
+    sys.path.insert(0, str(REPO))
 
 BIG = dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632)
 TARGETS = {
@@ -88,6 +90,19 @@ TARGETS = {
     "trainer_speed": 1.0,
     "trainer_memory": 1.0,
     "offload_speed": 1.0,
+}
+
+
+# round 2 (issue 48): one module of benchmarks/gpu each, ``section(ctx)`` and ``ROWS``; the
+# seconds each may take on the GPU (its own budget: it stops measuring more points when
+# spent), in priority order
+ROUND2_BUDGETS = {
+    "multirank": 120,
+    "long_context": 90,
+    "ring": 90,
+    "experts": 50,
+    "offload_peer": 80,
+    "serve": 70,
 }
 
 
@@ -113,6 +128,7 @@ class Sizes:
     deadline_s: float
     precision_steps: int
     estimates: dict = field(default_factory=dict)  # section -> seconds it needs (skip rule)
+    budgets: dict = field(default_factory=dict)  # round 2's sections: seconds each may take
 
 
 FULL = Sizes(
@@ -134,6 +150,7 @@ FULL = Sizes(
     deadline_s=400.0,
     precision_steps=10,
     estimates=dict(mfu_engine=70, plain_loop=50, mfu_fp8=70, trainers=60, plan_calibrate=150),
+    budgets=ROUND2_BUDGETS,
 )
 DRY = Sizes(
     small=dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=176),
@@ -169,7 +186,9 @@ SECTIONS = (
     "mfu_fp8",
     "trainers",
     "plan_calibrate",
+    *ROUND2_BUDGETS,
 )
+ROUND1 = SECTIONS[: -len(ROUND2_BUDGETS)]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -187,6 +206,7 @@ class Ctx:
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         self.results: dict = {}
         self.t_start = time.perf_counter()
+        self.budget_s = 1e9  # the running section's own budget (round 2's sections read it)
 
     def sync(self) -> None:
         if self.cuda:
@@ -1187,7 +1207,25 @@ def s_plan_calibrate(ctx: Ctx) -> dict:
     }
 
 
-FUNCS = {name: globals()[f"s_{name}"] for name in SECTIONS}
+def round2(name: str):
+    """The ``section`` of ``benchmarks/gpu/<name>.py`` (imported when it runs)."""
+
+    def run_section(ctx: Ctx) -> dict:
+        import importlib
+
+        return importlib.import_module(f"benchmarks.gpu.{name}").section(ctx)
+
+    return run_section
+
+
+def round2_rows(name: str) -> tuple[str, ...]:
+    import importlib
+
+    return importlib.import_module(f"benchmarks.gpu.{name}").ROWS
+
+
+FUNCS = {name: globals()[f"s_{name}"] for name in ROUND1}
+FUNCS.update({name: round2(name) for name in ROUND2_BUDGETS})
 
 
 def _fmt(v) -> str:
@@ -1208,7 +1246,7 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
         status = r.get("status", "?")
         if status == "ok" and "target_met" in r:
             status += ", target met" if r["target_met"] else ", target missed"
-        keys = {
+        keys = round2_rows(name) if name in ROUND2_BUDGETS else {
             "env": ("gpu", "torch", "backend", "torchao"),
             "matmul_peak": ("bf16_tflops", "fp8_tflops", "datasheet_bf16_tflops"),
             "engine_precision": ("bf16_ok", "fp16_ok", "bf16_vs_fp32_last_loss_rel"),
@@ -1312,7 +1350,8 @@ def run(argv: list[str] | None = None) -> int:
         if name not in only or name in skip:
             continue
         elapsed = time.perf_counter() - ctx.t_start
-        need = sizes.estimates.get(name, 20)
+        need = sizes.estimates.get(name, sizes.budgets.get(name, 20))
+        ctx.budget_s = sizes.budgets.get(name, 1e9)
         if elapsed + need > deadline:
             ctx.results[name] = {
                 "status": "skipped",

@@ -2,7 +2,7 @@
 
 A ``Layout`` is the planner's unit: mesh sizes (pp x dp x cp x tp, ep carved out of
 dp x cp), the ZeRO stage and offload, sequence parallelism, the pipeline schedule, the
-context-parallel method, the micro-batch, activation checkpointing and packed rows. ``config`` writes
+context-parallel method, the micro-batch, activation checkpointing, the chunked loss and packed rows. ``config`` writes
 it in meshtrain's config keys (DeepSpeed's where they exist), the dict
 ``meshtrain.initialize(config=...)`` and ``meshtrain train --config`` take as is, so the
 layout the planner scored is the layout that runs.
@@ -35,6 +35,7 @@ class Layout:
     micro_batch: int = 1
     grad_accum: int = 1  # = micro-batches per step under a pipeline
     checkpointing: bool = False
+    loss_chunk: int = 0  # loss.chunked's chunk_size (tokens per head-and-loss chunk); 0: off
     packed: bool = False  # rows of several documents, kept apart by masks (docs/packing.md)
 
     @property
@@ -68,6 +69,8 @@ class Layout:
         parts.append(f"mb{self.micro_batch}x{self.grad_accum}")
         if self.checkpointing:
             parts.append("ac")
+        if self.loss_chunk:
+            parts.append(f"chunked-loss{self.loss_chunk}")
         if self.packed:
             parts.append("packed")
         return " ".join(parts)
@@ -107,6 +110,8 @@ class Layout:
             out["context_parallel"] = {"method": self.cp_method}
         if self.checkpointing:
             out["activation_checkpointing"] = {"enabled": True}
+        if self.loss_chunk:
+            out["loss"] = {"chunked": True, "chunk_size": self.loss_chunk}
         # packed rows are the batches' shape (position_ids restarting per document), not an
         # engine key: meshtrain train's data.packing or a packing collator makes them
         return out
@@ -135,6 +140,7 @@ class Layout:
             micro_batch=int(resolved.train_micro_batch_size_per_gpu),
             grad_accum=int(resolved.gradient_accumulation_steps),
             checkpointing=bool(config.activation_checkpointing.enabled),
+            loss_chunk=int(config.loss.chunk_size) if config.loss.chunked else 0,
         )
 
     def as_dict(self) -> dict[str, Any]:

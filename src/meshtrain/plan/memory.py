@@ -27,7 +27,11 @@ Activation checkpointing keeps each block's input ``w h`` (``/ tp`` under sequen
 parallelism), and the peak adds the larger of the loss's two fp32 ``[b, s, V / tp]``
 gradients (``peak_activation_bytes``, the start of the backward) and one block's full
 activations while it is recomputed (later: the loss's gradients are gone by then; measured
-on CPU, docs/plan.md). Without checkpointing the peak adds the loss's gradients. Under a pipeline
+on CPU, docs/plan.md). Without checkpointing the peak adds the loss's gradients. With the chunked loss
+(``loss_chunk``: ``loss.chunked``'s chunk size ``C``) the forward keeps, instead of the
+fp32 log-probabilities, the hidden states' gradient ``4 h`` per token and the head's fp32
+gradient ``4 V h`` once (``loss.chunked_cross_entropy`` computes both in the forward), and
+the transient is one chunk's fp32 logits and their gradient, ``2 x 4 C V``. Under a pipeline
 the micro-batches alive at the peak come from the schedule's own action list
 (``estimate.pipeline.peak_activations``); the loss lives on the last rank.
 
@@ -272,6 +276,9 @@ def activation_peak(
         head_tok += 4 * facts.head_dim  # the gathered rotary tables
     loss = (s - 1) * (4 * vocab + 8)
     grads = 2 * 4 * s * vocab  # the loss's gradients at the start of the backward
+    if layout.loss_chunk:  # loss.chunked: the hidden gradient and the head's, one [C, V] block
+        loss = s * 4 * h + 4 * vocab * h + s * 8
+        grads = 2 * 4 * min(layout.loss_chunk, s) * vocab
     mask_block, mask_once = packed_masks(facts, layout, seq, w)
     kept_mask = 0 if layout.checkpointing else mask_block
     recompute = (block * s + mask_block) * b if layout.checkpointing else 0
