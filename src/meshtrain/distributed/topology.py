@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshtrain.distributed.comm import CommStats, Group
+from meshtrain.distributed.comm import CommStats, Group, stages_on_host
 from meshtrain.errors import TopologyError
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # the rank order, outermost first
@@ -213,7 +213,10 @@ class Topology:
 
         names = tuple(d for d in MESH_DIMS if d != "cp" or layout.cp > 1)
         shape = tuple(layout.size(d) for d in names)
-        self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        # gloo with CUDA tensors (ranks sharing a GPU): the groups are host groups, and
+        # comm stages CUDA tensors through host memory; the mesh is built as a CPU one
+        mesh_device = "cpu" if stages_on_host(dist.get_backend(), self.device.type) else None
+        self.mesh = init_device_mesh(mesh_device or self.device.type, shape, mesh_dim_names=names)
         self._groups: dict[str, Group] = {}
         for dim in GROUPS:  # the same order on every rank: new_group is collective
             expected = layout.group_ranks(dim, rank)
