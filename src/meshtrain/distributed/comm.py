@@ -69,12 +69,14 @@ its work's ``wait()`` returns). The ZeRO buckets then take the CPU algorithms ab
 host copy. The decision is :func:`stages_on_host` (backend string and device) and
 :func:`host_staged` (a group and its tensors); a ``Group`` made with ``host_staging=True``
 stages whatever its tensors (how the tests run this path on CPU, bit for bit against the
-direct one), ``False`` never. The recorded bytes are the logical op's, the same either way;
+direct one), ``False`` never; ``MESHTRAIN_HOST_STAGING=1`` makes a ``Topology``'s groups
+stage (:func:`host_staging_from_env`). The recorded bytes are the logical op's, the same either way;
 the ledger's entry names the caller's tensors.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -108,6 +110,13 @@ class Group:
 
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
+
+
+def host_staging_from_env() -> bool | None:
+    """``MESHTRAIN_HOST_STAGING=1``: a ``Topology``'s groups stage every op through host
+    memory, CPU tensors included (how the GPU check's dry run runs each layout through
+    the path a CUDA tensor over gloo takes); unset or anything else: decided per op."""
+    return True if os.environ.get("MESHTRAIN_HOST_STAGING") == "1" else None
 
 
 def stages_on_host(backend: str, device_type: str) -> bool:
