@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -222,7 +223,7 @@ class Records:
     """Appends one JSON line per event to a file both ranks share (one ``os.write`` of a
     short line under O_APPEND: lines do not interleave), so a crash loses nothing."""
 
-    def __init__(self, path: str, rank: int, attempt: int) -> None:
+    def __init__(self, path: str, rank: int, attempt: str) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.rank, self.attempt = rank, attempt
 
@@ -490,7 +491,7 @@ def _tag(mode: str, spec: dict) -> str:
     return f"{mode}_{spec['backend']}_{spec['attempt']}"
 
 
-def _read(path: Path, attempt: int) -> list[dict]:
+def _read(path: Path, attempt: str) -> list[dict]:
     if not path.exists():
         return []
     out = []
@@ -530,22 +531,26 @@ def _tail(work: Path, tag: str) -> str:
 
 
 def run_pairs(mode, base: dict, jobs, records: Path, work: Path, deadline: float, dry: bool,
-              start_s: float, job_s: float, on_done=None, meanwhile=None) -> dict:  # fmt: skip
+              start_s: float, job_s: float, on_done=None, meanwhile=None,
+              once: bool = False) -> dict:  # fmt: skip
     """Run ``jobs`` on 2-rank groups of ``mode``: a group that crashes or stops making
     progress (``start_s`` before its first record, ``job_s`` per job after) is killed,
     the job it was in recorded as crashed / hung, and a fresh group takes the jobs after
     it until ``deadline``. Returns ``{job: {"rank0": rec, "rank1": rec} or a failure}``;
     ``on_done(job, recs)`` is called as each job finishes on both ranks, ``meanwhile()``
-    once while the first group starts."""
+    once while the first group starts. ``once``: no second group after a failure (the
+    jobs left are recorded as not run)."""
     results: dict = {}
     remaining = list(jobs)
-    attempt = 0
+    stamp = time.time_ns() // 10**6 % 10**9  # attempts of another call share no name
+    tries = 0
     while remaining and time.perf_counter() < deadline - 2:
-        attempt += 1
+        tries += 1
+        attempt = f"{stamp}_{tries}"
         spec = {**base, "jobs": remaining, "attempt": attempt, "records": str(records)}
         procs = _start(mode, spec, work, dry)
         launched = time.perf_counter()
-        if meanwhile is not None and attempt == 1:
+        if meanwhile is not None and tries == 1:
             meanwhile()
         last = time.perf_counter()
         seen = 0
@@ -603,20 +608,29 @@ def run_pairs(mode, base: dict, jobs, records: Path, work: Path, deadline: float
         if left and failure is not None and not entered and progressed:
             pass  # it died between jobs (after a job that failed on both ranks): go on
         elif left and failure is not None:
-            half = {f"rank{x['rank']}": x for x in entered if x["event"] == "done"}
-            results[current] = {
-                "failed": failure if entered else f"{failure} before the first job",
-                "exit": rcs,
-                "stderr": _tail(work, _tag(mode, spec)),
-                "seconds": round(time.perf_counter() - launched, 1),
-                **half,
-            }
-            if on_done is not None:
-                on_done(current, results[current])
-            left = left[1:]
+            # the job it was in failed; a group that failed before its first job fails
+            # every job left the same way (a start-up failure is no job's)
+            for job in left[:1] if entered else left:
+                half = {f"rank{x['rank']}": x for x in entered if x["event"] == "done"}
+                results[job] = {
+                    "failed": failure if entered else f"{failure} before the first job",
+                    "exit": rcs,
+                    "stderr": _tail(work, _tag(mode, spec)),
+                    "seconds": round(time.perf_counter() - launched, 1),
+                    **half,
+                }
+                if on_done is not None:
+                    on_done(job, results[job])
+            left = left[1:] if entered else []
         remaining = left
         if failure is None:
             break
+        if once and remaining:
+            for job in remaining:
+                results[job] = {"failed": f"not run: a job before it failed ({failure})"}
+                if on_done is not None:
+                    on_done(job, results[job])
+            remaining = []
     for job in remaining:
         results.setdefault(job, {"failed": "skipped: the section's time ran out"})
     return results
@@ -650,7 +664,7 @@ def probe(ctx, backend: str, out_dir: Path, work: Path, deadline: float) -> dict
 def section(ctx) -> dict:
     torch = ctx.torch
     t0 = time.perf_counter()
-    budget = ctx.budget_s
+    budget = float(getattr(ctx, "budget_s", 150.0))
     deadline = t0 + budget
     out_dir = ctx.out / "multirank"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -745,6 +759,7 @@ def section(ctx) -> dict:
         run_pairs(
             "layouts", base, jobs, records, work, deadline, ctx.dry,
             LAYOUT_START_S * scale, LAYOUT_S * scale, on_done=compared, meanwhile=references,
+            once=backend == "nccl",  # after a failure gloo takes the rest (below)
         )  # fmt: skip
         again = [j for j in jobs if not rows.get(j, {}).get("ok")]
         if backend == "nccl" and again and deadline - time.perf_counter() > 20:
@@ -774,6 +789,7 @@ def section(ctx) -> dict:
     result["peak_gib"] = round(max(peaks), 3) if peaks else None
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["ok"] = len(passed) == len(jobs)
+    shutil.rmtree(work, ignore_errors=True)  # what failed is quoted in the result
     return result
 
 

@@ -6,7 +6,8 @@ tensor, runs gloo on the copies and copies the outputs back, exactly what a CUDA
 gets; on 2 real gloo ranks every op (sync and async) must give bit-identical results to
 the direct path, record the same bytes, and hand gloo the copies, never the caller's
 tensors. The same 2 ranks check the raw process-group helpers of the Accelerator
-(``collectives.all_reduce_staged``, ``gather``) with their staging decision.
+(``collectives.all_reduce_staged``, ``gather``, ``broadcast_in_place``) with their staging
+decision.
 """
 
 from __future__ import annotations
@@ -167,7 +168,11 @@ def _staged_against_direct():
     assert not host_staged(pg, torch.ones(1))
     t = torch.full((3,), r + 1.0)
     col.all_reduce_staged(t, pg)
-    out["raw"] = (t.tolist(), col.gather(torch.tensor([r, r]), pg, world).tolist())
+    seed = torch.tensor([r + 7])
+    col.broadcast_in_place(seed, 0, None)
+    out["raw"] = (
+        t.tolist(), col.gather(torch.tensor([r, r]), pg, world).tolist(), seed.tolist()
+    )  # fmt: skip
     return out
 
 
@@ -179,7 +184,7 @@ def test_staged_ops_are_bit_identical_to_direct_ones_and_count_the_same_bytes():
         assert staged_bytes == 0, r  # the probe's own calls, as counted by hand
         assert after_probe == out["direct_bytes"], r
         assert out["handed_copy"], r
-        assert out["raw"] == ([3.0, 3.0, 3.0], [0, 0, 1, 1]), r
+        assert out["raw"] == ([3.0, 3.0, 3.0], [0, 0, 1, 1], [7]), r
     # and the values are the collectives' (not merely equal on both paths)
     d0, d1 = results[0]["direct"], results[1]["direct"]
     assert d0["broadcast"][0] == d1["broadcast"][0] == [1] * 7

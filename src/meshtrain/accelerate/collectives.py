@@ -123,8 +123,25 @@ def all_reduce_staged(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
     t.copy_(host)
 
 
+def broadcast_in_place(t: torch.Tensor, src: int = 0, group=None) -> None:
+    """``dist.broadcast`` of ``t`` in place, whatever its device: a host tensor goes
+    through the current CUDA device where the group's backend is NCCL alone (it takes no
+    CPU tensors), a CUDA one through the host where the backend is gloo."""
+    backend = dist.get_backend(group)
+    if t.device.type == "cpu" and backend == "nccl":
+        wire = t.to(torch.device("cuda", torch.cuda.current_device()))
+    elif host_staged(group, t):
+        wire = t.cpu()
+    else:
+        dist.broadcast(t, src=src, group=group)
+        return
+    dist.broadcast(wire, src=src, group=group)
+    t.copy_(wire)
+
+
 __all__ = [
     "all_reduce_staged",
+    "broadcast_in_place",
     "gather",
     "has_tensor",
     "gather_object",
