@@ -54,6 +54,7 @@ import numpy as np
 import torch
 from torch.utils.data import RandomSampler
 
+from meshtrain.accelerate.collectives import broadcast_in_place
 from meshtrain.data.sampler import DistributedSampler
 
 
@@ -215,7 +216,7 @@ def draw_seed() -> int:
     seed = torch.tensor([int(torch.empty((), dtype=torch.int64).random_().item())])
     dist = torch.distributed
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(seed, src=0)
+        broadcast_in_place(seed, src=0)
     return int(seed.item())
 
 

@@ -3,6 +3,8 @@
 All of them run over the data-parallel group with plain ``torch.distributed`` calls (not
 ``meshtrain.distributed.comm``), so metric traffic never shows up in the engine's
 per-step byte accounting. Every rank must call them with the same structure of tensors.
+Over gloo, CUDA tensors go through host copies (``comm.host_staged``: gloo's CUDA support
+is partial), as meshtrain's own collectives do.
 
 ``gather_for_metrics`` (accelerate#575, #2007): a prepared loader deals whole batches in
 accelerate's order (``batch_shard``), so gathering one batch from every rank gives the
@@ -20,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from meshtrain.distributed.comm import host_staged
 
 
 def map_tensors(fn, data: Any) -> Any:
@@ -50,9 +54,12 @@ def gather(data: Any, group, world: int) -> Any:
             t = t.reshape(1)
         if world == 1:
             return t.clone()
+        device = t.device
+        if host_staged(group, t):
+            t = t.cpu()
         out = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(out, t, group=group)
-        return torch.cat(out, dim=0)
+        return torch.cat(out, dim=0).to(device)
 
     return map_tensors(one, data)
 
@@ -73,7 +80,7 @@ def reduce(data: Any, group, world: int, reduction: str = "sum") -> Any:
     def one(t: torch.Tensor) -> torch.Tensor:
         t = t.detach().clone()
         if world > 1:
-            dist.all_reduce(t, group=group)
+            all_reduce_staged(t, group)
         return t / world if reduction == "mean" else t
 
     return map_tensors(one, data)
@@ -87,7 +94,8 @@ def pad_across_processes(
     def one(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0 or world == 1:
             return t
-        size = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
+        wire = torch.device("cpu") if host_staged(group, t) else t.device
+        size = torch.tensor([t.shape[dim]], dtype=torch.int64, device=wire)
         sizes = [torch.empty_like(size) for _ in range(world)]
         dist.all_gather(sizes, size, group=group)
         longest = int(max(s.item() for s in sizes))
@@ -104,7 +112,36 @@ def pad_across_processes(
     return map_tensors(one, data)
 
 
+def all_reduce_staged(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """``dist.all_reduce`` of ``t`` in place over ``group`` (a process group, None: the
+    default), on a host copy where the group's gloo would get a CUDA tensor."""
+    if not host_staged(group, t):
+        dist.all_reduce(t, op=op, group=group)
+        return
+    host = t.cpu()
+    dist.all_reduce(host, op=op, group=group)
+    t.copy_(host)
+
+
+def broadcast_in_place(t: torch.Tensor, src: int = 0, group=None) -> None:
+    """``dist.broadcast`` of ``t`` in place, whatever its device: a host tensor goes
+    through the current CUDA device where the group's backend is NCCL alone (it takes no
+    CPU tensors), a CUDA one through the host where the backend is gloo."""
+    backend = dist.get_backend(group)
+    if t.device.type == "cpu" and backend == "nccl":
+        wire = t.to(torch.device("cuda", torch.cuda.current_device()))
+    elif host_staged(group, t):
+        wire = t.cpu()
+    else:
+        dist.broadcast(t, src=src, group=group)
+        return
+    dist.broadcast(wire, src=src, group=group)
+    t.copy_(wire)
+
+
 __all__ = [
+    "all_reduce_staged",
+    "broadcast_in_place",
     "gather",
     "has_tensor",
     "gather_object",

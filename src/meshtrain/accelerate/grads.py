@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import torch
 
+from meshtrain.accelerate.collectives import all_reduce_staged
 from meshtrain.errors import ConfigError
 
 
@@ -204,7 +205,7 @@ def average_plain_grads(models, group, world: int) -> None:
     ]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
-        torch.distributed.all_reduce(flat, group=group)
+        all_reduce_staged(flat, group)
         flat /= world
         offset = 0
         for g in grads:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from meshtrain.accelerate.collectives import broadcast_in_place
 from meshtrain.data.loader import ResumableDataLoader
 from meshtrain.errors import ConfigError
 
@@ -106,7 +107,7 @@ class PreparedDataLoader(ResumableDataLoader):
         if g is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         state = g.get_state()
-        dist.broadcast(state, src=0)
+        broadcast_in_place(state, src=0)
         g.set_state(state)
 
     def rows_kept(self) -> int:

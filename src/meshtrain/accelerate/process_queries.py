@@ -173,7 +173,7 @@ class ProcessQueries:
     def check_trigger(self) -> bool:
         flag = torch.tensor([1 if self._trigger else 0], device=self.device)
         if self.num_processes > 1:
-            torch.distributed.all_reduce(flag)
+            col.all_reduce_staged(flag, None)
         self._trigger = False
         return bool(flag.item() > 0)
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshtrain.distributed.comm import CommStats, Group
+from meshtrain.distributed.comm import CommStats, Group, host_staging_from_env, stages_on_host
 from meshtrain.errors import TopologyError
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # the rank order, outermost first
@@ -213,8 +213,12 @@ class Topology:
 
         names = tuple(d for d in MESH_DIMS if d != "cp" or layout.cp > 1)
         shape = tuple(layout.size(d) for d in names)
-        self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        # gloo with CUDA tensors (ranks sharing a GPU): the groups are host groups, and
+        # comm stages CUDA tensors through host memory; the mesh is built as a CPU one
+        mesh_device = "cpu" if stages_on_host(dist.get_backend(), self.device.type) else None
+        self.mesh = init_device_mesh(mesh_device or self.device.type, shape, mesh_dim_names=names)
         self._groups: dict[str, Group] = {}
+        self.host_staging = host_staging_from_env()  # comm's Group.host_staging
         for dim in GROUPS:  # the same order on every rank: new_group is collective
             expected = layout.group_ranks(dim, rank)
             if dim in names:
@@ -231,9 +235,11 @@ class Topology:
                 # shared group, routing-dependent backward order would mismatch them)
                 same = None if dim == "ep" else self._same_as(expected)
                 pg = same or _new_groups(layout, dim, rank)
-            self._groups[dim] = Group(dim, pg, expected, expected.index(rank), self.stats)
+            self._groups[dim] = Group(
+                dim, pg, expected, expected.index(rank), self.stats, self.host_staging
+            )
         self._groups["world"] = Group(
-            "world", dist.group.WORLD, tuple(range(world)), rank, self.stats
+            "world", dist.group.WORLD, tuple(range(world)), rank, self.stats, self.host_staging
         )
 
     def _same_as(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:

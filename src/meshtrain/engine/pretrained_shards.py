@@ -54,6 +54,7 @@ import torch
 from meshtrain.checkpoint import tensor_files
 from meshtrain.checkpoint.consolidate import entry_bytes, write_streamed
 from meshtrain.checkpoint.manifest import dtype_from_name
+from meshtrain.distributed.comm import wire_device
 from meshtrain.engine.checkpoint_layout import unsplit_view
 from meshtrain.engine.checkpoint_save import state_pieces
 from meshtrain.engine.engine_view import EngineView
@@ -164,8 +165,9 @@ class RoundExchange:
         for p in pieces:
             self._mine.setdefault(p.name, []).append(p)
         self._tensors = tensors
-        self._device = topology.device  # NCCL sends device tensors; the files are host bytes
         self._world = topology.group("world")
+        # NCCL sends device tensors (gloo host ones); the files are host bytes
+        self._device = wire_device(self._world, topology.device)
         self._round = 0
         self.own_bytes = self.received_bytes = self.peak_bytes = 0
         self.rounds = max((len(s) for s in sequences), default=0)

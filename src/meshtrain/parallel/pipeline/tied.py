@@ -53,6 +53,9 @@ def make_tied_groups(holders: dict, mine: dict, topology) -> list[tuple[nn.Param
             ranks = tuple(pp_ranks[h] for h in pp_holders)
             pg = dist.new_group(list(ranks))
             if topology.rank in ranks:
-                group = Group("pp_tied", pg, ranks, ranks.index(topology.rank), topology.stats)
+                group = Group(
+                    "pp_tied", pg, ranks, ranks.index(topology.rank), topology.stats,
+                    getattr(topology, "host_staging", None),
+                )  # fmt: skip
                 out.append((mine[name], group))
     return out
