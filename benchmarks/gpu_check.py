@@ -51,6 +51,23 @@ Sections, in run order (the order is the priority when time is short):
   memory (``torch.cuda.max_memory_allocated``) predicted against measured, with each
   error and the mean absolute error (issue 43's step-time table on one GPU).
 
+Round 2 (issue 48), one module of ``benchmarks/gpu/`` each with its own time budget
+(``ROUND2_BUDGETS``; a section stops measuring more points when its budget is spent):
+
+* ``multirank``: 2 ranks on the one GPU (which backend torch allows there, op by op),
+  then tp 2, pp 2, cp 2 (ring and all-to-all), ep 2 and ZeRO-3 on a small transformers
+  Llama and Mixtral against one process on the same GPU.
+* ``long_context``: the longest sequence the ~1B decoder trains at micro-batch 1, plain
+  and with activation checkpointing + the chunked loss, against the planner's memory.
+* ``ring``: ring attention with an SDPA kernel that returns the log-sum-exp, against the
+  all-to-all method and torch's own ``context_parallel``, cp 2 on one device, 8k-32k.
+* ``experts``: the grouped-GEMM expert layer against the per-expert loop and DeepSpeed's
+  ``deepspeed.moe.layer.MoE``.
+* ``offload_peer``: ZeRO-3 with parameters on the CPU against DeepSpeed's ZeRO-3
+  ``offload_param``.
+* ``serve``: the decode step with CUDA graphs against eager and ``model.generate``, at
+  1 and 16 concurrent requests.
+
 The data is learnable so that 50 steps move the loss: each row is a random block of 64
 tokens repeated along the sequence (a copy task), drawn from a fixed seed per step.
 """
