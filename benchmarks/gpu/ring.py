@@ -29,6 +29,11 @@ larger rank; torch's buffers keep their whole-sequence storage inside its contex
 ``ring/torch`` per length (> 1: ring slower). Points go to ``OUT/ring/points.jsonl`` as they
 finish; a length that would end past the budget is skipped, and so are the longer ones.
 
+Both ranks' kernels share one GPU, so a point's time is the whole layer's work on one
+device plus the communication (gloo: device -> host -> device copies), not a 2-GPU
+speed-up; what it compares is the three methods on the same footing (and each against
+``sdpa_1proc_ms``: the cost of splitting at all).
+
 Dry run (CPU, gloo, 2 heads x 16, 128 and 256 tokens): the GPU's paths are forced (ring's
 fp32 block math instead of the CPU flash op, the a2a's SDPA seam instead of its CPU flash
 function, host staging of every op); torch's context parallelism has no CPU sharding rule
@@ -64,7 +69,9 @@ METHODS = ("ring", "a2a", "torch")
 FULL = dict(lengths=(8192, 16384, 32768), heads=16, head_dim=128)
 DRY = dict(lengths=(128, 256), heads=2, head_dim=16)
 WARMUP, ITERS = 1, 3
-START_S, JOB_S = 60.0, 45.0  # a group's start-up, one job, before it counts as hung
+# seconds without a record before a group counts as hung: its start-up, one job, one of
+# torch's jobs (gloo over CUDA tensors may hang there: less of the budget spent waiting)
+START_S, JOB_S, TORCH_JOB_S = 45.0, 30.0, 20.0
 DRY_START_S, DRY_JOB_S = 40.0, 20.0
 KERNELS = {
     "_Math": "fp32 block math (blocks.py: matmul + logsumexp + exp in fp32, no LSE kernel)",
@@ -125,14 +132,17 @@ def _errors(mine: dict, ref: dict | None) -> dict:
     if not ref:
         return {"err": None, "note": "no reference at this length"}
     out = {"err": float((mine["out"].float() - ref["out"].float()).abs().max())}
+    if "out32" in ref:
+        out["err_fp32"] = float((mine["out"].float() - ref["out32"]).abs().max())
     out["grad_err"] = max(float((mine[n].float() - ref[n].float()).abs().max())
                           for n in ("dq", "dk", "dv"))  # fmt: skip
     return out
 
 
-def _job_sdpa(torch, dist, F, rank, length, spec, device, refs) -> dict:
-    """The reference (both ranks: its rows of the whole sequence's output and gradients,
-    kept on the CPU) and, on rank 0 alone, one process's SDPA forward + backward time."""
+def _reference(torch, F, rank, length, spec, device, refs) -> tuple:
+    """This rank's rows of one process's SDPA output and gradients over the whole sequence,
+    into ``refs[length]`` (on the CPU; a group restarted after a failure computes them
+    again); returns the whole-sequence tensors and the fp32 check's figures."""
     from meshtrain.parallel.context.layout import shard
 
     Q, K, V, G = _inputs(torch, length, spec, device)
@@ -144,6 +154,21 @@ def _job_sdpa(torch, dist, F, rank, length, spec, device, refs) -> dict:
     refs[length] = {n: shard(t.detach(), rank, 2, dim=2).cpu()
                     for n, t in (("out", o), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}  # fmt: skip
     res: dict = {}
+    try:  # the fp32 truth (the efficient kernel on CUDA): how far bf16 SDPA itself is
+        with torch.no_grad(), _sdpa_kernels(torch, device):
+            o32 = F.scaled_dot_product_attention(Q.float(), K.float(), V.float(), is_causal=True)
+        refs[length]["out32"] = shard(o32, rank, 2, dim=2).cpu()
+        del o32
+        res["err_fp32"] = float((refs[length]["out"].float() - refs[length]["out32"]).abs().max())
+    except Exception as exc:  # noqa: BLE001 - a detail of the result
+        res["fp32_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return (q, k, v, G), res
+
+
+def _job_sdpa(torch, dist, F, rank, length, spec, device, refs) -> dict:
+    """The reference (both ranks, ``_reference``) and, on rank 0 alone, one process's SDPA
+    forward + backward time over the whole sequence."""
+    (q, k, v, G), res = _reference(torch, F, rank, length, spec, device, refs)
     dist.barrier()
     if rank == 0:
 
@@ -235,6 +260,17 @@ def _job_torch(torch, dist, F, rank, length, spec, device, meshes, refs) -> dict
     return res
 
 
+def _fault(job: str, rank: int) -> None:
+    """``RING_FAULT=<job>:<rank>:crash|hang`` (e.g. ``ring 256:1:crash``): that rank dies
+    or hangs in that job (checks the parent's recovery on CPU; never set in the GPU run)."""
+    want = os.environ.get("RING_FAULT", "")
+    if want.rsplit(":", 2)[:2] != [job, str(rank)]:
+        return
+    if want.endswith(":crash"):
+        os._exit(3)
+    time.sleep(3600)
+
+
 def child(spec: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -262,7 +298,8 @@ def child(spec: dict) -> None:
     log(event="ready", backend=dist.get_backend(), kernel=kind,
         a2a_kernel="CPU flash function" if all_to_all._flash_fits(probe) else
         "SDPA seam (F.scaled_dot_product_attention)",
-        host_staging=comm_staged(group, probe))  # fmt: skip
+        host_staging=comm_staged(group, probe), torch=torch.__version__,
+        fp32_matmul=torch.get_float32_matmul_precision())  # fmt: skip
     refs: dict = {}
     meshes: dict = {}
     last: dict = {}  # method -> (length, seconds) of its last job: the next one's estimate
@@ -281,8 +318,13 @@ def child(spec: dict) -> None:
                 skipped=f"budget: ~{guess:.1f} s would end past the section's budget")  # fmt: skip
             continue
         log(job=job, event="enter")
+        _fault(job, rank)
         t0 = time.perf_counter()
         try:
+            if method != "sdpa" and length not in refs:  # a fresh group after a failure
+                _reference(torch, F, rank, length, spec, device, refs)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             if method == "sdpa":
                 res = _job_sdpa(torch, dist, F, rank, length, spec, device, refs)
             elif method == "torch":
@@ -387,6 +429,7 @@ def run_groups(ctx, base: dict, jobs: list[str], records: Path, work: Path, dead
     remaining = list(jobs)
     stamp = time.time_ns() // 10**6 % 10**9
     start_s, job_s = (DRY_START_S, DRY_JOB_S) if ctx.dry else (START_S, JOB_S)
+    torch_s = min(job_s, TORCH_JOB_S)
     tries = 0
 
     def finish(job, res):
@@ -419,7 +462,10 @@ def run_groups(ctx, base: dict, jobs: list[str], records: Path, work: Path, dead
             if len(recs) > seen:
                 seen, last = len(recs), now
             rcs = [p.poll() for p, _ in procs]
-            limit = job_s if any(x["event"] == "ready" for x in recs) else start_s
+            entered = [x["job"] for x in recs if x["event"] == "enter"]
+            limit = torch_s if entered and entered[-1].startswith("torch ") else job_s
+            if not any(x["event"] == "ready" for x in recs):
+                limit = start_s
             if all(rc is not None for rc in rcs):
                 failure = f"a rank exited {rcs}" if any(rcs) else None
                 break
@@ -493,6 +539,9 @@ def _point(job: str, res: dict) -> dict:
         return row
     if method == "sdpa":
         row["ms"] = statistics.median(recs[0]["ms"]) if recs[0].get("ms") else None
+        vals = [r.get("err_fp32") for r in recs if r.get("err_fp32") is not None]
+        row["err_fp32"] = max(vals) if len(vals) == 2 else None
+        row["fp32_error"] = recs[0].get("fp32_error")
         return row
     # per iteration the slower rank; the median of those
     per_iter = [max(a, b) for a, b in zip(recs[0]["ms"], recs[1]["ms"], strict=True)]
@@ -500,7 +549,7 @@ def _point(job: str, res: dict) -> dict:
     for key in ("peak_gib", "added_gib"):
         vals = [r.get(key) for r in recs if r.get(key) is not None]
         row[key] = round(max(vals), 3) if vals else None
-    for key in ("err", "grad_err"):
+    for key in ("err", "grad_err", "err_fp32"):
         vals = [r.get(key) for r in recs if r.get(key) is not None]
         row[key] = max(vals) if len(vals) == 2 else None
     if recs[0].get("rotate_method"):
@@ -555,6 +604,13 @@ def section(ctx) -> dict:
             "pg_timeout_min": 1.0, **sizes}  # fmt: skip
     try:
         run_groups(ctx, base, jobs, out_dir / "records.jsonl", work, deadline, done)
+        never = all("before the first job" in str(p.get("failed", "")) for p in points)
+        if backend == "nccl" and points and never and deadline - time.perf_counter() > 20:
+            # nccl passed multirank's probe but no group of it got to a job: gloo, staged
+            result["nccl_try"] = list(points)
+            points.clear()
+            backend = base["backend"] = result["backend"] = "gloo"
+            run_groups(ctx, base, jobs, out_dir / "records.jsonl", work, deadline, done)
         ready = [r for r in _read_all(out_dir / "records.jsonl") if r.get("event") == "ready"]
         if ready:
             kind = ready[0].get("kernel")
@@ -563,6 +619,8 @@ def section(ctx) -> dict:
             result["a2a_kernel"] = ready[0].get("a2a_kernel")
             result["host_staging"] = ready[0].get("host_staging")
             result["pg_backend"] = ready[0].get("backend")
+            result["child_torch"] = ready[0].get("torch")
+            result["fp32_matmul"] = ready[0].get("fp32_matmul")  # "highest": no TF32
         result["groups_started"] = len({r.get("attempt") for r in ready})
     except Exception as exc:  # noqa: BLE001 - the points so far are the result
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -590,6 +648,12 @@ def section(ctx) -> dict:
         result["worst_err"] = f"{worst[1]:.3g} ({worst[0]})"
     peaks = [p["peak_gib"] for p in points if p["method"] == "ring" and p.get("peak_gib")]
     result["ring_peak_gib"] = max(peaks) if peaks else None
+    result["table"] = {
+        m: {p["tokens"]: {k: p.get(k) for k in ("ms", "peak_gib", "added_gib", "err",
+                                                  "err_fp32") if p.get(k) is not None}
+            for p in points if p["method"] == m and p.get("ms")}
+        for m in ("sdpa", *METHODS)
+    }  # fmt: skip
     torch_errs = [p.get("error") or p.get("failed") for p in points
                   if p["method"] == "torch" and (p.get("error") or p.get("failed"))]  # fmt: skip
     result["torch_error"] = torch_errs[0][:300] if torch_errs else None
