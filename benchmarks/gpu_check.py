@@ -59,6 +59,10 @@ Round 2 (issue 48), one module of ``benchmarks/gpu/`` each with its own time bud
   Llama and Mixtral against one process on the same GPU.
 * ``long_context``: the longest sequence the ~1B decoder trains at micro-batch 1, plain
   and with activation checkpointing + the chunked loss, against the planner's memory.
+* ``ring``: cp 2 on one device, 8k-32k tokens, one attention layer's forward + backward:
+  meshtrain's ring (its fp32 block math: the LSE kernel is not built yet), all-to-all and
+  torch's own ``context_parallel``, against one-process SDPA (speed, peak, error).
+
 Not built yet (issue 48 open): ring attention with an LSE kernel, experts against
 DeepSpeed's MoE, ZeRO-3 offload against DeepSpeed's ``offload_param``, serving with CUDA
 graphs.
@@ -111,6 +115,7 @@ TARGETS = {
 ROUND2_BUDGETS = {
     "multirank": 120,
     "long_context": 90,
+    "ring": 90,
 }
 
 
