@@ -36,17 +36,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmarks.gpu.rank_pair import Records, fault, read_records, start, stderr_tail, stop
+
 ROWS = (
     "layout_backend",
     "nccl_ops_ok",
@@ -88,7 +86,6 @@ LAYOUTS = (
     ("mixtral", "dp2 z3", dict(dp=2, stage=3)),
 )
 # stderr lines that say nothing about a failure: warnings and torch's W-level log lines
-NOISE = re.compile(r"Warning:|return func\(|warnings\.warn\(|^(\[rank\d+\]:)?W\d{4} ")
 PROBE_S = 25.0  # each backend's pair, restarts included
 PROBE_START_S = 20.0  # imports, CUDA and the process group, before the first op
 PROBE_OP_S = 8.0
@@ -208,30 +205,6 @@ def compare(got: tuple[list[float], dict], ref: tuple[list[float], dict]) -> dic
 # ------------------------------------------------------------------------ the children
 
 
-def _fault(job: str, rank: int) -> None:
-    """``MULTIRANK_FAULT=<job>:<rank>:crash|hang``: that rank dies or hangs in that job
-    (checks the parent's recovery on CPU; never set in the GPU run)."""
-    want = os.environ.get("MULTIRANK_FAULT", "")
-    if want.rsplit(":", 2)[:2] != [job, str(rank)]:
-        return
-    if want.endswith(":crash"):
-        os._exit(3)
-    time.sleep(3600)
-
-
-class Records:
-    """Appends one JSON line per event to a file both ranks share (one ``os.write`` of a
-    short line under O_APPEND: lines do not interleave), so a crash loses nothing."""
-
-    def __init__(self, path: str, rank: int, attempt: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self.rank, self.attempt = rank, attempt
-
-    def __call__(self, **rec) -> None:
-        line = {"rank": self.rank, "attempt": self.attempt, "t": round(time.time(), 3), **rec}
-        os.write(self.fd, (json.dumps(line, default=str) + "\n").encode())
-
-
 def _probe(op: str, r: int, device, host_staging: bool | None):
     """Run probe ``op`` on this rank of 2; return (correct, what it got)."""
     import torch
@@ -337,7 +310,7 @@ def probe_child(spec: dict) -> None:
     staging = True if os.environ.get("MESHTRAIN_HOST_STAGING") == "1" else None
     for op in spec["jobs"]:
         log(job=op, event="enter")
-        _fault(op, r)
+        fault("MULTIRANK_FAULT", op, r)
         t0 = time.perf_counter()
         try:
             ok, got = _probe(op, r, device, staging)
@@ -409,7 +382,7 @@ def layouts_child(spec: dict) -> None:
     for key in spec["jobs"]:
         name, fields = by_key[key]
         log(job=key, event="enter")
-        _fault(key, r)
+        fault("MULTIRANK_FAULT", key, r)
         t0 = time.perf_counter()
         try:
             if device.type == "cuda":
@@ -452,82 +425,14 @@ def layouts_child(spec: dict) -> None:
 # ------------------------------------------------------------------------ the parent
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(mode: str, spec: dict, work: Path, dry: bool) -> list:
     spec_path = work / f"{_tag(mode, spec)}.json"
     spec_path.write_text(json.dumps(spec))
-    port = _free_port()
-    path = os.pathsep.join([str(REPO), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": path,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        }
-        if dry:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-            # the dry run's CPU tensors take the path of CUDA tensors over gloo (comm)
-            env["MESHTRAIN_HOST_STAGING"] = "1"
-        err = open(work / f"{_tag(mode, spec)}_rank{rank}.err", "w")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "benchmarks.gpu.multirank", mode, str(spec_path)]
-        procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=err, stderr=err), err))
-    return procs
+    return start(["benchmarks.gpu.multirank", mode, str(spec_path)], work, _tag(mode, spec), dry)
 
 
 def _tag(mode: str, spec: dict) -> str:
     return f"{mode}_{spec['backend']}_{spec['attempt']}"
-
-
-def _read(path: Path, attempt: str) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written
-        if rec.get("attempt") == attempt:
-            out.append(rec)
-    return out
-
-
-def _stop(procs: list) -> list:
-    rcs = []
-    for p, err in procs:
-        if p.poll() is None:
-            p.kill()
-        try:
-            rcs.append(p.wait(timeout=10))
-        except subprocess.TimeoutExpired:
-            rcs.append(None)
-        err.close()
-    return rcs
-
-
-def _tail(work: Path, tag: str) -> str:
-    parts = []
-    for rank in range(2):
-        f = work / f"{tag}_rank{rank}.err"
-        text = f.read_text(errors="replace").strip() if f.exists() else ""
-        lines = [ln for ln in text.splitlines() if ln.strip() and not NOISE.search(ln)]
-        lines = lines[-6:]
-        if lines:
-            parts.append(f"rank {rank}: " + " | ".join(lines))
-    return "\n".join(parts)[-1500:]
 
 
 def run_pairs(mode, base: dict, jobs, records: Path, work: Path, deadline: float, dry: bool,
@@ -557,7 +462,7 @@ def run_pairs(mode, base: dict, jobs, records: Path, work: Path, deadline: float
         failure = None
         while True:
             time.sleep(0.1)
-            recs = _read(records, attempt)
+            recs = read_records(records, attempt)
             if len(recs) > seen:
                 seen, last = len(recs), time.perf_counter()
             for job in remaining:
@@ -587,11 +492,11 @@ def run_pairs(mode, base: dict, jobs, records: Path, work: Path, deadline: float
             if now > deadline:
                 failure = "the section's time ran out"
                 break
-        rcs = _stop(procs)
+        rcs = stop(procs)
         for job in remaining:  # records that came while stopping
             done = {
                 x["rank"]: x
-                for x in _read(records, attempt)
+                for x in read_records(records, attempt)
                 if x.get("job") == job and x["event"] == "done"
             }
             if job not in results and len(done) == 2:
@@ -601,7 +506,7 @@ def run_pairs(mode, base: dict, jobs, records: Path, work: Path, deadline: float
         left = [j for j in remaining if j not in results]
         if left and failure is None:
             failure = "the group ended with jobs left"
-        recs = _read(records, attempt)
+        recs = read_records(records, attempt)
         current = left[0] if left else None
         entered = [x for x in recs if current is not None and x.get("job") == current]
         progressed = any("job" in x for x in recs)
@@ -615,7 +520,7 @@ def run_pairs(mode, base: dict, jobs, records: Path, work: Path, deadline: float
                 results[job] = {
                     "failed": failure if entered else f"{failure} before the first job",
                     "exit": rcs,
-                    "stderr": _tail(work, _tag(mode, spec)),
+                    "stderr": stderr_tail(work, _tag(mode, spec)),
                     "seconds": round(time.perf_counter() - launched, 1),
                     **half,
                 }

@@ -46,14 +46,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmarks.gpu.rank_pair import Records, fault, read_records, start, stderr_tail, stop
+
 ROWS = (
     "backend",
     "kernel",
@@ -260,23 +260,11 @@ def _job_torch(torch, dist, F, rank, length, spec, device, meshes, refs) -> dict
     return res
 
 
-def _fault(job: str, rank: int) -> None:
-    """``RING_FAULT=<job>:<rank>:crash|hang`` (e.g. ``ring 256:1:crash``): that rank dies
-    or hangs in that job (checks the parent's recovery on CPU; never set in the GPU run)."""
-    want = os.environ.get("RING_FAULT", "")
-    if want.rsplit(":", 2)[:2] != [job, str(rank)]:
-        return
-    if want.endswith(":crash"):
-        os._exit(3)
-    time.sleep(3600)
-
-
 def child(spec: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from benchmarks.gpu.multirank import Records
     from meshtrain.distributed.env import init_distributed
     from meshtrain.distributed.topology import Topology
     from meshtrain.parallel.context import all_to_all, ring
@@ -318,7 +306,7 @@ def child(spec: dict) -> None:
                 skipped=f"budget: ~{guess:.1f} s would end past the section's budget")  # fmt: skip
             continue
         log(job=job, event="enter")
-        _fault(job, rank)
+        fault("RING_FAULT", job, rank)
         t0 = time.perf_counter()
         try:
             if method != "sdpa" and length not in refs:  # a fresh group after a failure
@@ -359,65 +347,9 @@ def comm_staged(group, probe) -> bool | None:
 
 
 def _start(spec: dict, work: Path, dry: bool) -> list:
-    from benchmarks.gpu.multirank import _free_port
-
     spec_path = work / f"spec_{spec['attempt']}.json"
     spec_path.write_text(json.dumps(spec))
-    port = _free_port()
-    path = os.pathsep.join([str(REPO), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-               "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # fmt: skip
-        if dry:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-            env["MESHTRAIN_HOST_STAGING"] = "1"  # CPU tensors take the CUDA tensors' path
-        err = open(work / f"{spec['attempt']}_rank{rank}.err", "w")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "benchmarks.gpu.ring", "child", str(spec_path)]
-        procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=err, stderr=err), err))
-    return procs
-
-
-def _read(path: Path, attempt: str) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("attempt") == attempt:
-            out.append(rec)
-    return out
-
-
-def _stop(procs: list) -> list:
-    rcs = []
-    for p, err in procs:
-        if p.poll() is None:
-            p.kill()
-        try:
-            rcs.append(p.wait(timeout=10))
-        except subprocess.TimeoutExpired:
-            rcs.append(None)
-        err.close()
-    return rcs
-
-
-def _tail(work: Path, attempt: str) -> str:
-    from benchmarks.gpu.multirank import NOISE
-
-    parts = []
-    for rank in range(2):
-        f = work / f"{attempt}_rank{rank}.err"
-        text = f.read_text(errors="replace") if f.exists() else ""
-        lines = [ln for ln in text.splitlines() if ln.strip() and not NOISE.search(ln)][-6:]
-        if lines:
-            parts.append(f"rank {rank}: " + " | ".join(lines))
-    return "\n".join(parts)[-1500:]
+    return start(["benchmarks.gpu.ring", "child", str(spec_path)], work, spec["attempt"], dry)
 
 
 def run_groups(ctx, base: dict, jobs: list[str], records: Path, work: Path, deadline: float,
@@ -437,7 +369,7 @@ def run_groups(ctx, base: dict, jobs: list[str], records: Path, work: Path, dead
         on_done(job, res)
 
     def collect(attempt):
-        recs = _read(records, attempt)
+        recs = read_records(records, attempt)
         for job in remaining:
             if job in results:
                 continue
@@ -479,7 +411,7 @@ def run_groups(ctx, base: dict, jobs: list[str], records: Path, work: Path, dead
             if now > deadline:
                 failure = "the section's time ran out"
                 break
-        rcs = _stop(procs)
+        rcs = stop(procs)
         recs = collect(attempt)
         left = [j for j in remaining if j not in results]
         if left and failure is None:
@@ -492,7 +424,7 @@ def run_groups(ctx, base: dict, jobs: list[str], records: Path, work: Path, dead
                 why = failure if entered else f"{failure} before the first job"
                 for job in left[:1] if entered else left:
                     half = {f"rank{x['rank']}": x for x in entered if x["event"] == "done"}
-                    finish(job, {"failed": why, "exit": rcs, "stderr": _tail(work, attempt),
+                    finish(job, {"failed": why, "exit": rcs, "stderr": stderr_tail(work, attempt),
                                  "seconds": round(time.perf_counter() - launched, 1), **half})  # fmt: skip
         failed = {j.split(" ")[0]: j for j, r in results.items() if not _ok(r)}
         remaining = []
@@ -611,7 +543,7 @@ def section(ctx) -> dict:
             points.clear()
             backend = base["backend"] = result["backend"] = "gloo"
             run_groups(ctx, base, jobs, out_dir / "records.jsonl", work, deadline, done)
-        ready = [r for r in _read_all(out_dir / "records.jsonl") if r.get("event") == "ready"]
+        ready = [r for r in read_records(out_dir / "records.jsonl") if r.get("event") == "ready"]
         if ready:
             kind = ready[0].get("kernel")
             result["kernel"] = KERNELS.get(kind, kind)
@@ -664,18 +596,6 @@ def section(ctx) -> dict:
     result["seconds"] = round(time.perf_counter() - t0, 1)
     shutil.rmtree(work, ignore_errors=True)  # what failed is quoted in the points
     return result
-
-
-def _read_all(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def _child_main(argv: list[str]) -> int:

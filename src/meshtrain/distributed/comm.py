@@ -79,6 +79,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -103,6 +104,15 @@ class Group:
     # None: stage through host memory when the backend is gloo and a tensor is on CUDA;
     # True / False: always / never (module docstring, "gloo over CUDA tensors")
     host_staging: bool | None = field(default=None, repr=False)
+
+    @cached_property
+    def cuda_on_host(self) -> bool:
+        """Whether this group stages CUDA tensors through host memory: ``host_staging``
+        when set, else :func:`stages_on_host` of its backend (read once: a group's backend
+        does not change, and the collectives ask on every call)."""
+        if self.host_staging is not None:
+            return self.host_staging
+        return self.pg is not None and stages_on_host(dist.get_backend(self.pg), "cuda")
 
     @property
     def size(self) -> int:
@@ -135,13 +145,13 @@ def host_staged(group: Group | dist.ProcessGroup | None, *tensors: torch.Tensor)
     """Whether a collective of ``group`` (a ``Group``, a torch process group, or None: the
     default group) over ``tensors`` runs on host copies: a ``Group``'s ``host_staging``
     when set, else :func:`stages_on_host` for the first CUDA tensor (no CUDA tensor: no)."""
-    forced = group.host_staging if isinstance(group, Group) else None
-    if forced is not None:
-        return forced
+    if isinstance(group, Group):
+        if group.host_staging is not None:
+            return group.host_staging
+        return any(t.is_cuda for t in tensors) and group.cuda_on_host
     if not any(t.is_cuda for t in tensors):
         return False
-    pg = group.pg if isinstance(group, Group) else group
-    return stages_on_host(dist.get_backend(pg), "cuda")
+    return stages_on_host(dist.get_backend(group), "cuda")
 
 
 def wire_device(group: Group, device: torch.device) -> torch.device:
@@ -150,9 +160,9 @@ def wire_device(group: Group, device: torch.device) -> torch.device:
     device = torch.device(device)
     if group.host_staging is not None:
         return torch.device("cpu") if group.host_staging else device
-    if group.pg is None or device.type != "cuda":
+    if device.type != "cuda":
         return device
-    return torch.device("cpu") if stages_on_host(dist.get_backend(group.pg), "cuda") else device
+    return torch.device("cpu") if group.cuda_on_host else device
 
 
 def _nbytes(t: torch.Tensor) -> int:
